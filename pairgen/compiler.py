@@ -1,0 +1,173 @@
+"""NVRTC compilation to cubin, an on-disk cache, and parallel compilation.
+
+Imports no torch, so the tuner's compile workers start fast.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from multiprocessing import get_context
+from pathlib import Path
+
+from . import config
+
+NVRTC_OPTIONS = ("-std=c++17", "--ptxas-options=-v")  # -v: registers and spills in the log
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a source; the message carries the log and the offending lines."""
+
+    def __init__(self, log: str, source: str, name: str):
+        self.log = log
+        self.source = source
+        super().__init__(f"NVRTC failed to compile {name}:\n{log.strip()}\n{_excerpts(log, source, name)}")
+
+
+def _excerpts(log: str, source: str, name: str, context: int = 3) -> str:
+    lines = source.splitlines()
+    shown = []
+    for match in re.finditer(rf"{re.escape(name)}\((\d+)\): error", log):
+        line = int(match.group(1))
+        lo, hi = max(1, line - context), min(len(lines), line + context)
+        block = "\n".join(f"{'>>' if n == line else '  '} {n:5d} | {lines[n - 1]}" for n in range(lo, hi + 1))
+        shown.append(f"--- source around line {line} ---\n{block}")
+    return "\n".join(shown)
+
+
+@dataclass
+class Compiled:
+    """A cubin and what NVRTC/ptxas said about it."""
+
+    cubin: bytes
+    kernel_name: str
+    arch: str
+    nvrtc_version: str
+    compile_s: float
+    registers: int | None
+    spill_bytes: int | None
+    stack_bytes: int | None
+    from_cache: bool = False
+
+    def summary(self) -> str:
+        return (f"{self.registers} regs, {self.spill_bytes} B spilled, {self.stack_bytes} B stack, "
+                f"{self.compile_s:.2f} s compile{' (cached)' if self.from_cache else ''}")
+
+
+@lru_cache(maxsize=1)
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    _check(err, "nvrtcVersion")
+    return f"{major}.{minor}"
+
+
+def _check(err, what: str) -> None:
+    from cuda.bindings import nvrtc
+
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"{what} failed: {err}")
+
+
+def _parse_resources(log: str) -> tuple[int | None, int | None, int | None]:
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    stack = re.search(r"(\d+) bytes stack frame", log)
+    as_int = lambda m: int(m.group(1)) if m else None  # noqa: E731
+    return as_int(regs), as_int(spill), as_int(stack)
+
+
+def cache_key(source: str, arch: str) -> str:
+    text = "\0".join([source, arch, nvrtc_version(), *NVRTC_OPTIONS])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _cache_paths(key: str) -> tuple[Path, Path]:
+    folder = config.cache_dir() / "cubin" / key[:2]
+    return folder / f"{key}.cubin", folder / f"{key}.json"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.replace(tmp, path)
+
+
+def _nvrtc_compile(source: str, name: str, arch: str) -> tuple[bytes, str]:
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
+    _check(err, "nvrtcCreateProgram")
+    try:
+        options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in NVRTC_OPTIONS)]
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log_buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log_buf)
+        log = log_buf.rstrip(b"\0 ").decode(errors="replace")
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(log, source, name)
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        _check(err, "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        _check(err, "nvrtcGetCUBIN")
+        return cubin, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_source(source: str, kernel_name: str, arch: str, use_cache: bool = True) -> Compiled:
+    """Compile `source` for `arch` (e.g. "sm_90"), or take it from the disk cache."""
+    key = cache_key(source, arch)
+    cubin_path, meta_path = _cache_paths(key)
+    if use_cache and cubin_path.exists() and meta_path.exists():
+        try:
+            meta = json.loads(meta_path.read_text())
+            meta.update(cubin=cubin_path.read_bytes(), from_cache=True)
+            return Compiled(**meta)
+        except (OSError, ValueError, TypeError):
+            pass  # a damaged entry is recompiled and rewritten
+    start = time.perf_counter()
+    cubin, log = _nvrtc_compile(source, f"{kernel_name}.cu", arch)
+    registers, spill, stack = _parse_resources(log)
+    compiled = Compiled(cubin, kernel_name, arch, nvrtc_version(), time.perf_counter() - start,
+                        registers, spill, stack)
+    if use_cache:
+        meta = {k: v for k, v in asdict(compiled).items() if k not in ("cubin", "from_cache")}
+        _write_atomic(cubin_path, cubin)
+        _write_atomic(meta_path, json.dumps(meta).encode())
+    return compiled
+
+
+def _compile_job(job: tuple[str, str, str]) -> Compiled | CompileError:
+    source, kernel_name, arch = job
+    try:
+        return compile_source(source, kernel_name, arch)
+    except CompileError as exc:
+        return exc
+
+
+def compile_pool(workers: int | None = None) -> ProcessPoolExecutor:
+    """A process pool for compile_many. Workers are spawned, not forked: the parent may hold a
+    CUDA context, and a forked child must not touch it."""
+    return ProcessPoolExecutor(max_workers=workers or config.compile_workers(), mp_context=get_context("spawn"))
+
+
+def compile_many(jobs: list[tuple[str, str, str]], pool: ProcessPoolExecutor | None = None) -> list[Compiled | CompileError]:
+    """Compile (source, kernel_name, arch) jobs across CPU cores; errors are returned, not raised."""
+    if len(jobs) <= 1 or (pool is None and config.compile_workers() == 1):
+        return [_compile_job(job) for job in jobs]
+    if pool is not None:
+        return list(pool.map(_compile_job, jobs))
+    with compile_pool(min(config.compile_workers(), len(jobs))) as own_pool:
+        return list(own_pool.map(_compile_job, jobs))

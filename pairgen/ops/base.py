@@ -1,0 +1,217 @@
+"""What every op provides: its spec (data) and the plumbing its drop-in module shares."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .. import config
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What a restriction may depend on. Defaults are the H100/H200 (sm_90) values, used where
+    no GPU is present (dry runs, CI)."""
+
+    max_smem_per_block: int = 227 * 1024
+    smem_per_sm: int = 228 * 1024
+    max_threads_per_sm: int = 2048
+    sm_count: int = 132
+
+
+@dataclass(frozen=True)
+class Restriction:
+    """A predicate on a plan; a point that fails one is pruned before it is compiled."""
+
+    reason: str
+    holds: Callable[["Plan", DeviceLimits], bool]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One template and its search space (a dict of choices per parameter)."""
+
+    name: str
+    space: dict[str, tuple]
+    restrictions: tuple[Restriction, ...] = ()
+    summary: str = ""
+
+
+@dataclass
+class Plan:
+    """A point of the search space made concrete for channel widths: what the template needs
+    (context), and how to launch it (threads, shared memory, a grid for each (B, N))."""
+
+    op: str
+    strategy: str
+    params: dict
+    widths: dict
+    context: dict
+    threads: int
+    smem_bytes: int
+    grid: Callable[[int, int, int], tuple[int, int]] = field(repr=False)  # (B, N, sms) -> (blocks, work items)
+
+    @property
+    def label(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.strategy}({inner})"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_abs: float
+    rel_l2: float
+
+
+@dataclass(frozen=True)
+class Cost:
+    bytes: float
+    flops: float
+
+
+class OpSpec:
+    """Data every op declares; subclasses add plan() (derived template values) and the
+    reference/inputs glue. Adding an op = pairgen/ops/<op>.py + templates/<op>/."""
+
+    name: str
+    width_names: tuple[str, ...]
+    strategies: dict[str, Strategy]
+    default_points: tuple[tuple[str, dict], ...]  # tried in order; the first feasible one is used
+    presets: dict[str, tuple[dict, ...]]          # tuning shapes: "seed", "real"
+    tolerance: dict[str, Tolerance]               # per dtype
+
+    def plan(self, strategy: str, params: dict, widths: dict) -> Plan:
+        raise NotImplementedError
+
+    def cost(self, shape: dict) -> Cost:
+        raise NotImplementedError
+
+    def make_module(self, widths: dict, generator: torch.Generator) -> nn.Module:
+        raise NotImplementedError
+
+    def make_inputs(self, shape: dict, generator: torch.Generator, distribution: str = "normal") -> tuple:
+        raise NotImplementedError
+
+    def make_reference(self, module: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    # -- shared behaviour --------------------------------------------------------------------
+
+    def infeasible(self, plan: Plan, limits: DeviceLimits) -> list[str]:
+        """Reasons the plan cannot run (empty when it can)."""
+        strategy = self.strategies[plan.strategy]
+        return [r.reason for r in strategy.restrictions if not r.holds(plan, limits)]
+
+    def default_plan(self, widths: dict, limits: DeviceLimits) -> Plan | None:
+        for strategy, params in self.default_points:
+            plan = self.plan(strategy, params, widths)
+            if not self.infeasible(plan, limits):
+                return plan
+        return None
+
+    def widths_of(self, shape: dict) -> dict:
+        return {name: int(shape[name]) for name in self.width_names}
+
+    def check_point(self, strategy: str, params: dict) -> None:
+        if strategy not in self.strategies:
+            raise ValueError(f"{self.name}: unknown strategy {strategy!r}; known: {sorted(self.strategies)}")
+        space = self.strategies[strategy].space
+        if set(params) != set(space):
+            raise ValueError(f"{self.name}/{strategy}: params {sorted(params)} != space {sorted(space)}")
+        for key, value in params.items():
+            if value not in space[key]:
+                raise ValueError(f"{self.name}/{strategy}: {key}={value!r} not in {space[key]}")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def align(n: int, to: int = 4) -> int:
+    return ceil_div(n, to) * to
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def n_bucket(n: int) -> int:
+    """Tuned entries are keyed by the power of two nearest to N (in log scale)."""
+    return 1 << max(0, round(math.log2(max(1, n))))
+
+
+class ReferenceBackward(torch.autograd.Function):
+    """Forward through the kernel; backward by recomputing the reference under autograd.
+    Gradients are therefore exactly the reference's, at the cost of one recomputation."""
+
+    @staticmethod
+    def forward(ctx, module, n_inputs, *tensors):
+        ctx.module, ctx.n_inputs = module, n_inputs
+        ctx.save_for_backward(*tensors)
+        return module._launch(*tensors[:n_inputs])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        tensors = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in tensors[: ctx.n_inputs]]
+        params = list(tensors[ctx.n_inputs:])
+        wanted = [t for t in inputs + params if t.requires_grad]
+        with torch.enable_grad():
+            out = ctx.module.reference_forward(*inputs)
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+        return (None, None, *[next(grads) if t.requires_grad else None for t in inputs + params])
+
+
+class KernelModule:
+    """Mixin for drop-in modules: decides kernel or reference, and keeps the variant choice.
+
+    A subclass provides: `op` (its OpSpec), `widths`, `reference_forward(*inputs)`,
+    `_launch(*inputs, out=None)`, and validates its inputs before calling `_dispatch`.
+    """
+
+    op: OpSpec
+    _forced_plan = None  # set by the tuner and the tests to run one specific variant
+
+    def force_variant(self, variant) -> None:
+        """Run `variant` (a runtime.Variant) instead of the tuned choice; None restores it."""
+        self._forced_plan = variant
+
+    def uses_kernel(self, *tensors: torch.Tensor) -> bool:
+        first = tensors[0]
+        return (first.is_cuda and first.dtype == torch.float32 and not config.disabled()
+                and all(t.device == first.device for t in tensors))
+
+    def variant_for(self, n: int, device: torch.device):
+        if self._forced_plan is not None:
+            return self._forced_plan
+        from .. import runtime
+
+        return runtime.select(self.op, "float32", self.widths, n, device.index or 0)
+
+    def _dispatch(self, *inputs: torch.Tensor):
+        if not self.uses_kernel(*inputs):
+            return self.reference_forward(*inputs)
+        if self.variant_for(inputs[0].shape[1], inputs[0].device) is None:
+            return self.reference_forward(*inputs)  # no kernel fits these widths
+        params = [p for p in self.parameters()]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in [*inputs, *params]):
+            return ReferenceBackward.apply(self, len(inputs), *inputs, *params)
+        return self._launch(*inputs)
+
+
+def expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def check_float_tensor(name: str, t, rank: int, module: nn.Module) -> None:
+    expect(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    expect(t.dtype.is_floating_point, f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    expect(t.dim() == rank, f"{name} must have {rank} dimensions, got shape {tuple(t.shape)}")
+    param = next(module.parameters(), None)
+    if param is not None:
+        expect(t.device == param.device,
+               f"{name} is on {t.device} but the module's parameters are on {param.device}")

@@ -1,0 +1,93 @@
+"""GPU timing per MEASURE.md: CUDA events, warm-up, L2 flushed between repetitions, median."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# Measured on an NVIDIA H200, torch 2.11.0+cu130 (MEASURE.md): the floors in reports use these.
+CEILINGS = {"nvidia-h200": {"copy_bytes_per_s": 4.27e12, "fp32_flops_per_s": 51.3e12}}
+
+_flush_buffers: dict[int, torch.Tensor] = {}
+
+
+def _flush_l2(device: torch.device) -> None:
+    index = device.index or 0
+    if index not in _flush_buffers:  # 256 MB: several times any L2 of today (H200: 60 MB)
+        _flush_buffers[index] = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device=device)
+    _flush_buffers[index].zero_()
+
+
+@dataclass
+class Timing:
+    median_us: float
+    p20_us: float
+    p80_us: float
+    reps: int
+
+    def __str__(self) -> str:
+        return f"{self.median_us:.1f} us (p20 {self.p20_us:.1f}, p80 {self.p80_us:.1f}, n={self.reps})"
+
+
+def time_cuda(fn: Callable[[], object], device: torch.device | None = None, reps: int = 100,
+              warmup: int = 5, flush_l2: bool = True, max_seconds: float = 2.0) -> Timing:
+    """Median time of fn() between CUDA events on the current stream.
+
+    The warm-up keeps compilation and handle creation out; the first timed call also sets how
+    many repetitions fit in max_seconds.
+    """
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    times: list[float] = []
+    for k in range(reps):
+        if flush_l2:
+            _flush_l2(device)
+        starts[k].record()
+        fn()
+        ends[k].record()
+        if k == 0:
+            torch.cuda.synchronize(device)
+            first_s = starts[0].elapsed_time(ends[0]) / 1e3
+            reps = max(5, min(reps, int(max_seconds / max(first_s, 1e-6))))
+        if k + 1 >= reps:
+            break
+    torch.cuda.synchronize(device)
+    times = sorted(starts[k].elapsed_time(ends[k]) * 1e3 for k in range(reps))
+    q = statistics.quantiles(times, n=5) if len(times) >= 5 else [times[0]] * 4
+    return Timing(statistics.median(times), q[0], q[3], len(times))
+
+
+def time_graph_replay(fn: Callable[[], object], device: torch.device | None = None, reps: int = 100) -> Timing:
+    """Kernel time without launch overhead: fn captured in a CUDA graph, its replay timed."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_cuda(graph.replay, device, reps=reps)
+
+
+def floor_us(cost, gpu_slug: str) -> float | None:
+    """The larger of bytes over copy bandwidth and FLOPs over the fp32 rate, in us."""
+    ceil = CEILINGS.get(gpu_slug)
+    if ceil is None:
+        return None
+    return 1e6 * max(cost.bytes / ceil["copy_bytes_per_s"], cost.flops / ceil["fp32_flops_per_s"])
+
+
+def strict_fp32() -> None:
+    """fp32 means fp32: no TF32 in any matmul or convolution, for pairgen and its peers."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")

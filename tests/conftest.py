@@ -1,0 +1,24 @@
+import os
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped, with the reason, where there is none)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: none is visible to torch on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Tests never write the user's cache; compiled cubins are shared across one test session."""
+    if not os.environ.get("PAIRGEN_CACHE_DIR"):
+        monkeypatch.setenv("PAIRGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "pairgen-cache"))
