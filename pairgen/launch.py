@@ -62,7 +62,7 @@ def _allow_dynamic_smem(kernel, nbytes: int, device_index: int) -> None:
 class LoadedKernel:
     """A compiled kernel loaded on one device, launched on torch.cuda.current_stream()."""
 
-    def __init__(self, compiled: Compiled, device_index: int, smem_bytes: int):
+    def __init__(self, compiled: Compiled, device_index: int, smem_bytes: int, threads: int):
         _ensure_device(device_index)
         cc = _cuda_core()
         self.device_index = device_index
@@ -71,6 +71,12 @@ class LoadedKernel:
         if smem_bytes > 48 * 1024:
             _allow_dynamic_smem(self.kernel, smem_bytes, device_index)
         self._launch = cc.launch
+        self.set_block(threads, smem_bytes)
+
+    def set_block(self, threads: int, smem_bytes: int) -> None:
+        """Record the block shape, and how many such blocks fit on one SM (registers included)."""
+        self.threads = threads
+        self.resident_per_sm = self.kernel.occupancy.max_active_blocks_per_multiprocessor(threads, smem_bytes)
 
     def __call__(self, grid: int, block: int, smem: int, *args) -> None:
         stream = _stream_for(torch.cuda.current_stream(self.device_index).cuda_stream)

@@ -69,13 +69,14 @@ class Variant:
         if kernel is None:
             from .launch import LoadedKernel
 
-            kernel = LoadedKernel(self.compiled, device_index, self.plan.smem_bytes)
+            kernel = LoadedKernel(self.compiled, device_index, self.plan.smem_bytes, self.plan.threads)
             self._loaded[device_index] = kernel
         return kernel
 
     def launch(self, device_index: int, batch: int, n: int, *pointers: int) -> None:
-        blocks, work = self.plan.grid(batch, n, device_info(device_index).limits.sm_count)
-        self.kernel(device_index)(blocks, self.plan.threads, self.plan.smem_bytes, *pointers, batch, n, work)
+        kernel = self.kernel(device_index)
+        blocks, work = self.plan.grid(batch, n, device_info(device_index).limits.sm_count, kernel.resident_per_sm)
+        kernel(blocks, self.plan.threads, self.plan.smem_bytes, *pointers, batch, n, work)
 
     def __repr__(self) -> str:
         return f"Variant({self.plan.op}: {self.plan.label})"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,15 +33,22 @@ class Timing:
 
 
 def time_cuda(fn: Callable[[], object], device: torch.device | None = None, reps: int = 100,
-              warmup: int = 5, flush_l2: bool = True, max_seconds: float = 2.0) -> Timing:
+              warmup: int = 5, flush_l2: bool = True, max_seconds: float = 2.0,
+              warmup_seconds: float = 0.05) -> Timing:
     """Median time of fn() between CUDA events on the current stream.
 
-    The warm-up keeps compilation and handle creation out; the first timed call also sets how
-    many repetitions fit in max_seconds.
+    The warm-up keeps compilation and handle creation out and runs for at least warmup_seconds:
+    after an idle spell (a torch.compile build) the clocks are low, and a 5-call warm-up timed
+    a 32 us kernel at 98 us. The first timed call sets how many repetitions fit in max_seconds.
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
-    for _ in range(warmup):
+    start = time.perf_counter()
+    done = 0
+    while done < warmup or time.perf_counter() - start < warmup_seconds:
         fn()
+        done += 1
+        if done % 16 == 0:
+            torch.cuda.synchronize(device)
     torch.cuda.synchronize(device)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -76,6 +84,18 @@ def time_graph_replay(fn: Callable[[], object], device: torch.device | None = No
     with torch.cuda.graph(graph):
         fn()
     return time_cuda(graph.replay, device, reps=reps)
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
+    """CPU time to issue one call (Python and launch overhead), GPU work not awaited."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
 
 
 def floor_us(cost, gpu_slug: str) -> float | None:

@@ -35,7 +35,7 @@ def measure(spec, shape, peers, reps):
 
     from pairgen import runtime
     from pairgen.check import compare, reference64
-    from pairgen.timing import floor_us, time_cuda, time_graph_replay
+    from pairgen.timing import floor_us, host_us_per_call, time_cuda, time_graph_replay
 
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
@@ -53,6 +53,7 @@ def measure(spec, shape, peers, reps):
         call = lambda: module(*inputs)  # noqa: E731
         row["call_us"] = time_cuda(call, device, reps=reps).median_us
         row["graph_us"] = time_graph_replay(call, device, reps=reps).median_us
+        row["host_us"] = host_us_per_call(call)
         if "eager" in peers:
             row["eager_us"] = time_cuda(lambda: eager(*inputs), device, reps=reps).median_us
         if "compile" in peers:
@@ -67,12 +68,12 @@ def measure(spec, shape, peers, reps):
 
 
 def table(rows, peers) -> str:
-    head = ["op", "shape", "pairgen variant", "call µs (2 runs)", "graph µs", "overhead µs"]
+    head = ["op", "shape", "pairgen variant", "call µs (2 runs)", "graph µs", "overhead µs", "host µs/call"]
     head += [f"{p} µs" for p in peers] + [f"× vs {p}" for p in peers] + ["floor µs", "call / floor", "check"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["op"], shape_label(r["shape"]), f"`{r['variant']}`", f"{r['call_us']:.1f} / {r['call_again_us']:.1f}",
-                 f"{r['graph_us']:.1f}", f"{r['call_us'] - r['graph_us']:.1f}"]
+                 f"{r['graph_us']:.1f}", f"{r['call_us'] - r['graph_us']:.1f}", f"{r['host_us']:.1f}"]
         cells += [f"{r[p + '_us']:.1f}" for p in peers]
         cells += [f"{r[p + '_us'] / r['call_us']:.1f}×" for p in peers]
         floor = r.get("floor_us")

@@ -52,7 +52,8 @@ class Plan:
     context: dict
     threads: int
     smem_bytes: int
-    grid: Callable[[int, int, int], tuple[int, int]] = field(repr=False)  # (B, N, sms) -> (blocks, work items)
+    # (B, N, SM count, blocks resident per SM) -> (blocks to launch, work items the kernel loops over)
+    grid: Callable[[int, int, int, int], tuple[int, int]] = field(repr=False)
 
     @property
     def label(self) -> str:

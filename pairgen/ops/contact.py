@@ -87,7 +87,7 @@ _TILED_RESTRICTIONS = _COMMON + (
     Restriction("persistent blocks must be co-resident on an SM", _persistent_blocks_fit),
 )
 
-_TILED_SPACE = {"threads": (64, 128, 256, 512), "tn": (4, 8), "unroll": (1, 2, 4),
+_TILED_SPACE = {"threads": (64, 128, 256, 512), "tn": (4, 8), "unroll": (1, 2, 4), "ln_rows": (2, 4, 8),
                 "weights_smem": (True, False), "blocks_per_sm": (0, 1, 2, 4)}
 
 TILED = Strategy(
@@ -109,9 +109,13 @@ def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
-def _grid_tiles(num_tiles: int, blocks_per_sm: int, sms: int) -> int:
-    """Persistent grid (blocks_per_sm per SM, looping over tiles), or one block per tile (0)."""
-    return max(1, min(num_tiles, blocks_per_sm * sms) if blocks_per_sm else num_tiles)
+def _grid_tiles(num_tiles: int, blocks_per_sm: int, sms: int, resident_per_sm: int) -> int:
+    """Persistent grid (blocks_per_sm per SM, looping over tiles), or one block per tile (0).
+    A persistent grid is clamped to the blocks that can be resident at once (registers decide
+    that only after compilation): a block that waits for a slot would run its tiles last."""
+    if not blocks_per_sm:
+        return max(1, num_tiles)
+    return max(1, min(num_tiles, min(blocks_per_sm, max(1, resident_per_sm)) * sms))
 
 
 class ContactSpec(OpSpec):
@@ -119,8 +123,8 @@ class ContactSpec(OpSpec):
     width_names = ("P", "H")
     strategies = {s.name: s for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED)}
     default_points = (
-        ("symmetric_tiled", {"tile_side": 8, "threads": 256, "tn": 8, "unroll": 2, "weights_smem": False,
-                             "blocks_per_sm": 2}),
+        ("symmetric_tiled", {"tile_side": 8, "threads": 256, "tn": 8, "unroll": 2, "ln_rows": 4,
+                             "weights_smem": False, "blocks_per_sm": 2}),
         ("thread_per_pair", {"threads": 128, "chunk": 4, "weights_smem": False, "symmetric": True}),
     )
     presets = {
@@ -140,7 +144,7 @@ class ContactSpec(OpSpec):
             context.update(threads=params["threads"], chunk=params["chunk"], symmetric=_bool(params["symmetric"]))
             smem = weights + 4 * (P + H) * params["threads"]
 
-            def grid(B, N, sms, _sym=params["symmetric"], _t=params["threads"]):
+            def grid(B, N, sms, resident, _sym=params["symmetric"], _t=params["threads"]):
                 work = B * (N * (N + 1) // 2 if _sym else N * N)
                 return max(1, ceil_div(work, _t)), work
         else:
@@ -148,20 +152,20 @@ class ContactSpec(OpSpec):
             threads_n = max(1, H // params["tn"])
             threads_m = max(1, params["threads"] // threads_n)
             context.update(tile_rows=rows, threads=params["threads"], tn=params["tn"], threads_n=threads_n,
-                           threads_m=threads_m, tm=rows // threads_m, unroll=params["unroll"],
+                           threads_m=threads_m, tm=rows // threads_m, unroll=params["unroll"], ln_rows=params["ln_rows"],
                            a_stride=align(max(P, H), 32) + 4)
             if strategy == "symmetric_tiled":
                 context["tile_side"] = params["tile_side"]
             smem = weights + 4 * rows * context["a_stride"]
 
-            def grid(B, N, sms, _strategy=strategy, _rows=rows, _side=params.get("tile_side"),
+            def grid(B, N, sms, resident, _strategy=strategy, _rows=rows, _side=params.get("tile_side"),
                      _per_sm=params["blocks_per_sm"]):
                 if _strategy == "symmetric_tiled":
                     nb = ceil_div(N, _side)
                     tiles = B * nb * (nb + 1) // 2
                 else:
                     tiles = ceil_div(B * N * N, _rows)
-                return _grid_tiles(tiles, _per_sm, sms), tiles
+                return _grid_tiles(tiles, _per_sm, sms, resident), tiles
         return Plan(self.name, strategy, dict(params), {"P": P, "H": H}, context, params["threads"], smem, grid)
 
     def cost(self, shape: dict) -> Cost:

@@ -1,0 +1,100 @@
+"""The tuner's GPU evaluator: compile candidates in parallel, check each against the float64
+reference (OPS.md: fresh inputs, an odd shape, heavy tails, NaN-prefilled output), time it."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import compiler, runtime
+from .check import CheckFailed, compare, reference64
+from .ops.base import OpSpec, Plan
+from .timing import time_cuda
+
+
+class GpuEvaluator:
+    def __init__(self, spec: OpSpec, shape: dict, device_index: int = 0, seed: int = 0,
+                 peers: tuple[str, ...] = ("eager", "compile"), pool=None):
+        self.spec, self.shape, self.peers, self.pool = spec, dict(shape), peers, pool
+        self.device = torch.device("cuda", device_index)
+        info = runtime.device_info(device_index)
+        self.limits, self.arch = info.limits, info.arch
+        gen = torch.Generator().manual_seed(seed)
+        widths = spec.widths_of(shape)
+        self.module = spec.make_module(widths, gen).to(self.device)
+        self.inputs = self._to_device(spec.make_inputs(shape, gen, "normal"))
+        odd = {**shape, "B": 3 if shape["B"] * shape["N"] ** 2 < 1 << 20 else 1, "N": 37}
+        odd_inputs = self._to_device(spec.make_inputs(odd, gen, "cauchy"))
+        self.cases = [(self.inputs, reference64(self.module, self.inputs)),
+                      (odd_inputs, reference64(self.module, odd_inputs))]
+        self.tolerance = spec.tolerance["float32"]
+
+    def _to_device(self, tensors: tuple) -> tuple:
+        return tuple(t.to(self.device) for t in tensors)
+
+    def baselines(self) -> dict[str, float]:
+        reference = self.spec.make_reference(self.module)
+        out = {}
+        with torch.inference_mode():
+            if "eager" in self.peers:
+                out["eager"] = time_cuda(lambda: reference(*self.inputs), self.device).median_us
+            if "compile" in self.peers:
+                compiled = torch.compile(reference, mode="max-autotune-no-cudagraphs")
+                compiled(*self.inputs)
+                out["compile"] = time_cuda(lambda: compiled(*self.inputs), self.device).median_us
+        return out
+
+    def compile(self, plans: list[Plan]) -> list[object]:
+        rendered = [runtime.render_plan(p) for p in plans]
+        results = compiler.compile_many([(r.source, r.kernel_name, self.arch) for r in rendered], self.pool)
+        return [res if isinstance(res, Exception) else runtime.Variant(p, r, res)
+                for p, r, res in zip(plans, rendered, results)]
+
+    def check(self, variant) -> None:
+        for inputs, ref in self.cases:
+            out = torch.full(ref.shape, float("nan"), device=self.device, dtype=torch.float32)
+            with torch.inference_mode():
+                self.module._launch(*inputs, out=out, variant=variant)
+            torch.cuda.synchronize(self.device)
+            result = compare(out, ref, self.tolerance)
+            if not result.ok:
+                shape = "x".join(str(s) for s in inputs[0].shape)
+                raise CheckFailed(f"input {shape}: {result}")
+
+    def evaluate(self, variant) -> float:
+        self.check(variant)
+        self.module.force_variant(variant)
+        try:
+            with torch.inference_mode():
+                return time_cuda(lambda: self.module(*self.inputs), self.device, reps=100,
+                                 max_seconds=0.5).median_us
+        finally:
+            self.module.force_variant(None)
+
+
+def tuned_entry(result, spec: OpSpec, dtype: str = "float32") -> dict:
+    """The tuned/ record of a finished tuning run."""
+    import cuda.core
+
+    from . import __version__, codegen
+    from .compiler import nvrtc_version
+    from .ops.base import n_bucket
+    from .tuned import make_key
+
+    best = result.best
+    widths = spec.widths_of(result.shape)
+    return {
+        "key": make_key(dtype, widths, n_bucket(result.shape["N"])),
+        "shape": result.shape,
+        "strategy": best["strategy"],
+        "params": best["params"],
+        "template_sha256": codegen.template_hash(spec.name, best["strategy"]),
+        "us": round(best["us"], 2),
+        "baselines_us": {k: round(v, 2) for k, v in result.baselines.items()},
+        "trials": result.counts,
+        "compile_s_mean": round(result.compile_s_mean, 2) if result.compile_s_mean else None,
+        "tune_seconds": round(result.elapsed_s, 1),
+        "date": time.strftime("%Y-%m-%d"),
+        "versions": {"pairgen": __version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "nvrtc": nvrtc_version(), "cuda.core": cuda.core.__version__},
+    }

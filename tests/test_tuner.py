@@ -1,0 +1,105 @@
+"""The tuner's control flow on the CPU, with a fake evaluator standing in for NVRTC and the GPU."""
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+
+from pairgen.ops.base import DeviceLimits
+from pairgen.ops.contact import CONTACT
+from pairgen.tuner import TuneSettings, _point_key, feasible_count, study_name, tune_shape
+
+SHAPE = {"B": 4, "N": 64, "P": 64, "H": 32}
+WIDTHS = {"P": 64, "H": 32}
+
+
+class FakeEvaluator:
+    """Cost is a made-up function of the params; some points fail to compile or fail the check."""
+
+    limits = DeviceLimits()
+
+    def __init__(self):
+        self.compiled: list = []
+        self.evaluated: list = []
+
+    def baselines(self):
+        return {"eager": 200.0, "compile": 150.0}
+
+    def compile(self, plans):
+        self.compiled += plans
+        return [RuntimeError("nvrtc: synthetic error") if p.params.get("tile_rows") == 128 else p for p in plans]
+
+    def evaluate(self, plan):
+        self.evaluated.append(_point_key(plan.strategy, plan.params))
+        if plan.strategy == "thread_per_pair" and plan.params["threads"] == 256:
+            raise ValueError("synthetic check failure")
+        return self.cost(plan)
+
+    @staticmethod
+    def cost(plan):
+        p = plan.params
+        base = {"thread_per_pair": 50.0, "tiled": 30.0, "symmetric_tiled": 20.0}[plan.strategy]
+        return base + p["threads"] / 64 + (0 if p.get("weights_smem") else 1.5)
+
+
+def _settings(trials, **kw):
+    return TuneSettings(trials=trials, batch=4, progress=False, **kw)
+
+
+def test_tunes_to_the_trial_count_and_returns_the_best_seen(tmp_path):
+    ev = FakeEvaluator()
+    result = tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(24), storage_dir=tmp_path)
+    assert result.counts["evaluated"] == 24
+    assert len(ev.evaluated) == len(set(ev.evaluated)), "a point was compiled and timed twice"
+    for plan in ev.compiled:
+        assert not CONTACT.infeasible(plan, ev.limits), "an infeasible point reached the compiler"
+    costs = [FakeEvaluator.cost(CONTACT.plan(*json.loads(k), WIDTHS)) for k in ev.evaluated
+             if not (json.loads(k)[0] == "thread_per_pair" and json.loads(k)[1]["threads"] == 256)]
+    assert result.best["us"] == pytest.approx(min(costs))
+    assert result.baselines == {"eager": 200.0, "compile": 150.0}
+
+
+def test_default_points_are_tried_first(tmp_path):
+    ev = FakeEvaluator()
+    tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(4), storage_dir=tmp_path)
+    first = [json.loads(k) for k in ev.evaluated[: len(CONTACT.default_points)]]
+    assert first == [[s, p] for s, p in CONTACT.default_points]
+
+
+def test_failures_are_recorded_with_their_reason_and_never_best(tmp_path):
+    ev = FakeEvaluator()
+    result = tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(60, seed=3), storage_dir=tmp_path)
+    study = optuna.load_study(study_name=study_name("fake-gpu", "contact", "float32", WIDTHS, 64),
+                              storage=optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
+                                  str(tmp_path / (study_name("fake-gpu", "contact", "float32", WIDTHS, 64) + ".journal")))))
+    failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert failed, "the fake space has failing points; the sampler should have met one in 60 trials"
+    assert all(t.user_attrs.get("fail_reason") for t in failed)
+    reasons = " ".join(t.user_attrs["fail_reason"] for t in failed)
+    assert "synthetic" in reasons
+    best_strategy, best_params = result.best["strategy"], result.best["params"]
+    assert not (best_strategy == "thread_per_pair" and best_params["threads"] == 256)
+    assert best_params.get("tile_rows") != 128
+
+
+def test_an_interrupted_study_resumes(tmp_path):
+    first = FakeEvaluator()
+    tune_shape(CONTACT, SHAPE, first, "fake-gpu", _settings(8), storage_dir=tmp_path)
+    second = FakeEvaluator()
+    result = tune_shape(CONTACT, SHAPE, second, "fake-gpu", _settings(20), storage_dir=tmp_path)
+    assert result.counts["evaluated"] == 20
+    assert len(second.compiled) == 12, "the resumed run should only try the missing trials"
+    keys = lambda ev: {_point_key(p.strategy, p.params) for p in ev.compiled}  # noqa: E731
+    assert not keys(first) & keys(second)
+
+
+def test_time_budget_stops_sampling(tmp_path):
+    ev = FakeEvaluator()
+    result = tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(64, time_budget_s=0.0), storage_dir=tmp_path)
+    assert result.counts["evaluated"] == 0 and result.best is None
+
+
+def test_trials_capped_by_the_feasible_space(tmp_path):
+    n = feasible_count(CONTACT, WIDTHS, DeviceLimits())
+    assert 0 < n < 5000
