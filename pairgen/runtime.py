@@ -63,6 +63,7 @@ class Variant:
         self.rendered = rendered
         self.compiled = compiled
         self._loaded: dict[int, object] = {}
+        self._grids: dict[tuple, tuple[int, int]] = {}
 
     def kernel(self, device_index: int):
         kernel = self._loaded.get(device_index)
@@ -74,9 +75,13 @@ class Variant:
         return kernel
 
     def launch(self, device_index: int, batch: int, n: int, *pointers: int) -> None:
-        kernel = self.kernel(device_index)
-        blocks, work = self.plan.grid(batch, n, device_info(device_index).limits.sm_count, kernel.resident_per_sm)
-        kernel(blocks, self.plan.threads, self.plan.smem_bytes, *pointers, batch, n, work)
+        kernel = self._loaded.get(device_index) or self.kernel(device_index)
+        key = (device_index, batch, n)
+        grid = self._grids.get(key)
+        if grid is None:
+            sms = device_info(device_index).limits.sm_count
+            grid = self._grids[key] = self.plan.grid(batch, n, sms, kernel.resident_per_sm)
+        kernel(grid[0], self.plan.threads, self.plan.smem_bytes, *pointers, batch, n, grid[1])
 
     def __repr__(self) -> str:
         return f"Variant({self.plan.op}: {self.plan.label})"
@@ -142,6 +147,16 @@ def _by_plan(plan: Plan, arch: str) -> Variant:
     return _variants[key]
 
 
+_generation = 0
+
+
+def generation() -> int:
+    """Bumped by clear_caches(); modules drop their cached choices when it changes."""
+    return _generation
+
+
 def clear_caches() -> None:
     """Forget selections (after the tuned database changed)."""
+    global _generation
     _selected.clear()
+    _generation += 1

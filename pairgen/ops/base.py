@@ -175,6 +175,7 @@ class KernelModule:
 
     op: OpSpec
     _forced_plan = None  # set by the tuner and the tests to run one specific variant
+    _variant_cache: dict | None = None  # (device index, N) -> variant, valid for one runtime generation
 
     def force_variant(self, variant) -> None:
         """Run `variant` (a runtime.Variant) instead of the tuned choice; None restores it."""
@@ -182,25 +183,36 @@ class KernelModule:
 
     def uses_kernel(self, *tensors: torch.Tensor) -> bool:
         first = tensors[0]
-        return (first.is_cuda and first.dtype == torch.float32 and not config.disabled()
+        return (first.is_cuda and first.dtype is torch.float32 and not config.disabled()
                 and all(t.device == first.device for t in tensors))
 
     def variant_for(self, n: int, device: torch.device):
+        """The variant for length n on this device. Cached on the module: the host time of a
+        call is what small shapes are made of (a runtime.select per call cost ~4 us there)."""
         if self._forced_plan is not None:
             return self._forced_plan
         from .. import runtime
 
-        return runtime.select(self.op, "float32", self.widths, n, device.index or 0)
+        cache = self._variant_cache
+        if cache is None or cache.get("generation") != runtime.generation():
+            cache = self._variant_cache = {"generation": runtime.generation()}
+        key = (device.index or 0, n)
+        variant = cache.get(key, cache)
+        if variant is cache:
+            variant = cache[key] = runtime.select(self.op, "float32", self.widths, n, key[0])
+        return variant
 
     def _dispatch(self, *inputs: torch.Tensor):
         if not self.uses_kernel(*inputs):
             return self.reference_forward(*inputs)
-        if self.variant_for(inputs[0].shape[1], inputs[0].device) is None:
+        variant = self.variant_for(inputs[0].shape[1], inputs[0].device)
+        if variant is None:
             return self.reference_forward(*inputs)  # no kernel fits these widths
-        params = [p for p in self.parameters()]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in [*inputs, *params]):
-            return ReferenceBackward.apply(self, len(inputs), *inputs, *params)
-        return self._launch(*inputs)
+        if torch.is_grad_enabled():
+            params = list(self.parameters())
+            if any(t.requires_grad for t in [*inputs, *params]):
+                return ReferenceBackward.apply(self, len(inputs), *inputs, *params)
+        return self._launch(*inputs, variant=variant)
 
 
 def expect(condition: bool, message: str) -> None:
@@ -208,11 +220,15 @@ def expect(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def check_float_tensor(name: str, t, rank: int, module: nn.Module) -> None:
-    expect(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    expect(t.dtype.is_floating_point, f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    expect(t.dim() == rank, f"{name} must have {rank} dimensions, got shape {tuple(t.shape)}")
-    param = next(module.parameters(), None)
-    if param is not None:
-        expect(t.device == param.device,
-               f"{name} is on {t.device} but the module's parameters are on {param.device}")
+def check_float_tensor(name: str, t, rank: int, param: torch.Tensor) -> None:
+    """Type, dtype, rank, and the device of `param` (one of the module's parameters)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dimensions, got shape {tuple(t.shape)}")
+    if t.device != param.device:
+        raise ValueError(f"{name} is on {t.device} but the module's parameters are on {param.device}")
+    if t.dtype != param.dtype:
+        raise ValueError(f"{name} has dtype {t.dtype} but the module's parameters are {param.dtype}")

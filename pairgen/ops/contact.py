@@ -226,6 +226,12 @@ class ContactHead(KernelModule, ContactHeadReference):
         self.widths = {"P": int(pair_dim), "H": int(hidden_dim)}
         self._pack_key = None
         self._packed = None
+        # (submodule, name) of each packed parameter, in packing order. A plain tuple, so the
+        # submodules are not registered twice; reading `_parameters` directly each call still
+        # sees a parameter that was replaced, at a fraction of nn.Module.__getattr__'s cost.
+        ln, l1, l2, l3 = self.layer_norm, self.mlp[0], self.mlp[2], self.mlp[4]
+        self._param_slots = ((l1, "weight"), (l1, "bias"), (l2, "weight"), (l2, "bias"), (l3, "weight"),
+                             (l3, "bias"), (ln, "weight"), (ln, "bias"))
 
     def reference_forward(self, pair_repr):
         return ContactHeadReference.forward(self, pair_repr)
@@ -236,18 +242,18 @@ class ContactHead(KernelModule, ContactHeadReference):
 
     def _validate(self, x) -> None:
         P = self.widths["P"]
-        check_float_tensor("pair_repr", x, 4, self)
-        expect(x.shape[1] == x.shape[2] and x.shape[3] == P,
-               f"pair_repr must have shape (B, N, N, {P}), got {tuple(x.shape)}")
+        check_float_tensor("pair_repr", x, 4, self.layer_norm._parameters["weight"])
+        shape = x.shape
+        expect(shape[1] == shape[2] and shape[3] == P, f"pair_repr must have shape (B, N, N, {P}), got {tuple(shape)}")
 
     def _parameters_in_order(self):
-        ln, l1, l2, l3 = self.layer_norm, self.mlp[0], self.mlp[2], self.mlp[4]
-        return (l1.weight, l1.bias, l2.weight, l2.bias, l3.weight, l3.bias, ln.weight, ln.bias)
+        return tuple(module._parameters[name] for module, name in self._param_slots)
 
     def packed_weights(self) -> torch.Tensor:
-        """The weights in the kernels' layout, rebuilt only when a parameter changed."""
+        """The weights in the kernels' layout, rebuilt only when a parameter changed (moved,
+        replaced or updated in place: data pointer and version counter are both checked)."""
         params = self._parameters_in_order()
-        key = tuple((p.data_ptr(), p._version) for p in params)
+        key = tuple([p.data_ptr() for p in params] + [p._version for p in params])
         if key != self._pack_key:
             w1, b1, w2, b2, w3, b3, gamma, beta = (p.detach().float() for p in params)
             P, H = self.widths["P"], self.widths["H"]
@@ -258,6 +264,10 @@ class ContactHead(KernelModule, ContactHeadReference):
                 packed[off[name]: off[name] + value.numel()] = value.reshape(-1)
             self._packed, self._pack_key = packed, key
         return self._packed
+
+    def uses_kernel(self, x) -> bool:
+        # The kernels index pairs with 32-bit ints; B*N*N >= 2^31 (over 1 TB at P=128) runs the reference.
+        return super().uses_kernel(x) and x.shape[0] * x.shape[1] * x.shape[1] < 2**31
 
     def _launch(self, pair_repr, out=None, variant=None):
         x = pair_repr.contiguous()

@@ -1,6 +1,6 @@
 // ---- common/pairgen.cuh: helpers shared by every pairgen kernel ----
 // Self-contained for NVRTC (no system headers): fixed-width types by hand.
-typedef long long i64;
+typedef long long i64;  // element offsets; pair and tile indices are int (see upper_triangle_decode)
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -16,7 +16,10 @@ __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
-__device__ __forceinline__ float sigmoidf_exact(float v) { return 1.0f / (1.0f + expf(-v)); }
+// Accurate expf; the division as __fdividef (<= 2 ulp; 0 once the denominator passes 2^126,
+// where the true value is below 1e-38): IEEE division's slow-path call made ptxas spill a
+// register around it.
+__device__ __forceinline__ float sigmoid(float v) { return __fdividef(1.0f, 1.0f + expf(-v)); }
 
 __device__ __forceinline__ float float4_get(const float4& v, int e) {
     // e is a compile-time constant after unrolling, so this folds to one register.
@@ -24,10 +27,15 @@ __device__ __forceinline__ float float4_get(const float4& v, int e) {
 }
 
 // Upper triangle (row <= col) of an n x n grid, enumerated row by row:
-// row q starts at q*n - q*(q-1)/2. Inverts that with a double sqrt, then corrects rounding.
-__device__ __forceinline__ void upper_triangle_decode(i64 r, i64 n, i64& row, i64& col) {
+// row q starts at q*n - q*(q-1)/2. Inverts that with the quadratic formula, then corrects the
+// rounding exactly in integers. The discriminant is formed in double (exact: no cancellation
+// near the end of the triangle, and always >= 1); its square root as d * rsqrtf(d), which has
+// no slow-path subroutine: the calls of IEEE sqrt forced a register spill around them.
+// Indices are 32-bit: the module only launches when B*N*N < 2^31.
+__device__ __forceinline__ void upper_triangle_decode(int r, int n, int& row, int& col) {
     const double b = 2.0 * (double)n + 1.0;
-    i64 q = (i64)((b - sqrt(b * b - 8.0 * (double)r)) * 0.5);
+    const float disc = (float)(b * b - 8.0 * (double)r);
+    int q = (int)((b - (double)(disc * rsqrtf(disc))) * 0.5);
     if (q < 0) q = 0;
     if (q > n - 1) q = n - 1;
     while (q > 0 && q * n - q * (q - 1) / 2 > r) --q;
