@@ -122,13 +122,8 @@ def main(argv=None) -> int:
         print("bench.py needs a CUDA GPU; none is visible to torch", file=sys.stderr)
         return 2
     strict_fp32()
-    rows = []
-    for spec, shape in work:
-        rows.append(measure(spec, shape, peers, args.reps))
-        r = rows[-1]
-        print(f"{spec.name} {shape_label(shape)}: call {r['call_us']:.1f} µs, graph {r['graph_us']:.1f} µs, "
-              + ", ".join(f"{p} {r[p + '_us']:.1f} µs" for p in peers), flush=True)
     import cuda.core
+
     from pairgen.compiler import nvrtc_version
 
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -136,15 +131,25 @@ def main(argv=None) -> int:
            "date": time.strftime("%Y-%m-%d"), "tf32": "off",
            "timing": "median of CUDA-event-timed calls, L2 flushed before each; inference_mode"}
     args.out.mkdir(parents=True, exist_ok=True)
-    text = (f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, NVRTC {env['nvrtc']}, {env['date']}; "
-            f"fp32, TF32 off; {env['timing']}.\n\n" + table(rows, peers) + "\n")
-    (args.out / "bench.md").write_text(text)
-    (args.out / "bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    rows = []
+    for spec, shape in work:
+        rows.append(measure(spec, shape, peers, args.reps))
+        r = rows[-1]
+        print(f"{spec.name} {shape_label(shape)}: call {r['call_us']:.1f} µs, graph {r['graph_us']:.1f} µs, "
+              + ", ".join(f"{p} {r[p + '_us']:.1f} µs" for p in peers), flush=True)
+        text = write_results(args.out, env, rows, peers)  # after every shape: a cut-short run keeps its rows
     if peers:
         plot(rows, peers, args.out / "bench.png")
     print(text)
     return 0
 
+
+def write_results(out: Path, env: dict, rows: list, peers: list) -> str:
+    text = (f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, NVRTC {env['nvrtc']}, {env['date']}; "
+            f"fp32, TF32 off; {env['timing']}.\n\n" + table(rows, peers) + "\n")
+    (out / "bench.md").write_text(text)
+    (out / "bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    return text
 
 if __name__ == "__main__":
     sys.exit(main())
