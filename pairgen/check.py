@@ -1,7 +1,6 @@
 """The correctness standard of OPS.md: a float64 reference on the same inputs and weights."""
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +25,10 @@ class CheckFailed(RuntimeError):
 
 
 def reference64(module, inputs: tuple) -> torch.Tensor:
-    """The module's reference formula evaluated in float64 (no TF32 can apply)."""
-    ref = copy.deepcopy(module).double()
+    """The reference module, with the module's weights, evaluated in float64 (no TF32 can apply)."""
+    ref = module.op.make_reference(module).double()
     with torch.no_grad():
-        return ref.reference_forward(*(t.double() if t.dtype.is_floating_point else t for t in inputs))
+        return ref(*(t.double() if t.dtype.is_floating_point else t for t in inputs))
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> CheckResult:

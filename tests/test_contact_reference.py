@@ -93,3 +93,27 @@ def test_gradients_flow_on_cpu():
     x = torch.randn(1, 4, 4, 16, requires_grad=True)
     module(x).sum().backward()
     assert x.grad is not None and module.mlp[0].weight.grad is not None
+
+
+def test_copies_and_pickles_drop_runtime_state():
+    import copy
+    import io
+
+    module = CONTACT.make_module({"P": 16, "H": 8}, generator(4))
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("a loaded kernel cannot be pickled")
+
+    module._variant_cache = {"generation": 0, (0, 7): Unpicklable()}
+    module._packed, module._pack_key = Unpicklable(), (1, 2)
+    clone = copy.deepcopy(module)
+    assert clone._variant_cache is None and clone._packed is None and clone._pack_key is None
+    assert clone._param_slots[0][0] is clone.mlp[0], "the copy's slots point at its own submodules"
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(1, 5, 5, 16)
+    torch.testing.assert_close(loaded(x), module.reference_forward(x), rtol=0, atol=0)
+    torch.testing.assert_close(clone(x), module.reference_forward(x), rtol=0, atol=0)

@@ -177,6 +177,17 @@ class KernelModule:
     _forced_plan = None  # set by the tuner and the tests to run one specific variant
     _variant_cache: dict | None = None  # (device index, N) -> variant, valid for one runtime generation
 
+    # Loaded kernels and packed weights belong to this process and device: a copy or a pickle
+    # (an EMA copy of the model, torch.save) starts without them and rebuilds them on first use.
+    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_packed", "_pack_key")
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for name in self._RUNTIME_STATE:
+            if name in state:
+                state[name] = None
+        return state
+
     def force_variant(self, variant) -> None:
         """Run `variant` (a runtime.Variant) instead of the tuned choice; None restores it."""
         self._forced_plan = variant
