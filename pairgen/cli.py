@@ -42,5 +42,9 @@ def selected_shapes(args, parser: argparse.ArgumentParser) -> list[tuple[OpSpec,
     return [(spec, dict(shape)) for spec in ops for p in presets for shape in spec.presets[p]]
 
 
+_SHAPE_ORDER = ("B", "N", "D", "P", "H")  # as OPS.md writes shapes
+
+
 def shape_label(shape: dict) -> str:
-    return " ".join(f"{k}{v}" for k, v in shape.items())
+    keys = sorted(shape, key=lambda k: (_SHAPE_ORDER.index(k) if k in _SHAPE_ORDER else len(_SHAPE_ORDER), k))
+    return " ".join(f"{k}{shape[k]}" for k in keys)
