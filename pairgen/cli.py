@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .ops import all_ops, get_op
-from .ops.base import OpSpec
+from .ops import get_op, op_names
 
 
 def parse_shape(text: str) -> dict:
@@ -19,7 +18,7 @@ def parse_shape(text: str) -> dict:
 
 
 def add_selection_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--op", choices=sorted(all_ops()), action="append",
+    parser.add_argument("--op", choices=op_names(), action="append",
                         help="op to work on (repeatable; default: every op)")
     parser.add_argument("--shape", type=parse_shape, action="append", default=[],
                         help="a shape such as B=4,N=64,P=64,H=32 (repeatable; needs exactly one --op)")
@@ -27,8 +26,9 @@ def add_selection_args(parser: argparse.ArgumentParser) -> None:
                         help="the op's default shapes to use when no --shape is given (default: all)")
 
 
-def selected_shapes(args, parser: argparse.ArgumentParser) -> list[tuple[OpSpec, dict]]:
-    ops = [get_op(name) for name in (args.op or sorted(all_ops()))]
+def selected_shapes(args, parser: argparse.ArgumentParser) -> list[tuple]:
+    """(OpSpec, shape) pairs from --op/--shape/--preset."""
+    ops = [get_op(name) for name in (args.op or op_names())]
     if args.shape:
         if len(ops) != 1:
             parser.error("--shape needs exactly one --op")

@@ -114,7 +114,9 @@ def stale_work(args, parser):
     from pairgen.tuned import TunedDB
 
     slug = runtime.device_info(0).slug
-    ops = args.op or ["contact"]
+    from pairgen.ops import op_names
+
+    ops = args.op or op_names()
     work = []
     for op in ops:
         db = TunedDB(op, slug)

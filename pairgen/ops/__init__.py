@@ -1,21 +1,23 @@
-"""The op registry: every op lives in pairgen/ops/<op>.py and registers its spec here."""
+"""The op registry: every op lives in pairgen/ops/<op>.py and is named here. Names are known
+without importing the ops (and torch), so `scripts/tune.py --status` runs anywhere."""
 from __future__ import annotations
 
-from .base import OpSpec
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .base import OpSpec
+
+#: op name -> (module, spec attribute)
+OPS = {"contact": ("pairgen.ops.contact", "CONTACT")}
 
 
-def _registry() -> dict[str, OpSpec]:
-    from .contact import CONTACT
-
-    return {spec.name: spec for spec in (CONTACT,)}
+def op_names() -> list[str]:
+    return sorted(OPS)
 
 
-def all_ops() -> dict[str, OpSpec]:
-    return _registry()
-
-
-def get_op(name: str) -> OpSpec:
-    ops = _registry()
-    if name not in ops:
-        raise ValueError(f"unknown op {name!r}; known: {sorted(ops)}")
-    return ops[name]
+def get_op(name: str) -> "OpSpec":
+    if name not in OPS:
+        raise ValueError(f"unknown op {name!r}; known: {op_names()}")
+    module, attribute = OPS[name]
+    return getattr(import_module(module), attribute)
