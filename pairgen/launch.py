@@ -91,8 +91,3 @@ class LoadedKernel:
         except Exception as exc:  # the driver's error, with what was launched
             raise LaunchError(f"launch of {self.compiled.kernel_name} (grid {grid}, block {block}, "
                               f"{smem} B shared) failed: {exc}") from exc
-
-    def attributes(self) -> dict:
-        attrs = self.kernel.attributes
-        return {"registers": attrs.num_regs, "local_bytes": attrs.local_size_bytes,
-                "max_threads": attrs.max_threads_per_block}

@@ -19,7 +19,7 @@ def test_every_strategy_renders_with_a_header(strategy):
             assert f"strategy {strategy}" in first[0]
             for key, value in plan.params.items():
                 assert f'"{key}": {str(value).lower() if isinstance(value, bool) else value}' in first[1]
-            assert f'extern "C" __global__' in r.source and r.kernel_name in r.source
+            assert 'extern "C" __global__' in r.source and r.kernel_name in r.source
             assert "{{" not in r.source and "{%" not in r.source
 
 

@@ -7,7 +7,7 @@ import torch
 from helpers import ODD_SHAPES, REAL_WIDTHS, SEED_WIDTHS, generator, sampled_plans
 from pairgen import compiler, runtime
 from pairgen.check import compare, reference64
-from pairgen.ops.contact import CONTACT, ContactHead
+from pairgen.ops.contact import CONTACT
 from pairgen.tuned import TunedDB
 
 pytestmark = pytest.mark.gpu
