@@ -100,16 +100,7 @@ def suggest(trial, spec: OpSpec) -> tuple[str, dict]:
 
 def feasible_points(spec: OpSpec, widths: dict, limits: DeviceLimits) -> list[tuple[str, dict]]:
     """Every point of the space that passes the restrictions (a few thousand at most)."""
-    import itertools
-
-    points = []
-    for name, strategy in spec.strategies.items():
-        keys = sorted(strategy.space)
-        for values in itertools.product(*(strategy.space[k] for k in keys)):
-            params = dict(zip(keys, values))
-            if not spec.infeasible(spec.plan(name, params, widths), limits):
-                points.append((name, params))
-    return points
+    return [(name, plan.params) for name in spec.strategies for plan in spec.feasible_plans(name, widths, limits)]
 
 
 def feasible_count(spec: OpSpec, widths: dict, limits: DeviceLimits) -> int:

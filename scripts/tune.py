@@ -70,24 +70,16 @@ def status() -> int:
 # ---- --dry-run -----------------------------------------------------------------------------------
 
 def dry_run(work) -> int:
-    import itertools
     import random
 
     from pairgen import compiler, runtime
-    from pairgen.ops.base import DeviceLimits
 
     arch = runtime.default_arch()
     plans = []
     for spec, shape in work:
         widths = spec.widths_of(shape)
-        for name, strategy in spec.strategies.items():
-            keys = sorted(strategy.space)
-            feasible = [p for p in (spec.plan(name, dict(zip(keys, v)), widths)
-                                    for v in itertools.product(*(strategy.space[k] for k in keys)))
-                        if not spec.infeasible(p, DeviceLimits())]
-            defaults = [spec.plan(s, p, widths) for s, p in spec.default_points if s == name]
-            picked = [p for p in defaults if not spec.infeasible(p, DeviceLimits())]
-            picked += random.Random(name).sample(feasible, min(2, len(feasible)))
+        for name in spec.strategies:
+            picked = spec.sample_plans(name, widths, 2, random.Random(name))
             if not picked:
                 print(f"{spec.name} {name}: no feasible point for widths {widths}")
             plans += [(spec, shape, p) for p in picked]

@@ -1,7 +1,9 @@
 """What every op provides: its spec (data) and the plumbing its drop-in module shares."""
 from __future__ import annotations
 
+import itertools
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -112,6 +114,24 @@ class OpSpec:
             if not self.infeasible(plan, limits):
                 return plan
         return None
+
+    def points(self, strategy: str):
+        """Every point of a strategy's space, feasible or not."""
+        space = self.strategies[strategy].space
+        names = sorted(space)
+        for values in itertools.product(*(space[n] for n in names)):
+            yield dict(zip(names, values))
+
+    def feasible_plans(self, strategy: str, widths: dict, limits: DeviceLimits) -> list[Plan]:
+        plans = (self.plan(strategy, params, widths) for params in self.points(strategy))
+        return [plan for plan in plans if not self.infeasible(plan, limits)]
+
+    def sample_plans(self, strategy: str, widths: dict, k: int, rng: random.Random,
+                     limits: DeviceLimits = DeviceLimits()) -> list[Plan]:
+        """The strategy's feasible default points, then k feasible points drawn by rng."""
+        defaults = [self.plan(s, p, widths) for s, p in self.default_points if s == strategy]
+        feasible = self.feasible_plans(strategy, widths, limits)
+        return [p for p in defaults if not self.infeasible(p, limits)] + rng.sample(feasible, min(k, len(feasible)))
 
     def widths_of(self, shape: dict) -> dict:
         return {name: int(shape[name]) for name in self.width_names}
