@@ -10,7 +10,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 ENVIRONMENT = {
     "PAIRGEN_CACHE_DIR": ("~/.cache/pairgen", "Compiled cubins and the tuner's Optuna journals."),
     "PAIRGEN_TUNED_DIR": ("<repo>/tuned", "The tuned database read by the modules and written by scripts/tune.py."),
-    "PAIRGEN_DISABLE": ("0", "1 makes every module run its PyTorch reference (for debugging)."),
+    "PAIRGEN_DISABLE": ("0", "1 makes every module run its PyTorch reference (for debugging). Read when a module first meets a length; after changing it in a running process call `pairgen.runtime.clear_caches()`."),
     "PAIRGEN_ARCH": ("the current GPU's, else sm_90", "NVRTC target, e.g. sm_90; lets a machine without a GPU compile."),
     "PAIRGEN_COMPILE_WORKERS": ("number of CPUs", "Processes compiling variants in parallel (tuner, dry runs)."),
     "PAIRGEN_COMPILE_BUDGET_S": ("60", "Compile-time budget per variant; a slower variant fails its trial."),

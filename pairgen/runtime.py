@@ -62,20 +62,27 @@ class Variant:
         self.plan = plan
         self.rendered = rendered
         self.compiled = compiled
-        self._loaded: dict[int, object] = {}
+        self._loaded: dict[tuple, object] = {}  # (device index, kernel name or None) -> LoadedKernel
         self._grids: dict[tuple, tuple[int, int]] = {}
 
-    def kernel(self, device_index: int):
-        kernel = self._loaded.get(device_index)
+    def kernel(self, device_index: int, name: str | None = None, threads: int | None = None,
+               smem_bytes: int | None = None):
+        """A __global__ function of this variant's cubin loaded on a device: the plan's main kernel
+        by default; another kernel of the same source by name, with its own block shape (used for
+        the occupancy query and the dynamic shared-memory opt-in)."""
+        key = (device_index, name)
+        kernel = self._loaded.get(key)
         if kernel is None:
             from .launch import LoadedKernel
 
-            kernel = LoadedKernel(self.compiled, device_index, self.plan.smem_bytes, self.plan.threads)
-            self._loaded[device_index] = kernel
+            threads = self.plan.threads if threads is None else threads
+            smem_bytes = self.plan.smem_bytes if smem_bytes is None else smem_bytes
+            kernel = LoadedKernel(self.compiled, device_index, smem_bytes, threads, name)
+            self._loaded[key] = kernel
         return kernel
 
     def launch(self, device_index: int, batch: int, n: int, *pointers: int) -> None:
-        kernel = self._loaded.get(device_index) or self.kernel(device_index)
+        kernel = self._loaded.get((device_index, None)) or self.kernel(device_index)
         key = (device_index, batch, n)
         grid = self._grids.get(key)
         if grid is None:
@@ -125,6 +132,9 @@ def select(spec: OpSpec, dtype: str, widths: dict, n: int, device_index: int) ->
     key = (spec.name, device_index, dtype, tuple(sorted(widths.items())), n)
     if key in _selected:
         return _selected[key]
+    if config.disabled():  # read here, once per (module, length), not on every call
+        _selected[key] = None
+        return None
     info = device_info(device_index)
     choice = choose(spec, dtype, widths, n, info)
     variant = None

@@ -108,10 +108,11 @@ def test_copies_and_pickles_drop_runtime_state():
             raise TypeError("a loaded kernel cannot be pickled")
 
     module._variant_cache = {"generation": 0, (0, 7): Unpicklable()}
-    module._packed, module._pack_key = Unpicklable(), (1, 2)
+    module._weights._packed, module._weights._key = Unpicklable(), [1, 2]
     clone = copy.deepcopy(module)
-    assert clone._variant_cache is None and clone._packed is None and clone._pack_key is None
-    assert clone._param_slots[0][0] is clone.mlp[0], "the copy's slots point at its own submodules"
+    assert clone._variant_cache is None and clone._weights._packed is None and clone._weights._key is None
+    assert clone._weights.parameters()[0] is clone.mlp[0].weight, "the copy packs its own parameters"
+    assert clone._ln_params is clone.layer_norm._parameters
     buffer = io.BytesIO()
     torch.save(module, buffer)
     buffer.seek(0)
@@ -119,3 +120,20 @@ def test_copies_and_pickles_drop_runtime_state():
     x = torch.randn(1, 5, 5, 16)
     torch.testing.assert_close(loaded(x), module.reference_forward(x), rtol=0, atol=0)
     torch.testing.assert_close(clone(x), module.reference_forward(x), rtol=0, atol=0)
+
+
+def test_packed_weights_follow_every_kind_of_parameter_change():
+    from pairgen.ops.contact import weight_offsets
+
+    module = CONTACT.make_module({"P": 16, "H": 8}, generator(5))
+    off = weight_offsets(16, 8)
+    first = module.packed_weights()
+    assert module.packed_weights() is first, "unchanged parameters are not repacked"
+    with torch.no_grad():
+        module.mlp[0].bias.add_(1.0)  # in place, as an optimizer step does
+    second = module.packed_weights()
+    assert second is not first
+    torch.testing.assert_close(second[off["b1"]: off["b1"] + 8], module.mlp[0].bias.detach(), rtol=0, atol=0)
+    module.mlp[2].weight = torch.nn.Parameter(torch.full((8, 8), 3.0))  # replaced by assignment
+    third = module.packed_weights()
+    assert third is not second and bool((third[off["w2t"]: off["w2t"] + 64] == 3.0).all())

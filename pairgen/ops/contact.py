@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from .base import (Cost, DeviceLimits, KernelModule, OpSpec, Plan, Restriction, Strategy, Tolerance,
-                   align, ceil_div, check_float_tensor, expect, is_pow2)
+                   PackedParameters, align, ceil_div, check_float_tensor, is_pow2)
 
 
 class ContactHeadReference(nn.Module):
@@ -122,8 +122,9 @@ class ContactSpec(OpSpec):
     name = "contact"
     width_names = ("P", "H")
     strategies = {s.name: s for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED)}
+    # tn=4: with tn=8 the P=128, H=64 build spilled 8 B (NVRTC 13.0, sm_90); every tuned winner so far has tn=4.
     default_points = (
-        ("symmetric_tiled", {"tile_side": 8, "threads": 256, "tn": 8, "unroll": 2, "ln_rows": 4,
+        ("symmetric_tiled", {"tile_side": 8, "threads": 256, "tn": 4, "unroll": 2, "ln_rows": 4,
                              "weights_smem": False, "blocks_per_sm": 2}),
         ("thread_per_pair", {"threads": 128, "chunk": 4, "weights_smem": False, "symmetric": True}),
     )
@@ -224,14 +225,11 @@ class ContactHead(KernelModule, ContactHeadReference):
     def __init__(self, pair_dim: int, hidden_dim: int):
         super().__init__(pair_dim, hidden_dim)
         self.widths = {"P": int(pair_dim), "H": int(hidden_dim)}
-        self._pack_key = None
-        self._packed = None
-        # (submodule, name) of each packed parameter, in packing order. A plain tuple, so the
-        # submodules are not registered twice; reading `_parameters` directly each call still
-        # sees a parameter that was replaced, at a fraction of nn.Module.__getattr__'s cost.
         ln, l1, l2, l3 = self.layer_norm, self.mlp[0], self.mlp[2], self.mlp[4]
-        self._param_slots = ((l1, "weight"), (l1, "bias"), (l2, "weight"), (l2, "bias"), (l3, "weight"),
-                             (l3, "bias"), (ln, "weight"), (ln, "bias"))
+        slots = ((l1, "weight"), (l1, "bias"), (l2, "weight"), (l2, "bias"), (l3, "weight"), (l3, "bias"),
+                 (ln, "weight"), (ln, "bias"))
+        self._weights = PackedParameters(slots, self._pack)
+        self._ln_params = ln._parameters  # the validation's dtype and device, without __getattr__
 
     def reference_forward(self, pair_repr):
         return ContactHeadReference.forward(self, pair_repr)
@@ -242,28 +240,24 @@ class ContactHead(KernelModule, ContactHeadReference):
 
     def _validate(self, x) -> None:
         P = self.widths["P"]
-        check_float_tensor("pair_repr", x, 4, self.layer_norm._parameters["weight"])
+        check_float_tensor("pair_repr", x, 4, self._ln_params["weight"])
         shape = x.shape
-        expect(shape[1] == shape[2] and shape[3] == P, f"pair_repr must have shape (B, N, N, {P}), got {tuple(shape)}")
+        if shape[1] != shape[2] or shape[3] != P:  # not expect(): its message would be built every call
+            raise ValueError(f"pair_repr must have shape (B, N, N, {P}), got {tuple(shape)}")
 
-    def _parameters_in_order(self):
-        return tuple(module._parameters[name] for module, name in self._param_slots)
+    def _pack(self, params: list) -> torch.Tensor:
+        """W1ᵀ | b1 | W2ᵀ | b2 | w3 | b3 | gamma | beta, at the offsets of weight_offsets()."""
+        w1, b1, w2, b2, w3, b3, gamma, beta = (p.float() for p in params)
+        off = weight_offsets(self.widths["P"], self.widths["H"])
+        packed = torch.zeros(off["total"], device=w1.device, dtype=torch.float32)
+        for name, value in (("w1t", w1.t()), ("b1", b1), ("w2t", w2.t()), ("b2", b2), ("w3", w3),
+                            ("b3", b3), ("gamma", gamma), ("beta", beta)):
+            packed[off[name]: off[name] + value.numel()] = value.reshape(-1)
+        return packed
 
     def packed_weights(self) -> torch.Tensor:
-        """The weights in the kernels' layout, rebuilt only when a parameter changed (moved,
-        replaced or updated in place: data pointer and version counter are both checked)."""
-        params = self._parameters_in_order()
-        key = tuple([p.data_ptr() for p in params] + [p._version for p in params])
-        if key != self._pack_key:
-            w1, b1, w2, b2, w3, b3, gamma, beta = (p.detach().float() for p in params)
-            P, H = self.widths["P"], self.widths["H"]
-            off = weight_offsets(P, H)
-            packed = torch.zeros(off["total"], device=w1.device, dtype=torch.float32)
-            for name, value in (("w1t", w1.t()), ("b1", b1), ("w2t", w2.t()), ("b2", b2), ("w3", w3),
-                                ("b3", b3), ("gamma", gamma), ("beta", beta)):
-                packed[off[name]: off[name] + value.numel()] = value.reshape(-1)
-            self._packed, self._pack_key = packed, key
-        return self._packed
+        """The weights in the kernels' layout (rebuilt only after a parameter changed)."""
+        return self._weights.get()
 
     def uses_kernel(self, x) -> bool:
         # The kernels index pairs with 32-bit ints; B*N*N >= 2^31 (over 1 TB at P=128) runs the reference.
@@ -277,5 +271,5 @@ class ContactHead(KernelModule, ContactHeadReference):
         if out.numel() == 0:
             return out
         variant = variant or self.variant_for(N, x.device)
-        variant.launch(x.device.index or 0, B, N, x.data_ptr(), self.packed_weights().data_ptr(), out.data_ptr())
+        variant.launch(x.get_device(), B, N, x.data_ptr(), self._weights.get().data_ptr(), out.data_ptr())
         return out
