@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["ContactHead", "ContactHeadReference", "__version__"]
+__all__ = ["ContactHead", "ContactHeadReference", "PairReadout", "PairReadoutReference", "TriangleMultiplication",
+           "TriangleMultiplicationReference", "__version__"]
 
 
 def __getattr__(name):
@@ -11,4 +12,12 @@ def __getattr__(name):
         from .ops import contact
 
         return getattr(contact, name)
+    if name in ("TriangleMultiplication", "TriangleMultiplicationReference"):
+        from .ops import trimul
+
+        return getattr(trimul, name)
+    if name in ("PairReadout", "PairReadoutReference"):
+        from .ops import readout
+
+        return getattr(readout, name)
     raise AttributeError(f"module 'pairgen' has no attribute {name!r}")

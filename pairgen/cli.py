@@ -6,14 +6,21 @@ import argparse
 from .ops import get_op, op_names
 
 
+_SHAPE_ORDER = ("B", "N", "D", "P", "H")  # sizes, as OPS.md writes shapes; other keys are op options
+
+
 def parse_shape(text: str) -> dict:
-    """"B=4,N=64,P=64,H=32" -> {"B": 4, "N": 64, "P": 64, "H": 32}."""
+    """"B=4,N=64,P=64,H=32" -> {"B": 4, "N": 64, "P": 64, "H": 32}. Sizes are >= 1; an op's
+    options (trimul's outgoing=1, bias=0) are non-negative ints."""
     shape = {}
     for part in text.split(","):
         name, sep, value = part.partition("=")
-        if not sep or not value.strip().isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(f"bad shape {text!r}: expected NAME=POSITIVE_INT pairs, e.g. B=4,N=64,P=64,H=32")
-        shape[name.strip()] = int(value)
+        name = name.strip()
+        if not sep or not name or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"bad shape {text!r}: expected NAME=INT pairs, e.g. B=4,N=64,P=64,H=32")
+        if name in _SHAPE_ORDER and int(value) < 1:
+            raise argparse.ArgumentTypeError(f"bad shape {text!r}: {name} must be at least 1")
+        shape[name] = int(value)
     return shape
 
 
@@ -34,17 +41,18 @@ def selected_shapes(args, parser: argparse.ArgumentParser) -> list[tuple]:
             parser.error("--shape needs exactly one --op")
         spec = ops[0]
         need = {"B", "N", *spec.width_names}
-        for shape in args.shape:
+        shapes = [{**spec.width_defaults, **shape} for shape in args.shape]
+        for shape in shapes:
             if set(shape) != need:
-                parser.error(f"--shape for {spec.name} needs exactly {sorted(need)}, got {sorted(shape)}")
-        return [(spec, shape) for shape in args.shape]
+                optional = f" ({', '.join(f'{k}={v}' for k, v in spec.width_defaults.items())} by default)" \
+                    if spec.width_defaults else ""
+                parser.error(f"--shape for {spec.name} needs exactly {sorted(need)}{optional}, got {sorted(shape)}")
+        return [(spec, shape) for shape in shapes]
     presets = ("seed", "real") if args.preset == "all" else (args.preset,)
     return [(spec, dict(shape)) for spec in ops for p in presets for shape in spec.presets[p]]
 
 
-_SHAPE_ORDER = ("B", "N", "D", "P", "H")  # as OPS.md writes shapes
-
-
 def shape_label(shape: dict) -> str:
-    keys = sorted(shape, key=lambda k: (_SHAPE_ORDER.index(k) if k in _SHAPE_ORDER else len(_SHAPE_ORDER), k))
-    return " ".join(f"{k}{shape[k]}" for k in keys)
+    """"B1 N256 P128 H128", then any op options as name=value."""
+    sizes = [f"{k}{shape[k]}" for k in _SHAPE_ORDER if k in shape]
+    return " ".join(sizes + [f"{k}={shape[k]}" for k in sorted(shape) if k not in _SHAPE_ORDER])

@@ -16,13 +16,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pairgen.cli import add_selection_args, selected_shapes, shape_label  # noqa: E402
+from pairgen.ops import get_op, op_names  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_selection_args(parser)
-    parser.add_argument("--peers", default="eager,compile",
-                        help="comma-separated peers among eager, compile (default: both)")
+    parser.add_argument("--peers", default="eager,compile,cuequivariance",
+                        help="comma-separated peers: eager, compile, and an op's own (trimul: cuequivariance, "
+                             "timed where it is importable); default: all of them")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument("--reps", type=int, default=200, help="timed repetitions per measurement")
     parser.add_argument("--dry-run", action="store_true", help="list what would be measured, and exit")
@@ -62,6 +64,14 @@ def measure(spec, shape, peers, reps):
             compiled(*inputs)
             row["compile_build_s"] = time.perf_counter() - start
             row["compile_us"] = time_cuda(lambda: compiled(*inputs), device, reps=reps).median_us
+        for name in peers:
+            if name in spec.extra_peer_names:
+                peer = spec.extra_peer(name, module, inputs)
+                if isinstance(peer, str):
+                    row.setdefault("unavailable", {})[name] = peer
+                else:
+                    peer()
+                    row[f"{name}_us"] = time_cuda(peer, device, reps=reps).median_us
         row["call_again_us"] = time_cuda(call, device, reps=reps).median_us  # the spread between two runs
     row["floor_us"] = floor_us(spec.cost(shape), runtime.device_info(device.index).slug)
     return row
@@ -74,13 +84,14 @@ def table(rows, peers) -> str:
     for r in rows:
         cells = [r["op"], shape_label(r["shape"]), f"`{r['variant']}`", f"{r['call_us']:.1f} / {r['call_again_us']:.1f}",
                  f"{r['graph_us']:.1f}", f"{r['call_us'] - r['graph_us']:.1f}", f"{r['host_us']:.1f}"]
-        cells += [f"{r[p + '_us']:.1f}" for p in peers]
-        cells += [f"{r[p + '_us'] / r['call_us']:.1f}×" for p in peers]
+        cells += [f"{r[p + '_us']:.1f}" if p + "_us" in r else "–" for p in peers]
+        cells += [f"{r[p + '_us'] / r['call_us']:.1f}×" if p + "_us" in r else "–" for p in peers]
         floor = r.get("floor_us")
         cells += [f"{floor:.1f}" if floor else "–", f"{r['call_us'] / floor:.1f}" if floor else "–",
                   "ok" if r["check"].startswith("ok") else r["check"]]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    notes = {f"{name}: {why}" for r in rows for name, why in r.get("unavailable", {}).items()}
+    return "\n".join(lines + [""] + [f"- not measured: {note}" for note in sorted(notes)])
 
 
 def plot(rows, peers, path: Path) -> None:
@@ -93,8 +104,8 @@ def plot(rows, peers, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
     width = 0.8 / max(1, len(peers))
     for k, peer in enumerate(peers):
-        ax.bar([i + k * width for i in range(len(rows))], [r[peer + "_us"] / r["call_us"] for r in rows], width,
-               label=f"vs {peer}")
+        ax.bar([i + k * width for i in range(len(rows))], [r.get(peer + "_us", 0.0) / r["call_us"] for r in rows],
+               width, label=f"vs {peer}")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + width * (len(peers) - 1) / 2 for i in range(len(rows))], labels, fontsize=8)
     ax.set_ylabel("speedup of pairgen's module call (×)")
@@ -106,13 +117,15 @@ def plot(rows, peers, path: Path) -> None:
 def main(argv=None) -> int:
     parser, args = parse_args(argv)
     peers = [p for p in args.peers.split(",") if p]
-    bad = set(peers) - {"eager", "compile"}
-    if bad:
-        parser.error(f"unknown peers {sorted(bad)}")
     work = selected_shapes(args, parser)
+    known = {"eager", "compile"}.union(*(get_op(name).extra_peer_names for name in op_names()))
+    bad = set(peers) - known
+    if bad:
+        parser.error(f"unknown peers {sorted(bad)}; known: {sorted(known)}")
     if args.dry_run:
         for spec, shape in work:
-            print(f"would measure {spec.name} {shape_label(shape)} against {', '.join(peers) or 'no peers'}")
+            mine = [p for p in peers if p in ("eager", "compile") or p in spec.extra_peer_names]
+            print(f"would measure {spec.name} {shape_label(shape)} against {', '.join(mine) or 'no peers'}")
         return 0
     import torch
 
@@ -136,7 +149,7 @@ def main(argv=None) -> int:
         rows.append(measure(spec, shape, peers, args.reps))
         r = rows[-1]
         print(f"{spec.name} {shape_label(shape)}: call {r['call_us']:.1f} µs, graph {r['graph_us']:.1f} µs, "
-              + ", ".join(f"{p} {r[p + '_us']:.1f} µs" for p in peers), flush=True)
+              + ", ".join(f"{p} {r[p + '_us']:.1f} µs" for p in peers if p + "_us" in r), flush=True)
         text = write_results(args.out, env, rows, peers)  # after every shape: a cut-short run keeps its rows
     if peers:
         plot(rows, peers, args.out / "bench.png")

@@ -9,7 +9,8 @@ if TYPE_CHECKING:
     from .base import OpSpec
 
 #: op name -> (module, spec attribute)
-OPS = {"contact": ("pairgen.ops.contact", "CONTACT")}
+OPS = {"contact": ("pairgen.ops.contact", "CONTACT"), "readout": ("pairgen.ops.readout", "READOUT"),
+       "trimul": ("pairgen.ops.trimul", "TRIMUL")}
 
 
 def op_names() -> list[str]:

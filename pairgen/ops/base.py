@@ -84,6 +84,7 @@ class OpSpec:
     default_points: tuple[tuple[str, dict], ...]  # tried in order; the first feasible one is used
     presets: dict[str, tuple[dict, ...]]          # tuning shapes: "seed", "real"
     tolerance: dict[str, Tolerance]               # per dtype
+    width_defaults: dict[str, int] = {}           # compile-time options a --shape may leave out
 
     def plan(self, strategy: str, params: dict, widths: dict) -> Plan:
         raise NotImplementedError
@@ -99,6 +100,14 @@ class OpSpec:
 
     def make_reference(self, module: nn.Module) -> nn.Module:
         raise NotImplementedError
+
+    #: peers beyond eager and torch.compile that scripts/bench.py can time for this op
+    extra_peer_names: tuple[str, ...] = ()
+
+    def extra_peer(self, name: str, module: nn.Module, inputs: tuple):
+        """A callable timing peer `name` on these inputs, or a string saying why there is none
+        here (a library that is not installed, a shape it does not support)."""
+        return f"{self.name} has no peer {name!r}"
 
     # -- shared behaviour --------------------------------------------------------------------
 

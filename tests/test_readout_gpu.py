@@ -1,0 +1,195 @@
+"""GPU: every readout strategy over sampled params and odd shapes against the float64 reference;
+the mask and NaN semantics; streams, graphs, gradients, repacking, tuned entries."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import ODD_SHAPES, assert_gradients_match_float64, generator, sampled_plans
+from pairgen import compiler, runtime
+from pairgen.check import compare, reference64
+from pairgen.ops.readout import READOUT
+from pairgen.tuned import TunedDB
+
+pytestmark = pytest.mark.gpu
+TOL = READOUT.tolerance["float32"]
+WIDTHS = tuple(READOUT.widths_of(s) for p in READOUT.presets.values() for s in p)
+SEED_WIDTHS = WIDTHS[0]
+POINTS_PER_STRATEGY = 5
+
+
+def _label(w):
+    return "D{D}P{P}H{H}".format(**w)
+
+
+def _cases():
+    cases = []
+    for widths in WIDTHS:
+        for strategy in READOUT.strategies:
+            for plan in sampled_plans(READOUT, strategy, widths, POINTS_PER_STRATEGY):
+                cases.append(pytest.param(plan, id=f"{_label(widths)}-{plan.label}"))
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def variants():
+    """Every sampled variant, compiled in parallel once."""
+    plans = [c.values[0] for c in CASES]
+    rendered = [runtime.render_plan(p) for p in plans]
+    arch = runtime.default_arch()
+    results = compiler.compile_many([(r.source, r.kernel_name, arch) for r in rendered])
+    return {id(plan): res if isinstance(res, Exception) else runtime.Variant(plan, rend, res)
+            for plan, rend, res in zip(plans, rendered, results)}
+
+
+_data_cache: dict = {}
+
+
+def _data(widths, batch, n, seed):
+    """Module with random weights, inputs on the GPU, and the float64 reference (cached)."""
+    key = (tuple(widths.values()), batch, n, seed)
+    if key not in _data_cache:
+        gen = generator(seed)
+        module = READOUT.make_module(widths, gen).cuda()
+        inputs = READOUT.make_inputs({"B": batch, "N": n, **widths}, gen, "cauchy" if seed % 2 else "normal")
+        inputs = tuple(t.cuda() for t in inputs)
+        _data_cache[key] = (module, inputs, reference64(module, inputs))
+    return _data_cache[key]
+
+
+def _run(module, inputs, variant):
+    B, N = inputs[0].shape[:2]
+    out = torch.full((B, N, module.widths["D"]), float("nan"), device="cuda")
+    with torch.no_grad():
+        module._launch(*inputs, out=out, variant=variant)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("plan", CASES)
+def test_variant_matches_float64_reference(plan, variants):
+    variant = variants[id(plan)]
+    if isinstance(variant, Exception):
+        raise variant
+    failures = []
+    big = plan.widths["H"] >= 512
+    for k, (batch, n) in enumerate(ODD_SHAPES):
+        if big and batch * n > 200:
+            continue  # the float64 reference of D256/H512 at B3 N123 dominates the test time
+        module, inputs, ref = _data(plan.widths, batch, n, seed=k)
+        result = compare(_run(module, inputs, variant), ref, TOL)
+        if not result.ok:
+            failures.append(f"B={batch} N={n}: {result}")
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
+def _default_variants(widths):
+    out = []
+    for strategy in READOUT.strategies:
+        plans = sampled_plans(READOUT, strategy, widths, 1, seed=3)
+        out += [runtime.build_variant(p) for p in plans[:2]]
+    return out
+
+
+def test_masks_isolated_nodes_single_edges_and_nan():
+    """OPS.md's semantics on the kernels: fully masked rows give nodes + norm.bias; a single edge
+    pools its own message; NaN at a valid edge makes the row NaN, at a masked edge it is ignored;
+    bool and float masks agree."""
+    gen = generator(31)
+    module = READOUT.make_module(SEED_WIDTHS, gen).cuda()
+    nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": 3, "N": 37, **SEED_WIDTHS}, gen))
+    mask[2] = False  # a graph without edges
+    pair[0, 5, 9, 3] = float("nan")
+    mask[0, 5, 9] = True
+    pair[1, 6, 9, 3] = float("nan")
+    mask[1, 6, 9] = False
+    ref = reference64(module, (nodes, pair, mask))
+    assert torch.isnan(ref[0, 5]).all() and torch.isfinite(ref[1, 6]).all()
+    for variant in _default_variants(SEED_WIDTHS):
+        out = _run(module, (nodes, pair, mask), variant)
+        assert compare(out, ref, TOL).ok, variant
+        assert torch.isnan(out[0, 5]).all() and torch.isfinite(out[1, 6]).all()
+        torch.testing.assert_close(out[:, 0], nodes[:, 0] + module.norm.bias, rtol=0, atol=1e-5)
+        torch.testing.assert_close(out[2], nodes[2] + module.norm.bias, rtol=0, atol=1e-5)
+        module.force_variant(variant)
+        try:
+            with torch.no_grad():
+                from_float = module(nodes, pair, mask.float())
+        finally:
+            module.force_variant(None)
+        torch.testing.assert_close(from_float, out, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_n_equal_one(batch):
+    gen = generator(32)
+    module = READOUT.make_module(SEED_WIDTHS, gen).cuda()
+    nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": batch, "N": 1, **SEED_WIDTHS}, gen))
+    mask[0, 0, 0] = True  # a self edge in the first graph; the others are isolated
+    ref = reference64(module, (nodes, pair, mask))
+    for variant in _default_variants(SEED_WIDTHS):
+        assert compare(_run(module, (nodes, pair, mask), variant), ref, TOL).ok, variant
+
+
+def test_module_forward_noncontiguous_inputs():
+    gen = generator(11)
+    module = READOUT.make_module(SEED_WIDTHS, gen).cuda()
+    nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": 2, "N": 37, **SEED_WIDTHS}, gen))
+    pair_t, mask_t = pair.transpose(1, 2), mask.transpose(1, 2)
+    assert not pair_t.is_contiguous() and not mask_t.is_contiguous()
+    with torch.no_grad():
+        out = module(nodes, pair_t, mask_t)
+    assert compare(out, reference64(module, (nodes, pair_t, mask_t)), TOL).ok
+
+
+def test_runs_on_the_current_stream_and_under_graph_capture():
+    gen = generator(12)
+    module = READOUT.make_module(SEED_WIDTHS, gen).cuda()
+    inputs = tuple(t.cuda() for t in READOUT.make_inputs({"B": 3, "N": 37, **SEED_WIDTHS}, gen))
+    ref = reference64(module, inputs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        module(*inputs)  # warm: compile and pack outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # both launches of the split strategy must be captured
+            out = module(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert compare(out, ref, TOL).ok
+
+
+def test_gradients_match_the_float64_reference():
+    gen = generator(13)
+    module = READOUT.make_module(SEED_WIDTHS, gen).cuda()
+    inputs = tuple(t.cuda() for t in READOUT.make_inputs({"B": 2, "N": 7, **SEED_WIDTHS}, gen))
+    assert_gradients_match_float64(module, inputs)
+
+
+def test_weights_updated_in_place_are_repacked():
+    gen = generator(14)
+    module = READOUT.make_module(SEED_WIDTHS, gen).cuda()
+    inputs = tuple(t.cuda() for t in READOUT.make_inputs({"B": 1, "N": 7, **SEED_WIDTHS}, gen))
+    with torch.no_grad():
+        module(*inputs)
+        module.fuse[0].weight.mul_(-0.5)  # an optimizer step, in effect
+        out = module(*inputs)
+    assert compare(out, reference64(module, inputs), TOL).ok
+
+
+def test_tuned_entries_load_and_run():
+    info = runtime.device_info(0)
+    entries = TunedDB("readout", info.slug).entries()
+    if not entries:
+        pytest.skip(f"no tuned readout entries for {info.slug} in {TunedDB('readout', info.slug).path}")
+    for entry in entries:
+        widths = READOUT.widths_of(entry["shape"])
+        variant = runtime.build_variant(READOUT.plan(entry["strategy"], entry["params"], widths))
+        module, inputs, ref = _data(widths, 1, 37, seed=21)
+        result = compare(_run(module, inputs, variant), ref, TOL)
+        assert result.ok, f"tuned {entry['strategy']} {entry['params']}: {result}"
