@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ODD_SHAPES, REAL_WIDTHS, SEED_WIDTHS, assert_gradients_match_float64, generator, sampled_plans
+from helpers import ODD_SHAPES, REAL_WIDTHS, SEED_WIDTHS, assert_gradients_match_the_reference, generator, sampled_plans
 from pairgen import compiler, runtime
 from pairgen.check import compare, reference64
 from pairgen.ops.contact import CONTACT
@@ -105,10 +105,10 @@ def test_runs_on_the_current_stream_and_under_graph_capture():
     assert compare(out, ref, TOL).ok
 
 
-def test_gradients_match_the_float64_reference():
+def test_gradients_are_the_references():
     gen = generator(13)
     module = CONTACT.make_module(SEED_WIDTHS, gen).cuda()
-    assert_gradients_match_float64(module, (torch.randn(2, 7, 7, SEED_WIDTHS["P"], generator=gen).cuda(),))
+    assert_gradients_match_the_reference(module, (torch.randn(2, 7, 7, SEED_WIDTHS["P"], generator=gen).cuda(),))
 
 
 def test_weights_updated_in_place_are_repacked():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ODD_SHAPES, assert_gradients_match_float64, generator, sampled_plans
+from helpers import ODD_SHAPES, assert_gradients_match_the_reference, generator, sampled_plans
 from pairgen import compiler, runtime
 from pairgen.check import compare, reference64
 from pairgen.ops.readout import READOUT
@@ -164,11 +164,11 @@ def test_runs_on_the_current_stream_and_under_graph_capture():
     assert compare(out, ref, TOL).ok
 
 
-def test_gradients_match_the_float64_reference():
+def test_gradients_are_the_references():
     gen = generator(13)
     module = READOUT.make_module(SEED_WIDTHS, gen).cuda()
     inputs = tuple(t.cuda() for t in READOUT.make_inputs({"B": 2, "N": 7, **SEED_WIDTHS}, gen))
-    assert_gradients_match_float64(module, inputs)
+    assert_gradients_match_the_reference(module, inputs)
 
 
 def test_weights_updated_in_place_are_repacked():

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from helpers import ODD_SHAPES, assert_gradients_match_float64, generator, sampled_plans
+from helpers import ODD_SHAPES, assert_gradients_match_the_reference, generator, sampled_plans
 from pairgen import compiler, runtime
 from pairgen.check import compare, reference64
 from pairgen.ops.trimul import TRIMUL, random_mask
@@ -142,12 +142,12 @@ def test_fused_scratch_grows_and_the_barrier_survives_many_launches():
             assert compare(_run(module, inputs, variant), ref, TOL).ok, (batch, n)
 
 
-def test_gradients_match_the_float64_reference():
+def test_gradients_are_the_references():
     gen = generator(14)
     widths = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}
     module = TRIMUL.make_module(widths, gen).cuda()
     inputs = tuple(t.cuda() for t in TRIMUL.make_inputs({"B": 2, "N": 7, **widths}, gen))
-    assert_gradients_match_float64(module, inputs)
+    assert_gradients_match_the_reference(module, inputs)
 
 
 def test_weights_updated_in_place_are_repacked():
