@@ -9,7 +9,8 @@ import torch
 
 from helpers import generator
 from pairgen import ContactHead, ContactHeadReference
-from pairgen.ops.contact import CONTACT, random_tensor
+from pairgen.ops.base import random_tensor
+from pairgen.ops.contact import CONTACT
 
 
 def independent_contact(x, ln_w, ln_b, w1, b1, w2, b2, w3, b3):

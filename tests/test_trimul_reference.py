@@ -15,7 +15,7 @@ import torch
 from helpers import generator
 from pairgen import TriangleMultiplication, TriangleMultiplicationReference
 from pairgen.check import compare, reference64
-from pairgen.ops.contact import random_tensor
+from pairgen.ops.base import random_tensor
 from pairgen.ops.trimul import TRIMUL, options_of, pack_weights, random_mask, triangle_bmm, weight_offsets
 
 OPTION_SETS = [{"outgoing": o, "gate_normalized": g, "bias": b} for o, g, b in itertools.product((0, 1), (0, 1), (1, 0))]

@@ -155,6 +155,17 @@ class OpSpec:
                 raise ValueError(f"{self.name}/{strategy}: {key}={value!r} not in {space[key]}")
 
 
+def section_offsets(sizes: list[tuple[str, int]]) -> dict[str, int]:
+    """Offsets (in floats) of named sections packed one after another, each starting on a
+    16-byte boundary so kernels can read it with float4 loads; "total" is the packed length."""
+    offsets, at = {}, 0
+    for name, size in sizes:
+        offsets[name] = at
+        at = align(at + size)
+    offsets["total"] = at
+    return offsets
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -310,3 +321,22 @@ def check_float_tensor(name: str, t, rank: int, param: torch.Tensor) -> None:
         raise ValueError(f"{name} is on {t.device} but the module's parameters are on {param.device}")
     if t.dtype != param.dtype:
         raise ValueError(f"{name} has dtype {t.dtype} but the module's parameters are {param.dtype}")
+
+
+def random_tensor(shape, generator: torch.Generator, distribution: str = "normal") -> torch.Tensor:
+    """Test data per OPS.md: normal, or heavy-tailed (a Cauchy clipped to +-50). Never zeros."""
+    if distribution == "normal":
+        return torch.randn(shape, generator=generator)
+    if distribution == "cauchy":
+        u = torch.rand(shape, generator=generator)
+        return torch.tan(torch.pi * (u - 0.5)).clamp(-50.0, 50.0)
+    raise ValueError(f"unknown distribution {distribution!r}")
+
+
+def randomize_parameters(module: nn.Module, generator: torch.Generator) -> None:
+    """Random weights of the default init's scale, and LayerNorm affine away from (1, 0)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            fan_in = p.shape[-1] if p.dim() > 1 else 1
+            scale = (1.0 / fan_in) ** 0.5 if p.dim() > 1 else 0.5
+            p.copy_(torch.randn(p.shape, generator=generator) * scale + (1.0 if name.endswith("layer_norm.weight") else 0.0))

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from .base import (Cost, DeviceLimits, KernelModule, OpSpec, Plan, Restriction, Strategy, Tolerance,
-                   PackedParameters, align, ceil_div, check_float_tensor, is_pow2)
+                   PackedParameters, align, ceil_div, check_float_tensor, is_pow2, randomize_parameters,
+                   random_tensor, section_offsets)
 
 
 class ContactHeadReference(nn.Module):
@@ -30,13 +31,8 @@ class ContactHeadReference(nn.Module):
 
 def weight_offsets(P: int, H: int) -> dict[str, int]:
     """Packed-weight layout shared with templates/contact/_weights.cuh.j2 (16-byte sections)."""
-    sizes = [("w1t", P * H), ("b1", H), ("w2t", H * H), ("b2", H), ("w3", H), ("b3", 1), ("gamma", P), ("beta", P)]
-    offsets, at = {}, 0
-    for name, size in sizes:
-        offsets[name] = at
-        at = align(at + size)
-    offsets["total"] = at
-    return offsets
+    return section_offsets([("w1t", P * H), ("b1", H), ("w2t", H * H), ("b2", H), ("w3", H), ("b3", 1),
+                            ("gamma", P), ("beta", P)])
 
 
 def _weights_bytes(plan: Plan) -> int:
@@ -188,25 +184,6 @@ class ContactSpec(OpSpec):
 
     def make_inputs(self, shape: dict, generator: torch.Generator, distribution: str = "normal") -> tuple:
         return (random_tensor((shape["B"], shape["N"], shape["N"], shape["P"]), generator, distribution),)
-
-
-def random_tensor(shape, generator: torch.Generator, distribution: str = "normal") -> torch.Tensor:
-    """Test data per OPS.md: normal, or heavy-tailed (a Cauchy clipped to +-50). Never zeros."""
-    if distribution == "normal":
-        return torch.randn(shape, generator=generator)
-    if distribution == "cauchy":
-        u = torch.rand(shape, generator=generator)
-        return torch.tan(torch.pi * (u - 0.5)).clamp(-50.0, 50.0)
-    raise ValueError(f"unknown distribution {distribution!r}")
-
-
-def randomize_parameters(module: nn.Module, generator: torch.Generator) -> None:
-    """Random weights of the default init's scale, and LayerNorm affine away from (1, 0)."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            fan_in = p.shape[-1] if p.dim() > 1 else 1
-            scale = (1.0 / fan_in) ** 0.5 if p.dim() > 1 else 0.5
-            p.copy_(torch.randn(p.shape, generator=generator) * scale + (1.0 if name.endswith("layer_norm.weight") else 0.0))
 
 
 CONTACT = ContactSpec()

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from .base import (Cost, DeviceLimits, KernelModule, OpSpec, PackedParameters, Plan, Restriction, Strategy,
-                   Tolerance, align, ceil_div, check_float_tensor)
-from .contact import random_tensor, randomize_parameters
+                   Tolerance, align, ceil_div, check_float_tensor, random_tensor, randomize_parameters,
+                   section_offsets)
 
 
 class PairReadoutReference(nn.Module):
@@ -43,12 +43,7 @@ def weight_offsets(D: int, P: int, H: int) -> dict[str, int]:
     strategy needs (wpt onwards) are contiguous, so only they are staged in shared memory.
     """
     sizes = [("wuvt", D * 2 * H), ("wpt", P * H), ("b1", H), ("w2t", H * D), ("b2", D), ("gamma", D), ("beta", D)]
-    offsets, at = {}, 0
-    for name, size in sizes:
-        offsets[name] = at
-        at = align(at + size)
-    offsets["total"] = at
-    return offsets
+    return section_offsets(sizes)
 
 
 def _smem_fits(plan: Plan, limits: DeviceLimits) -> bool:

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from .base import (Cost, DeviceLimits, KernelModule, OpSpec, PackedParameters, Plan, Restriction, Strategy,
-                   Tolerance, align, ceil_div, check_float_tensor)
-from .contact import random_tensor, randomize_parameters
+                   Tolerance, align, ceil_div, check_float_tensor, random_tensor, randomize_parameters,
+                   section_offsets)
 
 DIRECTIONS = ("incoming", "outgoing")
 GATE_INPUTS = ("input", "normalized")
@@ -72,12 +72,7 @@ def weight_offsets(P: int, H: int, bias: bool) -> dict[str, int]:
     nb = 1 if bias else 0
     sizes = [("ln_in_g", P), ("ln_in_b", P), ("wp", P * 4 * H), ("bp", nb * 4 * H), ("ln_out_g", H), ("ln_out_b", H),
              ("wo", H * P), ("bo", nb * P), ("wg", P * P), ("bg", nb * P)]
-    offsets, at = {}, 0
-    for name, size in sizes:
-        offsets[name] = at
-        at = align(at + size)
-    offsets["total"] = at
-    return offsets
+    return section_offsets(sizes)
 
 
 def pack_weights(params: dict[str, torch.Tensor], P: int, H: int, bias: bool) -> torch.Tensor:
