@@ -1,11 +1,19 @@
-"""Shared test data: sampled search-space points, shapes, inputs (OPS.md's standard)."""
+"""Shared test data and checks: sampled search-space points, shapes, inputs (OPS.md's standard);
+the GPU tests' compiled variants, cached float64 references and launches; copy and pickle."""
 from __future__ import annotations
 
+import copy
+import io
 import random
+from operator import attrgetter
 
+import pytest
 import torch
 
+from pairgen import compiler, runtime
+from pairgen.check import compare, reference64
 from pairgen.ops.base import DeviceLimits
+from pairgen.tuned import TunedDB
 
 SEED_WIDTHS = {"P": 64, "H": 32}
 REAL_WIDTHS = ({"P": 128, "H": 128}, {"P": 128, "H": 64})
@@ -39,3 +47,153 @@ def assert_gradients_match_the_reference(module, inputs: tuple) -> None:
     for name, grad, ref_grad in named:
         assert grad is not None, f"no gradient for {name}"
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
+
+
+def sampled_cases(spec, widths_list, k: int, label=None) -> list:
+    """pytest params of k sampled plans of every strategy for each widths dict, with ids
+    "<label(widths)>-<plan.label>" (label defaults to P..H.. from the widths)."""
+    label = label or "P{P}H{H}".format_map
+    return [pytest.param(plan, id=f"{label(widths)}-{plan.label}")
+            for widths in widths_list
+            for strategy in spec.strategies
+            for plan in sampled_plans(spec, strategy, widths, k)]
+
+
+def compile_plans(plans) -> dict:
+    """Every plan rendered and compiled in parallel once: {id(plan): Variant, or the exception
+    its compilation raised}."""
+    rendered = [runtime.render_plan(p) for p in plans]
+    arch = runtime.default_arch()
+    results = compiler.compile_many([(r.source, r.kernel_name, arch) for r in rendered])
+    return {id(plan): res if isinstance(res, Exception) else runtime.Variant(plan, rend, res)
+            for plan, rend, res in zip(plans, rendered, results)}
+
+
+def compiled_variant(variants: dict, plan):
+    """The plan's variant from compile_plans, raising its compilation error if it had one."""
+    variant = variants[id(plan)]
+    if isinstance(variant, Exception):
+        raise variant
+    return variant
+
+
+_reference_cases: dict = {}
+
+
+def reference_case(spec, widths: dict, batch: int, n: int, seed: int) -> tuple:
+    """(module with random weights, inputs, their float64 reference), on the GPU and cached per
+    op, widths, shape and seed; normal inputs for an even seed, cauchy for an odd one."""
+    key = (spec.name, tuple(sorted(widths.items())), batch, n, seed)
+    if key not in _reference_cases:
+        gen = generator(seed)
+        module = spec.make_module(widths, gen).cuda()
+        inputs = spec.make_inputs({"B": batch, "N": n, **widths}, gen, "cauchy" if seed % 2 else "normal")
+        inputs = tuple(t.cuda() for t in inputs)
+        _reference_cases[key] = (module, inputs, reference64(module, inputs))
+    return _reference_cases[key]
+
+
+def run_variant(module, inputs: tuple, variant, shape) -> torch.Tensor:
+    """The module's kernel launched with this variant into a NaN-prefilled output of `shape`
+    (the op's output shape: the float64 reference's), synchronized."""
+    out = torch.full(tuple(shape), float("nan"), device="cuda")
+    with torch.no_grad():
+        module._launch(*inputs, out=out, variant=variant)
+    torch.cuda.synchronize()
+    return out
+
+
+
+def assert_variant_matches_float64(spec, plan, variant, shapes, skip=None, also=None) -> None:
+    """The variant against the float64 reference of reference_case(spec, plan.widths, B, N, seed=k)
+    for the k-th (B, N) of shapes, but those skip(B, N) passes over; every failing shape is reported
+    at once. also(module, inputs, variant, k) returns further failures (strings) of op-specific checks."""
+    tol = spec.tolerance["float32"]
+    failures = []
+    for k, (batch, n) in enumerate(shapes):
+        if skip is not None and skip(batch, n):
+            continue
+        module, inputs, ref = reference_case(spec, plan.widths, batch, n, seed=k)
+        result = compare(run_variant(module, inputs, variant, ref.shape), ref, tol)
+        if not result.ok:
+            failures.append(f"B={batch} N={n}: {result}")
+        if also is not None:
+            failures += [f"B={batch} N={n}: {failure}" for failure in also(module, inputs, variant, k)]
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
+def run_under_graph_capture(module, inputs: tuple, replays: int = 1) -> torch.Tensor:
+    """The module's forward warmed up (compile, pack, allocate) and captured into a CUDA graph on a
+    side stream; the captured output is NaN-filled, the graph replayed `replays` times and
+    synchronized. A launch outside the current stream (the legacy default stream) breaks capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        module(*inputs)  # warm: compile, pack and allocate outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = module(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    out.fill_(float("nan"))
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+def check_tuned_entries(spec) -> None:
+    """Every tuned entry of the op for this GPU builds and matches the float64 reference at
+    B=1 N=37 (skipped where the GPU has none)."""
+    info = runtime.device_info(0)
+    db = TunedDB(spec.name, info.slug)
+    entries = db.entries()
+    if not entries:
+        pytest.skip(f"no tuned {spec.name} entries for {info.slug} in {db.path}")
+    for entry in entries:
+        widths = spec.widths_of(entry["shape"])
+        variant = runtime.build_variant(spec.plan(entry["strategy"], entry["params"], widths))
+        module, inputs, ref = reference_case(spec, widths, 1, 37, seed=21)
+        result = compare(run_variant(module, inputs, variant, ref.shape), ref, spec.tolerance["float32"])
+        assert result.ok, f"tuned {entry['strategy']} {entry['params']}: {result}"
+
+
+def assert_state_dicts_interchange(module, reference) -> None:
+    """The drop-in module and its reference have the same state_dict keys, in order, and each
+    loads the other's state_dict to equal tensors."""
+    assert list(module.state_dict()) == list(reference.state_dict())
+    module.load_state_dict(reference.state_dict())
+    reference.load_state_dict(module.state_dict())
+    for name, p in module.state_dict().items():
+        assert torch.equal(p, reference.state_dict()[name]), name
+
+
+class Unpicklable:
+    """Stands in for runtime state that cannot be pickled (a loaded kernel, device memory)."""
+
+    def __reduce__(self):
+        raise TypeError("a loaded kernel cannot be pickled")
+
+
+def deepcopy_dropping_runtime_state(module, state: dict):
+    """Sets each (dotted) attribute of `state` on the module, stand-ins for its runtime state (loaded
+    kernels, device buffers, cache keys), deep-copies the module and asserts that the copy has
+    dropped every one of them (None there); returns the copy."""
+    for path, value in state.items():
+        owner, _, name = path.rpartition(".")
+        setattr(attrgetter(owner)(module) if owner else module, name, value)
+    clone = copy.deepcopy(module)
+    for path in state:
+        assert attrgetter(path)(clone) is None, f"the copy kept {path}"
+    return clone
+
+
+def assert_copy_and_pickle_compute_the_reference(module, clone, inputs: tuple) -> None:
+    """The module survives torch.save/torch.load, and both the loaded module and `clone` (its
+    deepcopy) compute the module's reference exactly."""
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    expected = module.reference_forward(*inputs)
+    torch.testing.assert_close(loaded(*inputs), expected, rtol=0, atol=0)
+    torch.testing.assert_close(clone(*inputs), expected, rtol=0, atol=0)

@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from helpers import generator
+from helpers import (Unpicklable, assert_copy_and_pickle_compute_the_reference, assert_state_dicts_interchange,
+                     deepcopy_dropping_runtime_state, generator)
 from pairgen import ContactHead, ContactHeadReference
 from pairgen.ops.base import random_tensor
 from pairgen.ops.contact import CONTACT
@@ -59,11 +60,7 @@ def test_module_on_cpu_equals_the_reference(shape):
 def test_state_dict_keys_and_round_trip():
     reference = ContactHeadReference(64, 32)
     module = ContactHead(64, 32)
-    assert list(module.state_dict()) == list(reference.state_dict())
-    module.load_state_dict(reference.state_dict())
-    reference.load_state_dict(module.state_dict())
-    for name, p in module.state_dict().items():
-        assert torch.equal(p, reference.state_dict()[name]), name
+    assert_state_dicts_interchange(module, reference)
 
 
 def test_non_contiguous_input_and_other_dtypes_run_the_reference():
@@ -99,28 +96,12 @@ def test_gradients_flow_on_cpu():
 
 
 def test_copies_and_pickles_drop_runtime_state():
-    import copy
-    import io
-
     module = CONTACT.make_module({"P": 16, "H": 8}, generator(4))
-
-    class Unpicklable:
-        def __reduce__(self):
-            raise TypeError("a loaded kernel cannot be pickled")
-
-    module._variant_cache = {"generation": 0, (0, 7): Unpicklable()}
-    module._weights._packed, module._weights._key = Unpicklable(), [1, 2]
-    clone = copy.deepcopy(module)
-    assert clone._variant_cache is None and clone._weights._packed is None and clone._weights._key is None
+    clone = deepcopy_dropping_runtime_state(module, {"_variant_cache": {"generation": 0, (0, 7): Unpicklable()},
+                                                     "_weights._packed": Unpicklable(), "_weights._key": [1, 2]})
     assert clone._weights.parameters()[0] is clone.mlp[0].weight, "the copy packs its own parameters"
     assert clone._ln_params is clone.layer_norm._parameters
-    buffer = io.BytesIO()
-    torch.save(module, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    x = torch.randn(1, 5, 5, 16)
-    torch.testing.assert_close(loaded(x), module.reference_forward(x), rtol=0, atol=0)
-    torch.testing.assert_close(clone(x), module.reference_forward(x), rtol=0, atol=0)
+    assert_copy_and_pickle_compute_the_reference(module, clone, (torch.randn(1, 5, 5, 16),))
 
 
 def test_packed_weights_follow_every_kind_of_parameter_change():

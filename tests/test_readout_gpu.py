@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ODD_SHAPES, assert_gradients_match_the_reference, generator, sampled_plans
-from pairgen import compiler, runtime
+from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_variant_matches_float64,
+                     check_tuned_entries, compile_plans, compiled_variant, generator, run_under_graph_capture,
+                     run_variant, sampled_cases, sampled_plans)
+from pairgen import runtime
 from pairgen.check import compare, reference64
 from pairgen.ops.readout import READOUT
-from pairgen.tuned import TunedDB
 
 pytestmark = pytest.mark.gpu
 TOL = READOUT.tolerance["float32"]
@@ -18,72 +19,28 @@ SEED_WIDTHS = WIDTHS[0]
 POINTS_PER_STRATEGY = 5
 
 
-def _label(w):
-    return "D{D}P{P}H{H}".format(**w)
-
-
-def _cases():
-    cases = []
-    for widths in WIDTHS:
-        for strategy in READOUT.strategies:
-            for plan in sampled_plans(READOUT, strategy, widths, POINTS_PER_STRATEGY):
-                cases.append(pytest.param(plan, id=f"{_label(widths)}-{plan.label}"))
-    return cases
-
-
-CASES = _cases()
+CASES = sampled_cases(READOUT, WIDTHS, POINTS_PER_STRATEGY, label="D{D}P{P}H{H}".format_map)
 
 
 @pytest.fixture(scope="module")
 def variants():
     """Every sampled variant, compiled in parallel once."""
-    plans = [c.values[0] for c in CASES]
-    rendered = [runtime.render_plan(p) for p in plans]
-    arch = runtime.default_arch()
-    results = compiler.compile_many([(r.source, r.kernel_name, arch) for r in rendered])
-    return {id(plan): res if isinstance(res, Exception) else runtime.Variant(plan, rend, res)
-            for plan, rend, res in zip(plans, rendered, results)}
-
-
-_data_cache: dict = {}
-
-
-def _data(widths, batch, n, seed):
-    """Module with random weights, inputs on the GPU, and the float64 reference (cached)."""
-    key = (tuple(widths.values()), batch, n, seed)
-    if key not in _data_cache:
-        gen = generator(seed)
-        module = READOUT.make_module(widths, gen).cuda()
-        inputs = READOUT.make_inputs({"B": batch, "N": n, **widths}, gen, "cauchy" if seed % 2 else "normal")
-        inputs = tuple(t.cuda() for t in inputs)
-        _data_cache[key] = (module, inputs, reference64(module, inputs))
-    return _data_cache[key]
+    return compile_plans([c.values[0] for c in CASES])
 
 
 def _run(module, inputs, variant):
     B, N = inputs[0].shape[:2]
-    out = torch.full((B, N, module.widths["D"]), float("nan"), device="cuda")
-    with torch.no_grad():
-        module._launch(*inputs, out=out, variant=variant)
-    torch.cuda.synchronize()
-    return out
+    return run_variant(module, inputs, variant, (B, N, module.widths["D"]))
 
 
 @pytest.mark.parametrize("plan", CASES)
 def test_variant_matches_float64_reference(plan, variants):
-    variant = variants[id(plan)]
-    if isinstance(variant, Exception):
-        raise variant
-    failures = []
     big = plan.widths["H"] >= 512
-    for k, (batch, n) in enumerate(ODD_SHAPES):
-        if big and batch * n > 200:
-            continue  # the float64 reference of D256/H512 at B3 N123 dominates the test time
-        module, inputs, ref = _data(plan.widths, batch, n, seed=k)
-        result = compare(_run(module, inputs, variant), ref, TOL)
-        if not result.ok:
-            failures.append(f"B={batch} N={n}: {result}")
-    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+    def skip(batch, n):
+        return big and batch * n > 200  # the float64 reference of D256/H512 at B3 N123 dominates the test time
+
+    assert_variant_matches_float64(READOUT, plan, compiled_variant(variants, plan), ODD_SHAPES, skip=skip)
 
 
 def _default_variants(widths):
@@ -150,17 +107,7 @@ def test_runs_on_the_current_stream_and_under_graph_capture():
     module = READOUT.make_module(SEED_WIDTHS, gen).cuda()
     inputs = tuple(t.cuda() for t in READOUT.make_inputs({"B": 3, "N": 37, **SEED_WIDTHS}, gen))
     ref = reference64(module, inputs)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(side):
-        module(*inputs)  # warm: compile and pack outside capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # both launches of the split strategy must be captured
-            out = module(*inputs)
-    torch.cuda.current_stream().wait_stream(side)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = run_under_graph_capture(module, inputs)  # both launches of the split strategy must be captured
     assert compare(out, ref, TOL).ok
 
 
@@ -183,13 +130,4 @@ def test_weights_updated_in_place_are_repacked():
 
 
 def test_tuned_entries_load_and_run():
-    info = runtime.device_info(0)
-    entries = TunedDB("readout", info.slug).entries()
-    if not entries:
-        pytest.skip(f"no tuned readout entries for {info.slug} in {TunedDB('readout', info.slug).path}")
-    for entry in entries:
-        widths = READOUT.widths_of(entry["shape"])
-        variant = runtime.build_variant(READOUT.plan(entry["strategy"], entry["params"], widths))
-        module, inputs, ref = _data(widths, 1, 37, seed=21)
-        result = compare(_run(module, inputs, variant), ref, TOL)
-        assert result.ok, f"tuned {entry['strategy']} {entry['params']}: {result}"
+    check_tuned_entries(READOUT)

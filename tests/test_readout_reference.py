@@ -3,14 +3,13 @@ from the packed weights, the drop-in module against the reference (masks, isolat
 state_dict compatibility, and input validation."""
 from __future__ import annotations
 
-import copy
-import io
 import re
 
 import pytest
 import torch
 
-from helpers import generator
+from helpers import (Unpicklable, assert_copy_and_pickle_compute_the_reference, assert_state_dicts_interchange,
+                     deepcopy_dropping_runtime_state, generator)
 from pairgen import PairReadout, PairReadoutReference
 from pairgen.ops.readout import READOUT, random_edge_mask, weight_offsets
 
@@ -144,11 +143,7 @@ def test_nan_propagates_from_valid_edges_only():
 def test_state_dict_keys_and_round_trip():
     reference = PairReadoutReference(16, 8, 24)
     module = PairReadout(16, 8, 24)
-    assert list(module.state_dict()) == list(reference.state_dict())
-    module.load_state_dict(reference.state_dict())
-    reference.load_state_dict(module.state_dict())
-    for name, p in module.state_dict().items():
-        assert torch.equal(p, reference.state_dict()[name]), name
+    assert_state_dicts_interchange(module, reference)
 
 
 def test_non_contiguous_inputs_and_other_dtypes_run_the_reference():
@@ -200,24 +195,11 @@ def test_gradients_flow_on_cpu():
 
 def test_copies_and_pickles_drop_runtime_state():
     module, inputs = _module_and_inputs({"B": 1, "N": 5, **WIDTHS}, 10)
-
-    class Unpicklable:
-        def __reduce__(self):
-            raise TypeError("a loaded kernel cannot be pickled")
-
-    module._variant_cache = {"generation": 0, (0, 5): Unpicklable()}
-    module._weights._packed, module._weights._key = Unpicklable(), [1, 2]
-    clone = copy.deepcopy(module)
-    assert clone._variant_cache is None and clone._weights._packed is None and clone._weights._key is None
+    clone = deepcopy_dropping_runtime_state(module, {"_variant_cache": {"generation": 0, (0, 5): Unpicklable()},
+                                                     "_weights._packed": Unpicklable(), "_weights._key": [1, 2]})
     assert clone._weights.parameters()[0] is clone.fuse[0].weight, "the copy packs its own parameters"
     assert clone._ln_params is clone.norm._parameters
-    buffer = io.BytesIO()
-    torch.save(module, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    expected = module.reference_forward(*inputs)
-    torch.testing.assert_close(loaded(*inputs), expected, rtol=0, atol=0)
-    torch.testing.assert_close(clone(*inputs), expected, rtol=0, atol=0)
+    assert_copy_and_pickle_compute_the_reference(module, clone, inputs)
 
 
 def test_packed_weights_follow_parameter_changes():

@@ -8,11 +8,12 @@ import itertools
 import pytest
 import torch
 
-from helpers import ODD_SHAPES, assert_gradients_match_the_reference, generator, sampled_plans
-from pairgen import compiler, runtime
+from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_variant_matches_float64,
+                     check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
+                     run_under_graph_capture, run_variant, sampled_cases)
+from pairgen import runtime
 from pairgen.check import compare, reference64
 from pairgen.ops.trimul import TRIMUL, random_mask
-from pairgen.tuned import TunedDB
 
 pytestmark = pytest.mark.gpu
 TOL = TRIMUL.tolerance["float32"]
@@ -22,70 +23,34 @@ POINTS_PER_STRATEGY = 3
 SHAPES = [(b, n) for b, n in ODD_SHAPES if n <= 64]  # N=123 at P=H=128 is slow in float64 on every case
 
 
-def _cases():
-    cases = []
-    for channels in CHANNELS:
-        for options in OPTION_SETS:
-            w = {**channels, **options}
-            for strategy in TRIMUL.strategies:
-                for plan in sampled_plans(TRIMUL, strategy, w, POINTS_PER_STRATEGY):
-                    label = "".join(f"{k[0]}{v}" for k, v in w.items())
-                    cases.append(pytest.param(plan, id=f"{label}-{plan.label}"))
-    return cases
+def _label(widths):
+    return "".join(f"{k[0]}{v}" for k, v in widths.items())
 
 
-CASES = _cases()
+CASES = sampled_cases(TRIMUL, [{**channels, **options} for channels in CHANNELS for options in OPTION_SETS],
+                      POINTS_PER_STRATEGY, label=_label)
 
 
 @pytest.fixture(scope="module")
 def variants():
-    plans = [c.values[0] for c in CASES]
-    rendered = [runtime.render_plan(p) for p in plans]
-    results = compiler.compile_many([(r.source, r.kernel_name, runtime.default_arch()) for r in rendered])
-    return {id(p): res if isinstance(res, Exception) else runtime.Variant(p, r, res)
-            for p, r, res in zip(plans, rendered, results)}
-
-
-_data: dict = {}
-
-
-def _case(widths, batch, n, seed):
-    """Module with random weights, inputs (bool mask), and the float64 reference (cached)."""
-    key = (tuple(sorted(widths.items())), batch, n, seed)
-    if key not in _data:
-        gen = generator(seed)
-        module = TRIMUL.make_module(widths, gen).cuda()
-        inputs = TRIMUL.make_inputs({"B": batch, "N": n, **widths}, gen, "cauchy" if seed % 2 else "normal")
-        inputs = tuple(t.cuda() for t in inputs)
-        _data[key] = (module, inputs, reference64(module, inputs))
-    return _data[key]
+    return compile_plans([c.values[0] for c in CASES])
 
 
 def _run(module, inputs, variant):
-    x = inputs[0]
-    out = torch.full(x.shape, float("nan"), device="cuda")
-    with torch.no_grad():
-        module._launch(*inputs, out=out, variant=variant)
-    torch.cuda.synchronize()
-    return out
+    return run_variant(module, inputs, variant, inputs[0].shape)
+
+
+def _float_mask_agrees(module, inputs, variant, k):
+    """On the first shape, a float mask reads through the other element type and must agree exactly."""
+    if k != 0:
+        return []
+    float_out = _run(module, (inputs[0], inputs[1].float()), variant)
+    return [] if torch.equal(float_out, _run(module, inputs, variant)) else ["bool and float masks differ"]
 
 
 @pytest.mark.parametrize("plan", CASES)
 def test_variant_matches_float64_reference(plan, variants):
-    variant = variants[id(plan)]
-    if isinstance(variant, Exception):
-        raise variant
-    failures = []
-    for k, (batch, n) in enumerate(SHAPES):
-        module, inputs, ref = _case(plan.widths, batch, n, seed=k)
-        result = compare(_run(module, inputs, variant), ref, TOL)
-        if not result.ok:
-            failures.append(f"B={batch} N={n}: {result}")
-        if k == 0:  # a float mask reads through the other element type and must agree exactly
-            float_out = _run(module, (inputs[0], inputs[1].float()), variant)
-            if not torch.equal(float_out, _run(module, inputs, variant)):
-                failures.append(f"B={batch} N={n}: bool and float masks differ")
-    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+    assert_variant_matches_float64(TRIMUL, plan, compiled_variant(variants, plan), SHAPES, also=_float_mask_agrees)
 
 
 @pytest.mark.parametrize("options", OPTION_SETS[:2] + OPTION_SETS[-1:])
@@ -114,32 +79,49 @@ def test_runs_on_the_current_stream_and_under_graph_capture():
         module.force_variant(runtime.build_variant(plan))
         inputs = tuple(t.cuda() for t in TRIMUL.make_inputs({"B": 3, "N": 37, **widths}, gen))
         ref = reference64(module, inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(side):
-            module(*inputs)  # warm: compile, pack and allocate outside capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = module(*inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        out.fill_(float("nan"))
-        graph.replay()
-        graph.replay()  # the fused barrier is left ready for the next launch
-        torch.cuda.synchronize()
+        out = run_under_graph_capture(module, inputs, replays=2)  # the fused barrier is left ready for the next launch
         assert compare(out, ref, TOL).ok, strategy
 
 
-def test_fused_scratch_grows_and_the_barrier_survives_many_launches():
+def test_fused_barrier_survives_many_launches_of_changing_sizes():
     gen = generator(13)
     widths = {"P": 64, "H": 32, "outgoing": 1, "gate_normalized": 1, "bias": 0}
     module = TRIMUL.make_module(widths, gen).cuda()
     plan = TRIMUL.feasible_plans("fused", widths, runtime.device_info(0).limits)[-1]
     variant = runtime.build_variant(plan)
     for batch, n in ((1, 7), (3, 37), (1, 1), (2, 64), (2, 64)):
-        module_, inputs, ref = _case(widths, batch, n, seed=13)
+        module_, inputs, ref = reference_case(TRIMUL, widths, batch, n, seed=13)
         module.load_state_dict(module_.state_dict())
         for _ in range(3):
             assert compare(_run(module, inputs, variant), ref, TOL).ok, (batch, n)
+
+
+def test_a_captured_graph_survives_later_larger_calls():
+    """The graph captures its scratch pointers: a later, larger eager call must not free or reuse
+    them (scratch comes from the allocator per call; the graph keeps its own pool)."""
+    widths = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}
+    module, small, ref = reference_case(TRIMUL, widths, 1, 7, seed=16)
+    plan = TRIMUL.feasible_plans("fused", widths, runtime.device_info(0).limits)[0]
+    module.force_variant(runtime.build_variant(plan))
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            module(*small)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = module(*small)
+        torch.cuda.current_stream().wait_stream(side)
+        _, large, large_ref = reference_case(TRIMUL, widths, 2, 64, seed=16)
+        with torch.no_grad():
+            for _ in range(3):
+                assert compare(module(*large), large_ref, TOL).ok
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert compare(out, ref, TOL).ok
+    finally:
+        module.force_variant(None)
 
 
 def test_gradients_are_the_references():
@@ -180,13 +162,4 @@ def test_tf32_allowed_by_the_caller_does_not_reach_the_bmm():
 
 
 def test_tuned_entries_load_and_run():
-    info = runtime.device_info(0)
-    entries = TunedDB("trimul", info.slug).entries()
-    if not entries:
-        pytest.skip(f"no tuned trimul entries for {info.slug} in {TunedDB('trimul', info.slug).path}")
-    for entry in entries:
-        widths = TRIMUL.widths_of(entry["shape"])
-        variant = runtime.build_variant(TRIMUL.plan(entry["strategy"], entry["params"], widths))
-        module, inputs, ref = _case(widths, 1, 37, seed=21)
-        result = compare(_run(module, inputs, variant), ref, TOL)
-        assert result.ok, f"tuned {entry['strategy']} {entry['params']}: {result}"
+    check_tuned_entries(TRIMUL)

@@ -4,15 +4,14 @@ weights, (B*H, N, N) a/b and the bmm orientation) emulated in PyTorch, state_dic
 compatibility, masks, and input validation."""
 from __future__ import annotations
 
-import copy
-import io
 import itertools
 import re
 
 import pytest
 import torch
 
-from helpers import generator
+from helpers import (Unpicklable, assert_copy_and_pickle_compute_the_reference, assert_state_dicts_interchange,
+                     deepcopy_dropping_runtime_state, generator)
 from pairgen import TriangleMultiplication, TriangleMultiplicationReference
 from pairgen.check import compare, reference64
 from pairgen.ops.base import random_tensor
@@ -212,12 +211,8 @@ def test_state_dict_keys_and_round_trip(options):
     reference = TriangleMultiplicationReference(64, 32, **kwargs)
     module = TriangleMultiplication(64, 32, **kwargs)
     keys = list(module.state_dict())
-    assert keys == list(reference.state_dict())
     assert any(k.endswith(".bias") and not k.startswith("layer_norm") for k in keys) == bool(options["bias"])
-    module.load_state_dict(reference.state_dict())
-    reference.load_state_dict(module.state_dict())
-    for name, p in module.state_dict().items():
-        assert torch.equal(p, reference.state_dict()[name]), name
+    assert_state_dicts_interchange(module, reference)
     assert list(module._param_names) == keys
 
 
@@ -285,23 +280,10 @@ def test_gradients_flow_on_cpu():
 
 def test_copies_and_pickles_drop_runtime_state():
     module = module_for(16, 8, OPTION_SETS[0], 12)
-
-    class Unpicklable:
-        def __reduce__(self):
-            raise TypeError("a loaded kernel cannot be pickled")
-
-    module._variant_cache = {"generation": 0, (0, 7): Unpicklable()}
-    module._launches = {"key": Unpicklable()}
-    module._scratch = (0, 1, Unpicklable(), Unpicklable())
-    module._weights._packed = Unpicklable()
-    clone = copy.deepcopy(module)
-    assert clone._variant_cache is None and clone._launches is None and clone._scratch is None
-    assert clone._weights._packed is None
+    clone = deepcopy_dropping_runtime_state(module, {"_variant_cache": {"generation": 0, (0, 7): Unpicklable()},
+                                                     "_launches": {"key": Unpicklable()},
+                                                     "_barrier": (0, Unpicklable()),
+                                                     "_weights._packed": Unpicklable()})
     assert clone._weights._slots[0][0] is clone.layer_norm_in._parameters, "the copy packs its own parameters"
-    buffer = io.BytesIO()
-    torch.save(module, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    x, mask = torch.randn(1, 5, 5, 16), random_mask(1, 5, generator(0))
-    torch.testing.assert_close(loaded(x, mask), module.reference_forward(x, mask), rtol=0, atol=0)
-    torch.testing.assert_close(clone(x, mask), module.reference_forward(x, mask), rtol=0, atol=0)
+    inputs = (torch.randn(1, 5, 5, 16), random_mask(1, 5, generator(0)))
+    assert_copy_and_pickle_compute_the_reference(module, clone, inputs)

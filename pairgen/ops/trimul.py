@@ -337,14 +337,14 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
     """Drop-in for TriangleMultiplicationReference: same constructor, submodules and state_dict.
 
     CUDA float32 input runs the tuned kernels; CPU input or other dtypes run the reference.
-    The fused strategy's scratch (a, b) and its grid-barrier ints are owned by the module and
-    reused across calls: two launches of the SAME module on different streams at once would
-    share them (the bmm strategy allocates its scratch per call from torch's stream-aware
-    allocator, so it has no such limit).
+    Scratch for a and b comes from torch's stream-aware caching allocator on every call (so a
+    captured CUDA graph never points at memory a later, larger call freed). The fused
+    strategy's grid-barrier ints are owned by the module and left zeroed by every launch: two
+    launches of the SAME module on different streams at once would share them.
     """
 
     op = TRIMUL
-    _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_scratch", "_launches")
+    _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_barrier", "_launches")
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "incoming", gate_on: str = "input",
                  bias: bool = True):
@@ -352,7 +352,7 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         self.widths = {"P": int(pair_dim), "H": int(hidden_dim), "outgoing": int(direction == "outgoing"),
                        "gate_normalized": int(gate_on == "normalized"), "bias": int(bias)}
         self._outgoing = direction == "outgoing"
-        self._scratch = None   # fused: (device index, floats, scratch tensor, barrier tensor)
+        self._barrier = None   # fused: (device index, the grid barrier's two ints)
         self._launches = None  # (variant, device, B, N) -> kernels and grids, computed once
         # Every parameter in state_dict order (no bias slots without bias), packed by pack_weights.
         slots = [(getattr(self, sub), name) for sub in _PARAM_ORDER for name in ("weight", "bias")
@@ -460,20 +460,17 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
                 torch.backends.cuda.matmul.allow_tf32 = True
         output(o_tiles, o_threads, o_smem, x_ptr, z.data_ptr(), w_ptr, out.data_ptr(), B, N, o_tiles)
 
-    def _fused_scratch(self, device: torch.device, floats: int) -> tuple[int, int, int]:
-        """Pointers to a and b (floats each) and the barrier ints; reallocated only when B*N grows
-        or the device changes. The barrier is zeroed once: each launch leaves it zeroed."""
+    def _barrier_ints(self, device: torch.device) -> int:
+        """The grid barrier's ints on this device, zeroed once: each launch leaves them zeroed."""
         index = device.index or 0
-        held = self._scratch
-        if held is None or held[0] != index or held[1] < floats:
-            scratch = torch.empty(2 * floats, device=device, dtype=torch.float32)
-            barrier = held[3] if held is not None and held[0] == index else torch.zeros(2, device=device, dtype=torch.int32)
-            held = self._scratch = (index, floats, scratch, barrier)
-        base = held[2].data_ptr()
-        return base, base + 4 * held[1], held[3].data_ptr()
+        held = self._barrier
+        if held is None or held[0] != index:
+            held = self._barrier = (index, torch.zeros(2, device=device, dtype=torch.int32))
+        return held[1].data_ptr()
 
     def _launch_fused(self, how, x, mask, mask_is_float, out, B, N) -> None:
         kernel, blocks, threads, smem, work = how
-        a_ptr, b_ptr, barrier_ptr = self._fused_scratch(x.device, B * self.widths["H"] * N * N)
+        ab = torch.empty((2, B * self.widths["H"] * N * N), device=x.device, dtype=torch.float32)
         kernel.cooperative(blocks, threads, smem, x.data_ptr(), mask.data_ptr(), self._weights.get().data_ptr(),
-                           a_ptr, b_ptr, barrier_ptr, out.data_ptr(), B, N, work, mask_is_float)
+                           ab[0].data_ptr(), ab[1].data_ptr(), self._barrier_ints(x.device), out.data_ptr(),
+                           B, N, work, mask_is_float)
