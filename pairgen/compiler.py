@@ -11,13 +11,14 @@ import re
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from multiprocessing import get_context
 from pathlib import Path
 
 from . import config
 
+CACHE_FORMAT = "2"  # bumped when the cached metadata changes (2: resources per kernel)
 NVRTC_OPTIONS = ("-std=c++17", "--ptxas-options=-v")  # -v: registers and spills in the log
 
 
@@ -50,14 +51,19 @@ class Compiled:
     arch: str
     nvrtc_version: str
     compile_s: float
-    registers: int | None
-    spill_bytes: int | None
+    registers: int | None    # the largest over the source's kernels
+    spill_bytes: int | None  # likewise: any kernel spilling shows here
     stack_bytes: int | None
+    #: per __global__ function: {"registers", "spill_bytes", "stack_bytes"}
+    kernels: dict = field(default_factory=dict)
     from_cache: bool = False
 
     def summary(self) -> str:
-        return (f"{self.registers} regs, {self.spill_bytes} B spilled, {self.stack_bytes} B stack, "
+        text = (f"{self.registers} regs, {self.spill_bytes} B spilled, {self.stack_bytes} B stack, "
                 f"{self.compile_s:.2f} s compile{' (cached)' if self.from_cache else ''}")
+        if len(self.kernels) > 1:
+            text += "; " + ", ".join(f"{name}: {k['registers']} regs" for name, k in sorted(self.kernels.items()))
+        return text
 
 
 @lru_cache(maxsize=1)
@@ -76,16 +82,27 @@ def _check(err, what: str) -> None:
         raise RuntimeError(f"{what} failed: {err}")
 
 
-def _parse_resources(log: str) -> tuple[int | None, int | None, int | None]:
-    regs = re.search(r"Used (\d+) registers", log)
-    spill = re.search(r"(\d+) bytes spill stores", log)
-    stack = re.search(r"(\d+) bytes stack frame", log)
-    as_int = lambda m: int(m.group(1)) if m else None  # noqa: E731
-    return as_int(regs), as_int(spill), as_int(stack)
+def _parse_kernels(log: str) -> dict[str, dict]:
+    """ptxas -v's report per entry function: registers, spill stores and stack frame bytes."""
+    kernels = {}
+    for block in re.split(r"Compiling entry function '", log)[1:]:
+        name = block.split("'", 1)[0]
+        regs = re.search(r"Used (\d+) registers", block)
+        spill = re.search(r"(\d+) bytes spill stores", block)
+        stack = re.search(r"(\d+) bytes stack frame", block)
+        kernels[name] = {"registers": int(regs.group(1)) if regs else None,
+                         "spill_bytes": int(spill.group(1)) if spill else None,
+                         "stack_bytes": int(stack.group(1)) if stack else None}
+    return kernels
+
+
+def _worst(kernels: dict[str, dict], what: str) -> int | None:
+    values = [k[what] for k in kernels.values() if k[what] is not None]
+    return max(values) if values else None
 
 
 def cache_key(source: str, arch: str) -> str:
-    text = "\0".join([source, arch, nvrtc_version(), *NVRTC_OPTIONS])
+    text = "\0".join([source, arch, nvrtc_version(), CACHE_FORMAT, *NVRTC_OPTIONS])
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -139,9 +156,10 @@ def compile_source(source: str, kernel_name: str, arch: str, use_cache: bool = T
             pass  # a damaged entry is recompiled and rewritten
     start = time.perf_counter()
     cubin, log = _nvrtc_compile(source, f"{kernel_name}.cu", arch)
-    registers, spill, stack = _parse_resources(log)
+    kernels = _parse_kernels(log)
     compiled = Compiled(cubin, kernel_name, arch, nvrtc_version(), time.perf_counter() - start,
-                        registers, spill, stack)
+                        _worst(kernels, "registers"), _worst(kernels, "spill_bytes"), _worst(kernels, "stack_bytes"),
+                        kernels)
     if use_cache:
         meta = {k: v for k, v in asdict(compiled).items() if k not in ("cubin", "from_cache")}
         _write_atomic(cubin_path, cubin)

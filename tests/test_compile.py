@@ -75,3 +75,19 @@ def test_disk_cache_is_keyed_by_source_and_arch():
     other = compiler.compile_source(source, "cached_k", "sm_80")
     assert not other.from_cache
     assert compiler.cache_key(source, ARCH) != compiler.cache_key(source, "sm_80")
+
+
+def test_resources_are_reported_per_kernel_and_the_worst_overall():
+    source = ('extern "C" __global__ void light(float* x) { x[threadIdx.x] += 1.0f; }\n'
+              'extern "C" __global__ void heavy(float* x, int n) {\n'
+              '  float acc[64];\n'
+              '  for (int k = 0; k < 64; ++k) acc[k] = x[(threadIdx.x * 7 + k * n) % 4096];\n'
+              '  float s = 0.0f;\n'
+              '  for (int k = 0; k < 64; ++k) s += acc[(k * n) & 63];\n'  # run-time indices: a stack frame
+              '  x[threadIdx.x] = s;\n}\n')
+    result = compiler.compile_source(source, "light", ARCH)
+    assert set(result.kernels) == {"light", "heavy"}
+    light, heavy = result.kernels["light"], result.kernels["heavy"]
+    assert heavy["stack_bytes"] > 0 == light["stack_bytes"]
+    assert result.stack_bytes == heavy["stack_bytes"], "the worst kernel speaks for the source"
+    assert result.registers == max(light["registers"], heavy["registers"])

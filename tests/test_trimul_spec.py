@@ -2,7 +2,6 @@
 model, and every kernel of the rendered sources compiling with NVRTC without spills."""
 from __future__ import annotations
 
-import re
 
 import pytest
 
@@ -101,12 +100,10 @@ def test_template_hash_covers_the_partials():
 
 
 def _compile_all_kernels(plan):
-    """Every __global__ of the source: NVRTC's log, per kernel (Compiled keeps only the first)."""
+    """Every __global__ of the source with its spill and stack bytes (Compiled reports each)."""
     rendered = runtime.render_plan(plan)
-    _, log = compiler._nvrtc_compile(rendered.source, f"{rendered.kernel_name}.cu", ARCH)
-    stats = re.findall(r"Function properties for (\S+)\s+ptxas\s+\.\s+(\d+) bytes stack frame, (\d+) bytes spill stores",
-                       log)
-    return rendered, {name: (int(stack), int(spill)) for name, stack, spill in stats}
+    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, ARCH)
+    return rendered, {name: (k["stack_bytes"], k["spill_bytes"]) for name, k in compiled.kernels.items()}
 
 
 WIDTH_CASES = [(16, 16), (40, 24), (64, 32), (128, 128), (256, 256)]
