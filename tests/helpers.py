@@ -35,10 +35,10 @@ def assert_gradients_match_the_reference(module, inputs: tuple) -> None:
     output, (out * g).sum() with a fixed random g: the upstream gradient is then g for both, and
     the comparison checks the backward's wiring (which inputs and parameters get which gradient)
     without the forward's rounding differences, which the forward tests cover against float64."""
-    out = module(*inputs)
-    g = torch.randn(out.shape, generator=generator(99)).to(out.device)
     leaves = [t.clone().requires_grad_() if t.dtype.is_floating_point else t for t in inputs]
-    (module(*leaves) * g).sum().backward()
+    out = module(*leaves)
+    g = torch.randn(out.shape, generator=generator(99)).to(out.device)
+    (out * g).sum().backward()
     reference = module.op.make_reference(module)
     ref_leaves = [t.clone().requires_grad_() if t.dtype.is_floating_point else t for t in inputs]
     (reference(*ref_leaves) * g).sum().backward()

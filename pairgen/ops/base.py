@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 
-
 @dataclass(frozen=True)
 class DeviceLimits:
     """What a restriction may depend on. Defaults are the H100/H200 (sm_90) values, used where
@@ -222,10 +221,10 @@ class PackedParameters:
         self._packed = None
 
     def parameters(self) -> list:
-        return [params[name] for params, name in self._slots]
+        return [owner[name] for owner, name in self._slots]
 
     def get(self) -> torch.Tensor:
-        params = [params[name] for params, name in self._slots]
+        params = self.parameters()
         key = [p._version for p in params]
         key += map(_data_ptr, params)
         if key != self._key:
