@@ -8,6 +8,7 @@ from helpers import (ODD_SHAPES, REAL_WIDTHS, SEED_WIDTHS, assert_gradients_matc
                      assert_variant_matches_float64, check_tuned_entries, compile_plans, compiled_variant, generator,
                      run_under_graph_capture, sampled_cases)
 from pairgen.check import compare, reference64
+from pairgen.ops.base import DeviceLimits
 from pairgen.ops.contact import CONTACT
 
 pytestmark = pytest.mark.gpu
@@ -16,7 +17,22 @@ WIDTHS = (SEED_WIDTHS, *REAL_WIDTHS)
 POINTS_PER_STRATEGY = 6
 
 
-CASES = sampled_cases(CONTACT, WIDTHS, POINTS_PER_STRATEGY)
+def staged_cases() -> list:
+    """cp.async staging, one buffer and prefetching, on a persistent grid so that a block runs
+    several tiles (the buffers' reuse is what can go wrong) and on one block per tile."""
+    cases = []
+    for widths in WIDTHS:
+        for strategy, tile in (("tiled", {"tile_rows": 32}), ("symmetric_tiled", {"tile_side": 4})):
+            for stage_rows, blocks_per_sm in ((1, 0), (1, 1), (2, 1)):
+                params = {**tile, "threads": 128, "tn": 4, "unroll": 2, "ln_rows": 2, "weights_smem": True,
+                          "blocks_per_sm": blocks_per_sm, "stage_rows": stage_rows}
+                plan = CONTACT.plan(strategy, params, widths)
+                assert not CONTACT.infeasible(plan, DeviceLimits()), plan.label
+                cases.append(pytest.param(plan, id=f"P{widths['P']}H{widths['H']}-staged-{plan.label}"))
+    return cases
+
+
+CASES = sampled_cases(CONTACT, WIDTHS, POINTS_PER_STRATEGY) + staged_cases()
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +52,19 @@ def test_module_forward_noncontiguous_and_tuned_choice():
     base = torch.randn(2, 37, 37, SEED_WIDTHS["P"], generator=gen).cuda()
     x = base.transpose(1, 2)  # non-contiguous, still (B, N, N, P)
     assert not x.is_contiguous()
+    with torch.no_grad():
+        out = module(x)
+    assert compare(out, reference64(module, (x,)), TOL).ok
+
+
+def test_input_that_starts_mid_vector():
+    """A contiguous view 4 bytes past an aligned start: the kernels' 16-byte reads need a copy."""
+    gen = generator(15)
+    module = CONTACT.make_module(SEED_WIDTHS, gen).cuda()
+    P = SEED_WIDTHS["P"]
+    flat = torch.randn(1 + 2 * 7 * 7 * P, generator=gen).cuda()
+    x = flat[1:].view(2, 7, 7, P)
+    assert x.is_contiguous() and x.data_ptr() % 16 == 4
     with torch.no_grad():
         out = module(x)
     assert compare(out, reference64(module, (x,)), TOL).ok

@@ -27,7 +27,7 @@ def test_symmetric_tiles_cover_each_pair_once(n, side):
     pairs, tiles = symmetric_pairs(n, side)
     assert len(pairs) == len(set(pairs)) == n * (n + 1) // 2
     plan = CONTACT.plan("symmetric_tiled", {"tile_side": side, "threads": 256, "tn": 8, "unroll": 2, "ln_rows": 4,
-                                            "weights_smem": False, "blocks_per_sm": 0}, {"P": 64, "H": 32})
+                                            "weights_smem": False, "blocks_per_sm": 0, "stage_rows": 1}, {"P": 64, "H": 32})
     assert plan.grid(3, n, 132, 4) == (3 * tiles, 3 * tiles)
 
 
@@ -36,7 +36,7 @@ def test_grids():
     tpp = CONTACT.plan("thread_per_pair", {"threads": 128, "chunk": 4, "weights_smem": False, "symmetric": True}, widths)
     assert tpp.grid(2, 37, 132, 4) == (-(-2 * 37 * 38 // 2 // 128), 2 * 37 * 38 // 2)
     tiled = CONTACT.plan("tiled", {"tile_rows": 64, "threads": 256, "tn": 8, "unroll": 2, "ln_rows": 4,
-                                   "weights_smem": False, "blocks_per_sm": 2}, widths)
+                                   "weights_smem": False, "blocks_per_sm": 2, "stage_rows": 2}, widths)
     tiles = -(-3 * 123 * 123 // 64)
     assert tiled.grid(3, 123, 132, 4) == (2 * 132, tiles)  # persistent: 2 per SM
     assert tiled.grid(3, 123, 132, 1) == (132, tiles)      # clamped to what is resident
@@ -49,7 +49,7 @@ def test_restrictions_prune_impossible_points():
                        {"P": 256, "H": 256})
     assert "shared memory exceeds the per-block limit" in CONTACT.infeasible(big, limits)
     odd = CONTACT.plan("tiled", {"tile_rows": 32, "threads": 64, "tn": 8, "unroll": 1, "ln_rows": 2,
-                                 "weights_smem": False, "blocks_per_sm": 0}, {"P": 64, "H": 24})
+                                 "weights_smem": False, "blocks_per_sm": 0, "stage_rows": 1}, {"P": 64, "H": 24})
     assert any("power of two" in r for r in CONTACT.infeasible(odd, limits))
     feasible = CONTACT.feasible_plans("symmetric_tiled", {"P": 128, "H": 128}, limits)
     assert feasible, "the real widths must have feasible tiled points"
@@ -81,3 +81,16 @@ def test_cost_model():
     cost = CONTACT.cost({"B": 1, "N": 512, "P": 128, "H": 128})
     assert cost.flops == pytest.approx(512 * 512 * (2 * (128 * 128 * 2 + 128) + 1280))
     assert cost.bytes >= 512 * 512 * 128 * 4
+
+
+def test_staged_rows_take_shared_memory_and_prefetch_needs_a_persistent_grid():
+    widths, limits = {"P": 64, "H": 32}, DeviceLimits()
+    point = {"tile_rows": 32, "threads": 128, "tn": 4, "unroll": 2, "ln_rows": 4, "weights_smem": True,
+             "blocks_per_sm": 0}
+    smem = {s: CONTACT.plan("tiled", {**point, "stage_rows": s}, widths).smem_bytes for s in (0, 1, 2)}
+    one_tile = 4 * 2 * 32 * 64  # both orientations of 32 rows of 64 floats
+    assert smem[1] - smem[0] == one_tile and smem[2] - smem[0] == 2 * one_tile
+    prefetch = CONTACT.plan("tiled", {**point, "stage_rows": 2}, widths)
+    assert any("persistent" in r for r in CONTACT.infeasible(prefetch, limits))
+    persistent = CONTACT.plan("tiled", {**point, "stage_rows": 2, "blocks_per_sm": 2}, widths)
+    assert CONTACT.infeasible(persistent, limits) == []

@@ -322,6 +322,14 @@ def check_float_tensor(name: str, t, rank: int, param: torch.Tensor) -> None:
         raise ValueError(f"{name} has dtype {t.dtype} but the module's parameters are {param.dtype}")
 
 
+def contiguous_aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous with its data on a 16-byte boundary, copied only when it is not: the kernels
+    read rows with float4 loads and cp.async, which fault on a view that starts mid-vector (a
+    contiguous slice such as x[1:] of a flat tensor, or a narrowed last dimension made contiguous)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def random_tensor(shape, generator: torch.Generator, distribution: str = "normal") -> torch.Tensor:
     """Test data per OPS.md: normal, or heavy-tailed (a Cauchy clipped to +-50). Never zeros."""
     if distribution == "normal":

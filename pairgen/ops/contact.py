@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from .base import (Cost, DeviceLimits, KernelModule, OpSpec, Plan, Restriction, Strategy, Tolerance,
-                   PackedParameters, align, ceil_div, check_float_tensor, is_pow2, randomize_parameters,
+                   PackedParameters, align, ceil_div, check_float_tensor, contiguous_aligned, is_pow2, randomize_parameters,
                    random_tensor, section_offsets)
 
 
@@ -81,10 +81,15 @@ _TILED_RESTRICTIONS = _COMMON + (
     Restriction("threads must split into H/tn columns and rows that divide the tile", _tile_layout_ok),
     Restriction("at most 64 accumulators per thread", lambda p, _: p.context["tm"] * p.params["tn"] <= 64),
     Restriction("persistent blocks must be co-resident on an SM", _persistent_blocks_fit),
+    Restriction("stage_rows=2 prefetches the next tile: only a persistent grid (blocks_per_sm > 0) has one",
+                lambda p, _: p.params["stage_rows"] < 2 or p.params["blocks_per_sm"] > 0),
+    Restriction("staged rows are normalised from shared memory: ln_rows is unused, so only ln_rows=2 is tried",
+                lambda p, _: p.params["stage_rows"] == 0 or p.params["ln_rows"] == 2),
 )
 
 _TILED_SPACE = {"threads": (64, 128, 256, 512), "tn": (4, 8), "unroll": (1, 2, 4), "ln_rows": (2, 4, 8),
-                "weights_smem": (True, False), "blocks_per_sm": (0, 1, 2, 4)}
+                "weights_smem": (True, False), "blocks_per_sm": (0, 1, 2, 4),
+                "stage_rows": (0, 1, 2)}
 
 TILED = Strategy(
     name="tiled",
@@ -121,7 +126,7 @@ class ContactSpec(OpSpec):
     # tn=4: with tn=8 the P=128, H=64 build spilled 8 B (NVRTC 13.0, sm_90); every tuned winner so far has tn=4.
     default_points = (
         ("symmetric_tiled", {"tile_side": 8, "threads": 256, "tn": 4, "unroll": 2, "ln_rows": 4,
-                             "weights_smem": False, "blocks_per_sm": 2}),
+                             "weights_smem": False, "blocks_per_sm": 2, "stage_rows": 0}),
         ("thread_per_pair", {"threads": 128, "chunk": 4, "weights_smem": False, "symmetric": True}),
     )
     presets = {
@@ -150,10 +155,11 @@ class ContactSpec(OpSpec):
             threads_m = max(1, params["threads"] // threads_n)
             context.update(tile_rows=rows, threads=params["threads"], tn=params["tn"], threads_n=threads_n,
                            threads_m=threads_m, tm=rows // threads_m, unroll=params["unroll"], ln_rows=params["ln_rows"],
-                           a_stride=align(max(P, H), 32) + 4)
+                           a_stride=align(max(P, H), 32) + 4, stage_rows=params["stage_rows"])
             if strategy == "symmetric_tiled":
                 context["tile_side"] = params["tile_side"]
-            smem = weights + 4 * rows * context["a_stride"]
+            staged = params["stage_rows"] * 2 * rows * P  # both orientations of a tile's rows, per buffer
+            smem = weights + 4 * (rows * context["a_stride"] + staged)
 
             def grid(B, N, sms, resident, _strategy=strategy, _rows=rows, _side=params.get("tile_side"),
                      _per_sm=params["blocks_per_sm"]):
@@ -241,7 +247,7 @@ class ContactHead(KernelModule, ContactHeadReference):
         return super().uses_kernel(x) and x.shape[0] * x.shape[1] * x.shape[1] < 2**31
 
     def _launch(self, pair_repr, out=None, variant=None):
-        x = pair_repr.contiguous()
+        x = contiguous_aligned(pair_repr)
         B, N = x.shape[0], x.shape[1]
         if out is None:
             out = torch.empty((B, N, N), device=x.device, dtype=torch.float32)
