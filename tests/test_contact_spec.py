@@ -85,7 +85,7 @@ def test_cost_model():
 
 def test_staged_rows_take_shared_memory_and_prefetch_needs_a_persistent_grid():
     widths, limits = {"P": 64, "H": 32}, DeviceLimits()
-    point = {"tile_rows": 32, "threads": 128, "tn": 4, "unroll": 2, "ln_rows": 4, "weights_smem": True,
+    point = {"tile_rows": 32, "threads": 128, "tn": 4, "unroll": 2, "ln_rows": 2, "weights_smem": True,
              "blocks_per_sm": 0}
     smem = {s: CONTACT.plan("tiled", {**point, "stage_rows": s}, widths).smem_bytes for s in (0, 1, 2)}
     one_tile = 4 * 2 * 32 * 64  # both orientations of 32 rows of 64 floats
