@@ -78,6 +78,11 @@ class TunedDB:
             return nearest, f"tuned (nearest N bucket {nearest['key']['n_bucket']})"
         return None, "default"
 
+    def previous(self, dtype: str, widths: dict, n_bucket: int) -> dict | None:
+        """The entry recorded for exactly this key, stale or not (a re-tune starts from it)."""
+        want = make_key(dtype, widths, n_bucket)
+        return next((e for e in self.entries() if e["key"] == want), None)
+
     # ---- writing ---------------------------------------------------------------------------
 
     @contextlib.contextmanager

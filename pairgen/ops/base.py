@@ -143,6 +143,16 @@ class OpSpec:
     def widths_of(self, shape: dict) -> dict:
         return {name: int(shape[name]) for name in self.width_names}
 
+    def complete_point(self, strategy: str, params: dict) -> dict | None:
+        """An older point in today's space: parameters added since take the strategy's default
+        (its default point's value, else the first in the space), parameters gone are dropped.
+        None when the strategy is gone or a kept value is no longer in the space."""
+        space = self.strategies[strategy].space if strategy in self.strategies else None
+        if space is None or any(k in space and v not in space[k] for k, v in params.items()):
+            return None
+        default = next((p for s, p in self.default_points if s == strategy), {})
+        return {k: params[k] if k in params else default.get(k, values[0]) for k, values in space.items()}
+
     def check_point(self, strategy: str, params: dict) -> None:
         if strategy not in self.strategies:
             raise ValueError(f"{self.name}: unknown strategy {strategy!r}; known: {sorted(self.strategies)}")
