@@ -7,6 +7,7 @@ them one at a time on the GPU; tell. Failures are recorded with their reason and
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -52,9 +53,21 @@ class TuneResult:
     failures: list[str] = field(default_factory=list)
 
 
+def templates_digest(op: str) -> str:
+    """12 hex digits over the op's strategies' template hashes: a template edit starts a new
+    study, so a re-tune never answers a point from timings of the code before the edit."""
+    from . import codegen
+    from .ops import get_op
+
+    digest = hashlib.sha256()
+    for strategy in sorted(get_op(op).strategies):
+        digest.update(f"{strategy}={codegen.template_hash(op, strategy)};".encode())
+    return digest.hexdigest()[:12]
+
+
 def study_name(gpu_slug: str, op: str, dtype: str, widths: dict, bucket: int) -> str:
     inner = "-".join(f"{k}{v}" for k, v in sorted(widths.items()))
-    return f"{gpu_slug}-{op}-{dtype}-{inner}-n{bucket}"
+    return f"{gpu_slug}-{op}-{dtype}-{inner}-n{bucket}-t{templates_digest(op)}"
 
 
 def _storage(path: Path):

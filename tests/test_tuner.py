@@ -103,3 +103,14 @@ def test_time_budget_stops_sampling(tmp_path):
 def test_trials_capped_by_the_feasible_space(tmp_path):
     n = feasible_count(CONTACT, WIDTHS, DeviceLimits())
     assert 0 < n < 5000
+
+
+def test_a_template_edit_starts_a_new_study(monkeypatch):
+    """Otherwise a re-tune after the edit would answer points from the old code's timings."""
+    from pairgen import codegen
+
+    before = study_name("fake-gpu", "contact", "float32", WIDTHS, 64)
+    real_hash = codegen.template_hash
+    monkeypatch.setattr(codegen, "template_hash", lambda op, s: "edited" if s == "tiled" else real_hash(op, s))
+    after = study_name("fake-gpu", "contact", "float32", WIDTHS, 64)
+    assert before != after and before.rsplit("-t", 1)[0] == after.rsplit("-t", 1)[0]
