@@ -1,5 +1,6 @@
 """GPU: every readout strategy over sampled params and odd shapes against the float64 reference;
-the mask and NaN semantics; streams, graphs, gradients, repacking, tuned entries."""
+the mask and NaN semantics; the j split (partials, flags and counters across blocks, calls and
+graph replays); streams, graphs, gradients, repacking, tuned entries."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_va
                      run_variant, sampled_cases, sampled_plans)
 from pairgen import runtime
 from pairgen.check import compare, reference64
-from pairgen.ops.readout import READOUT
+from pairgen.ops.readout import READOUT, split_scratch_floats
 
 pytestmark = pytest.mark.gpu
 TOL = READOUT.tolerance["float32"]
@@ -131,3 +132,148 @@ def test_weights_updated_in_place_are_repacked():
 
 def test_tuned_entries_load_and_run():
     check_tuned_entries(READOUT)
+
+
+# ---- the j split: J_SPLIT blocks per tile of rows i, combined by the last to arrive ---------------
+
+_SEED_POINT = {"tile_i": 2, "tile_j": 8, "threads": 128, "threads_n": 8, "tn": 4, "unroll": 4, "weights_smem": False}
+J_SPLIT_POINTS = [
+    ("split", dict(_SEED_POINT, j_split=3), SEED_WIDTHS),  # N = 24: one j tile per split
+    ("split", dict(_SEED_POINT, weights_smem=True, j_split=3), SEED_WIDTHS),  # splits without j work stage nothing
+    ("split", dict(_SEED_POINT, tile_j=16, j_split=2), SEED_WIDTHS),
+    ("split", dict(_SEED_POINT, tile_i=8, unroll=2, j_split=8), SEED_WIDTHS),  # 8 nodes, 4 warps; N = 37: 3 idle splits
+    ("split", dict(_SEED_POINT, tile_i=1, tile_j=16, j_split=6), SEED_WIDTHS),  # 1 node: 3 warps idle in the combine
+    ("direct", dict(_SEED_POINT, j_split=4), SEED_WIDTHS),
+    ("split", {"tile_i": 4, "tile_j": 16, "threads": 256, "threads_n": 8, "tn": 8, "unroll": 4, "weights_smem": False,
+               "j_split": 4}, WIDTHS[1]),
+]
+J_SPLIT_CASES = [pytest.param(READOUT.plan(s, p, w), id="D{D}P{P}H{H}-".format_map(w) + READOUT.plan(s, p, w).label)
+                 for s, p, w in J_SPLIT_POINTS]
+
+
+@pytest.fixture(scope="module")
+def j_split_variants():
+    return compile_plans([c.values[0] for c in J_SPLIT_CASES])
+
+
+def _split_of(plan, j: int) -> int:
+    """The split whose blocks fold partner j: j tiles are dealt round-robin (_pair_max.cuh.j2)."""
+    return (j // plan.params["tile_j"]) % plan.params["j_split"]
+
+
+def _run_on_poisoned_scratch(module, inputs, variant):
+    """_run, but right after a NaN-filled block of exactly the scratch's size was freed: the caching
+    allocator most likely hands that block to the launch's scratch, so a partial row or flag that
+    the combine read without its block having written it shows up as NaN or as a wrong row."""
+    B, N = inputs[0].shape[:2]
+    D, H = module.widths["D"], module.widths["H"]
+    plan = variant.plan
+    words = (B * N * 2 * H if plan.strategy == "split" else 0) + split_scratch_floats(B, N, D, plan.params["j_split"])
+    out = torch.full((B, N, D), float("nan"), device="cuda")
+    module.packed_weights()  # packed before the poisoned block is freed, so it is not what takes it
+    torch.full((words,), float("nan"), device="cuda")  # freed at once, cached
+    with torch.no_grad():
+        module._launch(*inputs, out=out, variant=variant)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("plan", J_SPLIT_CASES)
+def test_j_split_matches_float64_reference(plan, j_split_variants):
+    """Odd shapes: N = 1 (more splits than j tiles), 7, 37, 64, 123 (not multiples of
+    TILE_J * J_SPLIT), B = 1 and 3; heavy-tailed inputs on every other shape."""
+    assert_variant_matches_float64(READOUT, plan, compiled_variant(j_split_variants, plan), ODD_SHAPES)
+
+
+@pytest.mark.parametrize("plan", J_SPLIT_CASES)
+def test_j_split_single_edges_nan_and_masked_rows_in_every_split(plan, j_split_variants):
+    """Batch 1: node 2 + s has one valid edge, to the last partner of split s (the other splits
+    see none of its edges, so the combine must skip their unwritten rows). Batch 0: NaN at a
+    valid edge that a non-first split folds makes the row NaN; at a masked edge it is ignored.
+    Batch 2 has no edge at all, and node 0 of every batch is isolated: nodes + norm.bias."""
+    variant = compiled_variant(j_split_variants, plan)
+    gen, N = generator(41), 37
+    module = READOUT.make_module(plan.widths, gen).cuda()
+    nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": 3, "N": N, **plan.widths}, gen))
+    mask[2] = False
+    last_j = {_split_of(plan, j): j for j in range(N)}  # split -> its last partner
+    for s, j in last_j.items():
+        mask[1, 2 + s] = False
+        mask[1, 2 + s, j] = True
+    nan_j = last_j[max(last_j)]
+    assert _split_of(plan, nan_j) > 0, "the NaN edge must be folded by a non-first split"
+    pair[0, 5, nan_j, 3] = pair[0, 6, nan_j, 3] = float("nan")
+    mask[0, 5, nan_j], mask[0, 6, nan_j] = True, False
+    ref = reference64(module, (nodes, pair, mask))
+    assert torch.isnan(ref[0, 5]).all() and torch.isfinite(ref[0, 6]).all()
+
+    out = _run_on_poisoned_scratch(module, (nodes, pair, mask), variant)
+    assert compare(out, ref, TOL).ok, compare(out, ref, TOL)
+    assert torch.isnan(out[0, 5]).all() and torch.isfinite(out[0, 6]).all()
+    bias = module.norm.bias
+    torch.testing.assert_close(out[2], nodes[2] + bias, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[:, 0], nodes[:, 0] + bias, rtol=0, atol=1e-5)
+    for s in last_j:  # a single edge pools its own message, not 0
+        assert (out[1, 2 + s] - nodes[1, 2 + s] - bias).abs().max() > 1e-3, f"node {2 + s} (split {s}) pooled to 0"
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("plan", J_SPLIT_CASES)
+def test_j_split_n_equal_one(plan, batch, j_split_variants):
+    """N = 1: only split 0 has a j tile; the others only write "no edge" and count."""
+    gen = generator(42)
+    module = READOUT.make_module(plan.widths, gen).cuda()
+    nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": batch, "N": 1, **plan.widths}, gen))
+    mask[0, 0, 0] = True  # a self edge in the first graph; the others are isolated
+    ref = reference64(module, (nodes, pair, mask))
+    out = _run_on_poisoned_scratch(module, (nodes, pair, mask), compiled_variant(j_split_variants, plan))
+    assert compare(out, ref, TOL).ok
+
+
+def _capture_without_warm_up(module, inputs):
+    """The module's forward captured into a CUDA graph with no earlier call at this shape (its
+    variant is loaded and its weights packed by calls at another shape)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = module(*inputs)
+    return graph, out
+
+
+def _replay(graph, out) -> torch.Tensor:
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+def test_j_split_counters_reset_between_calls_growth_and_graph_replays(j_split_variants):
+    """A counter the last block failed to reset would make the next launch's blocks of that tile
+    miss the combine (outputs left NaN). Consecutive calls; a graph whose counters were made
+    under capture (zeroed by its replays); eager calls growing the module's counters after the
+    capture, with the graph still replaying correctly; a captured graph on the module's counters."""
+    plan = J_SPLIT_CASES[0].values[0]
+    variant = compiled_variant(j_split_variants, plan)
+    gen = generator(43)
+    module = READOUT.make_module(plan.widths, gen).cuda()
+    module.MIN_COUNTERS = 1  # every larger grid grows the counters
+    small, large = (tuple(t.cuda() for t in READOUT.make_inputs({"B": b, "N": n, **plan.widths}, gen))
+                    for b, n in ((1, 7), (3, 37)))
+    ref_small, ref_large = reference64(module, small), reference64(module, large)
+    module.force_variant(variant)
+    try:
+        for _ in range(2):
+            assert compare(_run(module, small, variant), ref_small, TOL).ok
+        graph, captured = _capture_without_warm_up(module, large)
+        for _ in range(3):
+            assert compare(_replay(graph, captured), ref_large, TOL).ok
+        for _ in range(2):
+            with torch.no_grad():
+                assert compare(module(*large), ref_large, TOL).ok
+        assert compare(_replay(graph, captured), ref_large, TOL).ok, "the graph survives the counters' growth"
+        _, live, retired = module._counters
+        assert live.numel() >= 3 * 19 and len(retired) >= 2
+        assert all(int(t.abs().sum()) == 0 for t in (live, *retired)), "every launch leaves its counters zeroed"
+        assert compare(run_under_graph_capture(module, large, replays=3), ref_large, TOL).ok
+        assert compare(run_under_graph_capture(module, small, replays=2), ref_small, TOL).ok
+    finally:
+        module.force_variant(None)

@@ -196,7 +196,8 @@ def test_gradients_flow_on_cpu():
 def test_copies_and_pickles_drop_runtime_state():
     module, inputs = _module_and_inputs({"B": 1, "N": 5, **WIDTHS}, 10)
     clone = deepcopy_dropping_runtime_state(module, {"_variant_cache": {"generation": 0, (0, 5): Unpicklable()},
-                                                     "_weights._packed": Unpicklable(), "_weights._key": [1, 2]})
+                                                     "_weights._packed": Unpicklable(), "_weights._key": [1, 2],
+                                                     "_counters": (0, Unpicklable(), [Unpicklable()])})
     assert clone._weights.parameters()[0] is clone.fuse[0].weight, "the copy packs its own parameters"
     assert clone._ln_params is clone.norm._parameters
     assert_copy_and_pickle_compute_the_reference(module, clone, inputs)

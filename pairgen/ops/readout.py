@@ -75,8 +75,17 @@ _RESTRICTIONS = (
 )
 
 # threads_n = 2 with tn = 4 (8 columns per pass) is what makes every D, H multiple of 8 feasible.
+# j_split: blocks sharing one tile of rows i, each taking every j_split-th tile of partners j
+# (small B*N leaves SMs idle otherwise); 3 and 6 fit j-tile counts such as 24/8 and 48/8. The
+# restrictions cannot see N, so points with more splits than j tiles at a length stay in the
+# space: the kernel runs them correctly (a split without a j tile only takes part in the
+# combine), and the tuner finds them slower.
 _SPACE = {"tile_i": (1, 2, 4, 8), "tile_j": (8, 16, 32), "threads": (128, 256), "threads_n": (2, 4, 8, 16),
-          "tn": (4, 8), "unroll": (2, 4), "weights_smem": (True, False)}
+          "tn": (4, 8), "unroll": (2, 4), "weights_smem": (True, False), "j_split": (1, 2, 3, 4, 6, 8)}
+
+#: Parameters added after entries were tuned (and studies recorded), with the value that gives
+#: the kernel those entries ran: plan() fills them in where a point leaves them out.
+ADDED_PARAMS = {"j_split": 1}
 
 DIRECT = Strategy(
     name="direct",
@@ -112,6 +121,27 @@ def prologue_blocks(rows: int, H: int) -> int:
     return ceil_div(rows, PROLOGUE_ROWS) * ceil_div(2 * H, 4 * PROLOGUE_THREADS)
 
 
+def row_tiles(B: int, N: int, tile_i: int) -> int:
+    """Tiles of rows i, each owned by j_split blocks (and one arrival counter)."""
+    return B * ceil_div(N, tile_i)
+
+
+def _grid(tile_i: int, j_split: int):
+    """j_split consecutive blocks per tile of rows i; work = the tile count (num_tiles)."""
+
+    def grid(B, N, sms, resident, _ti=tile_i, _js=j_split):
+        tiles = row_tiles(B, N, _ti)
+        return max(1, tiles * _js), tiles
+
+    return grid
+
+
+def split_scratch_floats(B: int, N: int, D: int, j_split: int) -> int:
+    """Global scratch of the j split, in 4-byte words: the partial maxima (B*N*j_split*D floats),
+    then one int flag per (node, split) (see _pool.cuh.j2); 0 without a split."""
+    return 0 if j_split == 1 else B * N * j_split * (D + 1)
+
+
 def min_blocks_per_sm(smem_bytes: int, threads: int, limits: DeviceLimits) -> int:
     """The blocks per SM that shared memory and threads allow, capped so a thread keeps at
     least 128 registers: the kernel's __launch_bounds__ minimum (see _pair_max.cuh.j2).
@@ -129,13 +159,13 @@ class ReadoutSpec(OpSpec):
     default_points = (
         # Real widths (D, H multiples of 64): 64 columns per pass, 4 rows i x 16 partners j.
         ("split", {"tile_i": 4, "tile_j": 16, "threads": 256, "threads_n": 8, "tn": 8, "unroll": 4,
-                   "weights_smem": False}),
+                   "weights_smem": False, "j_split": 1}),
         # Seed widths (D = 96): 32 columns per pass.
         ("split", {"tile_i": 2, "tile_j": 16, "threads": 128, "threads_n": 8, "tn": 4, "unroll": 4,
-                   "weights_smem": False}),
+                   "weights_smem": False, "j_split": 1}),
         # Any D, P, H multiple of 8: 8 columns per pass.
         ("split", {"tile_i": 8, "tile_j": 8, "threads": 128, "threads_n": 2, "tn": 4, "unroll": 2,
-                   "weights_smem": False}),
+                   "weights_smem": False, "j_split": 1}),
     )
     presets = {
         "seed": ({"B": 4, "N": 24, "D": 96, "P": 16, "H": 192},),
@@ -144,6 +174,7 @@ class ReadoutSpec(OpSpec):
     tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5)}
 
     def plan(self, strategy: str, params: dict, widths: dict) -> Plan:
+        params = {**ADDED_PARAMS, **params}
         self.check_point(strategy, params)
         D, P, H = (int(widths[k]) for k in ("D", "P", "H"))
         off = weight_offsets(D, P, H)
@@ -158,7 +189,7 @@ class ReadoutSpec(OpSpec):
             "smem_first": smem_first, "weights_smem": _bool(params["weights_smem"]),
             "tile_i": tile_i, "tile_j": tile_j, "tile_pairs": pairs, "threads": threads,
             "threads_n": threads_n, "threads_m": threads_m, "tn": tn, "tm": pairs // threads_m,
-            "cols": threads_n * tn, "unroll": params["unroll"],
+            "cols": threads_n * tn, "unroll": params["unroll"], "j_split": params["j_split"],
             "p_stride": _stride(P), "h_stride": _stride(H), "d_stride": _stride(D),
             "prologue_rows": PROLOGUE_ROWS, "prologue_threads": PROLOGUE_THREADS,
         }
@@ -170,13 +201,12 @@ class ReadoutSpec(OpSpec):
             floats += (tile_i + tile_j) * context["d_stride"]  # node rows i and j
         if params["weights_smem"]:
             floats += off["total"] - smem_first
+        # The j split adds no shared memory: its partials go to global scratch, and the "last
+        # block" answer travels by __syncthreads_or.
         context["smem_floats"] = floats
         context["min_blocks"] = min_blocks_per_sm(4 * floats, threads, DeviceLimits())
-
-        def grid(B, N, sms, resident, _ti=tile_i):
-            tiles = B * ceil_div(N, _ti)
-            return max(1, tiles), tiles
-        return Plan(self.name, strategy, dict(params), {"D": D, "P": P, "H": H}, context, threads, 4 * floats, grid)
+        return Plan(self.name, strategy, dict(params), {"D": D, "P": P, "H": H}, context, threads, 4 * floats,
+                    _grid(tile_i, params["j_split"]))
 
     def cost(self, shape: dict) -> Cost:
         """Bytes and FLOPs of the reference formula (the direct form)."""
@@ -231,9 +261,18 @@ class PairReadout(KernelModule, PairReadoutReference):
     CUDA float32 inputs run the tuned kernel; CPU inputs or other dtypes run the reference.
     `edge_mask` may be bool or floating-point: a float mask is read as `edge_mask != 0`, so 0/1
     masks behave as the reference's bool ones (and a NaN entry counts as an edge).
+
+    Scratch (U/V of the split strategy, the partial maxima of a j split) comes from torch's
+    stream-aware caching allocator on every call, so a captured CUDA graph never points at memory
+    a later, larger call freed. A j split's per-tile arrival counters are owned by the module and
+    left zeroed by every launch: two launches of the SAME module on different streams at once
+    would share them (as would a graph replay overlapping a call on another stream).
     """
 
     op = READOUT
+    _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_counters",)
+    #: Counters allocated at least this many at a time (4 KB), so growth is rare.
+    MIN_COUNTERS = 1024
 
     def __init__(self, node_dim: int, pair_dim: int, hidden_dim: int):
         super().__init__(node_dim, pair_dim, hidden_dim)
@@ -242,6 +281,7 @@ class PairReadout(KernelModule, PairReadoutReference):
         slots = ((l1, "weight"), (l1, "bias"), (l2, "weight"), (l2, "bias"), (ln, "weight"), (ln, "bias"))
         self._weights = PackedParameters(slots, self._pack)
         self._ln_params = ln._parameters  # the validation's dtype and device, without __getattr__
+        self._counters = None  # (device index, the live counters, the buffers they replaced)
 
     def reference_forward(self, nodes, pair_feats, edge_mask):
         return PairReadoutReference.forward(self, nodes, pair_feats, edge_mask)
@@ -296,6 +336,26 @@ class PairReadout(KernelModule, PairReadoutReference):
         return (super().uses_kernel(nodes, pair_feats, edge_mask)
                 and B * N * N * self.widths["P"] < 2**31 and B * N * 2 * self.widths["H"] < 2**31)
 
+    def _tile_counters(self, device: torch.device, count: int) -> int:
+        """At least `count` zeroed arrival counters on this device, for the j split's "last block
+        done" (each launch leaves them zeroed). Grown when a larger grid needs more; the buffer
+        replaced is kept, not freed, since a captured CUDA graph may still point at it."""
+        index = device.index or 0
+        held = self._counters
+        if held is not None and held[0] == index and held[1].numel() >= count:
+            return held[1].data_ptr()
+        if held is None:
+            held = (index, torch.empty(0, device=device, dtype=torch.int32), [])
+        live, retired = held[1], held[2]
+        fresh = torch.zeros(max(count, self.MIN_COUNTERS, 2 * live.numel()), device=device, dtype=torch.int32)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Under capture the zero fill is recorded, not run: this buffer is zeroed only by the
+            # graph's replays, so it is the graph's (kept alive here), never the eager calls'.
+            self._counters = (held[0], live, retired + [fresh])
+        else:
+            self._counters = (index, fresh, retired + [live])
+        return fresh.data_ptr()
+
     def _launch(self, nodes, pair_feats, edge_mask, out=None, variant=None):
         nodes, pair_feats = nodes.contiguous(), pair_feats.contiguous()
         if edge_mask.dtype is not torch.bool:
@@ -309,17 +369,22 @@ class PairReadout(KernelModule, PairReadoutReference):
         variant = variant or self.variant_for(N, nodes.device)
         device = nodes.get_device()
         weights = self._weights.get().data_ptr()
-        if variant.plan.strategy == "split":
-            # U (with b1) and V for every node, (B*N, 2H), written by the prologue kernel. A fresh
-            # buffer per call: the caching allocator makes it cheap and stream-safe.
-            H = self.widths["H"]
-            uv = torch.empty((B * N, 2 * H), device=nodes.device, dtype=torch.float32)
+        params = variant.plan.params
+        split, j_split = variant.plan.strategy == "split", params["j_split"]
+        # One fresh buffer per call for U (with b1) and V of every node, (B*N, 2H), written by the
+        # split prologue, then the j split's partial maxima and flags: the caching allocator makes
+        # it cheap and stream-safe. `scratch` is held until both launches are enqueued.
+        H = self.widths["H"]
+        uv_floats = B * N * 2 * H if split else 0
+        words = uv_floats + split_scratch_floats(B, N, D, j_split)
+        scratch = torch.empty(words, device=nodes.device, dtype=torch.float32) if words else None
+        base = scratch.data_ptr() if scratch is not None else 0
+        uv, partials = (base if split else 0), (base + 4 * uv_floats if j_split > 1 else 0)
+        counters = self._tile_counters(nodes.device, row_tiles(B, N, params["tile_i"])) if j_split > 1 else 0
+        if split:
             prologue = variant.kernel(device, name=f"{variant.compiled.kernel_name}_nodes",
                                       threads=PROLOGUE_THREADS, smem_bytes=0)
-            prologue(prologue_blocks(B * N, H), PROLOGUE_THREADS, 0, nodes.data_ptr(), weights, uv.data_ptr(), B * N)
-            variant.launch(device, B, N, nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(),
-                           weights, uv.data_ptr(), out.data_ptr())
-        else:
-            variant.launch(device, B, N, nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(),
-                           weights, 0, out.data_ptr())
+            prologue(prologue_blocks(B * N, H), PROLOGUE_THREADS, 0, nodes.data_ptr(), weights, uv, B * N)
+        variant.launch(device, B, N, nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(),
+                       weights, uv, partials, counters, out.data_ptr())
         return out
