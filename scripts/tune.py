@@ -135,17 +135,18 @@ def closing_table(results, peers) -> str:
 
 def starting_points(spec, db, shape: dict) -> list[tuple[str, dict]]:
     """The entry in use for the shape's key, and the one recorded for exactly its key even if a
-    template edit made it stale (completed to today's space), are tried first: a re-tune after
-    an edit that grew the space then cannot come out worse than the old winner, as it did in run
-    17 (contact B1 N1024: 588 us against 538 before, the old point never sampled)."""
+    template edit made it stale (with each value of any parameter added since: spec.restarts),
+    are tried first: a re-tune after an edit that grew the space then cannot come out worse than
+    the old winner, as it did in run 17 (contact B1 N1024: 588 us against 538 before, the old
+    point never sampled)."""
     from pairgen import runtime
 
     key = ("float32", spec.widths_of(shape), runtime.n_bucket(shape["N"]))
     points = []
     for entry in (db.lookup(*key)[0], db.previous(*key)):
-        params = entry and spec.complete_point(entry["strategy"], entry["params"])
-        if params and (entry["strategy"], params) not in points:
-            points.append((entry["strategy"], params))
+        for params in (spec.restarts(entry["strategy"], entry["params"]) if entry else []):
+            if (entry["strategy"], params) not in points:
+                points.append((entry["strategy"], params))
     return points
 
 

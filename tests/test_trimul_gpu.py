@@ -1,6 +1,7 @@
 """GPU: both trimul strategies over sampled params, every option set and odd shapes against the
-float64 reference; masks (bool == float, empty rows); streams, graphs, gradients, repacking,
-the fused strategy's reused scratch and barrier; tuned entries."""
+float64 reference; the fused strategy's staged triangle sums (tri_smem) explicitly; masks (bool ==
+float, empty rows); streams, graphs, gradients, repacking, the fused strategy's reused scratch and
+barrier; tuned entries."""
 from __future__ import annotations
 
 import itertools
@@ -13,6 +14,7 @@ from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_va
                      run_under_graph_capture, run_variant, sampled_cases)
 from pairgen import runtime
 from pairgen.check import compare, reference64
+from pairgen.ops.base import DeviceLimits
 from pairgen.ops.trimul import TRIMUL, random_mask
 
 pytestmark = pytest.mark.gpu
@@ -30,10 +32,49 @@ def _label(widths):
 CASES = sampled_cases(TRIMUL, [{**channels, **options} for channels in CHANNELS for options in OPTION_SETS],
                       POINTS_PER_STRATEGY, label=_label)
 
+# The staged triangle sums (fused, tri_smem): row tiles cut at N (37 = 16 + 16 + 5), k stages cut at N
+# (37 = 32 + 5), N = 1, batches past the first; random non-symmetric masks with an empty row and column,
+# a != b (random proj_a, proj_b).
+STAGED_SHAPES = [(b, n) for b, n in ODD_SHAPES if n in (1, 7, 37)]
+SEED_FUSED = {"p_tile": 32, "p_tm": 2, "p_tn": 4, "o_tile": 16, "o_tm": 1, "threads": 256, "unroll": 4,
+              "blocks_per_sm": 1, "tri_smem": True}  # the seed's tuned point (notes/tune-11), staged
+
+
+def _staged_plans(widths):
+    """The seed point where it is feasible, and the first and last feasible staged point of each output
+    tile (block sizes, blocks per SM and channel chunks differ between them)."""
+    limits = DeviceLimits()
+    feasible = [p for p in TRIMUL.feasible_plans("fused", widths, limits) if p.params["tri_smem"]]
+    seed = TRIMUL.plan("fused", SEED_FUSED, widths)
+    plans = [seed] if not TRIMUL.infeasible(seed, limits) else []
+    for o_tile in TRIMUL.strategies["fused"].space["o_tile"]:
+        tiles = [p for p in feasible if p.params["o_tile"] == o_tile]
+        plans += [p for p in tiles[:1] + tiles[-1:] if p.params not in [q.params for q in plans]]
+    return plans
+
+
+STAGED_CASES = [pytest.param(plan, id=f"{_label(widths)}-{plan.label}")
+                for widths in [{**channels, **options} for channels in CHANNELS for options in OPTION_SETS]
+                for plan in _staged_plans(widths)]
+
+
+# The bmm output kernel with its weight chunks in shared memory (o_weights_smem): the default point so
+# staged at every option set, and 128-row tiles with 4 chunks of 32 columns (the barrier between chunks).
+def _output_smem_plans(widths):
+    limits = DeviceLimits()
+    points = [{**TRIMUL.default_points[0][1], "o_weights_smem": True},
+              {**TRIMUL.default_points[0][1], "o_weights_smem": True, "o_tile": 128, "o_tm": 4, "p_tm": 4}]
+    return [plan for plan in (TRIMUL.plan("bmm", p, widths) for p in points) if not TRIMUL.infeasible(plan, limits)]
+
+
+OUTPUT_SMEM_CASES = [pytest.param(plan, id=f"{_label(widths)}-{plan.label}")
+                     for widths in [{**channels, **options} for channels in CHANNELS[:2] for options in OPTION_SETS]
+                     for plan in _output_smem_plans(widths)]
+
 
 @pytest.fixture(scope="module")
 def variants():
-    return compile_plans([c.values[0] for c in CASES])
+    return compile_plans([c.values[0] for c in CASES + STAGED_CASES + OUTPUT_SMEM_CASES])
 
 
 def _run(module, inputs, variant):
@@ -48,9 +89,16 @@ def _float_mask_agrees(module, inputs, variant, k):
     return [] if torch.equal(float_out, _run(module, inputs, variant)) else ["bool and float masks differ"]
 
 
-@pytest.mark.parametrize("plan", CASES)
+@pytest.mark.parametrize("plan", CASES + OUTPUT_SMEM_CASES)
 def test_variant_matches_float64_reference(plan, variants):
     assert_variant_matches_float64(TRIMUL, plan, compiled_variant(variants, plan), SHAPES, also=_float_mask_agrees)
+
+
+@pytest.mark.parametrize("plan", STAGED_CASES)
+def test_staged_triangle_sums_match_float64_reference(plan, variants):
+    assert plan.params["tri_smem"]
+    assert_variant_matches_float64(TRIMUL, plan, compiled_variant(variants, plan), STAGED_SHAPES,
+                                   also=_float_mask_agrees)
 
 
 @pytest.mark.parametrize("options", OPTION_SETS[:2] + OPTION_SETS[-1:])

@@ -8,11 +8,14 @@ import pytest
 from helpers import sampled_plans
 from pairgen import codegen, compiler, runtime
 from pairgen.ops.base import DeviceLimits
-from pairgen.ops.trimul import TRIMUL, weight_offsets
+from pairgen.ops.trimul import TRI_BUDGET, TRI_KC, TRIMUL, triangle_staging, weight_offsets
 
 ARCH = "sm_90"
 DEFAULT_OPTIONS = {"outgoing": 0, "gate_normalized": 0, "bias": 1}
 OTHER_OPTIONS = {"outgoing": 1, "gate_normalized": 1, "bias": 0}
+# The fused point tuned for the seed shape before tri_smem existed (notes/tune-11-trimul-seed.md).
+SEED_FUSED = {"p_tile": 32, "p_tm": 2, "p_tn": 4, "o_tile": 16, "o_tm": 1, "threads": 256, "unroll": 4,
+              "blocks_per_sm": 1}
 
 
 def widths(P, H, options=DEFAULT_OPTIONS):
@@ -34,10 +37,15 @@ def test_presets_carry_the_options_and_the_first_default_fits_them():
     assert {"B": 1, "N": 256, "P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 1} in TRIMUL.presets["real"]
 
 
+# 576 points each before o_weights_smem (bmm) and tri_smem (fused) doubled them; the tuner's 64 trials
+# sample either way, and a re-tune starts from the old winner with each value of the new parameter.
+MAX_POINTS = {"bmm": 1200, "fused": 1200}
+
+
 def test_search_spaces_are_modest_and_pruned():
     for name in TRIMUL.strategies:
         points = list(TRIMUL.points(name))
-        assert len(points) <= 600
+        assert len(points) <= MAX_POINTS[name]
         feasible = TRIMUL.feasible_plans(name, widths(40, 24), DeviceLimits())
         assert 0 < len(feasible) < len(points)
         for plan in TRIMUL.feasible_plans(name, widths(128, 128), DeviceLimits()):
@@ -69,6 +77,12 @@ def test_grids():
     assert fused.grid(8, 64, 132, 4) == (2 * 132, 8 * 64 * 64 // 16)    # persistent: 2 per SM
     assert fused.grid(8, 64, 132, 1) == (132, 8 * 64 * 64 // 16)        # clamped to what is resident
     assert fused.grid(1, 1, 132, 1) == (1, 1)
+    # Staged triangle sums: row tiles, ceil(N / o_tile) per (b, i).
+    staged = TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": True}, widths(64, 32))
+    assert staged.grid(2, 32, 132, 1) == (2 * 32 * 2, 2 * 32 * 2)          # the seed: as many tiles as flat ones
+    assert staged.grid(3, 37, 132, 1) == (132, 3 * 37 * 3)                # 37 = 16 + 16 + 5 per row
+    assert staged.grid(1, 7, 132, 1) == (7, 7)                            # 7 rows of 7 (flat: 4 tiles of 16)
+    assert staged.grid(1, 1, 132, 1) == (1, 1)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -95,8 +109,81 @@ def test_cost_model_matches_the_flop_counts_of_the_issue():
 
 def test_template_hash_covers_the_partials():
     names = codegen._referenced(codegen.template_name("trimul", "fused"))
-    assert {"trimul/_widths.cuh.j2", "trimul/_project.cuh.j2", "trimul/_output.cuh.j2", "common/grid_barrier.cuh",
-            "common/tile_map.cuh", "common/tile_gemm.cuh"} <= names
+    assert {"trimul/_widths.cuh.j2", "trimul/_project.cuh.j2", "trimul/_output.cuh.j2", "trimul/_triangle.cuh.j2",
+            "common/grid_barrier.cuh", "common/tile_map.cuh", "common/tile_gemm.cuh"} <= names
+    assert "trimul/_triangle.cuh.j2" not in codegen._referenced(codegen.template_name("trimul", "bmm"))
+
+
+# ---- the fused strategy's staged triangle sums (tri_smem) -------------------------------------------
+
+def _warp_banks(addresses) -> bool:
+    """Whether a warp's 4-byte shared-memory reads of these word addresses take one wavefront:
+    lanes reading the same word share it; different words must sit in different banks."""
+    words = set(addresses)
+    return len({a % 32 for a in words}) == len(words)
+
+
+@pytest.mark.parametrize("outgoing", [False, True], ids=["incoming", "outgoing"])
+@pytest.mark.parametrize("o_tile", [16, 32, 64])
+def test_staged_layout_fits_and_its_warp_reads_are_conflict_free(o_tile, outgoing):
+    for H in range(16, 257, 8):
+        tri = triangle_staging(o_tile, H, outgoing)
+        hc, a_stride, h_stride, b_row = tri["hc"], tri["a_stride"], tri["h_stride"], tri["b_row"]
+        per_channel = a_stride + h_stride
+        assert H % hc == 0 and hc % 4 == 0 and tri["stage_floats"] == hc * per_channel
+        assert 2 * 4 * tri["stage_floats"] <= TRI_BUDGET or hc == 4
+        larger = [d for d in range(hc + 4, H + 1, 4) if H % d == 0 and 2 * 4 * d * per_channel <= TRI_BUDGET]
+        assert not larger, f"H={H}: hc={hc} but {larger} fit"
+        assert a_stride >= TRI_KC and a_stride % 4 == 0 and h_stride % 4 == 0  # float4 reads of a
+        assert h_stride >= (o_tile * b_row if outgoing else TRI_KC * b_row)
+        k_step, t_step = (1, b_row) if outgoing else (b_row, 1)
+        for warp_first in range(0, min(o_tile * hc, 256), 32):  # the sums' reads, warp by warp (_triangle.cuh.j2)
+            lanes = [(e % o_tile, e // o_tile) for e in range(warp_first, warp_first + 32) if e < o_tile * hc]
+            for k in (0, 1, TRI_KC - 1):
+                assert _warp_banks([hc_ * h_stride + t * t_step + k * k_step for t, hc_ in lanes]), (H, k)
+            quads = {(hc_ * a_stride // 4) % 8 for _, hc_ in lanes}  # float4 reads of a: one bank quad per channel
+            assert len(quads) == len({hc_ for _, hc_ in lanes})
+
+
+def test_staged_plans_hold_the_z_rows_and_two_stages_in_shared_memory():
+    glob = TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": False}, widths(64, 32))
+    staged = TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": True}, widths(64, 32))
+    assert glob.smem_bytes == 4 * 32 * 68  # the projection tile, as before tri_smem existed
+    tri = triangle_staging(16, 32, False)
+    assert tri["hc"] == 16 and staged.smem_bytes == 4 * (16 * 36 + 2 * tri["stage_floats"]) == 74496
+    for options in (DEFAULT_OPTIONS, OTHER_OPTIONS):
+        for P, H in WIDTH_CASES:
+            for plan in TRIMUL.feasible_plans("fused", widths(P, H, options), DeviceLimits()):
+                c = plan.context
+                output_area = 4 * c["o_tile"] * (c["o_z_stride"] + c["o_x_stride"])
+                assert plan.smem_bytes >= max(4 * c["p_tile"] * c["p_a_stride"], output_area)
+                if plan.params["tri_smem"]:
+                    assert plan.smem_bytes >= 4 * (c["o_tile"] * c["o_z_stride"] + 2 * c["tri_stage_floats"])
+                    assert c["tri_stage_floats"] == triangle_staging(c["o_tile"], H, bool(options["outgoing"]))["stage_floats"]
+
+
+def test_staged_shared_memory_prunes_points_the_global_path_fits():
+    point = {"p_tile": 64, "p_tm": 4, "p_tn": 4, "o_tile": 64, "o_tm": 1, "threads": 256, "unroll": 4,
+             "blocks_per_sm": 2}
+    glob = TRIMUL.plan("fused", {**point, "tri_smem": False}, widths(16, 256))
+    staged = TRIMUL.plan("fused", {**point, "tri_smem": True}, widths(16, 256))
+    assert not TRIMUL.infeasible(glob, DeviceLimits())
+    assert staged.smem_bytes > glob.smem_bytes
+    assert TRIMUL.infeasible(staged, DeviceLimits()) == ["persistent blocks must be co-resident on an SM"]
+    tiny = DeviceLimits(max_smem_per_block=48 * 1024, smem_per_sm=228 * 1024)
+    seed = TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": True}, widths(64, 32))
+    assert "shared memory exceeds the per-block limit" in TRIMUL.infeasible(seed, tiny)
+
+
+def test_a_fused_entry_tuned_before_tri_smem_plans_as_the_global_path():
+    legacy = TRIMUL.plan("fused", SEED_FUSED, widths(64, 32))
+    explicit = TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": False}, widths(64, 32))
+    assert legacy.params == explicit.params and legacy.context == explicit.context
+    assert legacy.smem_bytes == explicit.smem_bytes and legacy.grid(2, 32, 132, 1) == explicit.grid(2, 32, 132, 1)
+    with pytest.raises(ValueError, match="params"):
+        TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": True, "unknown": 1}, widths(64, 32))
+    with pytest.raises(ValueError, match="tri_smem"):
+        TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": 2}, widths(64, 32))
 
 
 def _compile_all_kernels(plan):
@@ -120,6 +207,34 @@ def test_the_default_compiles_without_spills_in_either_kernel(P, H, options):
     assert f"{name}_output(" in rendered.source
 
 
+def _staged_plans(options) -> list:
+    """The staged triangle path at each output tile, at widths whose channel chunks differ: the
+    seed's (hc 16 of 32 at o_tile 16), not a power of two (hc 12 of 24) and large (hc 4 of 128 at o_tile 64)."""
+    plans = []
+    for P, H in ((64, 32), (40, 24), (128, 128)):
+        feasible = [p for p in TRIMUL.feasible_plans("fused", widths(P, H, options), DeviceLimits()) if p.params["tri_smem"]]
+        firsts = {}
+        for plan in feasible:
+            firsts.setdefault(plan.params["o_tile"], plan)
+        plans += firsts.values()
+    return plans
+
+
+@pytest.mark.parametrize("options", [DEFAULT_OPTIONS, OTHER_OPTIONS], ids=["default", "out-norm-nobias"])
+def test_staged_triangle_sums_compile_without_spills(options):
+    plans = _staged_plans(options)
+    seed = TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": True}, widths(64, 32, options))
+    plans.append(seed)
+    rendered = [runtime.render_plan(p) for p in plans]
+    results = compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])
+    for plan, rend, result in zip(plans, rendered, results):
+        assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
+        assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label} {plan.widths}: {result.summary()}"
+        assert "cp.async.ca.shared.global" in rend.source
+        assert "__ldg(ar" not in rend.source and "__ldg(br" not in rend.source  # written by the same launch
+    assert {p.params["o_tile"] for p in plans} == {16, 32, 64}
+
+
 @pytest.mark.parametrize("options", [DEFAULT_OPTIONS, OTHER_OPTIONS], ids=["default", "out-norm-nobias"])
 def test_sampled_points_of_every_strategy_compile(options):
     plans = [p for s in TRIMUL.strategies for w in ((64, 32), (40, 24), (128, 128))
@@ -129,3 +244,16 @@ def test_sampled_points_of_every_strategy_compile(options):
     for plan, result in zip(plans, results):
         assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
         assert result.compile_s < 20, f"{plan.label}: {result.summary()}"
+
+
+def test_output_weights_in_shared_memory_add_one_chunk_of_both_weights():
+    widths = {"P": 128, "H": 128, "outgoing": 0, "gate_normalized": 0, "bias": 1}
+    point = dict(TRIMUL.default_points[0][1])
+    cached = TRIMUL.plan("bmm", {**point, "o_weights_smem": False}, widths)
+    staged = TRIMUL.plan("bmm", {**point, "o_weights_smem": True}, widths)
+    cn = staged.context["o_cn"]
+    assert staged.context["output_smem"] - cached.context["output_smem"] == 4 * (128 + 128) * cn
+    assert staged.context["o_weights_smem"] == "true" and cached.context["o_weights_smem"] == "false"
+    assert not TRIMUL.infeasible(staged, DeviceLimits())
+    old_entry = {k: v for k, v in point.items() if k != "o_weights_smem"}  # tuned before the parameter existed
+    assert TRIMUL.plan("bmm", old_entry, widths).context["o_weights_smem"] == "false"

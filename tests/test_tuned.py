@@ -131,4 +131,5 @@ def test_a_stale_entry_is_completed_to_the_current_space_and_tried_first(db):
     tune_script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune_script)
     shape = {"B": 1, "N": 1024, "P": 128, "H": 64}
-    assert tune_script.starting_points(CONTACT, db, shape) == [("symmetric_tiled", completed)]
+    assert tune_script.starting_points(CONTACT, db, shape) == [
+        ("symmetric_tiled", {**completed, "stage_rows": value}) for value in (0, 1, 2)]

@@ -153,6 +153,16 @@ class OpSpec:
         default = next((p for s, p in self.default_points if s == strategy), {})
         return {k: params[k] if k in params else default.get(k, values[0]) for k, values in space.items()}
 
+    def restarts(self, strategy: str, params: dict) -> list[dict]:
+        """Where a re-tune starts from an older winner: the point completed to today's space, then
+        the same point with each other value of every parameter it did not have (one at a time), so
+        the new parameter is measured against the old winner whatever the sampler does next."""
+        completed = self.complete_point(strategy, params)
+        if completed is None:
+            return []
+        space = self.strategies[strategy].space
+        return [completed] + [{**completed, k: v} for k in space if k not in params for v in space[k] if v != completed[k]]
+
     def check_point(self, strategy: str, params: dict) -> None:
         if strategy not in self.strategies:
             raise ValueError(f"{self.name}: unknown strategy {strategy!r}; known: {sorted(self.strategies)}")

@@ -6,7 +6,9 @@ Two strategies:
          (the transposes that the direction needs are cuBLAS flags, no copies), an output kernel
          reads the bmm result in place. Right for every N; the GEMMs dominate at N >= 256.
   fused  one cooperative kernel: projection, grid-wide barrier, triangle sums + output. For small N,
-         where three launches and a cuBLAS call cost more than the work.
+         where three launches and a cuBLAS call cost more than the work. Its triangle sums read a
+         and b from global memory per (pair, channel) (tri_smem=False), or stage them in shared
+         memory per row tile (tri_smem=True); both in templates/trimul/_triangle.cuh.j2.
 """
 from __future__ import annotations
 
@@ -153,18 +155,27 @@ BMM = Strategy(
     # min_blocks: the launch bounds' minimum blocks per SM. Unbounded, ptxas gives the 8x8 tiles
     # ~210 registers (one 256-thread block per SM); 2 caps them at 128. unroll: the 32 k-steps
     # of a 128-wide product unrolled 4 deep (a single value, kept as data to widen later).
+    # o_weights_smem: the output kernel's Wout/Wgate column chunks staged in shared memory (as
+    # p_weights_smem for the projection); through the cache they missed L1 (run 17: 21 TFLOP/s).
     space={"p_tile": (64, 128), "p_tm": (4, 8), "p_tn": (4, 8), "p_weights_smem": (False, True),
-           "o_tile": (32, 64, 128), "o_tm": (1, 2, 4), "threads": (128, 256), "unroll": (4,), "min_blocks": (1, 2)},
+           "o_tile": (32, 64, 128), "o_tm": (1, 2, 4), "o_weights_smem": (False, True), "threads": (128, 256),
+           "unroll": (4,), "min_blocks": (1, 2)},
     restrictions=_COMMON,
 )
 
 FUSED = Strategy(
     name="fused",
     summary="one cooperative kernel: projection, grid barrier, triangle sums + output (small N)",
+    # tri_smem: the output phase's triangle sums from global memory per (pair, channel) (False), or
+    # staged in shared memory per row tile (True; stages sized by triangle_staging).
     space={"p_tile": (32, 64), "p_tm": (2, 4), "p_tn": (4, 8), "o_tile": (16, 32, 64), "o_tm": (1, 2, 4),
-           "threads": (128, 256), "unroll": (2, 4), "blocks_per_sm": (1, 2)},
+           "threads": (128, 256), "unroll": (2, 4), "blocks_per_sm": (1, 2), "tri_smem": (False, True)},
     restrictions=_COMMON + (Restriction("persistent blocks must be co-resident on an SM", _persistent_blocks_fit),),
 )
+
+# Parameters added to a strategy after tuned entries existed, with the value that reproduces what those
+# entries ran, so that an entry without them still plans (check_tuned_entries builds stale entries too).
+_ADDED_PARAMS = {"fused": {"tri_smem": False}, "bmm": {"o_weights_smem": False}}
 
 
 def _bool(value) -> str:
@@ -175,6 +186,28 @@ def _stride(width: int) -> int:
     return align(width, 32) + 4  # >= width and == 4 (mod 32): tile_gemm.cuh's conflict-free rows
 
 
+TRI_KC = 32              # k rows per stage of the staged triangle sums: one stage covers N <= 32 (the seed)
+TRI_BUDGET = 96 * 1024   # bytes for its two stage buffers: two blocks per SM (blocks_per_sm 2) still fit
+
+
+def triangle_staging(o_tile: int, H: int, outgoing: bool) -> dict:
+    """Shared-memory layout of the fused strategy's staged triangle sums (_triangle.cuh.j2). A stage
+    holds hc channels x TRI_KC k rows of a row tile's a vector and its o_tile b vectors:
+      a  [hc][k], rows of a_stride floats (== 4 mod 32: two channels' float4 reads in distinct banks);
+      b  [hc][k][t] incoming, [hc][t][k] outgoing: the index that is contiguous in global memory is
+         contiguous here too, so copies coalesce on both sides; rows of b_row floats (outgoing
+         TRI_KC + 1, odd: a warp's reads of 32 t's hit 32 banks); channels h_stride apart, == o_tile
+         (mod 32) when o_tile < 32, where a warp spans two channels, each then in half of the banks.
+    hc: the largest multiple of 4 dividing H whose two stage buffers fit TRI_BUDGET (else 4)."""
+    b_row = TRI_KC + 1 if outgoing else o_tile
+    h_stride = align((o_tile if outgoing else TRI_KC) * b_row, 32) + o_tile % 32
+    a_stride = _stride(TRI_KC)
+    per_channel = a_stride + h_stride
+    hc = max((d for d in range(4, H + 1, 4) if H % d == 0 and 2 * 4 * d * per_channel <= TRI_BUDGET), default=4)
+    return {"kc": TRI_KC, "hc": hc, "a_stride": a_stride, "b_row": b_row, "h_stride": h_stride,
+            "stage_floats": hc * per_channel}
+
+
 class TrimulSpec(OpSpec):
     name = "trimul"
     # The options are compile-time and part of the tuned key, as 0/1 next to the widths.
@@ -183,11 +216,11 @@ class TrimulSpec(OpSpec):
     default_points = (
         # P a multiple of 64, H of 32 (the real models): 128-column chunks of 4H, 8x8 micro-tiles.
         ("bmm", {"p_tile": 128, "p_tm": 8, "p_tn": 8, "p_weights_smem": False, "o_tile": 64, "o_tm": 4,
-                 "threads": 256, "unroll": 4, "min_blocks": 1}),
+                 "o_weights_smem": False, "threads": 256, "unroll": 4, "min_blocks": 1}),
         # Any P, H multiples of 8 up to 256: 32-column chunks of 4H, 8-column chunks of P (64-row
         # output tiles keep P = H = 248 within shared memory).
         ("bmm", {"p_tile": 64, "p_tm": 4, "p_tn": 4, "p_weights_smem": False, "o_tile": 64, "o_tm": 1,
-                 "threads": 128, "unroll": 4, "min_blocks": 1}),
+                 "o_weights_smem": False, "threads": 128, "unroll": 4, "min_blocks": 1}),
     )
     presets = {
         "seed": ({"B": 2, "N": 32, "P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1},),
@@ -229,6 +262,7 @@ class TrimulSpec(OpSpec):
                                                       precision="ieee", **weights)
 
     def plan(self, strategy: str, params: dict, widths: dict) -> Plan:
+        params = {**_ADDED_PARAMS.get(strategy, {}), **params}
         self.check_point(strategy, params)
         w = {name: int(widths[name]) for name in self.width_names}
         P, H = w["P"], w["H"]
@@ -247,11 +281,18 @@ class TrimulSpec(OpSpec):
         context.update({f"p_{k}": v for k, v in proj.items()})
         context.update({f"o_{k}": v for k, v in outp.items()})
         project_smem = 4 * (params["p_tile"] * _stride(P) + (P * proj["cn"] if weights_smem else 0))
-        output_smem = 4 * params["o_tile"] * (_stride(H) + _stride(P))
+        o_weights_smem = bool(params.get("o_weights_smem", False))
+        context["o_weights_smem"] = _bool(o_weights_smem)
+        output_smem = 4 * (params["o_tile"] * (_stride(H) + _stride(P)) + ((H + P) * outp["cn"] if o_weights_smem else 0))
         if fused:
-            context.update(threads=p_threads, output_threads=o_threads, output_smem=0)
-            smem = max(project_smem, output_smem)  # one buffer, reused by the second phase
-            grid = _fused_grid(params["p_tile"], params["o_tile"], params["blocks_per_sm"])
+            staged = params["tri_smem"]
+            tri = triangle_staging(params["o_tile"], H, bool(w["outgoing"]))
+            context.update(threads=p_threads, output_threads=o_threads, output_smem=0, tri_smem=_bool(staged),
+                           **{f"tri_{k}": v for k, v in tri.items()})
+            # One buffer, reused by every phase; staged sums hold the tile's z rows and two stages in it.
+            triangle_smem = 4 * (params["o_tile"] * _stride(H) + 2 * tri["stage_floats"]) if staged else 0
+            smem = max(project_smem, output_smem, triangle_smem)
+            grid = _fused_grid(params["p_tile"], params["o_tile"], params["blocks_per_sm"], row_tiles=staged)
         else:
             context.update(output_threads=o_threads, output_smem=output_smem)
             smem = project_smem
@@ -312,15 +353,17 @@ def _tile_grid(tile: int):
     return grid
 
 
-def _fused_grid(p_tile: int, o_tile: int, blocks_per_sm: int):
+def _fused_grid(p_tile: int, o_tile: int, blocks_per_sm: int, row_tiles: bool = False):
     """Persistent and co-resident (the grid barrier needs every block running): at most
     min(blocks_per_sm, resident) per SM, and no more than the larger phase has tiles.
-    work = the output phase's tile count."""
+    work = the output phase's tile count: o_tile consecutive pairs of the flattened B*N*N, or with
+    row_tiles (staged triangle sums) up to o_tile pairs of one row (b, i), ceil(N / o_tile) per row."""
 
-    def grid(B, N, sms, resident, _p=p_tile, _o=o_tile, _per_sm=blocks_per_sm):
+    def grid(B, N, sms, resident, _p=p_tile, _o=o_tile, _per_sm=blocks_per_sm, _rows=row_tiles):
         pairs = B * N * N
-        tiles = max(ceil_div(pairs, _p), ceil_div(pairs, _o))
-        return max(1, min(tiles, min(_per_sm, max(1, resident)) * sms)), ceil_div(pairs, _o)
+        out_tiles = B * N * ceil_div(N, _o) if _rows else ceil_div(pairs, _o)
+        tiles = max(ceil_div(pairs, _p), out_tiles)
+        return max(1, min(tiles, min(_per_sm, max(1, resident)) * sms)), out_tiles
 
     return grid
 
