@@ -102,7 +102,7 @@ def pack_weights(params: dict[str, torch.Tensor], P: int, H: int, bias: bool) ->
 
 # ---- the spec ------------------------------------------------------------------------------
 
-O_TN = 4          # output columns per thread in each of the output kernel's two products
+O_TN = 4          # output columns per thread in each of the output kernel's two products (fused; bmm tunes o_tn)
 LN_ROWS = 4       # LayerNorm rows in flight per warp (the contact head's tuning never moved off 4)
 _LANE_PREFERENCE = (8, 16, 4, 32, 2, 1)  # rows per warp: 8 gives one-wavefront reads, full-sector stores
 
@@ -155,10 +155,13 @@ BMM = Strategy(
     # min_blocks: the launch bounds' minimum blocks per SM. Unbounded, ptxas gives the 8x8 tiles
     # ~210 registers (one 256-thread block per SM); 2 caps them at 128. unroll: the 32 k-steps
     # of a 128-wide product unrolled 4 deep (a single value, kept as data to widen later).
-    # o_weights_smem: the output kernel's Wout/Wgate column chunks staged in shared memory (as
-    # p_weights_smem for the projection); through the cache they missed L1 (run 17: 21 TFLOP/s).
+    # The output kernel ran its two products at 21 TFLOP/s against the projection's 35 (run 19,
+    # N512: 796 us for 17.2 GFLOP). o_weights_smem stages its Wout/Wgate column chunks in shared
+    # memory (as p_weights_smem does for the projection): no gain in run 19's tuning. o_tn 8 gives
+    # each product 4 x 8 micro-tiles, 10.7 multiply-adds per load as in the projection's (8 with o_tn 4).
     space={"p_tile": (64, 128), "p_tm": (4, 8), "p_tn": (4, 8), "p_weights_smem": (False, True),
-           "o_tile": (32, 64, 128), "o_tm": (1, 2, 4), "o_weights_smem": (False, True), "threads": (128, 256),
+           "o_tile": (32, 64, 128), "o_tm": (1, 2, 4), "o_tn": (4, 8), "o_weights_smem": (False, True),
+           "threads": (128, 256),
            "unroll": (4,), "min_blocks": (1, 2)},
     restrictions=_COMMON,
 )
@@ -175,7 +178,7 @@ FUSED = Strategy(
 
 # Parameters added to a strategy after tuned entries existed, with the value that reproduces what those
 # entries ran, so that an entry without them still plans (check_tuned_entries builds stale entries too).
-_ADDED_PARAMS = {"fused": {"tri_smem": False}, "bmm": {"o_weights_smem": False}}
+_ADDED_PARAMS = {"fused": {"tri_smem": False}, "bmm": {"o_weights_smem": False, "o_tn": O_TN}}
 
 
 def _bool(value) -> str:
@@ -215,11 +218,11 @@ class TrimulSpec(OpSpec):
     strategies = {s.name: s for s in (BMM, FUSED)}
     default_points = (
         # P a multiple of 64, H of 32 (the real models): 128-column chunks of 4H, 8x8 micro-tiles.
-        ("bmm", {"p_tile": 128, "p_tm": 8, "p_tn": 8, "p_weights_smem": False, "o_tile": 64, "o_tm": 4,
+        ("bmm", {"p_tile": 128, "p_tm": 8, "p_tn": 8, "p_weights_smem": False, "o_tile": 64, "o_tm": 4, "o_tn": 4,
                  "o_weights_smem": False, "threads": 256, "unroll": 4, "min_blocks": 1}),
         # Any P, H multiples of 8 up to 256: 32-column chunks of 4H, 8-column chunks of P (64-row
         # output tiles keep P = H = 248 within shared memory).
-        ("bmm", {"p_tile": 64, "p_tm": 4, "p_tn": 4, "p_weights_smem": False, "o_tile": 64, "o_tm": 1,
+        ("bmm", {"p_tile": 64, "p_tm": 4, "p_tn": 4, "p_weights_smem": False, "o_tile": 64, "o_tm": 1, "o_tn": 4,
                  "o_weights_smem": False, "threads": 128, "unroll": 4, "min_blocks": 1}),
     )
     presets = {
@@ -270,13 +273,14 @@ class TrimulSpec(OpSpec):
         p_threads = o_threads = params["threads"]
         weights_smem = bool(params.get("p_weights_smem", False))
         proj = gemm_layout(params["p_tile"], params["p_tm"], params["p_tn"], p_threads)
-        outp = gemm_layout(params["o_tile"], params["o_tm"], O_TN, o_threads)
+        o_tn = params.get("o_tn", O_TN)
+        outp = gemm_layout(params["o_tile"], params["o_tm"], o_tn, o_threads)
         context = {"P": P, "H": H, "outgoing": _bool(w["outgoing"]), "gate_normalized": _bool(w["gate_normalized"]),
                    "bias": _bool(w["bias"]), "off": weight_offsets(P, H, bool(w["bias"])), "unroll": params["unroll"],
                    "ln_rows": LN_ROWS, "min_blocks": params.get("min_blocks", params.get("blocks_per_sm", 1)),
                    "p_tile": params["p_tile"], "p_tm": params["p_tm"], "p_tn": params["p_tn"],
                    "p_threads": p_threads, "p_a_stride": _stride(P), "p_weights_smem": _bool(weights_smem),
-                   "o_tile": params["o_tile"], "o_tm": params["o_tm"], "o_tn": O_TN, "o_threads": o_threads,
+                   "o_tile": params["o_tile"], "o_tm": params["o_tm"], "o_tn": o_tn, "o_threads": o_threads,
                    "o_z_stride": _stride(H), "o_x_stride": _stride(P)}
         context.update({f"p_{k}": v for k, v in proj.items()})
         context.update({f"o_{k}": v for k, v in outp.items()})
