@@ -1,17 +1,18 @@
 """GPU: every readout strategy over sampled params and odd shapes against the float64 reference;
 the mask and NaN semantics; the j split (partials, flags and counters across blocks, calls and
-graph replays); streams, graphs, gradients, repacking, tuned entries."""
+graph replays); the gemm strategy (poisoned scratch, warps per node, graphs, TF32 callers);
+streams, graphs, gradients, repacking, tuned entries."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_variant_matches_float64,
-                     check_tuned_entries, compile_plans, compiled_variant, generator, run_under_graph_capture,
-                     run_variant, sampled_cases, sampled_plans)
+                     check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
+                     run_under_graph_capture, run_variant, sampled_cases, sampled_plans)
 from pairgen import runtime
 from pairgen.check import compare, reference64
-from pairgen.ops.readout import READOUT, split_scratch_floats
+from pairgen.ops.readout import READOUT, scratch_offsets
 
 pytestmark = pytest.mark.gpu
 TOL = READOUT.tolerance["float32"]
@@ -138,7 +139,7 @@ def test_tuned_entries_load_and_run():
 
 _SEED_POINT = {"tile_i": 2, "tile_j": 8, "threads": 128, "threads_n": 8, "tn": 4, "unroll": 4, "weights_smem": False}
 J_SPLIT_POINTS = [
-    ("split", dict(_SEED_POINT, j_split=3), SEED_WIDTHS),  # N = 24: one j tile per split
+    ("split", dict(_SEED_POINT, j_split=3, prologue_rows=2), SEED_WIDTHS),  # N = 24: one j tile per split
     ("split", dict(_SEED_POINT, weights_smem=True, j_split=3), SEED_WIDTHS),  # splits without j work stage nothing
     ("split", dict(_SEED_POINT, tile_j=16, j_split=2), SEED_WIDTHS),
     ("split", dict(_SEED_POINT, tile_i=8, unroll=2, j_split=8), SEED_WIDTHS),  # 8 nodes, 4 warps; N = 37: 3 idle splits
@@ -164,12 +165,11 @@ def _split_of(plan, j: int) -> int:
 def _run_on_poisoned_scratch(module, inputs, variant):
     """_run, but right after a NaN-filled block of exactly the scratch's size was freed: the caching
     allocator most likely hands that block to the launch's scratch, so a partial row or flag that
-    the combine read without its block having written it shows up as NaN or as a wrong row."""
+    the combine read without its block having written it shows up as NaN or as a wrong row (gemm:
+    a hidden row or message the kernels left unwritten reaches the output as NaN)."""
     B, N = inputs[0].shape[:2]
-    D, H = module.widths["D"], module.widths["H"]
-    plan = variant.plan
-    words = (B * N * 2 * H if plan.strategy == "split" else 0) + split_scratch_floats(B, N, D, plan.params["j_split"])
-    out = torch.full((B, N, D), float("nan"), device="cuda")
+    words = scratch_offsets(variant.plan, B, N)["total"]
+    out = torch.full((B, N, module.widths["D"]), float("nan"), device="cuda")
     module.packed_weights()  # packed before the poisoned block is freed, so it is not what takes it
     torch.full((words,), float("nan"), device="cuda")  # freed at once, cached
     with torch.no_grad():
@@ -277,3 +277,197 @@ def test_j_split_counters_reset_between_calls_growth_and_graph_replays(j_split_v
         assert compare(run_under_graph_capture(module, small, replays=2), ref_small, TOL).ok
     finally:
         module.force_variant(None)
+
+
+# ---- the gemm strategy: prologue, hidden kernel, cuBLAS mm (fp32), pool kernel --------------------
+
+_GEMM_DEFAULT, _GEMM_GENERAL = (params for strategy, params in READOUT.default_points if strategy == "gemm")
+GEMM_POINTS = [
+    (_GEMM_DEFAULT, SEED_WIDTHS),
+    (dict(_GEMM_DEFAULT, pool_nodes=1, pool_warps=4), SEED_WIDTHS),  # N = 37: warps 2, 3 see no partner
+    (dict(_GEMM_DEFAULT, pool_nodes=8, pool_warps=1, tile=64, tn=4), SEED_WIDTHS),  # 8 nodes a block, no combine
+    (dict(_GEMM_DEFAULT, tile=256, threads=256, weights_smem=True, unroll=4, tn=4), SEED_WIDTHS),  # W_p staged
+    (_GEMM_GENERAL, SEED_WIDTHS),  # 1x4 micro-tiles, 8 columns per chunk
+    (dict(_GEMM_DEFAULT, pool_warps=4), WIDTHS[1]),
+    (_GEMM_DEFAULT, WIDTHS[2]),
+    (dict(_GEMM_DEFAULT, weights_smem=True), WIDTHS[2]),
+]
+GEMM_CASES = [pytest.param(plan, id="D{D}P{P}H{H}-".format_map(plan.widths) + plan.label)
+              for plan in (READOUT.plan("gemm", p, w) for p, w in GEMM_POINTS)]
+
+
+@pytest.fixture(scope="module")
+def gemm_variants():
+    return compile_plans([c.values[0] for c in GEMM_CASES])
+
+
+def test_sampled_cases_include_the_gemm_strategy():
+    """The generic tests above sample gemm points at every preset width (its defaults first)."""
+    for widths in WIDTHS:
+        gemm = [c.values[0] for c in CASES if c.values[0].strategy == "gemm" and c.values[0].widths == widths]
+        assert len(gemm) >= POINTS_PER_STRATEGY and gemm[0].params == _GEMM_DEFAULT
+
+
+@pytest.mark.parametrize("plan", GEMM_CASES)
+def test_gemm_matches_float64_reference_on_poisoned_scratch(plan, gemm_variants):
+    """Odd shapes (N = 1, 7, 37, 64, 123; B = 1, 3), heavy-tailed inputs on every other one, the
+    scratch handed a NaN-filled block: a hidden row, message or uv row left unwritten shows."""
+    variant = compiled_variant(gemm_variants, plan)
+    big = plan.widths["H"] >= 512
+    failures = []
+    for k, (batch, n) in enumerate(ODD_SHAPES):
+        if big and batch * n > 200:  # the float64 reference at D256/H512, B3 N123 dominates the time
+            continue
+        module, inputs, ref = reference_case(READOUT, plan.widths, batch, n, seed=k)
+        result = compare(_run_on_poisoned_scratch(module, inputs, variant), ref, TOL)
+        if not result.ok:
+            failures.append(f"B={batch} N={n}: {result}")
+    assert not failures, "\n".join(failures)
+
+
+def _pool_warp_of(plan, j: int) -> int:
+    """The pool kernel's warp (of its node's pool_warps) that folds partner j: chunks of 32."""
+    return (j // 32) % plan.params["pool_warps"]
+
+
+@pytest.mark.parametrize("plan", GEMM_CASES[:3] + GEMM_CASES[5:6])
+def test_gemm_single_edges_nan_masked_rows_and_float_masks(plan, gemm_variants):
+    """N = 123 (four chunks of 32 partners). Batch 1: node 2 + s has one valid edge, to the last
+    partner of chunk s (with several warps per node, each warp holds one node's only edge in
+    turn). Batch 0: NaN at a valid edge in the last chunk makes the row NaN; at a masked edge it is
+    ignored. Batch 2 has no edge; node 0 of every batch is isolated: nodes + norm.bias. A float
+    mask (read as mask != 0) gives the bool mask's output bit for bit."""
+    variant = compiled_variant(gemm_variants, plan)
+    gen, N = generator(51), 123
+    module = READOUT.make_module(plan.widths, gen).cuda()
+    nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": 3, "N": N, **plan.widths}, gen))
+    mask[2] = False
+    last_of_chunk = {s: min(32 * s + 31, N - 1) for s in range(4)}
+    for s, j in last_of_chunk.items():
+        mask[1, 2 + s] = False
+        mask[1, 2 + s, j] = True
+    nan_j = last_of_chunk[3]
+    pair[0, 5, nan_j, 3] = pair[0, 6, nan_j, 3] = float("nan")
+    mask[0, 5, nan_j], mask[0, 6, nan_j] = True, False
+    ref = reference64(module, (nodes, pair, mask))
+    assert torch.isnan(ref[0, 5]).all() and torch.isfinite(ref[0, 6]).all()
+
+    out = _run_on_poisoned_scratch(module, (nodes, pair, mask), variant)
+    assert compare(out, ref, TOL).ok, compare(out, ref, TOL)
+    assert torch.isnan(out[0, 5]).all() and torch.isfinite(out[0, 6]).all()
+    bias = module.norm.bias
+    torch.testing.assert_close(out[2], nodes[2] + bias, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[:, 0], nodes[:, 0] + bias, rtol=0, atol=1e-5)
+    for s in last_of_chunk:  # a single edge pools its own message, not 0
+        warp = _pool_warp_of(plan, last_of_chunk[s])
+        assert (out[1, 2 + s] - nodes[1, 2 + s] - bias).abs().max() > 1e-3, f"node {2 + s} (warp {warp}) pooled to 0"
+    from_float = _run(module, (nodes, pair, mask.float() * 0.5), variant)  # nonzero entries: edges
+    torch.testing.assert_close(from_float, out, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_gemm_n_equal_one(batch, gemm_variants):
+    plan = GEMM_CASES[1].values[0]  # four warps per node: three of them see no partner
+    gen = generator(52)
+    module = READOUT.make_module(plan.widths, gen).cuda()
+    nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": batch, "N": 1, **plan.widths}, gen))
+    mask[0, 0, 0] = True  # a self edge in the first graph; the others are isolated
+    ref = reference64(module, (nodes, pair, mask))
+    out = _run_on_poisoned_scratch(module, (nodes, pair, mask), compiled_variant(gemm_variants, plan))
+    assert compare(out, ref, TOL).ok
+
+
+def test_gemm_graph_capture_replays_and_survives_later_larger_calls(gemm_variants):
+    """All four launches (the mm included) are captured on the current stream; the graph keeps
+    its scratch: eager calls at a larger shape afterwards (a new, larger scratch each) leave its
+    replays correct."""
+    plan = GEMM_CASES[0].values[0]
+    module, small, ref_small = reference_case(READOUT, plan.widths, 1, 7, seed=53)
+    _, large, ref_large = reference_case(READOUT, plan.widths, 3, 64, seed=53)
+    module.force_variant(compiled_variant(gemm_variants, plan))
+    try:
+        assert compare(run_under_graph_capture(module, small, replays=3), ref_small, TOL).ok
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            module(*small)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = module(*small)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():
+            for _ in range(3):
+                assert compare(module(*large), ref_large, TOL).ok
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert compare(captured, ref_small, TOL).ok
+    finally:
+        module.force_variant(None)
+
+
+@pytest.mark.parametrize("api", ["legacy", "fp32_precision"])
+def test_gemm_gives_fp32_results_to_a_caller_that_allowed_tf32(api, gemm_variants):
+    """The caller allowed TF32 for cuBLAS (either API); the gemm strategy's mm still runs in fp32
+    (TF32 would miss the tolerance at K = 512: the reference itself does, checked first), and the
+    caller's setting is what it was afterwards. Both APIs: with torch >= 2.9, reading the legacy
+    flag raises for a caller on the fp32_precision API, so fp32_matmul must not read it."""
+    matmul = torch.backends.cuda.matmul
+    new_api = hasattr(matmul, "fp32_precision")
+    if api == "fp32_precision" and not new_api:
+        pytest.skip(f"torch {torch.__version__} has no torch.backends.cuda.matmul.fp32_precision")
+    plan = GEMM_CASES[6].values[0]  # D256 P64 H512
+    module, inputs, ref = reference_case(READOUT, plan.widths, 1, 37, seed=54)
+    saved = matmul.fp32_precision if new_api else matmul.allow_tf32
+    if api == "legacy":
+        matmul.allow_tf32 = True
+    else:
+        matmul.fp32_precision = "tf32"
+    try:
+        with torch.no_grad():
+            assert not compare(module.reference_forward(*inputs), ref, TOL).ok, "TF32 must be visible at this shape"
+        module.force_variant(compiled_variant(gemm_variants, plan))
+        try:
+            with torch.no_grad():
+                out = module(*inputs)
+        finally:
+            module.force_variant(None)
+        restored = matmul.fp32_precision == "tf32" if new_api else matmul.allow_tf32
+        assert restored and (api != "legacy" or matmul.allow_tf32), "the caller's setting is restored"
+    finally:
+        matmul.allow_tf32 = False  # both APIs consistent again, then the saved value
+        if new_api:
+            matmul.fp32_precision = saved
+        else:
+            matmul.allow_tf32 = saved
+    assert compare(out, ref, TOL).ok
+
+
+def test_gemm_inputs_that_start_mid_vector_or_are_not_contiguous(gemm_variants):
+    """The hidden kernel stages pair rows with cp.async and the prologue reads nodes as float4: a
+    view 4 bytes past an aligned start, and transposed pair features and mask, are copied first."""
+    plan = GEMM_CASES[0].values[0]
+    module, (nodes, pair, mask), ref = reference_case(READOUT, plan.widths, 2, 37, seed=56)
+    shifted_nodes = torch.empty(nodes.numel() + 1, device="cuda")[1:].view(nodes.shape).copy_(nodes)
+    shifted_pair = torch.empty(pair.numel() + 1, device="cuda")[1:].view(pair.shape).copy_(pair)
+    assert shifted_nodes.data_ptr() % 16 == 4 and shifted_pair.data_ptr() % 16 == 4
+    pair_t = pair.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, other strides
+    mask_t = mask.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not pair_t.is_contiguous() and not mask_t.is_contiguous()
+    variant = compiled_variant(gemm_variants, plan)
+    assert compare(_run(module, (shifted_nodes, shifted_pair, mask), variant), ref, TOL).ok
+    assert compare(_run(module, (nodes, pair_t, mask_t), variant), ref, TOL).ok
+
+
+def test_widths_no_split_tile_fits_run_the_gemm_default():
+    """D=504 P=8 H=496: no split or direct tile fits shared memory; the module runs gemm's general
+    default (not the reference) and matches float64."""
+    widths = {"D": 504, "P": 8, "H": 496}
+    gen = generator(55)
+    module = READOUT.make_module(widths, gen).cuda()
+    inputs = tuple(t.cuda() for t in READOUT.make_inputs({"B": 2, "N": 7, **widths}, gen))
+    variant = module.variant_for(7, inputs[0].device)
+    assert variant is not None and variant.plan.strategy == "gemm"
+    with torch.no_grad():
+        out = module(*inputs)
+    assert compare(out, reference64(module, inputs), TOL).ok

@@ -1,6 +1,7 @@
 """The pair readout on the CPU: reference against an independent formula, the split first layer
-from the packed weights, the drop-in module against the reference (masks, isolated nodes, NaN),
-state_dict compatibility, and input validation."""
+and the gemm strategy's pipeline from the packed weights (b2 after the max, exactly), the
+drop-in module against the reference (masks, isolated nodes, NaN), state_dict compatibility,
+and input validation."""
 from __future__ import annotations
 
 import re
@@ -74,6 +75,54 @@ def test_split_first_layer_from_the_packed_weights_is_the_first_linear():
     torch.testing.assert_close(w2t, module.fuse[2].weight.double().t(), rtol=0, atol=0)
     for name, p in (("b2", module.fuse[2].bias), ("gamma", module.norm.weight), ("beta", module.norm.bias)):
         torch.testing.assert_close(packed[off[name]: off[name] + D], p.double(), rtol=0, atol=0)
+
+
+def gemm_pipeline(module, nodes, pair, mask):
+    """The gemm strategy's steps (gemm.cu.j2) in float64 from the packed weights: U, V per node;
+    every pair's hidden layer; messages = hidden @ W2^T read where the module's torch.mm reads it
+    (packed[_w2t_at:], no bias); the masked max over j, then + b2, LayerNorm, residual; nodes
+    without a valid edge pool to 0."""
+    D, P, H = (module.widths[k] for k in ("D", "P", "H"))
+    packed = module.packed_weights().double()
+    off = weight_offsets(D, P, H)
+    section = lambda name, size: packed[off[name]: off[name] + size]  # noqa: E731
+    nodes, pair = nodes.double(), pair.double()
+    uv = nodes @ section("wuvt", D * 2 * H).view(D, 2 * H)
+    U, V = uv[..., :H] + section("b1", H), uv[..., H:]
+    hidden = torch.nn.functional.silu(U[:, :, None, :] + V[:, None, :, :] + pair @ section("wpt", P * H).view(P, H))
+    messages = hidden @ packed[module._w2t_at: module._w2t_at + H * D].view(H, D)
+    pooled = torch.where(mask[..., None], messages, float("-inf")).amax(dim=2) + section("b2", D)
+    pooled = torch.where(mask.any(dim=2)[..., None], pooled, 0.0)
+    normed = torch.nn.functional.layer_norm(pooled, (D,), eps=1e-5)
+    return nodes + normed * section("gamma", D) + section("beta", D)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 9)])
+def test_gemm_pipeline_from_the_packed_weights_is_the_reference(shape):
+    B, N = shape
+    module, (nodes, pair, mask) = _module_and_inputs({"B": B, "N": N, **WIDTHS}, 7, "cauchy")
+    with torch.no_grad():
+        expected = module.double().reference_forward(nodes.double(), pair.double(), mask)
+        module.float()
+        got = gemm_pipeline(module, nodes, pair, mask)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_b2_after_the_masked_max_is_exact_in_fp32():
+    """The gemm pool adds b2 after the max: rounding is monotone, so max_j fl(m_j + b2) equals
+    fl(max_j m_j + b2) bit for bit, NaN at a valid edge included (an edgeless row is -inf both ways,
+    then pools to 0)."""
+    gen = generator(8)
+    m = torch.randn((3, 11, 11, 40), generator=gen) * torch.rand((3, 11, 11, 40), generator=gen) ** -2
+    b2 = torch.randn(40, generator=gen) * 10
+    mask = random_edge_mask(3, 11, gen)
+    m[0, 3, 4, 7] = float("nan")
+    mask[0, 3, 4] = True
+    m[1, 2, 5, 9] = float("nan")
+    mask[1, 2, 5] = False
+    masked = lambda x: torch.where(mask[..., None], x, float("-inf")).amax(dim=2)  # noqa: E731
+    torch.testing.assert_close(masked(m) + b2, masked(m + b2), rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(masked(m)[0, 3, 7]) and not torch.isnan(masked(m)[1, 2]).any()
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 37)])

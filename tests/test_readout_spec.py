@@ -1,6 +1,8 @@
 """The readout spec: the pair-tile ownership the kernels rely on (j splits included), grids and
 scratch, restrictions, defaults for every width, the weight layout, the cost model; defaults and
-j-split variants compile with NVRTC without spills."""
+j-split variants compile with NVRTC without spills. The gemm strategy: hidden tiles and pool
+warps cover every pair and node once, its scratch, shared memory, defaults, TF32 switched off
+around its matmul; its variants compile without spills."""
 from __future__ import annotations
 
 import itertools
@@ -10,12 +12,14 @@ import torch
 
 from helpers import compile_plans, compiled_variant
 from pairgen import runtime
-from pairgen.ops.base import DeviceLimits
-from pairgen.ops.readout import (PROLOGUE_ROWS, PROLOGUE_THREADS, READOUT, PairReadout, prologue_blocks,
-                                 split_scratch_floats, weight_offsets)
+from pairgen.ops.base import DeviceLimits, fp32_matmul
+from pairgen.ops.readout import (GEMM_SCRATCH_ALIGN, PROLOGUE_THREADS, READOUT, PairReadout,
+                                 gemm_pool_blocks, gemm_pool_smem, gemm_scratch_offsets, hidden_layout,
+                                 prologue_blocks, scratch_offsets, split_scratch_floats, weight_offsets)
 
 LIMITS = DeviceLimits()
 PRESET_WIDTHS = [READOUT.widths_of(s) for p in READOUT.presets.values() for s in p]
+PAIR_MAX = ("direct", "split")  # the strategies of _pair_max.cuh.j2 (tiles of rows i, j splits)
 
 
 def split_of_block(block: int, j_split: int) -> tuple[int, int]:
@@ -51,7 +55,7 @@ def owned_pairs(c: dict, n: int):
 
 
 @pytest.mark.parametrize("n", [1, 7, 37, 64])
-@pytest.mark.parametrize("strategy", sorted(READOUT.strategies))
+@pytest.mark.parametrize("strategy", PAIR_MAX)
 def test_each_pair_is_folded_once_into_its_nodes_maximum(n, strategy):
     widths = {"D": 64, "P": 16, "H": 64}
     plans = READOUT.feasible_plans(strategy, widths, LIMITS)
@@ -100,18 +104,19 @@ def test_j_split_adds_no_shared_memory():
     """The partials go to global scratch and the "last block" answer travels by __syncthreads_or:
     shared memory and the __launch_bounds__ minimum do not depend on j_split."""
     for widths in PRESET_WIDTHS:
-        for strategy, params in READOUT.default_points:
+        for strategy, params in (point for point in READOUT.default_points if point[0] in PAIR_MAX):
             plans = [READOUT.plan(strategy, dict(params, j_split=js), widths)
                      for js in READOUT.strategies[strategy].space["j_split"]]
             assert len({(p.smem_bytes, p.context["min_blocks"]) for p in plans}) == 1
 
 
 def test_points_recorded_before_j_split_mean_one_block_per_tile():
-    """Tuned entries and studies from before j_split existed leave it out: they plan as j_split = 1,
-    the kernel they were timed on."""
+    """Tuned entries and studies from before j_split (and prologue_rows) existed leave them out: they
+    plan as j_split = 1 and 8 prologue rows, the kernels they were timed on."""
     old = {"tile_i": 2, "tile_j": 32, "threads": 128, "threads_n": 8, "tn": 4, "unroll": 4, "weights_smem": True}
     plan = READOUT.plan("split", old, PRESET_WIDTHS[0])
-    assert plan.params == dict(old, j_split=1) and plan.context["j_split"] == 1
+    assert plan.params == dict(old, j_split=1, prologue_rows=8) and plan.context["j_split"] == 1
+    assert plan.context["prologue_rows"] == 8
     with pytest.raises(ValueError, match="j_split"):
         READOUT.plan("split", dict(old, j_split=5), PRESET_WIDTHS[0])
 
@@ -120,7 +125,7 @@ def test_small_pair_tiles_with_weights_through_the_cache_exist_for_every_j_split
     """What a j split favours (tiles of 8 or 16 partners, weights read through the cache) is in the
     space and fits at every preset width, for every split count."""
     for widths in PRESET_WIDTHS:
-        for strategy in READOUT.strategies:
+        for strategy in PAIR_MAX:
             feasible = {(p.params["tile_j"], p.params["weights_smem"], p.params["j_split"])
                         for p in READOUT.feasible_plans(strategy, widths, LIMITS)}
             for tile_j in (8, 16):
@@ -128,17 +133,18 @@ def test_small_pair_tiles_with_weights_through_the_cache_exist_for_every_j_split
                     assert (tile_j, False, j_split) in feasible, (strategy, widths, tile_j, j_split)
 
 
+@pytest.mark.parametrize("prologue_rows", [2, 8])
 @pytest.mark.parametrize("rows, H", [(1, 8), (96, 192), (2048, 512), (37, 24)])
-def test_prologue_grid_covers_every_node_and_column(rows, H):
-    blocks = prologue_blocks(rows, H)
+def test_prologue_grid_covers_every_node_and_column(rows, H, prologue_rows):
+    blocks = prologue_blocks(rows, H, prologue_rows)
     col_blocks = -(-2 * H // (4 * PROLOGUE_THREADS))
     covered = set()
     for block in range(blocks):  # the kernel's decomposition of blockIdx.x
-        row0 = (block // col_blocks) * PROLOGUE_ROWS
+        row0 = (block // col_blocks) * prologue_rows
         for t in range(PROLOGUE_THREADS):
             col = ((block % col_blocks) * PROLOGUE_THREADS + t) * 4
             if col < 2 * H:
-                covered |= {(row0 + r, col + e) for r in range(PROLOGUE_ROWS) if row0 + r < rows for e in range(4)}
+                covered |= {(row0 + r, col + e) for r in range(prologue_rows) if row0 + r < rows for e in range(4)}
     assert covered == set(itertools.product(range(rows), range(2 * H)))
 
 
@@ -154,7 +160,7 @@ def test_restrictions_prune_impossible_points():
                                     "unroll": 2, "weights_smem": False}, widths)
     assert any("thread layout" in r or "rows that divide" in r for r in READOUT.infeasible(layout, LIMITS))
     for w in PRESET_WIDTHS:
-        for strategy in READOUT.strategies:
+        for strategy in PAIR_MAX:
             feasible = READOUT.feasible_plans(strategy, w, LIMITS)
             assert feasible, f"{strategy} has no feasible point at {w}"
             for plan in feasible:
@@ -165,10 +171,16 @@ def test_restrictions_prune_impossible_points():
 
 
 def test_search_space_is_modest():
-    """At most 1000 points per j_split value (the tile shapes and thread layouts), before pruning."""
-    for strategy in READOUT.strategies:
-        splits = len(READOUT.strategies[strategy].space["j_split"])
+    """At most 1000 points per j_split value (and split's prologue_rows value: the tile shapes and
+    thread layouts), before pruning; gemm: at most 1000 hidden-kernel points per pool-kernel shape
+    (12 of them)."""
+    for strategy in PAIR_MAX:
+        space = READOUT.strategies[strategy].space
+        splits = len(space["j_split"]) * len(space.get("prologue_rows", (8,)))
         assert 100 * splits <= len(list(READOUT.points(strategy))) <= 1000 * splits
+    space = READOUT.strategies["gemm"].space
+    pool_shapes = len(space["pool_nodes"]) * len(space["pool_warps"])
+    assert 100 * pool_shapes <= len(list(READOUT.points("gemm"))) <= 1000 * pool_shapes
 
 
 @pytest.mark.parametrize("widths", [{"D": 8, "P": 8, "H": 8}, {"D": 24, "P": 40, "H": 56}, {"D": 96, "P": 16, "H": 192},
@@ -178,11 +190,16 @@ def test_a_default_fits_any_widths_that_are_multiples_of_8(widths):
     assert plan is not None and not READOUT.infeasible(plan, LIMITS)
 
 
-def test_widths_without_a_kernel_are_the_known_gap():
+def test_widths_no_pair_max_kernel_fits_run_the_gemm_strategy():
     """D and H whose only common column count is 8 need 64 thread rows (threads_n = 2 of 128
-    threads), whose running maxima and hidden tile outgrow shared memory past ~400 channels:
-    those widths run the reference (the module falls back when default_plan is None)."""
-    assert READOUT.default_plan({"D": 504, "P": 8, "H": 496}, LIMITS) is None
+    threads), whose running maxima and hidden tile outgrow shared memory past ~400 channels. No
+    split or direct point fits them; the gemm strategy (8 hidden columns per chunk, no pair tile
+    of messages in shared memory) does, so they run a kernel, not the reference."""
+    widths = {"D": 504, "P": 8, "H": 496}
+    for strategy in PAIR_MAX:
+        assert not READOUT.feasible_plans(strategy, widths, LIMITS)
+    plan = READOUT.default_plan(widths, LIMITS)
+    assert plan.strategy == "gemm" and plan.params == READOUT.default_points[-1][1]
 
 
 def test_presets_get_the_intended_defaults():
@@ -222,6 +239,12 @@ def test_cost_model():
     assert cost.bytes >= 4 * pairs * 64
 
 
+#: The __global__ functions of each strategy's source, as the module launches them.
+KERNELS = {"direct": ("pairgen_readout_direct",),
+           "split": ("pairgen_readout_split", "pairgen_readout_split_nodes"),
+           "gemm": ("pairgen_readout_gemm_nodes", "pairgen_readout_gemm_hidden", "pairgen_readout_gemm_pool")}
+
+
 @pytest.mark.parametrize("widths", PRESET_WIDTHS, ids=lambda w: "D{D}P{P}H{H}".format(**w))
 def test_default_variants_compile_without_spills(widths):
     for strategy, params in READOUT.default_points:
@@ -231,8 +254,7 @@ def test_default_variants_compile_without_spills(widths):
         result = runtime.build_variant(plan, "sm_90").compiled
         assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{plan.label}: {result.summary()}"
         assert result.compile_s < 20 or result.from_cache
-        source = runtime.render_plan(plan).source
-        assert f"{plan.strategy == 'split' and 'pairgen_readout_split_nodes' or 'pairgen_readout_direct'}" in source
+        assert set(result.kernels) == set(KERNELS[strategy]), plan.label
 
 
 # Seed widths: the j-split points the tuner is expected to favour there (tiles of 8 or 16
@@ -276,3 +298,239 @@ def test_tile_counters_grow_and_keep_the_buffers_they_replace():
     assert grown == bigger.data_ptr() != first and bigger.numel() == 2 * PairReadout.MIN_COUNTERS
     assert any(t.data_ptr() == first for t in retired), "the replaced buffer is kept"
     assert not bigger.any()
+
+
+# ---- the gemm strategy: prologue, hidden kernel, cuBLAS mm, pool kernel ----------------------
+
+GEMM_WIDTHS = PRESET_WIDTHS + [{"D": 504, "P": 8, "H": 496}, {"D": 24, "P": 40, "H": 56},
+                               {"D": 512, "P": 512, "H": 512}]
+
+
+def _tile_col(tn: int, c: int, threads_n: int) -> int:
+    """tile_gemm.cuh's column of slot c of thread tn."""
+    return (c // 4) * threads_n * 4 + tn * 4 + c % 4
+
+
+def hidden_writes(plan, B: int, N: int) -> list[tuple[int, int]]:
+    """Every (pair, hidden column) the hidden kernel stores, with its index formulas (gemm.cu.j2):
+    block = tile, thread (tm, tn) = (t // threads_n, t % threads_n), rows r*threads_m + tm, chunks
+    of cn columns."""
+    c, H = plan.context, plan.widths["H"]
+    blocks, tiles = plan.grid(B, N, 132, 1)
+    assert blocks == tiles
+    total, writes = B * N * N, []
+    for tile in range(tiles):
+        for t in range(plan.threads):
+            tm, tn = t // c["threads_n"], t % c["threads_n"]
+            for r in range(c["tm"]):
+                pair = tile * c["tile"] + r * c["threads_m"] + tm
+                if pair < total:
+                    writes += [(pair, c0 + _tile_col(tn, k, c["threads_n"]))
+                               for c0 in range(0, H, c["cn"]) for k in range(c["tn"])]
+    return writes
+
+
+@pytest.mark.parametrize("B, N", [(1, 1), (3, 7), (1, 37), (2, 16)])
+def test_gemm_hidden_kernel_writes_every_pair_and_column_once(B, N):
+    widths = {"D": 16, "P": 8, "H": 48}
+    space = READOUT.strategies["gemm"].space
+    plans = [READOUT.plan("gemm", dict(READOUT.default_points[-1][1], tile=tile, threads=threads, tm=tm, tn=tn), widths)
+             for tile in space["tile"] for threads in space["threads"] for tm in space["tm"] for tn in space["tn"]]
+    plans = [p for p in plans if not READOUT.infeasible(p, LIMITS)]
+    micro_tiles = {(p.params["tm"], p.params["tn"]) for p in plans}
+    assert micro_tiles == {(1, 4), (2, 4), (4, 4), (8, 4), (1, 8), (2, 8), (4, 8)}, \
+        "8x8 micro-tiles need 64 columns per chunk (H = 48 has none)"
+    for plan in plans:
+        writes = hidden_writes(plan, B, N)
+        assert sorted(writes) == [(p, h) for p in range(B * N * N) for h in range(48)], plan.label
+
+
+@pytest.mark.parametrize("B, N", [(1, 1), (3, 7), (2, 37)])
+def test_gemm_hidden_rows_of_u_and_v_are_the_pairs_nodes(B, N):
+    """stage_pair_tile: pair p = n*N + j with n = b*N + i reads U from row n and V from row
+    n - n % N + j = b*N + j."""
+    for b in range(B):
+        for i in range(N):
+            for j in range(N):
+                p = (b * N + i) * N + j
+                n, jj = p // N, p - (p // N) * N
+                assert (n, n - n % N + jj) == (b * N + i, b * N + j)
+
+
+@pytest.mark.parametrize("B, N", [(1, 1), (1, 7), (3, 37), (2, 123), (1, 64)])
+@pytest.mark.parametrize("pool_nodes, pool_warps", [(1, 1), (4, 2), (8, 4), (2, 4), (1, 2)])
+def test_gemm_pool_warps_cover_each_nodes_partners_once(B, N, pool_nodes, pool_warps):
+    """Block k, warp w -> node k*pool_nodes + w // pool_warps, share s = w % pool_warps: chunks of
+    32 partners 32*s, 32*(s + pool_warps), ... (gemm.cu.j2). Every node of B*N gets each partner
+    from exactly one warp; no warp stores outside B*N; the node's first warp stores it."""
+    seen, stored = {}, []
+    for block in range(gemm_pool_blocks(B * N, pool_nodes)):
+        for warp in range(pool_nodes * pool_warps):
+            local, s = divmod(warp, pool_warps)
+            n = block * pool_nodes + local
+            partners = N if n < B * N else 0
+            js = [j0 + lane for j0 in range(32 * s, partners, 32 * pool_warps)
+                  for lane in range(32) if j0 + lane < partners]
+            seen.setdefault(n, []).extend(js)
+            i = n % N if (n < B * N and s == 0) else N
+            if i < N:
+                stored.append(n)
+    assert sorted(stored) == list(range(B * N))
+    for n in range(B * N):
+        assert sorted(seen[n]) == list(range(N)), n
+    assert all(not js for n, js in seen.items() if n >= B * N)
+
+
+def test_gemm_pool_shared_memory():
+    """combine_node_warps: (pool_warps - 1) partial rows of D floats per node, one int per warp;
+    none with one warp per node. Every point of the space fits, even at D = 512 (over 48 KB the
+    launch opts in to more dynamic shared memory, as for every kernel: launch.LoadedKernel)."""
+    assert gemm_pool_smem(256, 4, 1) == 0
+    assert gemm_pool_smem(256, 4, 2) == 4 * (4 * 1 * 256 + 8)
+    assert gemm_pool_smem(96, 1, 4) == 4 * (3 * 96 + 4)
+    space = READOUT.strategies["gemm"].space
+    worst = max(gemm_pool_smem(512, n, w) for n in space["pool_nodes"] for w in space["pool_warps"])
+    assert worst <= LIMITS.max_smem_per_block and max(space["pool_nodes"]) * max(space["pool_warps"]) * 32 <= 1024
+
+
+def test_gemm_plan_shared_memory_and_launch_bounds():
+    """The hidden kernel's shared memory: the pair tile (rows of P_STRIDE), a [P][cn] chunk of W_p
+    when staged, two ints per pair; __launch_bounds__ grants 8x8 micro-tiles ~168 registers."""
+    w = PRESET_WIDTHS[-1]
+    base = dict(READOUT.default_points[-2][1])
+    plan = READOUT.plan("gemm", base, w)
+    stride = plan.context["p_stride"]
+    assert stride >= w["P"] and stride % 32 == 4
+    assert plan.smem_bytes == 4 * (128 * stride + 2 * 128)
+    staged = READOUT.plan("gemm", dict(base, weights_smem=True), w)
+    assert staged.smem_bytes - plan.smem_bytes == 4 * w["P"] * plan.context["cn"]
+    assert plan.context["cn"] == 64 and plan.context["threads_m"] == 16 and plan.context["threads_n"] == 8
+    assert plan.context["min_blocks"] == 3, "65536 registers / (128 threads x 168)"
+    assert READOUT.plan("gemm", dict(base, tn=4), w).context["min_blocks"] == 4, "32 accumulators: 128 registers"
+    assert plan.context["pool_threads"] == 32 * base["pool_nodes"] * base["pool_warps"]
+
+
+def test_gemm_restrictions_prune_impossible_points():
+    wide = {"D": 512, "P": 512, "H": 512}
+    staged = READOUT.plan("gemm", {"tile": 64, "threads": 256, "tm": 8, "tn": 8, "unroll": 2, "weights_smem": True,
+                                   "pool_nodes": 1, "pool_warps": 1}, wide)
+    assert "shared memory exceeds the per-block limit" in READOUT.infeasible(staged, LIMITS)  # 512 x 256 W_p chunk
+    seed = READOUT.plan("gemm", {"tile": 64, "threads": 256, "tm": 8, "tn": 8, "unroll": 2, "weights_smem": False,
+                                 "pool_nodes": 1, "pool_warps": 1}, PRESET_WIDTHS[0])
+    assert any("must divide H" in r for r in READOUT.infeasible(seed, LIMITS))  # 256 columns, H = 192
+    assert hidden_layout(128, 8, 4, 64) == {"threads_m": 16, "threads_n": 4, "cn": 16}
+    assert hidden_layout(128, 3, 4, 128)["threads_m"] == 0 and hidden_layout(256, 2, 4, 64)["threads_n"] == 0
+    for widths in GEMM_WIDTHS:
+        feasible = READOUT.feasible_plans("gemm", widths, LIMITS)
+        assert feasible, widths
+        for plan in feasible:
+            c = plan.context
+            assert c["threads_m"] * c["tm"] == c["tile"] and c["threads_m"] * c["threads_n"] == plan.threads
+            assert widths["H"] % c["cn"] == 0 and c["tm"] * c["tn"] <= 64
+            assert max(plan.smem_bytes, c["pool_smem"]) <= LIMITS.max_smem_per_block and c["pool_threads"] <= 1024
+
+
+def test_gemm_defaults_are_valid_at_every_preset_width_and_one_fits_any_multiple_of_8():
+    """The first gemm default (what complete_point fills new parameters from, and the tuner's
+    first gemm trial) at every preset width; the second at any D, P, H multiple of 8 up to 512."""
+    first, general = (params for strategy, params in READOUT.default_points if strategy == "gemm")
+    for widths in PRESET_WIDTHS:
+        assert not READOUT.infeasible(READOUT.plan("gemm", first, widths), LIMITS), widths
+    for D, P, H in itertools.product((8, 24, 96, 136, 248, 504, 512), repeat=3):
+        plan = READOUT.plan("gemm", general, {"D": D, "P": P, "H": H})
+        assert not READOUT.infeasible(plan, LIMITS), (D, P, H)
+
+
+def test_gemm_points_have_no_j_split():
+    """j_split belongs to the pair-max strategies: plan() adds it to their old points only."""
+    params = READOUT.default_points[-1][1]
+    assert "j_split" not in READOUT.plan("gemm", params, PRESET_WIDTHS[0]).params
+    with pytest.raises(ValueError, match="params"):
+        READOUT.plan("gemm", dict(params, j_split=1), PRESET_WIDTHS[0])
+
+
+def test_gemm_scratch_is_one_buffer_of_hidden_messages_and_uv():
+    B, N, D, H = 16, 128, 256, 512
+    at = gemm_scratch_offsets(B, N, D, H)
+    pairs = B * N * N
+    assert at["hidden"] == 0 and at["messages"] >= pairs * H and at["uv"] >= at["messages"] + pairs * D
+    assert at["total"] >= at["uv"] + B * N * 2 * H
+    assert all(at[k] % GEMM_SCRATCH_ALIGN == 0 for k in at), "256-byte sections"
+    assert 4 * (at["uv"] - at["hidden"]) == 805_306_368, "B*N*N*(H + D) floats: the 805 MB the docs quote"
+    small = gemm_scratch_offsets(1, 1, 8, 8)
+    assert small == {"hidden": 0, "messages": 64, "uv": 128, "total": 192}
+
+
+def test_scratch_offsets_per_strategy():
+    w = PRESET_WIDTHS[0]
+    D, H = w["D"], w["H"]
+    point = READOUT.default_points[1][1]
+    split = READOUT.plan("split", dict(point, j_split=3), w)
+    assert scratch_offsets(split, 4, 24) == {"uv": 0, "partials": 4 * 24 * 2 * H,
+                                            "total": 4 * 24 * 2 * H + split_scratch_floats(4, 24, D, 3)}
+    direct = {k: v for k, v in point.items() if k != "prologue_rows"}  # direct has no prologue
+    assert scratch_offsets(READOUT.plan("direct", direct, w), 4, 24)["total"] == 0
+    gemm = READOUT.plan("gemm", READOUT.default_points[-2][1], w)
+    assert scratch_offsets(gemm, 4, 24) == gemm_scratch_offsets(4, 24, D, H)
+
+
+def test_gemm_variants_compile_without_spills():
+    """The gemm defaults at every preset width (and at D=504 P=8 H=496, where only gemm fits), and
+    the points the tuner is expected to weigh at the large shape: 8x8 and 8x4 micro-tiles,
+    W_p staged or through the cache, 256-pair tiles, four warps per node. Three kernels each."""
+    large = PRESET_WIDTHS[-1]
+    first, general = (params for strategy, params in READOUT.default_points if strategy == "gemm")
+    points = [(first, w) for w in PRESET_WIDTHS] + [(general, {"D": 504, "P": 8, "H": 496}), (general, large)]
+    points += [(dict(first, weights_smem=True), large), (dict(first, tn=4, threads=256, unroll=4), large),
+               (dict(first, tile=256, threads=256, weights_smem=True), large),
+               (dict(first, pool_warps=4, pool_nodes=8), large)]
+    plans = [READOUT.plan("gemm", params, widths) for params, widths in points]
+    assert not [p.label for p in plans if READOUT.infeasible(p, LIMITS)]
+    variants = compile_plans(plans)
+    for plan in plans:
+        result = compiled_variant(variants, plan).compiled
+        assert set(result.kernels) == set(KERNELS["gemm"])
+        assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{plan.label} {plan.widths}: {result.summary()}"
+
+
+@pytest.fixture
+def tf32_state():
+    """torch's cuBLAS TF32 setting (torch >= 2.9: the fp32_precision API and the legacy flag, which
+    torch keeps consistent), restored after the test: legacy flag off, then the new API's value."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip(f"torch {torch.__version__} has no fp32_precision API (fp32_matmul uses allow_tf32 there)")
+    saved = matmul.fp32_precision
+    yield matmul
+    matmul.allow_tf32 = False
+    matmul.fp32_precision = saved
+
+
+def test_fp32_matmul_switches_tf32_off_inside_and_restores_a_legacy_callers_flag(tf32_state):
+    tf32_state.allow_tf32 = True
+    with fp32_matmul():
+        # What torch's cuBLAS calls read (float32Precision(CUDA, MATMUL)). The legacy getter is not
+        # read in here: it raises while the two APIs disagree.
+        assert tf32_state.fp32_precision == "ieee"
+    assert tf32_state.allow_tf32, "the caller's legacy flag reads as it was"
+
+
+def test_fp32_matmul_works_for_a_caller_on_the_new_api(tf32_state):
+    """torch >= 2.9: once a caller set fp32_precision, reading the legacy allow_tf32 raises (as
+    trimul's bmm does); the context manager never reads it."""
+    tf32_state.fp32_precision = "tf32"
+    with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+        tf32_state.allow_tf32
+    with fp32_matmul():
+        assert tf32_state.fp32_precision == "ieee"
+    assert tf32_state.fp32_precision == "tf32"
+    with pytest.raises(RuntimeError, match="boom"), fp32_matmul():
+        raise RuntimeError("boom")
+    assert tf32_state.fp32_precision == "tf32", "restored when the matmul raises"
+
+
+def test_fp32_matmul_leaves_an_untouched_setting_untouched(tf32_state):
+    tf32_state.fp32_precision = "none"
+    with fp32_matmul():
+        assert tf32_state.fp32_precision == "ieee"
+    assert tf32_state.fp32_precision == "none" and not tf32_state.allow_tf32

@@ -1,6 +1,8 @@
 """What every op provides: its spec (data) and the plumbing its drop-in module shares."""
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 import math
 import random
@@ -340,6 +342,25 @@ def check_float_tensor(name: str, t, rank: int, param: torch.Tensor) -> None:
         raise ValueError(f"{name} is on {t.device} but the module's parameters are on {param.device}")
     if t.dtype != param.dtype:
         raise ValueError(f"{name} has dtype {t.dtype} but the module's parameters are {param.dtype}")
+
+
+@contextlib.contextmanager
+def fp32_matmul():
+    """cuBLAS matmuls inside run in fp32 even where the caller allowed TF32; the caller's setting
+    is restored after. Through the fp32_precision API where torch has it (2.9+): there, reading the
+    legacy allow_tf32 raises once a caller has used the new API, so the legacy flag would break
+    such callers; the new API read and written this way leaves a legacy caller's flag as it was."""
+    matmul = torch.backends.cuda.matmul
+    new_api = hasattr(matmul, "fp32_precision")
+    saved = matmul.fp32_precision if new_api else matmul.allow_tf32
+    off = "ieee" if new_api else False
+    if saved != off:
+        setattr(matmul, "fp32_precision" if new_api else "allow_tf32", off)
+    try:
+        yield
+    finally:
+        if saved != off:
+            setattr(matmul, "fp32_precision" if new_api else "allow_tf32", saved)
 
 
 def contiguous_aligned(t: torch.Tensor) -> torch.Tensor:

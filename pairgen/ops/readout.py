@@ -1,12 +1,23 @@
-"""The scene-graph pair readout (OPS.md section 3): reference, spec, drop-in module, launch glue."""
+"""The scene-graph pair readout (OPS.md section 3): reference, spec, drop-in module, launch glue.
+
+Three strategies:
+  direct  one kernel: per pair, the first Linear over [h_i | h_j | p_ij], the second Linear, and a
+          running max over j, per tile of rows i (templates/readout/_pair_max.cuh.j2).
+  split   the same kernel after a node prologue (U = nodes W_i^T + b1, V = nodes W_j^T), so a pair
+          needs only U_i + V_j + W_p p_ij.
+  gemm    large shapes: the node prologue, a kernel writing every pair's hidden layer to scratch,
+          cuBLAS for the second Linear (TF32 forced off), a pool kernel (masked max, LayerNorm,
+          residual). Scratch B*N*N*(H + D) floats per call: 805 MB at B16 N128 D256 H512.
+"""
 from __future__ import annotations
+
 
 import torch
 from torch import nn
 
 from .base import (Cost, DeviceLimits, KernelModule, OpSpec, PackedParameters, Plan, Restriction, Strategy,
-                   Tolerance, align, ceil_div, check_float_tensor, random_tensor, randomize_parameters,
-                   section_offsets)
+                   Tolerance, align, ceil_div, check_float_tensor, contiguous_aligned, fp32_matmul,
+                   random_tensor, randomize_parameters, section_offsets)
 
 
 class PairReadoutReference(nn.Module):
@@ -83,9 +94,9 @@ _RESTRICTIONS = (
 _SPACE = {"tile_i": (1, 2, 4, 8), "tile_j": (8, 16, 32), "threads": (128, 256), "threads_n": (2, 4, 8, 16),
           "tn": (4, 8), "unroll": (2, 4), "weights_smem": (True, False), "j_split": (1, 2, 3, 4, 6, 8)}
 
-#: Parameters added after entries were tuned (and studies recorded), with the value that gives
-#: the kernel those entries ran: plan() fills them in where a point leaves them out.
-ADDED_PARAMS = {"j_split": 1}
+#: Parameters added after entries were tuned (and studies recorded), per strategy, with the value
+#: that gives the kernel those entries ran: plan() fills them in where a point leaves them out.
+ADDED_PARAMS = {"split": {"j_split": 1, "prologue_rows": 8}, "direct": {"j_split": 1}}
 
 DIRECT = Strategy(
     name="direct",
@@ -98,13 +109,103 @@ SPLIT = Strategy(
     name="split",
     summary="U = nodes W_i^T + b1, V = nodes W_j^T once per node (a prologue kernel); per pair only "
             "U_i + V_j + W_p p_ij",
-    space=dict(_SPACE),
+    # prologue_rows: node rows per prologue block. 8 ran the seed's prologue (B*N = 96 rows) on 12
+    # blocks for 12.1 us (run 19 profile), each thread waiting out its weight loads one batch at a
+    # time; 2 gives it 96 blocks, at 4x the L2 reads of the weights (what 8 saves at B*N = 2048).
+    space={**_SPACE, "prologue_rows": (2, 8)},
     restrictions=_RESTRICTIONS,
 )
 
-#: Node rows per block of the split strategy's prologue kernel (fixed; see split.cu.j2).
+#: Node rows per block of the gemm strategy's prologue kernel (split tunes it; see _nodes.cuh.j2).
 PROLOGUE_ROWS = 8
-PROLOGUE_THREADS = 128
+#: Threads per prologue block, 4 columns each: 64 spreads the seed's 2H = 384 columns over 2 blocks.
+PROLOGUE_THREADS = 64
+
+
+# ---- the gemm strategy ----------------------------------------------------------------------
+
+def hidden_layout(tile: int, tm: int, tn: int, threads: int) -> dict:
+    """Thread layout of the gemm strategy's hidden kernel: threads_m rows of threads (tm pair rows
+    each) by threads_n columns (tn hidden columns each, cn per chunk). Zeros where the numbers do
+    not divide (a restriction then rejects the plan)."""
+    threads_m = tile // tm if tile % tm == 0 else 0
+    threads_n = threads // threads_m if threads_m and threads % threads_m == 0 else 0
+    return {"threads_m": threads_m, "threads_n": threads_n, "cn": threads_n * tn}
+
+
+def _hidden_layout_ok(plan: Plan, limits: DeviceLimits) -> bool:
+    return plan.context["threads_m"] > 0 and plan.context["threads_n"] > 0
+
+
+def _hidden_chunks_divide_h(plan: Plan, limits: DeviceLimits) -> bool:
+    return plan.context["cn"] > 0 and plan.widths["H"] % plan.context["cn"] == 0
+
+
+def _gemm_smem_fits(plan: Plan, limits: DeviceLimits) -> bool:
+    return max(plan.smem_bytes, plan.context["pool_smem"]) <= limits.max_smem_per_block
+
+
+GEMM = Strategy(
+    name="gemm",
+    summary="large shapes: the split prologue (U, V per node); a hidden kernel writes SiLU(U_i + V_j + W_p p_ij) "
+            "of every pair to a (B*N*N, H) scratch; cuBLAS fp32 mm (TF32 forced off) gives the (B*N*N, D) "
+            "messages; a pool kernel takes the masked max over j, adds b2, LayerNorms and adds the residual. "
+            "Scratch per call: B*N*N*(H + D) floats (805 MB at B16 N128 D256 H512)",
+    # tile: pairs per block of the hidden kernel; tm x tn its micro-tile (tm = 1 makes 8 columns
+    # per chunk with 64-pair tiles: any H multiple of 8 at P up to 512); weights_smem: W_p staged
+    # per column chunk (else read through the cache). pool_nodes: nodes per block of the pool
+    # kernel; pool_warps: warps per node (its partners split between them), for small B*N.
+    space={"tile": (64, 128, 256), "threads": (128, 256), "tm": (1, 2, 4, 8), "tn": (4, 8), "unroll": (2, 4),
+           "weights_smem": (False, True), "pool_nodes": (1, 2, 4, 8), "pool_warps": (1, 2, 4)},
+    restrictions=(
+        Restriction("D, P and H must be multiples of 4 (float4 reads)", _widths_vectorise),
+        Restriction("tile, threads and micro-tile must form a thread layout (tile/tm rows of threads "
+                    "dividing threads)", _hidden_layout_ok),
+        Restriction("threads_n * tn (hidden columns per chunk) must divide H", _hidden_chunks_divide_h),
+        Restriction("at most 64 accumulators per thread", lambda p, _: p.params["tm"] * p.params["tn"] <= 64),
+        Restriction("shared memory exceeds the per-block limit", _gemm_smem_fits),
+        Restriction("the pool kernel's block exceeds 1024 threads", lambda p, _: p.context["pool_threads"] <= 1024),
+    ),
+)
+
+
+def gemm_hidden_grid(tile: int):
+    """One block per tile of consecutive pairs of the flattened B*N*N; work = the tile count."""
+
+    def grid(B, N, sms, resident, _tile=tile):
+        tiles = ceil_div(B * N * N, _tile)
+        return max(1, tiles), tiles
+
+    return grid
+
+
+def gemm_pool_blocks(nodes: int, pool_nodes: int) -> int:
+    """Blocks of the gemm strategy's pool kernel for B*N nodes."""
+    return max(1, ceil_div(nodes, pool_nodes))
+
+
+def gemm_pool_smem(D: int, pool_nodes: int, pool_warps: int) -> int:
+    """Bytes of the pool kernel's shared memory: the partial rows of every warp of a node but its
+    first, and one any-edge int per warp (gemm.cu.j2's combine_node_warps); none with one warp."""
+    if pool_warps == 1:
+        return 0
+    return 4 * (pool_nodes * (pool_warps - 1) * D + align(pool_nodes * pool_warps))
+
+
+#: Sections of the gemm scratch start on 256-byte boundaries (cuBLAS reads and writes two of them).
+GEMM_SCRATCH_ALIGN = 64
+
+
+def gemm_scratch_offsets(B: int, N: int, D: int, H: int) -> dict[str, int]:
+    """The gemm strategy's one scratch buffer, in floats: hidden (B*N*N, H), messages (B*N*N, D),
+    uv (B*N, 2H); "total" its length. B*N*N*(H + D) floats dominate: 805 MB at B16 N128 D256 H512."""
+    pairs = B * N * N
+    offsets, at = {}, 0
+    for name, size in (("hidden", pairs * H), ("messages", pairs * D), ("uv", B * N * 2 * H)):
+        offsets[name] = at
+        at = align(at + size, GEMM_SCRATCH_ALIGN)
+    offsets["total"] = at
+    return offsets
 
 
 def _bool(value: bool) -> str:
@@ -116,9 +217,9 @@ def _stride(width: int) -> int:
     return align(width, 32) + 4
 
 
-def prologue_blocks(rows: int, H: int) -> int:
-    """Blocks of the split prologue: PROLOGUE_ROWS node rows by 4*PROLOGUE_THREADS of 2H columns."""
-    return ceil_div(rows, PROLOGUE_ROWS) * ceil_div(2 * H, 4 * PROLOGUE_THREADS)
+def prologue_blocks(rows: int, H: int, prologue_rows: int = PROLOGUE_ROWS) -> int:
+    """Blocks of the node prologue: prologue_rows node rows by 4*PROLOGUE_THREADS of 2H columns."""
+    return ceil_div(rows, prologue_rows) * ceil_div(2 * H, 4 * PROLOGUE_THREADS)
 
 
 def row_tiles(B: int, N: int, tile_i: int) -> int:
@@ -142,30 +243,56 @@ def split_scratch_floats(B: int, N: int, D: int, j_split: int) -> int:
     return 0 if j_split == 1 else B * N * j_split * (D + 1)
 
 
-def min_blocks_per_sm(smem_bytes: int, threads: int, limits: DeviceLimits) -> int:
+def scratch_offsets(plan: Plan, B: int, N: int) -> dict[str, int]:
+    """The per-call scratch of a plan at (B, N), in 4-byte words from its start; "total" its length
+    (0: none). gemm: hidden, messages, uv (gemm_scratch_offsets). split and direct: uv (split only,
+    B*N*2H), then the j split's partials and flags."""
+    D, H = plan.widths["D"], plan.widths["H"]
+    if plan.strategy == "gemm":
+        return gemm_scratch_offsets(B, N, D, H)
+    uv = B * N * 2 * H if plan.strategy == "split" else 0
+    return {"uv": 0, "partials": uv, "total": uv + split_scratch_floats(B, N, D, plan.params["j_split"])}
+
+
+def min_blocks_per_sm(smem_bytes: int, threads: int, limits: DeviceLimits, registers: int = 128) -> int:
     """The blocks per SM that shared memory and threads allow, capped so a thread keeps at
-    least 128 registers: the kernel's __launch_bounds__ minimum (see _pair_max.cuh.j2).
+    least `registers` registers: the kernel's __launch_bounds__ minimum (see _pair_max.cuh.j2).
     Computed for the sm_90 limits, so a rendered source does not depend on the GPU it is for."""
     by_smem = limits.smem_per_sm // (smem_bytes + 1024)  # 1 KB per block reserved by the driver
     by_threads = limits.max_threads_per_sm // threads
-    by_registers = 65536 // (threads * 128)
+    by_registers = 65536 // (threads * registers)
     return max(1, min(by_smem, by_threads, by_registers))
+
+
+def hidden_registers(tm: int, tn: int) -> int:
+    """Registers a thread of the gemm hidden kernel is granted. An 8x8 micro-tile needs ~168
+    (64 accumulators, the next k step's A and W_p float4s in flight: ptxas -v, sm_90): capped at
+    128 it spilled 24-104 bytes. Up to 32 accumulators fit 128 without spilling."""
+    return 128 if tm * tn <= 32 else 168
 
 
 class ReadoutSpec(OpSpec):
     name = "readout"
     width_names = ("D", "P", "H")
-    strategies = {s.name: s for s in (SPLIT, DIRECT)}
+    strategies = {s.name: s for s in (SPLIT, DIRECT, GEMM)}
     default_points = (
         # Real widths (D, H multiples of 64): 64 columns per pass, 4 rows i x 16 partners j.
         ("split", {"tile_i": 4, "tile_j": 16, "threads": 256, "threads_n": 8, "tn": 8, "unroll": 4,
-                   "weights_smem": False, "j_split": 1}),
+                   "weights_smem": False, "j_split": 1, "prologue_rows": 8}),
         # Seed widths (D = 96): 32 columns per pass.
         ("split", {"tile_i": 2, "tile_j": 16, "threads": 128, "threads_n": 8, "tn": 4, "unroll": 4,
-                   "weights_smem": False, "j_split": 1}),
+                   "weights_smem": False, "j_split": 1, "prologue_rows": 2}),
         # Any D, P, H multiple of 8: 8 columns per pass.
         ("split", {"tile_i": 8, "tile_j": 8, "threads": 128, "threads_n": 2, "tn": 4, "unroll": 2,
-                   "weights_smem": False, "j_split": 1}),
+                   "weights_smem": False, "j_split": 1, "prologue_rows": 8}),
+        # gemm, for the tuner's defaults (complete_point) and the widths no split point fits: 8x8
+        # micro-tiles, 64 hidden columns per chunk (every preset width; unroll 4 spilled 4 bytes at
+        # P = 16, where it unrolls the whole k loop); then 8 columns of 64-pair tiles (any D, P, H
+        # multiple of 8 up to 512, e.g. D=504 H=496, whose split tiles outgrow shared memory).
+        ("gemm", {"tile": 128, "threads": 128, "tm": 8, "tn": 8, "unroll": 2, "weights_smem": False,
+                  "pool_nodes": 4, "pool_warps": 2}),
+        ("gemm", {"tile": 64, "threads": 128, "tm": 1, "tn": 4, "unroll": 4, "weights_smem": False,
+                  "pool_nodes": 4, "pool_warps": 2}),
     )
     presets = {
         "seed": ({"B": 4, "N": 24, "D": 96, "P": 16, "H": 192},),
@@ -174,9 +301,35 @@ class ReadoutSpec(OpSpec):
     tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5)}
 
     def plan(self, strategy: str, params: dict, widths: dict) -> Plan:
-        params = {**ADDED_PARAMS, **params}
+        params = {**ADDED_PARAMS.get(strategy, {}), **params}
         self.check_point(strategy, params)
         D, P, H = (int(widths[k]) for k in ("D", "P", "H"))
+        if strategy == "gemm":
+            return self._plan_gemm(params, D, P, H)
+        return self._plan_pair_max(strategy, params, D, P, H)
+
+    def _plan_gemm(self, params: dict, D: int, P: int, H: int) -> Plan:
+        """The hidden kernel is the plan's (threads, shared memory, grid); the pool kernel's block
+        shape is in the context."""
+        layout = hidden_layout(params["tile"], params["tm"], params["tn"], params["threads"])
+        tile, staged = params["tile"], params["weights_smem"]
+        pool_threads = 32 * params["pool_nodes"] * params["pool_warps"]
+        context = {"D": D, "P": P, "H": H, "off": weight_offsets(D, P, H), "p_stride": _stride(P),
+                   "tile": tile, "threads": params["threads"], "tm": params["tm"], "tn": params["tn"],
+                   "unroll": params["unroll"], "weights_smem": _bool(staged), **layout,
+                   "prologue_rows": PROLOGUE_ROWS, "prologue_threads": PROLOGUE_THREADS,
+                   "pool_nodes": params["pool_nodes"], "pool_warps": params["pool_warps"],
+                   "pool_threads": pool_threads,
+                   "pool_smem": gemm_pool_smem(D, params["pool_nodes"], params["pool_warps"])}
+        floats = (tile * context["p_stride"]                 # the tile's pair rows
+                  + (P * layout["cn"] if staged else 0)      # a [P][cn] chunk of W_p
+                  + 2 * tile)                                # each pair's uv rows (ints)
+        context["min_blocks"] = min_blocks_per_sm(4 * floats, params["threads"], DeviceLimits(),
+                                                  hidden_registers(params["tm"], params["tn"]))
+        return Plan(self.name, "gemm", dict(params), {"D": D, "P": P, "H": H}, context, params["threads"],
+                    4 * floats, gemm_hidden_grid(tile))
+
+    def _plan_pair_max(self, strategy: str, params: dict, D: int, P: int, H: int) -> Plan:
         off = weight_offsets(D, P, H)
         tile_i, tile_j, threads = params["tile_i"], params["tile_j"], params["threads"]
         threads_n, tn = params["threads_n"], params["tn"]
@@ -191,7 +344,7 @@ class ReadoutSpec(OpSpec):
             "threads_n": threads_n, "threads_m": threads_m, "tn": tn, "tm": pairs // threads_m,
             "cols": threads_n * tn, "unroll": params["unroll"], "j_split": params["j_split"],
             "p_stride": _stride(P), "h_stride": _stride(H), "d_stride": _stride(D),
-            "prologue_rows": PROLOGUE_ROWS, "prologue_threads": PROLOGUE_THREADS,
+            "prologue_rows": params.get("prologue_rows", PROLOGUE_ROWS), "prologue_threads": PROLOGUE_THREADS,
         }
         floats = (pairs * context["p_stride"]            # pair features of the tile
                   + pairs * context["h_stride"]          # hidden activations of the tile
@@ -262,11 +415,14 @@ class PairReadout(KernelModule, PairReadoutReference):
     `edge_mask` may be bool or floating-point: a float mask is read as `edge_mask != 0`, so 0/1
     masks behave as the reference's bool ones (and a NaN entry counts as an edge).
 
-    Scratch (U/V of the split strategy, the partial maxima of a j split) comes from torch's
-    stream-aware caching allocator on every call, so a captured CUDA graph never points at memory
-    a later, larger call freed. A j split's per-tile arrival counters are owned by the module and
-    left zeroed by every launch: two launches of the SAME module on different streams at once
-    would share them (as would a graph replay overlapping a call on another stream).
+    Scratch (U/V of the split strategy, the partial maxima of a j split; the gemm strategy's
+    hidden layers and messages, B*N*N*(H + D) floats: 805 MB at B16 N128 D256 H512) comes from
+    torch's stream-aware caching allocator on every call, in one allocation, so a captured CUDA
+    graph never points at memory a later, larger call freed (the graph keeps its own pool). The
+    gemm strategy's matmul runs in fp32 even where the caller allowed TF32 (fp32_matmul). A j
+    split's per-tile arrival counters are owned by the module and left zeroed by every launch:
+    two launches of the SAME module on different streams at once would share them (as would a
+    graph replay overlapping a call on another stream).
     """
 
     op = READOUT
@@ -281,6 +437,7 @@ class PairReadout(KernelModule, PairReadoutReference):
         slots = ((l1, "weight"), (l1, "bias"), (l2, "weight"), (l2, "bias"), (ln, "weight"), (ln, "bias"))
         self._weights = PackedParameters(slots, self._pack)
         self._ln_params = ln._parameters  # the validation's dtype and device, without __getattr__
+        self._w2t_at = weight_offsets(node_dim, pair_dim, hidden_dim)["w2t"]  # gemm: W2^T's place in the pack
         self._counters = None  # (device index, the live counters, the buffers they replaced)
 
     def reference_forward(self, nodes, pair_feats, edge_mask):
@@ -357,7 +514,8 @@ class PairReadout(KernelModule, PairReadoutReference):
         return fresh.data_ptr()
 
     def _launch(self, nodes, pair_feats, edge_mask, out=None, variant=None):
-        nodes, pair_feats = nodes.contiguous(), pair_feats.contiguous()
+        # Rows on 16-byte boundaries: the kernels read them with float4 loads and cp.async.
+        nodes, pair_feats = contiguous_aligned(nodes), contiguous_aligned(pair_feats)
         if edge_mask.dtype is not torch.bool:
             edge_mask = edge_mask != 0
         edge_mask = edge_mask.contiguous()
@@ -367,24 +525,63 @@ class PairReadout(KernelModule, PairReadoutReference):
         if out.numel() == 0:
             return out
         variant = variant or self.variant_for(N, nodes.device)
-        device = nodes.get_device()
-        weights = self._weights.get().data_ptr()
+        if variant.plan.strategy == "gemm":
+            self._launch_gemm(variant, nodes, pair_feats, edge_mask, out)
+        else:
+            self._launch_pair_max(variant, nodes, pair_feats, edge_mask, out)
+        return out
+
+    def _prologue(self, variant, device: int, nodes, weights: int, uv: int, rows: int) -> None:
+        """U (with b1) and V of every node into uv, (rows, 2H): the split and gemm strategies' first launch."""
+        prologue = variant.kernel(device, name=f"{variant.compiled.kernel_name}_nodes",
+                                  threads=PROLOGUE_THREADS, smem_bytes=0)
+        blocks = prologue_blocks(rows, self.widths["H"], variant.plan.context["prologue_rows"])
+        prologue(blocks, PROLOGUE_THREADS, 0, nodes.data_ptr(), weights, uv, rows)
+
+    def _launch_pair_max(self, variant, nodes, pair_feats, edge_mask, out) -> None:
+        B, N, _ = nodes.shape
+        device, weights = nodes.get_device(), self._weights.get().data_ptr()
         params = variant.plan.params
         split, j_split = variant.plan.strategy == "split", params["j_split"]
         # One fresh buffer per call for U (with b1) and V of every node, (B*N, 2H), written by the
         # split prologue, then the j split's partial maxima and flags: the caching allocator makes
         # it cheap and stream-safe. `scratch` is held until both launches are enqueued.
-        H = self.widths["H"]
-        uv_floats = B * N * 2 * H if split else 0
-        words = uv_floats + split_scratch_floats(B, N, D, j_split)
-        scratch = torch.empty(words, device=nodes.device, dtype=torch.float32) if words else None
+        at = scratch_offsets(variant.plan, B, N)
+        scratch = torch.empty(at["total"], device=nodes.device, dtype=torch.float32) if at["total"] else None
         base = scratch.data_ptr() if scratch is not None else 0
-        uv, partials = (base if split else 0), (base + 4 * uv_floats if j_split > 1 else 0)
+        uv, partials = (base + 4 * at["uv"] if split else 0), (base + 4 * at["partials"] if j_split > 1 else 0)
         counters = self._tile_counters(nodes.device, row_tiles(B, N, params["tile_i"])) if j_split > 1 else 0
         if split:
-            prologue = variant.kernel(device, name=f"{variant.compiled.kernel_name}_nodes",
-                                      threads=PROLOGUE_THREADS, smem_bytes=0)
-            prologue(prologue_blocks(B * N, H), PROLOGUE_THREADS, 0, nodes.data_ptr(), weights, uv, B * N)
+            self._prologue(variant, device, nodes, weights, uv, B * N)
         variant.launch(device, B, N, nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(),
                        weights, uv, partials, counters, out.data_ptr())
-        return out
+
+    def _launch_gemm(self, variant, nodes, pair_feats, edge_mask, out) -> None:
+        """Prologue -> hidden kernel -> fp32 mm -> pool kernel, all on the current stream, on one
+        scratch buffer (hidden, messages, uv) from the caching allocator, held until all are enqueued."""
+        from .. import runtime
+
+        B, N, D = nodes.shape
+        H, plan, context = self.widths["H"], variant.plan, variant.plan.context
+        device, pairs = nodes.get_device(), B * N * N
+        packed = self._weights.get()
+        weights = packed.data_ptr()
+        at = gemm_scratch_offsets(B, N, D, H)
+        scratch = torch.empty(at["total"], device=nodes.device, dtype=torch.float32)
+        hidden = scratch[at["hidden"]: at["hidden"] + pairs * H].view(pairs, H)
+        messages = scratch[at["messages"]: at["messages"] + pairs * D].view(pairs, D)
+        uv = scratch.data_ptr() + 4 * at["uv"]
+        name = variant.compiled.kernel_name
+        self._prologue(variant, device, nodes, weights, uv, B * N)
+        hidden_kernel = variant.kernel(device, name=f"{name}_hidden")
+        blocks, tiles = plan.grid(B, N, runtime.device_info(device).limits.sm_count, hidden_kernel.resident_per_sm)
+        hidden_kernel(blocks, plan.threads, plan.smem_bytes, pair_feats.data_ptr(), uv, weights, hidden.data_ptr(),
+                      B, N, tiles)
+        # messages = hidden W2^T without b2: the pool kernel adds it after the max (gemm.cu.j2 says why).
+        w2t = packed[self._w2t_at: self._w2t_at + H * D].view(H, D)
+        with fp32_matmul():
+            torch.mm(hidden, w2t, out=messages)
+        pool_threads, pool_smem = context["pool_threads"], context["pool_smem"]
+        pool = variant.kernel(device, name=f"{name}_pool", threads=pool_threads, smem_bytes=pool_smem)
+        pool(gemm_pool_blocks(B * N, context["pool_nodes"]), pool_threads, pool_smem, messages.data_ptr(),
+             edge_mask.data_ptr(), nodes.data_ptr(), weights, out.data_ptr(), B, N)

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .base import (Cost, DeviceLimits, KernelModule, OpSpec, PackedParameters, Plan, Restriction, Strategy,
-                   Tolerance, align, ceil_div, check_float_tensor, random_tensor, randomize_parameters,
-                   section_offsets)
+                   Tolerance, align, ceil_div, check_float_tensor, contiguous_aligned, fp32_matmul, random_tensor,
+                   randomize_parameters, section_offsets)
 
 DIRECTIONS = ("incoming", "outgoing")
 GATE_INPUTS = ("input", "normalized")
@@ -445,7 +445,7 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         return self._weights.get()
 
     def _launch(self, pair_repr, pair_mask, out=None, variant=None):
-        x = pair_repr if pair_repr.is_contiguous() else pair_repr.contiguous()
+        x = contiguous_aligned(pair_repr)
         mask = pair_mask
         if mask.dtype is not torch.bool and mask.dtype is not torch.float32:
             mask = mask.to(torch.float32)  # other dtypes: the reference's .to(), off the hot path
@@ -496,15 +496,8 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         x_ptr, w_ptr = x.data_ptr(), self._weights.get().data_ptr()
         project(blocks, threads, smem, x_ptr, mask.data_ptr(), w_ptr, ar.data_ptr(), br.data_ptr(), B, N, work,
                 mask_is_float)
-        # fp32 means fp32: no TF32 in the bmm even where the caller allowed it globally.
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        if tf32:
-            torch.backends.cuda.matmul.allow_tf32 = False
-        try:
+        with fp32_matmul():  # fp32 means fp32: no TF32 in the bmm even where the caller allowed it
             triangle_bmm(ar, br, self._outgoing, out=z)
-        finally:
-            if tf32:
-                torch.backends.cuda.matmul.allow_tf32 = True
         output(o_tiles, o_threads, o_smem, x_ptr, z.data_ptr(), w_ptr, out.data_ptr(), B, N, o_tiles)
 
     def _barrier_ints(self, device: torch.device) -> int:
