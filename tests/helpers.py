@@ -122,10 +122,10 @@ def assert_variant_matches_float64(spec, plan, variant, shapes, skip=None, also=
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
-def run_under_graph_capture(module, inputs: tuple, replays: int = 1) -> torch.Tensor:
-    """The module's forward warmed up (compile, pack, allocate) and captured into a CUDA graph on a
-    side stream; the captured output is NaN-filled, the graph replayed `replays` times and
-    synchronized. A launch outside the current stream (the legacy default stream) breaks capture."""
+def capture_graph(module, inputs: tuple):
+    """(graph, captured output): the module's forward warmed up (compile, pack, allocate) and
+    captured into a CUDA graph on a side stream. A launch outside the current stream (the legacy
+    default stream) breaks capture."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.no_grad(), torch.cuda.stream(side):
@@ -134,11 +134,30 @@ def run_under_graph_capture(module, inputs: tuple, replays: int = 1) -> torch.Te
         with torch.cuda.graph(graph):
             out = module(*inputs)
     torch.cuda.current_stream().wait_stream(side)
+    return graph, out
+
+
+def replay_nan_filled(graph, out: torch.Tensor, replays: int = 1) -> torch.Tensor:
     out.fill_(float("nan"))
     for _ in range(replays):
         graph.replay()
     torch.cuda.synchronize()
     return out
+
+
+def run_under_graph_capture(module, inputs: tuple, replays: int = 1) -> torch.Tensor:
+    """The module captured (capture_graph), its output NaN-filled, replayed `replays` times."""
+    return replay_nan_filled(*capture_graph(module, inputs), replays)
+
+
+def assert_graph_survives_larger_calls(module, small: tuple, ref_small, large: tuple, ref_large, tol) -> None:
+    """The graph captures its scratch pointers: later, larger eager calls (each with new, larger
+    scratch from the allocator) must not free or reuse them, so its replays stay right."""
+    graph, captured = capture_graph(module, small)
+    with torch.no_grad():
+        for _ in range(3):
+            assert compare(module(*large), ref_large, tol).ok
+    assert compare(replay_nan_filled(graph, captured), ref_small, tol).ok
 
 
 def check_tuned_entries(spec) -> None:

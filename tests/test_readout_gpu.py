@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_variant_matches_float64,
+from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_graph_survives_larger_calls,
+                     assert_variant_matches_float64,
                      check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
                      run_under_graph_capture, run_variant, sampled_cases, sampled_plans)
 from pairgen import runtime
@@ -185,23 +186,19 @@ def test_j_split_matches_float64_reference(plan, j_split_variants):
     assert_variant_matches_float64(READOUT, plan, compiled_variant(j_split_variants, plan), ODD_SHAPES)
 
 
-@pytest.mark.parametrize("plan", J_SPLIT_CASES)
-def test_j_split_single_edges_nan_and_masked_rows_in_every_split(plan, j_split_variants):
-    """Batch 1: node 2 + s has one valid edge, to the last partner of split s (the other splits
-    see none of its edges, so the combine must skip their unwritten rows). Batch 0: NaN at a
-    valid edge that a non-first split folds makes the row NaN; at a masked edge it is ignored.
-    Batch 2 has no edge at all, and node 0 of every batch is isolated: nodes + norm.bias."""
-    variant = compiled_variant(j_split_variants, plan)
-    gen, N = generator(41), 37
+def _check_single_edges_nan_and_masked_rows(plan, variant, seed: int, N: int, single_edges: dict, what: str):
+    """B = 3. Batch 1: node 2 + s has one valid edge, to partner single_edges[s]. Batch 0: NaN at
+    a valid edge to the last of those partners makes node 5's row NaN; at a masked edge (node 6)
+    it is ignored. Batch 2 has no edge at all, and node 0 of every batch is isolated: both give
+    nodes + norm.bias. Returns (module, inputs, out) for further checks."""
+    gen = generator(seed)
     module = READOUT.make_module(plan.widths, gen).cuda()
     nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": 3, "N": N, **plan.widths}, gen))
     mask[2] = False
-    last_j = {_split_of(plan, j): j for j in range(N)}  # split -> its last partner
-    for s, j in last_j.items():
+    for s, j in single_edges.items():
         mask[1, 2 + s] = False
         mask[1, 2 + s, j] = True
-    nan_j = last_j[max(last_j)]
-    assert _split_of(plan, nan_j) > 0, "the NaN edge must be folded by a non-first split"
+    nan_j = single_edges[max(single_edges)]
     pair[0, 5, nan_j, 3] = pair[0, 6, nan_j, 3] = float("nan")
     mask[0, 5, nan_j], mask[0, 6, nan_j] = True, False
     ref = reference64(module, (nodes, pair, mask))
@@ -213,8 +210,20 @@ def test_j_split_single_edges_nan_and_masked_rows_in_every_split(plan, j_split_v
     bias = module.norm.bias
     torch.testing.assert_close(out[2], nodes[2] + bias, rtol=0, atol=1e-5)
     torch.testing.assert_close(out[:, 0], nodes[:, 0] + bias, rtol=0, atol=1e-5)
-    for s in last_j:  # a single edge pools its own message, not 0
-        assert (out[1, 2 + s] - nodes[1, 2 + s] - bias).abs().max() > 1e-3, f"node {2 + s} (split {s}) pooled to 0"
+    for s in single_edges:  # a single edge pools its own message, not 0
+        assert (out[1, 2 + s] - nodes[1, 2 + s] - bias).abs().max() > 1e-3, f"node {2 + s} ({what} {s}) pooled to 0"
+    return module, (nodes, pair, mask), out
+
+
+@pytest.mark.parametrize("plan", J_SPLIT_CASES)
+def test_j_split_single_edges_nan_and_masked_rows_in_every_split(plan, j_split_variants):
+    """_check_single_edges_nan_and_masked_rows with N = 37 and node 2 + s's only edge to the last
+    partner of split s (the other splits see none of its edges, so the combine must skip their
+    unwritten rows); the NaN edge is folded by a non-first split."""
+    N = 37
+    last_j = {_split_of(plan, j): j for j in range(N)}  # split -> its last partner
+    assert _split_of(plan, last_j[max(last_j)]) > 0, "the NaN edge must be folded by a non-first split"
+    _check_single_edges_nan_and_masked_rows(plan, compiled_variant(j_split_variants, plan), 41, N, last_j, "split")
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -325,42 +334,17 @@ def test_gemm_matches_float64_reference_on_poisoned_scratch(plan, gemm_variants)
     assert not failures, "\n".join(failures)
 
 
-def _pool_warp_of(plan, j: int) -> int:
-    """The pool kernel's warp (of its node's pool_warps) that folds partner j: chunks of 32."""
-    return (j // 32) % plan.params["pool_warps"]
-
-
 @pytest.mark.parametrize("plan", GEMM_CASES[:3] + GEMM_CASES[5:6])
 def test_gemm_single_edges_nan_masked_rows_and_float_masks(plan, gemm_variants):
-    """N = 123 (four chunks of 32 partners). Batch 1: node 2 + s has one valid edge, to the last
-    partner of chunk s (with several warps per node, each warp holds one node's only edge in
-    turn). Batch 0: NaN at a valid edge in the last chunk makes the row NaN; at a masked edge it is
-    ignored. Batch 2 has no edge; node 0 of every batch is isolated: nodes + norm.bias. A float
-    mask (read as mask != 0) gives the bool mask's output bit for bit."""
+    """_check_single_edges_nan_and_masked_rows with N = 123 (four chunks of 32 partners) and node
+    2 + s's only edge to the last partner of chunk s (with several warps per node, each warp holds
+    one node's only edge in turn); the NaN edge is in the last chunk. A float mask (read as
+    mask != 0) gives the bool mask's output bit for bit."""
     variant = compiled_variant(gemm_variants, plan)
-    gen, N = generator(51), 123
-    module = READOUT.make_module(plan.widths, gen).cuda()
-    nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": 3, "N": N, **plan.widths}, gen))
-    mask[2] = False
+    N = 123
     last_of_chunk = {s: min(32 * s + 31, N - 1) for s in range(4)}
-    for s, j in last_of_chunk.items():
-        mask[1, 2 + s] = False
-        mask[1, 2 + s, j] = True
-    nan_j = last_of_chunk[3]
-    pair[0, 5, nan_j, 3] = pair[0, 6, nan_j, 3] = float("nan")
-    mask[0, 5, nan_j], mask[0, 6, nan_j] = True, False
-    ref = reference64(module, (nodes, pair, mask))
-    assert torch.isnan(ref[0, 5]).all() and torch.isfinite(ref[0, 6]).all()
-
-    out = _run_on_poisoned_scratch(module, (nodes, pair, mask), variant)
-    assert compare(out, ref, TOL).ok, compare(out, ref, TOL)
-    assert torch.isnan(out[0, 5]).all() and torch.isfinite(out[0, 6]).all()
-    bias = module.norm.bias
-    torch.testing.assert_close(out[2], nodes[2] + bias, rtol=0, atol=1e-5)
-    torch.testing.assert_close(out[:, 0], nodes[:, 0] + bias, rtol=0, atol=1e-5)
-    for s in last_of_chunk:  # a single edge pools its own message, not 0
-        warp = _pool_warp_of(plan, last_of_chunk[s])
-        assert (out[1, 2 + s] - nodes[1, 2 + s] - bias).abs().max() > 1e-3, f"node {2 + s} (warp {warp}) pooled to 0"
+    module, (nodes, pair, mask), out = _check_single_edges_nan_and_masked_rows(plan, variant, 51, N, last_of_chunk,
+                                                                              "chunk")
     from_float = _run(module, (nodes, pair, mask.float() * 0.5), variant)  # nonzero entries: edges
     torch.testing.assert_close(from_float, out, rtol=0, atol=0, equal_nan=True)
 
@@ -387,21 +371,7 @@ def test_gemm_graph_capture_replays_and_survives_later_larger_calls(gemm_variant
     module.force_variant(compiled_variant(gemm_variants, plan))
     try:
         assert compare(run_under_graph_capture(module, small, replays=3), ref_small, TOL).ok
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(side):
-            module(*small)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = module(*small)
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.no_grad():
-            for _ in range(3):
-                assert compare(module(*large), ref_large, TOL).ok
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert compare(captured, ref_small, TOL).ok
+        assert_graph_survives_larger_calls(module, small, ref_small, large, ref_large, TOL)
     finally:
         module.force_variant(None)
 

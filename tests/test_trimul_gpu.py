@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_variant_matches_float64,
-                     check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
+from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_graph_survives_larger_calls,
+                     assert_variant_matches_float64, check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
                      run_under_graph_capture, run_variant, sampled_cases)
 from pairgen import runtime
 from pairgen.check import compare, reference64
@@ -151,23 +151,9 @@ def test_a_captured_graph_survives_later_larger_calls():
     module, small, ref = reference_case(TRIMUL, widths, 1, 7, seed=16)
     plan = TRIMUL.feasible_plans("fused", widths, runtime.device_info(0).limits)[0]
     module.force_variant(runtime.build_variant(plan))
+    _, large, large_ref = reference_case(TRIMUL, widths, 2, 64, seed=16)
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(side):
-            module(*small)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = module(*small)
-        torch.cuda.current_stream().wait_stream(side)
-        _, large, large_ref = reference_case(TRIMUL, widths, 2, 64, seed=16)
-        with torch.no_grad():
-            for _ in range(3):
-                assert compare(module(*large), large_ref, TOL).ok
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert compare(out, ref, TOL).ok
+        assert_graph_survives_larger_calls(module, small, ref, large, large_ref, TOL)
     finally:
         module.force_variant(None)
 
