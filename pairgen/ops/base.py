@@ -145,14 +145,22 @@ class OpSpec:
     def widths_of(self, shape: dict) -> dict:
         return {name: int(shape[name]) for name in self.width_names}
 
+    #: Per strategy, parameters added after tuned entries existed, each with the value that
+    #: reproduces the kernel those entries ran: an entry (or a study's trial) without them plans.
+    added_params: dict[str, dict] = {}
+
+    def with_added_params(self, strategy: str, params: dict) -> dict:
+        return {**self.added_params.get(strategy, {}), **params}
+
     def complete_point(self, strategy: str, params: dict) -> dict | None:
-        """An older point in today's space: parameters added since take the strategy's default
-        (its default point's value, else the first in the space), parameters gone are dropped.
-        None when the strategy is gone or a kept value is no longer in the space."""
+        """An older point in today's space: parameters added since take the value that reproduces
+        the old kernel (added_params), else the strategy's default point's, else the first in the
+        space; parameters gone are dropped. None when the strategy is gone or a kept value is no
+        longer in the space."""
         space = self.strategies[strategy].space if strategy in self.strategies else None
         if space is None or any(k in space and v not in space[k] for k, v in params.items()):
             return None
-        default = next((p for s, p in self.default_points if s == strategy), {})
+        default = {**next((p for s, p in self.default_points if s == strategy), {}), **self.added_params.get(strategy, {})}
         return {k: params[k] if k in params else default.get(k, values[0]) for k, values in space.items()}
 
     def restarts(self, strategy: str, params: dict) -> list[dict]:

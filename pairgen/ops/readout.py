@@ -272,6 +272,7 @@ def hidden_registers(tm: int, tn: int) -> int:
 
 
 class ReadoutSpec(OpSpec):
+    added_params = ADDED_PARAMS
     name = "readout"
     width_names = ("D", "P", "H")
     strategies = {s.name: s for s in (SPLIT, DIRECT, GEMM)}
@@ -301,7 +302,7 @@ class ReadoutSpec(OpSpec):
     tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5)}
 
     def plan(self, strategy: str, params: dict, widths: dict) -> Plan:
-        params = {**ADDED_PARAMS.get(strategy, {}), **params}
+        params = self.with_added_params(strategy, params)
         self.check_point(strategy, params)
         D, P, H = (int(widths[k]) for k in ("D", "P", "H"))
         if strategy == "gemm":

@@ -212,6 +212,7 @@ def triangle_staging(o_tile: int, H: int, outgoing: bool) -> dict:
 
 
 class TrimulSpec(OpSpec):
+    added_params = _ADDED_PARAMS
     name = "trimul"
     # The options are compile-time and part of the tuned key, as 0/1 next to the widths.
     width_names = ("P", "H", "outgoing", "gate_normalized", "bias")
@@ -265,7 +266,7 @@ class TrimulSpec(OpSpec):
                                                       precision="ieee", **weights)
 
     def plan(self, strategy: str, params: dict, widths: dict) -> Plan:
-        params = {**_ADDED_PARAMS.get(strategy, {}), **params}
+        params = self.with_added_params(strategy, params)
         self.check_point(strategy, params)
         w = {name: int(widths[name]) for name in self.width_names}
         P, H = w["P"], w["H"]
