@@ -226,17 +226,21 @@ def test_j_split_single_edges_nan_and_masked_rows_in_every_split(plan, j_split_v
     _check_single_edges_nan_and_masked_rows(plan, compiled_variant(j_split_variants, plan), 41, N, last_j, "split")
 
 
+def _check_n_equal_one(plan, variant, batch: int, seed: int) -> None:
+    """N = 1 against float64: a self edge in the first graph, the others' single node isolated."""
+    gen = generator(seed)
+    module = READOUT.make_module(plan.widths, gen).cuda()
+    nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": batch, "N": 1, **plan.widths}, gen))
+    mask[0, 0, 0] = True
+    ref = reference64(module, (nodes, pair, mask))
+    assert compare(_run_on_poisoned_scratch(module, (nodes, pair, mask), variant), ref, TOL).ok
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("plan", J_SPLIT_CASES)
 def test_j_split_n_equal_one(plan, batch, j_split_variants):
     """N = 1: only split 0 has a j tile; the others only write "no edge" and count."""
-    gen = generator(42)
-    module = READOUT.make_module(plan.widths, gen).cuda()
-    nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": batch, "N": 1, **plan.widths}, gen))
-    mask[0, 0, 0] = True  # a self edge in the first graph; the others are isolated
-    ref = reference64(module, (nodes, pair, mask))
-    out = _run_on_poisoned_scratch(module, (nodes, pair, mask), compiled_variant(j_split_variants, plan))
-    assert compare(out, ref, TOL).ok
+    _check_n_equal_one(plan, compiled_variant(j_split_variants, plan), batch, seed=42)
 
 
 def _capture_without_warm_up(module, inputs):
@@ -352,13 +356,7 @@ def test_gemm_single_edges_nan_masked_rows_and_float_masks(plan, gemm_variants):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_gemm_n_equal_one(batch, gemm_variants):
     plan = GEMM_CASES[1].values[0]  # four warps per node: three of them see no partner
-    gen = generator(52)
-    module = READOUT.make_module(plan.widths, gen).cuda()
-    nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": batch, "N": 1, **plan.widths}, gen))
-    mask[0, 0, 0] = True  # a self edge in the first graph; the others are isolated
-    ref = reference64(module, (nodes, pair, mask))
-    out = _run_on_poisoned_scratch(module, (nodes, pair, mask), compiled_variant(gemm_variants, plan))
-    assert compare(out, ref, TOL).ok
+    _check_n_equal_one(plan, compiled_variant(gemm_variants, plan), batch, seed=52)
 
 
 def test_gemm_graph_capture_replays_and_survives_later_larger_calls(gemm_variants):

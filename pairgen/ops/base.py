@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import itertools
 import math
 import random
@@ -369,6 +368,17 @@ def fp32_matmul():
     finally:
         if saved != off:
             setattr(matmul, "fp32_precision" if new_api else "allow_tf32", saved)
+
+
+def cuda_bool(value) -> str:
+    """A Python truth value as a C++ literal for a template."""
+    return "true" if value else "false"
+
+
+def padded_stride(width: int) -> int:
+    """A shared-memory row stride >= width with stride % 32 == 4: tile_gemm.cuh's float4 reads of
+    consecutive rows then land in distinct banks."""
+    return align(width, 32) + 4
 
 
 def contiguous_aligned(t: torch.Tensor) -> torch.Tensor:

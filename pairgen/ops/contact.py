@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from .base import (Cost, DeviceLimits, KernelModule, OpSpec, Plan, Restriction, Strategy, Tolerance,
-                   PackedParameters, align, ceil_div, check_float_tensor, contiguous_aligned, is_pow2, randomize_parameters,
-                   random_tensor, section_offsets)
+                   PackedParameters, ceil_div, check_float_tensor, contiguous_aligned, cuda_bool, is_pow2,
+                   padded_stride, randomize_parameters, random_tensor, section_offsets)
 
 
 class ContactHeadReference(nn.Module):
@@ -106,10 +106,6 @@ SYMMETRIC_TILED = Strategy(
 )
 
 
-def _bool(value: bool) -> str:
-    return "true" if value else "false"
-
-
 def _grid_tiles(num_tiles: int, blocks_per_sm: int, sms: int, resident_per_sm: int) -> int:
     """Persistent grid (blocks_per_sm per SM, looping over tiles), or one block per tile (0).
     A persistent grid is clamped to the blocks that can be resident at once (registers decide
@@ -143,10 +139,10 @@ class ContactSpec(OpSpec):
         self.check_point(strategy, params)
         P, H = int(widths["P"]), int(widths["H"])
         off = weight_offsets(P, H)
-        context = {"P": P, "H": H, "off": off, "weights_smem": _bool(params["weights_smem"])}
+        context = {"P": P, "H": H, "off": off, "weights_smem": cuda_bool(params["weights_smem"])}
         weights = 4 * off["total"] if params["weights_smem"] else 0
         if strategy == "thread_per_pair":
-            context.update(threads=params["threads"], chunk=params["chunk"], symmetric=_bool(params["symmetric"]))
+            context.update(threads=params["threads"], chunk=params["chunk"], symmetric=cuda_bool(params["symmetric"]))
             smem = weights + 4 * (P + H) * params["threads"]
 
             def grid(B, N, sms, resident, _sym=params["symmetric"], _t=params["threads"]):
@@ -158,7 +154,7 @@ class ContactSpec(OpSpec):
             threads_m = max(1, params["threads"] // threads_n)
             context.update(tile_rows=rows, threads=params["threads"], tn=params["tn"], threads_n=threads_n,
                            threads_m=threads_m, tm=rows // threads_m, unroll=params["unroll"], ln_rows=params["ln_rows"],
-                           a_stride=align(max(P, H), 32) + 4, stage_rows=params["stage_rows"])
+                           a_stride=padded_stride(max(P, H)), stage_rows=params["stage_rows"])
             if strategy == "symmetric_tiled":
                 context["tile_side"] = params["tile_side"]
             staged = params["stage_rows"] * 2 * rows * P  # both orientations of a tile's rows, per buffer

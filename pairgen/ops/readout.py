@@ -11,13 +11,12 @@ Three strategies:
 """
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
 from .base import (Cost, DeviceLimits, KernelModule, OpSpec, PackedParameters, Plan, Restriction, Strategy,
-                   Tolerance, align, ceil_div, check_float_tensor, contiguous_aligned, fp32_matmul,
-                   random_tensor, randomize_parameters, section_offsets)
+                   Tolerance, align, ceil_div, check_float_tensor, contiguous_aligned, cuda_bool, fp32_matmul,
+                   padded_stride, random_tensor, randomize_parameters, section_offsets)
 
 
 class PairReadoutReference(nn.Module):
@@ -208,15 +207,6 @@ def gemm_scratch_offsets(B: int, N: int, D: int, H: int) -> dict[str, int]:
     return offsets
 
 
-def _bool(value: bool) -> str:
-    return "true" if value else "false"
-
-
-def _stride(width: int) -> int:
-    """A shared-memory row stride >= width with stride % 32 == 4 (see tile_gemm.cuh)."""
-    return align(width, 32) + 4
-
-
 def prologue_blocks(rows: int, H: int, prologue_rows: int = PROLOGUE_ROWS) -> int:
     """Blocks of the node prologue: prologue_rows node rows by 4*PROLOGUE_THREADS of 2H columns."""
     return ceil_div(rows, prologue_rows) * ceil_div(2 * H, 4 * PROLOGUE_THREADS)
@@ -315,9 +305,9 @@ class ReadoutSpec(OpSpec):
         layout = hidden_layout(params["tile"], params["tm"], params["tn"], params["threads"])
         tile, staged = params["tile"], params["weights_smem"]
         pool_threads = 32 * params["pool_nodes"] * params["pool_warps"]
-        context = {"D": D, "P": P, "H": H, "off": weight_offsets(D, P, H), "p_stride": _stride(P),
+        context = {"D": D, "P": P, "H": H, "off": weight_offsets(D, P, H), "p_stride": padded_stride(P),
                    "tile": tile, "threads": params["threads"], "tm": params["tm"], "tn": params["tn"],
-                   "unroll": params["unroll"], "weights_smem": _bool(staged), **layout,
+                   "unroll": params["unroll"], "weights_smem": cuda_bool(staged), **layout,
                    "prologue_rows": PROLOGUE_ROWS, "prologue_threads": PROLOGUE_THREADS,
                    "pool_nodes": params["pool_nodes"], "pool_warps": params["pool_warps"],
                    "pool_threads": pool_threads,
@@ -339,12 +329,12 @@ class ReadoutSpec(OpSpec):
         # The main kernel of the split strategy never reads wuvt: it stages from wpt onwards.
         smem_first = off["wpt"] if strategy == "split" else 0
         context = {
-            "D": D, "P": P, "H": H, "off": off, "split": _bool(strategy == "split"),
-            "smem_first": smem_first, "weights_smem": _bool(params["weights_smem"]),
+            "D": D, "P": P, "H": H, "off": off, "split": cuda_bool(strategy == "split"),
+            "smem_first": smem_first, "weights_smem": cuda_bool(params["weights_smem"]),
             "tile_i": tile_i, "tile_j": tile_j, "tile_pairs": pairs, "threads": threads,
             "threads_n": threads_n, "threads_m": threads_m, "tn": tn, "tm": pairs // threads_m,
             "cols": threads_n * tn, "unroll": params["unroll"], "j_split": params["j_split"],
-            "p_stride": _stride(P), "h_stride": _stride(H), "d_stride": _stride(D),
+            "p_stride": padded_stride(P), "h_stride": padded_stride(H), "d_stride": padded_stride(D),
             "prologue_rows": params.get("prologue_rows", PROLOGUE_ROWS), "prologue_threads": PROLOGUE_THREADS,
         }
         floats = (pairs * context["p_stride"]            # pair features of the tile

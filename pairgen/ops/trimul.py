@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .base import (Cost, DeviceLimits, KernelModule, OpSpec, PackedParameters, Plan, Restriction, Strategy,
-                   Tolerance, align, ceil_div, check_float_tensor, contiguous_aligned, fp32_matmul, random_tensor,
-                   randomize_parameters, section_offsets)
+                   Tolerance, align, ceil_div, check_float_tensor, contiguous_aligned, cuda_bool, fp32_matmul,
+                   padded_stride, random_tensor, randomize_parameters, section_offsets)
 
 DIRECTIONS = ("incoming", "outgoing")
 GATE_INPUTS = ("input", "normalized")
@@ -161,8 +161,7 @@ BMM = Strategy(
     # each product 4 x 8 micro-tiles, 10.7 multiply-adds per load as in the projection's (8 with o_tn 4).
     space={"p_tile": (64, 128), "p_tm": (4, 8), "p_tn": (4, 8), "p_weights_smem": (False, True),
            "o_tile": (32, 64, 128), "o_tm": (1, 2, 4), "o_tn": (4, 8), "o_weights_smem": (False, True),
-           "threads": (128, 256),
-           "unroll": (4,), "min_blocks": (1, 2)},
+           "threads": (128, 256), "unroll": (4,), "min_blocks": (1, 2)},
     restrictions=_COMMON,
 )
 
@@ -181,14 +180,6 @@ FUSED = Strategy(
 _ADDED_PARAMS = {"fused": {"tri_smem": False}, "bmm": {"o_weights_smem": False, "o_tn": O_TN}}
 
 
-def _bool(value) -> str:
-    return "true" if value else "false"
-
-
-def _stride(width: int) -> int:
-    return align(width, 32) + 4  # >= width and == 4 (mod 32): tile_gemm.cuh's conflict-free rows
-
-
 TRI_KC = 32              # k rows per stage of the staged triangle sums: one stage covers N <= 32 (the seed)
 TRI_BUDGET = 96 * 1024   # bytes for its two stage buffers: two blocks per SM (blocks_per_sm 2) still fit
 
@@ -204,7 +195,7 @@ def triangle_staging(o_tile: int, H: int, outgoing: bool) -> dict:
     hc: the largest multiple of 4 dividing H whose two stage buffers fit TRI_BUDGET (else 4)."""
     b_row = TRI_KC + 1 if outgoing else o_tile
     h_stride = align((o_tile if outgoing else TRI_KC) * b_row, 32) + o_tile % 32
-    a_stride = _stride(TRI_KC)
+    a_stride = padded_stride(TRI_KC)
     per_channel = a_stride + h_stride
     hc = max((d for d in range(4, H + 1, 4) if H % d == 0 and 2 * 4 * d * per_channel <= TRI_BUDGET), default=4)
     return {"kc": TRI_KC, "hc": hc, "a_stride": a_stride, "b_row": b_row, "h_stride": h_stride,
@@ -276,26 +267,26 @@ class TrimulSpec(OpSpec):
         proj = gemm_layout(params["p_tile"], params["p_tm"], params["p_tn"], p_threads)
         o_tn = params.get("o_tn", O_TN)
         outp = gemm_layout(params["o_tile"], params["o_tm"], o_tn, o_threads)
-        context = {"P": P, "H": H, "outgoing": _bool(w["outgoing"]), "gate_normalized": _bool(w["gate_normalized"]),
-                   "bias": _bool(w["bias"]), "off": weight_offsets(P, H, bool(w["bias"])), "unroll": params["unroll"],
+        context = {"P": P, "H": H, "outgoing": cuda_bool(w["outgoing"]), "gate_normalized": cuda_bool(w["gate_normalized"]),
+                   "bias": cuda_bool(w["bias"]), "off": weight_offsets(P, H, bool(w["bias"])), "unroll": params["unroll"],
                    "ln_rows": LN_ROWS, "min_blocks": params.get("min_blocks", params.get("blocks_per_sm", 1)),
                    "p_tile": params["p_tile"], "p_tm": params["p_tm"], "p_tn": params["p_tn"],
-                   "p_threads": p_threads, "p_a_stride": _stride(P), "p_weights_smem": _bool(weights_smem),
+                   "p_threads": p_threads, "p_a_stride": padded_stride(P), "p_weights_smem": cuda_bool(weights_smem),
                    "o_tile": params["o_tile"], "o_tm": params["o_tm"], "o_tn": o_tn, "o_threads": o_threads,
-                   "o_z_stride": _stride(H), "o_x_stride": _stride(P)}
+                   "o_z_stride": padded_stride(H), "o_x_stride": padded_stride(P)}
         context.update({f"p_{k}": v for k, v in proj.items()})
         context.update({f"o_{k}": v for k, v in outp.items()})
-        project_smem = 4 * (params["p_tile"] * _stride(P) + (P * proj["cn"] if weights_smem else 0))
+        project_smem = 4 * (params["p_tile"] * padded_stride(P) + (P * proj["cn"] if weights_smem else 0))
         o_weights_smem = bool(params.get("o_weights_smem", False))
-        context["o_weights_smem"] = _bool(o_weights_smem)
-        output_smem = 4 * (params["o_tile"] * (_stride(H) + _stride(P)) + ((H + P) * outp["cn"] if o_weights_smem else 0))
+        context["o_weights_smem"] = cuda_bool(o_weights_smem)
+        output_smem = 4 * (params["o_tile"] * (padded_stride(H) + padded_stride(P)) + ((H + P) * outp["cn"] if o_weights_smem else 0))
         if fused:
             staged = params["tri_smem"]
             tri = triangle_staging(params["o_tile"], H, bool(w["outgoing"]))
-            context.update(threads=p_threads, output_threads=o_threads, output_smem=0, tri_smem=_bool(staged),
+            context.update(threads=p_threads, output_threads=o_threads, output_smem=0, tri_smem=cuda_bool(staged),
                            **{f"tri_{k}": v for k, v in tri.items()})
             # One buffer, reused by every phase; staged sums hold the tile's z rows and two stages in it.
-            triangle_smem = 4 * (params["o_tile"] * _stride(H) + 2 * tri["stage_floats"]) if staged else 0
+            triangle_smem = 4 * (params["o_tile"] * padded_stride(H) + 2 * tri["stage_floats"]) if staged else 0
             smem = max(project_smem, output_smem, triangle_smem)
             grid = _fused_grid(params["p_tile"], params["o_tile"], params["blocks_per_sm"], row_tiles=staged)
         else:
