@@ -32,7 +32,23 @@ def staged_cases() -> list:
     return cases
 
 
-CASES = sampled_cases(CONTACT, WIDTHS, POINTS_PER_STRATEGY) + staged_cases()
+def grouped_layernorm_cases() -> list:
+    """ln_lanes lanes per pair, with several rounds per tile (64 threads) and one (256), on a
+    persistent grid and on one block per tile."""
+    cases = []
+    for widths in WIDTHS:
+        for strategy, tile in (("tiled", {"tile_rows": 64}), ("symmetric_tiled", {"tile_side": 8})):
+            for ln_lanes, threads, blocks_per_sm in ((4, 64, 1), (8, 256, 0), (4, 256, 0)):
+                params = {**tile, "threads": threads, "tn": 4, "unroll": 2, "ln_rows": 2, "weights_smem": threads > 64,
+                          "blocks_per_sm": blocks_per_sm, "stage_rows": 0, "ln_lanes": ln_lanes}
+                plan = CONTACT.plan(strategy, params, widths)
+                if CONTACT.infeasible(plan, DeviceLimits()):
+                    continue
+                cases.append(pytest.param(plan, id=f"P{widths['P']}H{widths['H']}-grouped-{plan.label}"))
+    return cases
+
+
+CASES = sampled_cases(CONTACT, WIDTHS, POINTS_PER_STRATEGY) + staged_cases() + grouped_layernorm_cases()
 
 
 @pytest.fixture(scope="module")

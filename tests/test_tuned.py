@@ -122,7 +122,7 @@ def test_a_stale_entry_is_completed_to_the_current_space_and_tried_first(db):
     assert db.lookup("float32", {"P": 128, "H": 64}, 1024) == (None, "default")
     assert db.previous("float32", {"P": 128, "H": 64}, 1024)["params"] == old
     completed = CONTACT.complete_point("symmetric_tiled", old)
-    assert completed == {**old, "stage_rows": 0}
+    assert completed == {**old, "stage_rows": 0, "ln_lanes": 0}
     CONTACT.check_point("symmetric_tiled", completed)
     assert CONTACT.complete_point("symmetric_tiled", {**old, "threads": 96}) is None  # a value gone from the space
     assert CONTACT.complete_point("no_such_strategy", old) is None
@@ -131,5 +131,6 @@ def test_a_stale_entry_is_completed_to_the_current_space_and_tried_first(db):
     tune_script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune_script)
     shape = {"B": 1, "N": 1024, "P": 128, "H": 64}
-    assert tune_script.starting_points(CONTACT, db, shape) == [
-        ("symmetric_tiled", {**completed, "stage_rows": value}) for value in (0, 1, 2)]
+    assert tune_script.starting_points(CONTACT, db, shape) == [("symmetric_tiled", completed)] + [
+        ("symmetric_tiled", {**completed, name: value}) for name, values in (("stage_rows", (1, 2)), ("ln_lanes", (4, 8)))
+        for value in values]
