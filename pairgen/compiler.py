@@ -26,9 +26,13 @@ class CompileError(RuntimeError):
     """NVRTC rejected a source; the message carries the log and the offending lines."""
 
     def __init__(self, log: str, source: str, name: str):
-        self.log = log
-        self.source = source
+        self.log, self.source, self.name = log, source, name
         super().__init__(f"NVRTC failed to compile {name}:\n{log.strip()}\n{_excerpts(log, source, name)}")
+
+    def __reduce__(self):
+        # Rebuilt from its three fields when a compile worker process sends it back: the default
+        # (the message alone) broke the whole pool with BrokenProcessPool instead of reporting it.
+        return (type(self), (self.log, self.source, self.name))
 
 
 def _excerpts(log: str, source: str, name: str, context: int = 3) -> str:

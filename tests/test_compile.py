@@ -3,6 +3,8 @@ tuning presets (seed and real); compile errors point at the source; the disk cac
 source and arch."""
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from helpers import sampled_plans
@@ -67,8 +69,20 @@ def test_compile_error_shows_the_offending_line():
     assert "error" in text and ">>     3 |   int y = ;" in text
 
 
+def test_compile_errors_come_back_from_the_worker_pool():
+    """Each job's error is returned in its place; an error that could not cross the process
+    boundary used to break the whole pool (BrokenProcessPool)."""
+    good = 'extern "C" __global__ void ok_k(float* x) { x[0] = 2.0f; }\n'
+    bad = 'extern "C" __global__ void bad_k(float* x) {\n  int y = ;\n}\n'
+    with compiler.compile_pool(2) as pool:
+        results = compiler.compile_many([(good, "ok_k", ARCH), (bad, "bad_k", ARCH)], pool)
+    assert isinstance(results[0], compiler.Compiled)
+    assert isinstance(results[1], compiler.CompileError) and ">>     2 |   int y = ;" in str(results[1])
+
+
 def test_disk_cache_is_keyed_by_source_and_arch():
-    source = 'extern "C" __global__ void cached_k(float* x) { x[threadIdx.x] *= 2.0f; }\n'
+    # A source no earlier run can have cached (the cache directory may persist between runs).
+    source = f'// {uuid.uuid4()}\nextern "C" __global__ void cached_k(float* x) {{ x[threadIdx.x] *= 2.0f; }}\n'
     first = compiler.compile_source(source, "cached_k", ARCH)
     again = compiler.compile_source(source, "cached_k", ARCH)
     assert not first.from_cache and again.from_cache and again.cubin == first.cubin

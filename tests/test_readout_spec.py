@@ -1,11 +1,13 @@
 """The readout spec: the pair-tile ownership the kernels rely on (j splits included), grids and
 scratch, restrictions, defaults for every width, the weight layout, the cost model; defaults and
-j-split variants compile with NVRTC without spills. The gemm strategy: hidden tiles and pool
+j-split variants compile with NVRTC without spills. The node prologue (split and gemm): its
+blocks cover every node row and column once over all of k, and it compiles without spills. The gemm strategy: hidden tiles and pool
 warps cover every pair and node once, its scratch, shared memory, defaults, TF32 switched off
 around its matmul; its variants compile without spills."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 from helpers import compile_plans, compiled_variant
 from pairgen import runtime
 from pairgen.ops.base import DeviceLimits, fp32_matmul
-from pairgen.ops.readout import (GEMM_SCRATCH_ALIGN, PROLOGUE_THREADS, READOUT, PairReadout,
+from pairgen.ops.readout import (GEMM_SCRATCH_ALIGN, PROLOGUE_COLS, PROLOGUE_THREADS, READOUT, PairReadout,
                                  gemm_pool_blocks, gemm_pool_smem, gemm_scratch_offsets, hidden_layout,
                                  prologue_blocks, scratch_offsets, split_scratch_floats, weight_offsets)
 
@@ -133,19 +135,122 @@ def test_small_pair_tiles_with_weights_through_the_cache_exist_for_every_j_split
                     assert (tile_j, False, j_split) in feasible, (strategy, widths, tile_j, j_split)
 
 
+def _prologue_constants(prologue_rows: int, D: int, H: int) -> dict:
+    """PRO_COLS and PRO_CHUNK as the rendered prologue (_nodes.cuh.j2) defines them."""
+    plan = READOUT.plan("split", dict(READOUT.default_points[2][1], prologue_rows=prologue_rows), {"D": D, "P": 8, "H": H})
+    source = runtime.render_plan(plan).source
+    return {name: int(re.search(rf"constexpr int {name} = (\d+);", source).group(1)) for name in ("PRO_COLS", "PRO_CHUNK")}
+
+
+def prologue_k_steps(warp: int, D: int, chunk: int) -> list[int]:
+    """The k-steps warp `warp` folds, in the kernel's order: its slice [warp*D/4, (warp+1)*D/4) as a
+    first chunk, whole chunks, then a tail (FIRST, FULL, TAIL in _nodes.cuh.j2)."""
+    k_slice = D // (PROLOGUE_THREADS // 32)
+    first = min(k_slice, chunk)
+    full, tail = divmod(k_slice - first, chunk)
+    starts = [0] + [first + c * chunk for c in range(full)] + ([first + full * chunk] if tail else [])
+    sizes = [first] + [chunk] * full + ([tail] if tail else [])
+    assert all(size % (4 if k_slice % 4 == 0 else 2 if k_slice % 2 == 0 else 1) == 0 for size in sizes), \
+        "every chunk holds whole x vectors"
+    return [warp * k_slice + start + s for start, size in zip(starts, sizes) for s in range(size)]
+
+
 @pytest.mark.parametrize("prologue_rows", [2, 8])
-@pytest.mark.parametrize("rows, H", [(1, 8), (96, 192), (2048, 512), (37, 24)])
-def test_prologue_grid_covers_every_node_and_column(rows, H, prologue_rows):
-    blocks = prologue_blocks(rows, H, prologue_rows)
-    col_blocks = -(-2 * H // (4 * PROLOGUE_THREADS))
-    covered = set()
-    for block in range(blocks):  # the kernel's decomposition of blockIdx.x
+@pytest.mark.parametrize("rows, D, H", [(1, 8, 8), (7, 24, 8), (37, 40, 56), (96, 96, 192), (111, 504, 496),
+                                        (2048, 256, 512)])
+def test_prologue_blocks_write_every_node_and_column_once_over_all_of_k(rows, D, H, prologue_rows):
+    """The prologue's decomposition of blockIdx.x, threadIdx.x (_nodes.cuh.j2), simulated: the 4
+    warps of a block fold disjoint k-slices that together are all of D (any D multiple of 8: a
+    slice of 2 k-steps at D = 8, chunks and a tail at D = 504); weight loads stay inside their
+    [D][2H] rows (lanes past 2H read the last float4); every (row, column) of uv is written once,
+    by the thread whose lane holds those columns, and nothing past `rows` or 2H."""
+    constants = _prologue_constants(prologue_rows, D, H)
+    assert constants["PRO_COLS"] == PROLOGUE_COLS == 4 * 32
+    warps, uv_cols = PROLOGUE_THREADS // 32, 2 * H
+    col_blocks = -(-uv_cols // PROLOGUE_COLS)
+    ks = [prologue_k_steps(w, D, constants["PRO_CHUNK"]) for w in range(warps)]
+    assert sorted(k for steps in ks for k in steps) == list(range(D)), "the slices are all of k, once"
+    written = []
+    for block in range(prologue_blocks(rows, H, prologue_rows)):
         row0 = (block // col_blocks) * prologue_rows
         for t in range(PROLOGUE_THREADS):
-            col = ((block % col_blocks) * PROLOGUE_THREADS + t) * 4
-            if col < 2 * H:
-                covered |= {(row0 + r, col + e) for r in range(prologue_rows) if row0 + r < rows for e in range(4)}
-    assert covered == set(itertools.product(range(rows), range(2 * H)))
+            warp, lane = divmod(t, 32)
+            col = (block % col_blocks) * PROLOGUE_COLS + 4 * lane
+            load_col = col if col < uv_cols else uv_cols - 4
+            assert 0 <= load_col and load_col + 4 <= uv_cols
+            for r in range(warp, prologue_rows, warps):  # the finish: rows warp, warp + 4, ...
+                if row0 + r < rows and col < uv_cols:
+                    written += [(row0 + r, col + e) for e in range(4)]
+    assert len(written) == len(set(written)) == rows * uv_cols
+    assert set(written) == set(itertools.product(range(rows), range(uv_cols)))
+
+
+def test_prologue_blocks_at_the_seed_shape():
+    """B4 N24 D96 H192: 2H = 384 is 3 blocks of 128 columns; 96 rows in 48 or 12 row blocks."""
+    assert prologue_blocks(96, 192, 2) == 144 and prologue_blocks(96, 192, 8) == 36
+    assert prologue_blocks(1, 8) == 1 and prologue_blocks(9, 496) == 2 * 8
+
+
+#: Widths for the prologue's compile check: the presets, D = 504 H = 496 (only gemm fits; 126-step
+#: slices, a tail), and small ones (slices of 2 and 6 k-steps, 2H below a block's 128 columns).
+#: D = 12 (gemm only: no split tile divides it): 3-step slices, x read one float at a time.
+PROLOGUE_WIDTHS = PRESET_WIDTHS + [{"D": 504, "P": 8, "H": 496}, {"D": 8, "P": 8, "H": 8}, {"D": 24, "P": 8, "H": 8},
+                                   {"D": 40, "P": 16, "H": 56}, {"D": 12, "P": 8, "H": 8}]
+
+
+def test_prologue_compiles_without_spills_at_every_rows_value():
+    """The node prologue of split (prologue_rows 2 and 8) and gemm (PROLOGUE_ROWS) keeps its
+    accumulators and a chunk of weight float4s in registers: no spill, no stack."""
+    split, gemm = READOUT.default_points[2][1], READOUT.default_points[-1][1]
+    plans = [READOUT.plan("gemm", gemm, w) for w in PROLOGUE_WIDTHS]
+    plans += [READOUT.plan("split", dict(split, prologue_rows=rows), w) for w in PROLOGUE_WIDTHS for rows in (2, 8)]
+    infeasible = [p for p in plans if READOUT.infeasible(p, LIMITS)]
+    # split at D = 504: its tiles outgrow shared memory; at D = 12: no column count divides D
+    assert {(p.strategy, p.widths["D"]) for p in infeasible} == {("split", 504), ("split", 12)}
+    plans = [p for p in plans if p not in infeasible]
+    variants = compile_plans(plans)
+    for plan in plans:
+        nodes = compiled_variant(variants, plan).compiled.kernels[f"pairgen_readout_{plan.strategy}_nodes"]
+        assert nodes["spill_bytes"] == 0 and nodes["stack_bytes"] == 0, (plan.label, plan.widths, nodes)
+
+
+def _prologue_gpu_plans():
+    split, gemm = READOUT.default_points[2][1], READOUT.default_points[-1][1]
+    plans = [READOUT.plan("gemm", gemm, w) for w in PROLOGUE_WIDTHS]
+    plans += [READOUT.plan("split", dict(split, prologue_rows=rows), w) for w in PROLOGUE_WIDTHS for rows in (2, 8)]
+    return [pytest.param(p, id="D{D}P{P}H{H}-".format_map(p.widths) + p.label) for p in plans
+            if not READOUT.infeasible(p, LIMITS)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", _prologue_gpu_plans())
+def test_prologue_alone_matches_float64_and_writes_nothing_past_its_rows(plan):
+    """GPU (the CPU suite skips it): the prologue kernel alone, launched as the module launches it,
+    against [nodes W_i^T + b1 | nodes W_j^T] in float64, at row counts that leave a row block part
+    full (1, 7, 111, 250). uv sits in a NaN-filled buffer one guard row longer: an output it left
+    unwritten stays NaN, and the guard row must stay NaN. Then, for widths up to D = 40, the whole
+    op against the float64 reference at the odd shapes (the split and gemm strategies' other
+    kernels on top of it): slices of 2, 3 and 6 k-steps, 2H below one block of 128 columns."""
+    from helpers import ODD_SHAPES, assert_variant_matches_float64, generator
+
+    D, H = plan.widths["D"], plan.widths["H"]
+    variant = runtime.build_variant(plan)
+    gen = generator(61)
+    module = READOUT.make_module(plan.widths, gen).cuda()
+    w1, b1 = module.fuse[0].weight.double(), module.fuse[0].bias.double()
+    weights = module.packed_weights().data_ptr()
+    for rows in (1, 7, 111, 250):
+        nodes = torch.randn((rows, D), generator=gen).cuda()
+        buffer = torch.full(((rows + 1) * 2 * H,), float("nan"), device="cuda")
+        module._prologue(variant, nodes.get_device(), nodes, weights, buffer.data_ptr(), rows)
+        torch.cuda.synchronize()
+        x = nodes.double()
+        want = torch.cat([x @ w1[:, :D].T + b1, x @ w1[:, D:2 * D].T], dim=1)
+        got = buffer[: rows * 2 * H].view(rows, 2 * H)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"rows={rows}: {m}")
+        assert torch.isnan(buffer[rows * 2 * H:]).all(), f"rows={rows}: wrote past the last row"
+    if D <= 40:
+        assert_variant_matches_float64(READOUT, plan, variant, ODD_SHAPES)
 
 
 def test_restrictions_prune_impossible_points():

@@ -101,8 +101,10 @@ def test_time_budget_stops_sampling(tmp_path):
 
 
 def test_trials_capped_by_the_feasible_space(tmp_path):
+    # The tuner enumerates every feasible point to queue unseen ones: 8550 at the seed widths
+    # since ln_lanes (0.85 s here); a space that grows far past that needs another approach.
     n = feasible_count(CONTACT, WIDTHS, DeviceLimits())
-    assert 0 < n < 5000
+    assert 0 < n < 20000
 
 
 def test_a_template_edit_starts_a_new_study(monkeypatch):

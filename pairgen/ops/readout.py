@@ -108,17 +108,25 @@ SPLIT = Strategy(
     name="split",
     summary="U = nodes W_i^T + b1, V = nodes W_j^T once per node (a prologue kernel); per pair only "
             "U_i + V_j + W_p p_ij",
-    # prologue_rows: node rows per prologue block. 8 ran the seed's prologue (B*N = 96 rows) on 12
-    # blocks for 12.1 us (run 19 profile), each thread waiting out its weight loads one batch at a
-    # time; 2 gives it 96 blocks, at 4x the L2 reads of the weights (what 8 saves at B*N = 2048).
+    # prologue_rows: node rows per prologue block (of 128 columns, the k loop split across its 4
+    # warps: _nodes.cuh.j2). 2 gives the seed (B*N = 96 rows, 2H = 384) 144 blocks, 8 gives it 36,
+    # reading the weights from L2 a quarter as often (what matters at B*N = 2048).
     space={**_SPACE, "prologue_rows": (2, 8)},
     restrictions=_RESTRICTIONS,
 )
 
 #: Node rows per block of the gemm strategy's prologue kernel (split tunes it; see _nodes.cuh.j2).
+#: The gemm strategy runs large B*N, where the prologue is bound by throughput, not latency: each
+#: weight float4 a thread loads serves PROLOGUE_ROWS rows (L2 reads of the weights ~ rows / 8).
+#: 16 would double the accumulators (64 registers next to 64 of weights in flight) and need 32 KB
+#: of partial sums, over the 48 KB static shared memory with D = 512's 32 KB of node rows.
 PROLOGUE_ROWS = 8
-#: Threads per prologue block, 4 columns each: 64 spreads the seed's 2H = 384 columns over 2 blocks.
-PROLOGUE_THREADS = 64
+#: Threads per prologue block: 4 warps, each a quarter of the k loop (D/4 k-steps) for the same
+#: 128 columns, lane l taking a float4 of them. The former 64 threads walking all D k-steps each
+#: ran 8.9 us at the seed shape (issued IPC 0.22, stalled on weight loads: _nodes.cuh.j2).
+PROLOGUE_THREADS = 128
+#: Columns of 2H per prologue block: 32 lanes x a float4.
+PROLOGUE_COLS = 128
 
 
 # ---- the gemm strategy ----------------------------------------------------------------------
@@ -208,8 +216,9 @@ def gemm_scratch_offsets(B: int, N: int, D: int, H: int) -> dict[str, int]:
 
 
 def prologue_blocks(rows: int, H: int, prologue_rows: int = PROLOGUE_ROWS) -> int:
-    """Blocks of the node prologue: prologue_rows node rows by 4*PROLOGUE_THREADS of 2H columns."""
-    return ceil_div(rows, prologue_rows) * ceil_div(2 * H, 4 * PROLOGUE_THREADS)
+    """Blocks of the node prologue: prologue_rows node rows by PROLOGUE_COLS of the 2H columns
+    (block b: rows from (b // column blocks) * prologue_rows, columns from (b % column blocks) * 128)."""
+    return ceil_div(rows, prologue_rows) * ceil_div(2 * H, PROLOGUE_COLS)
 
 
 def row_tiles(B: int, N: int, tile_i: int) -> int:
@@ -309,6 +318,7 @@ class ReadoutSpec(OpSpec):
                    "tile": tile, "threads": params["threads"], "tm": params["tm"], "tn": params["tn"],
                    "unroll": params["unroll"], "weights_smem": cuda_bool(staged), **layout,
                    "prologue_rows": PROLOGUE_ROWS, "prologue_threads": PROLOGUE_THREADS,
+                   "prologue_cols": PROLOGUE_COLS,
                    "pool_nodes": params["pool_nodes"], "pool_warps": params["pool_warps"],
                    "pool_threads": pool_threads,
                    "pool_smem": gemm_pool_smem(D, params["pool_nodes"], params["pool_warps"])}
@@ -336,6 +346,7 @@ class ReadoutSpec(OpSpec):
             "cols": threads_n * tn, "unroll": params["unroll"], "j_split": params["j_split"],
             "p_stride": padded_stride(P), "h_stride": padded_stride(H), "d_stride": padded_stride(D),
             "prologue_rows": params.get("prologue_rows", PROLOGUE_ROWS), "prologue_threads": PROLOGUE_THREADS,
+            "prologue_cols": PROLOGUE_COLS,
         }
         floats = (pairs * context["p_stride"]            # pair features of the tile
                   + pairs * context["h_stride"]          # hidden activations of the tile
