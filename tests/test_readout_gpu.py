@@ -146,6 +146,9 @@ J_SPLIT_POINTS = [
     ("split", dict(_SEED_POINT, tile_i=8, unroll=2, j_split=8), SEED_WIDTHS),  # 8 nodes, 4 warps; N = 37: 3 idle splits
     ("split", dict(_SEED_POINT, tile_i=1, tile_j=16, j_split=6), SEED_WIDTHS),  # 1 node: 3 warps idle in the combine
     ("direct", dict(_SEED_POINT, j_split=4), SEED_WIDTHS),
+    # 4-partner tiles (split: weights staged by cp.async), several j tiles per split at N = 37 and 123
+    ("split", dict(_SEED_POINT, tile_i=4, tile_j=4, weights_smem=True, j_split=6), SEED_WIDTHS),
+    ("direct", dict(_SEED_POINT, tile_i=4, tile_j=4, j_split=2), SEED_WIDTHS),
     ("split", {"tile_i": 4, "tile_j": 16, "threads": 256, "threads_n": 8, "tn": 8, "unroll": 4, "weights_smem": False,
                "j_split": 4}, WIDTHS[1]),
 ]
