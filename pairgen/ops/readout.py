@@ -550,12 +550,16 @@ class PairReadout(KernelModule, PairReadoutReference):
             self._launch_pair_max(variant, nodes, pair_feats, edge_mask, out)
         return out
 
+    @staticmethod
+    def _prologue_kernel(variant, device: int):
+        """The node prologue (U with b1, and V, of every node: the split and gemm strategies' first launch)."""
+        return variant.kernel(device, name=f"{variant.compiled.kernel_name}_nodes", threads=PROLOGUE_THREADS,
+                              smem_bytes=0)
+
     def _prologue(self, variant, device: int, nodes, weights: int, uv: int, rows: int) -> None:
-        """U (with b1) and V of every node into uv, (rows, 2H): the split and gemm strategies' first launch."""
-        prologue = variant.kernel(device, name=f"{variant.compiled.kernel_name}_nodes",
-                                  threads=PROLOGUE_THREADS, smem_bytes=0)
+        """U (with b1) and V of every node into uv, (rows, 2H)."""
         blocks = prologue_blocks(rows, self.widths["H"], variant.plan.context["prologue_rows"])
-        prologue(blocks, PROLOGUE_THREADS, 0, nodes.data_ptr(), weights, uv, rows)
+        self._prologue_kernel(variant, device)(blocks, PROLOGUE_THREADS, 0, nodes.data_ptr(), weights, uv, rows)
 
     def _pair_max_launch(self, variant, device: int, B: int, N: int) -> "_PairMaxLaunch":
         """What a split or direct call at (B, N) needs besides its tensors, worked out once: at the
@@ -569,8 +573,7 @@ class PairReadout(KernelModule, PairReadoutReference):
         if config is None or config.variant is not variant:
             params, split = variant.plan.params, variant.plan.strategy == "split"
             at = scratch_offsets(variant.plan, B, N)
-            prologue = (variant.kernel(device, name=f"{variant.compiled.kernel_name}_nodes",
-                                       threads=PROLOGUE_THREADS, smem_bytes=0) if split else None)
+            prologue = self._prologue_kernel(variant, device) if split else None
             config = configs[key] = _PairMaxLaunch(
                 variant=variant, scratch_floats=at["total"], uv_at=4 * at["uv"] if split else None,
                 partials_at=4 * at["partials"] if params["j_split"] > 1 else None,
