@@ -198,12 +198,17 @@ PROLOGUE_WIDTHS = PRESET_WIDTHS + [{"D": 504, "P": 8, "H": 496}, {"D": 8, "P": 8
                                    {"D": 40, "P": 16, "H": 56}, {"D": 12, "P": 8, "H": 8}]
 
 
+def prologue_plans() -> list:
+    """gemm (PROLOGUE_ROWS) and split (prologue_rows 2 and 8) at every PROLOGUE_WIDTHS, feasible or not."""
+    split, gemm = READOUT.default_points[2][1], READOUT.default_points[-1][1]
+    plans = [READOUT.plan("gemm", gemm, w) for w in PROLOGUE_WIDTHS]
+    return plans + [READOUT.plan("split", dict(split, prologue_rows=rows), w) for w in PROLOGUE_WIDTHS for rows in (2, 8)]
+
+
 def test_prologue_compiles_without_spills_at_every_rows_value():
     """The node prologue of split (prologue_rows 2 and 8) and gemm (PROLOGUE_ROWS) keeps its
     accumulators and a chunk of weight float4s in registers: no spill, no stack."""
-    split, gemm = READOUT.default_points[2][1], READOUT.default_points[-1][1]
-    plans = [READOUT.plan("gemm", gemm, w) for w in PROLOGUE_WIDTHS]
-    plans += [READOUT.plan("split", dict(split, prologue_rows=rows), w) for w in PROLOGUE_WIDTHS for rows in (2, 8)]
+    plans = prologue_plans()
     infeasible = [p for p in plans if READOUT.infeasible(p, LIMITS)]
     # split at D = 504: its tiles outgrow shared memory; at D = 12: no column count divides D
     assert {(p.strategy, p.widths["D"]) for p in infeasible} == {("split", 504), ("split", 12)}
@@ -215,10 +220,7 @@ def test_prologue_compiles_without_spills_at_every_rows_value():
 
 
 def _prologue_gpu_plans():
-    split, gemm = READOUT.default_points[2][1], READOUT.default_points[-1][1]
-    plans = [READOUT.plan("gemm", gemm, w) for w in PROLOGUE_WIDTHS]
-    plans += [READOUT.plan("split", dict(split, prologue_rows=rows), w) for w in PROLOGUE_WIDTHS for rows in (2, 8)]
-    return [pytest.param(p, id="D{D}P{P}H{H}-".format_map(p.widths) + p.label) for p in plans
+    return [pytest.param(p, id="D{D}P{P}H{H}-".format_map(p.widths) + p.label) for p in prologue_plans()
             if not READOUT.infeasible(p, LIMITS)]
 
 
