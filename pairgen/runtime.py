@@ -63,7 +63,7 @@ class Variant:
         self.rendered = rendered
         self.compiled = compiled
         self._loaded: dict[tuple, object] = {}  # (device index, kernel name or None) -> LoadedKernel
-        self._grids: dict[tuple, tuple[int, int]] = {}
+        self._bound: dict[tuple, tuple] = {}  # (device index, batch, n) -> (BoundLaunch, trailing arguments)
 
     def kernel(self, device_index: int, name: str | None = None, threads: int | None = None,
                smem_bytes: int | None = None):
@@ -82,13 +82,18 @@ class Variant:
         return kernel
 
     def launch(self, device_index: int, batch: int, n: int, *pointers: int) -> None:
-        kernel = self._loaded.get((device_index, None)) or self.kernel(device_index)
-        key = (device_index, batch, n)
-        grid = self._grids.get(key)
-        if grid is None:
-            sms = device_info(device_index).limits.sm_count
-            grid = self._grids[key] = self.plan.grid(batch, n, sms, kernel.resident_per_sm)
-        kernel(grid[0], self.plan.threads, self.plan.smem_bytes, *pointers, batch, n, grid[1])
+        """The main kernel on (pointers..., batch, n, tiles), its grid from the plan at this shape."""
+        bound = self._bound.get((device_index, batch, n))
+        if bound is None:
+            bound = self._bind(device_index, batch, n, len(pointers))
+        bound[0](*pointers, *bound[1])
+
+    def _bind(self, device_index: int, batch: int, n: int, pointer_count: int) -> tuple:
+        kernel = self.kernel(device_index)
+        blocks, tiles = self.plan.grid(batch, n, device_info(device_index).limits.sm_count, kernel.resident_per_sm)
+        bound = self._bound[(device_index, batch, n)] = (
+            kernel.bind(blocks, self.plan.threads, self.plan.smem_bytes, pointer_count + 3), (batch, n, tiles))
+        return bound
 
     def __repr__(self) -> str:
         return f"Variant({self.plan.op}: {self.plan.label})"

@@ -119,3 +119,24 @@ def test_packed_weights_follow_every_kind_of_parameter_change():
     module.mlp[2].weight = torch.nn.Parameter(torch.full((8, 8), 3.0))  # replaced by assignment
     third = module.packed_weights()
     assert third is not second and bool((third[off["w2t"]: off["w2t"] + 64] == 3.0).all())
+
+
+def test_parameters_made_under_inference_mode_are_repacked_every_call_with_one_warning():
+    """A module built (or moved) under torch.inference_mode has inference-tensor parameters, which
+    carry no version counter: reading it raised. They are repacked on every call instead, so an
+    in-place update made under inference_mode is still seen, and the cost is said once."""
+    import warnings
+
+    from pairgen.ops.contact import weight_offsets
+
+    off = weight_offsets(16, 8)
+    with torch.inference_mode():
+        module = CONTACT.make_module({"P": 16, "H": 8}, generator(6))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = module.packed_weights()
+            module.mlp[0].bias.add_(2.0)  # in place, invisible to any version counter
+            second = module.packed_weights()
+        assert len([w for w in caught if "inference_mode" in str(w.message)]) == 1
+        torch.testing.assert_close(second[off["b1"]: off["b1"] + 8], module.mlp[0].bias, rtol=0, atol=0)
+        assert not torch.equal(first[off["b1"]: off["b1"] + 8], second[off["b1"]: off["b1"] + 8])

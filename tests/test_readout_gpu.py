@@ -266,7 +266,8 @@ def test_j_split_counters_reset_between_calls_growth_and_graph_replays(j_split_v
     """A counter the last block failed to reset would make the next launch's blocks of that tile
     miss the combine (outputs left NaN). Consecutive calls; a graph whose counters were made
     under capture (zeroed by its replays); eager calls growing the module's counters after the
-    capture, with the graph still replaying correctly; a captured graph on the module's counters."""
+    capture, with the graph still replaying correctly; a captured graph on the module's counters.
+    The module's held scratch (U/V, partial maxima) goes through the same growth and capture."""
     plan = J_SPLIT_CASES[0].values[0]
     variant = compiled_variant(j_split_variants, plan)
     gen = generator(43)
@@ -289,6 +290,8 @@ def test_j_split_counters_reset_between_calls_growth_and_graph_replays(j_split_v
         _, live, retired = module._counters
         assert live.numel() >= 3 * 19 and len(retired) >= 2
         assert all(int(t.abs().sum()) == 0 for t in (live, *retired)), "every launch leaves its counters zeroed"
+        _, live_scratch, retired_scratch = module._scratch
+        assert len(retired_scratch) >= 2, "the scratch grew under capture and again after it"
         assert compare(run_under_graph_capture(module, large, replays=3), ref_large, TOL).ok
         assert compare(run_under_graph_capture(module, small, replays=2), ref_small, TOL).ok
     finally:

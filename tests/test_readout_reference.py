@@ -273,3 +273,21 @@ def test_random_edge_mask_has_the_promised_rows(n):
     assert not mask[:, 0].any()
     if n > 1:
         assert (mask[:, 1].sum(-1) == 1).all()
+
+
+def test_held_buffers_grow_by_doubling_and_keep_what_they_replaced():
+    """The split strategy's scratch and the j split's counters are held by the module: a call
+    that fits reuses the buffer; a larger one gets at least twice the size; a replaced buffer is
+    kept (a captured graph may point at it); counters start zeroed. On CPU tensors: the logic is
+    device-independent and the capture check applies to CUDA only."""
+    module = READOUT.make_module({"D": 8, "P": 8, "H": 8}, generator(9))
+    cpu = torch.device("cpu")
+    first = module._split_scratch(cpu, 100)
+    assert module._split_scratch(cpu, 60) == first, "a call that fits reuses the buffer"
+    grown = module._split_scratch(cpu, 150)
+    index, live, retired = module._scratch
+    assert grown == live.data_ptr() != first and live.numel() == 200 and retired[-1].data_ptr() == first
+    counters = module._tile_counters(cpu, 3)
+    _, live_counters, _ = module._counters
+    assert counters == live_counters.data_ptr() and live_counters.numel() == module.MIN_COUNTERS
+    assert int(live_counters.abs().sum()) == 0

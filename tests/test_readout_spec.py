@@ -137,7 +137,7 @@ def test_small_pair_tiles_with_weights_through_the_cache_exist_for_every_j_split
 
 def _prologue_constants(prologue_rows: int, D: int, H: int) -> dict:
     """PRO_COLS and PRO_CHUNK as the rendered prologue (_nodes.cuh.j2) defines them."""
-    plan = READOUT.plan("split", dict(READOUT.default_points[2][1], prologue_rows=prologue_rows), {"D": D, "P": 8, "H": H})
+    plan = READOUT.plan("split", dict(READOUT.default_points[3][1], prologue_rows=prologue_rows), {"D": D, "P": 8, "H": H})
     source = runtime.render_plan(plan).source
     return {name: int(re.search(rf"constexpr int {name} = (\d+);", source).group(1)) for name in ("PRO_COLS", "PRO_CHUNK")}
 
@@ -200,7 +200,7 @@ PROLOGUE_WIDTHS = PRESET_WIDTHS + [{"D": 504, "P": 8, "H": 496}, {"D": 8, "P": 8
 
 def prologue_plans() -> list:
     """gemm (PROLOGUE_ROWS) and split (prologue_rows 2 and 8) at every PROLOGUE_WIDTHS, feasible or not."""
-    split, gemm = READOUT.default_points[2][1], READOUT.default_points[-1][1]
+    split, gemm = READOUT.default_points[3][1], READOUT.default_points[-1][1]
     plans = [READOUT.plan("gemm", gemm, w) for w in PROLOGUE_WIDTHS]
     return plans + [READOUT.plan("split", dict(split, prologue_rows=rows), w) for w in PROLOGUE_WIDTHS for rows in (2, 8)]
 
@@ -278,13 +278,14 @@ def test_restrictions_prune_impossible_points():
 
 
 def test_search_space_is_modest():
-    """At most 1024 points per j_split value (and split's prologue_rows value: the tile shapes and
-    thread layouts; exactly 1024 since tile_j 4), before pruning; gemm: at most 1000 hidden-kernel
-    points per pool-kernel shape (12 of them). The tuner enumerates every point of a study."""
+    """At most 2560 points per j_split value (and split's prologue_rows value: the tile shapes and
+    thread layouts; exactly 2560 since threads 192/384 and threads_n 24), before pruning; gemm: at
+    most 1000 hidden-kernel points per pool-kernel shape (12 of them). The tuner enumerates every
+    point of a study (1.6 s for all strategies at the seed widths, on this session's CPU)."""
     for strategy in PAIR_MAX:
         space = READOUT.strategies[strategy].space
         splits = len(space["j_split"]) * len(space.get("prologue_rows", (8,)))
-        assert 100 * splits <= len(list(READOUT.points(strategy))) <= 1024 * splits
+        assert 100 * splits <= len(list(READOUT.points(strategy))) <= 2560 * splits
     space = READOUT.strategies["gemm"].space
     pool_shapes = len(space["pool_nodes"]) * len(space["pool_warps"])
     assert 100 * pool_shapes <= len(list(READOUT.points("gemm"))) <= 1000 * pool_shapes
@@ -575,7 +576,7 @@ def test_scratch_offsets_per_strategy():
     split = READOUT.plan("split", dict(point, j_split=3), w)
     assert scratch_offsets(split, 4, 24) == {"uv": 0, "partials": 4 * 24 * 2 * H,
                                             "total": 4 * 24 * 2 * H + split_scratch_floats(4, 24, D, 3)}
-    direct = {k: v for k, v in point.items() if k != "prologue_rows"}  # direct has no prologue
+    direct = {k: v for k, v in point.items() if k != "prologue_rows"} | {"j_split": 1}  # no prologue, no split
     assert scratch_offsets(READOUT.plan("direct", direct, w), 4, 24)["total"] == 0
     gemm = READOUT.plan("gemm", READOUT.default_points[-2][1], w)
     assert scratch_offsets(gemm, 4, 24) == gemm_scratch_offsets(4, 24, D, H)

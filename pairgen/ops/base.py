@@ -5,6 +5,7 @@ import contextlib
 import itertools
 import math
 import random
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -248,19 +249,36 @@ class PackedParameters:
         self._pack = pack
         self._key = None
         self._packed = None
+        self._warned_unversioned = False
 
     def parameters(self) -> list:
         return [owner[name] for owner, name in self._slots]
 
     def get(self) -> torch.Tensor:
         params = self.parameters()
-        key = [p._version for p in params]
-        key += map(_data_ptr, params)
-        if key != self._key:
+        try:
+            key = [p._version for p in params]
+        except RuntimeError:  # an inference tensor (made under torch.inference_mode) has no version
+            key = self._unversioned()
+        else:
+            key += map(_data_ptr, params)
+        if key is None or key != self._key:
             with torch.no_grad():
                 self._packed = self._pack([p.detach() for p in params])
             self._key = key
         return self._packed
+
+    def _unversioned(self) -> None:
+        """Parameters created under torch.inference_mode (a module built or moved there) carry no
+        version counter, so an in-place update cannot be seen: they are repacked on every call,
+        which is correct but costs a few small kernels per call. Said once per module."""
+        if not self._warned_unversioned:
+            self._warned_unversioned = True
+            warnings.warn("pairgen: this module's parameters were created under torch.inference_mode, so "
+                          "in-place updates to them cannot be detected and its weights are repacked on every "
+                          "call; build or move the module outside inference_mode to avoid that cost",
+                          stacklevel=4)
+        return None
 
     def __getstate__(self):  # a copy or a pickle repacks on first use
         return {**self.__dict__, "_key": None, "_packed": None}

@@ -87,13 +87,17 @@ _RESTRICTIONS = (
 )
 
 # threads_n = 2 with tn = 4 (8 columns per pass) is what makes every D, H multiple of 8 feasible.
+# threads_n 24 (96 columns per pass, with threads 192 or 384) fits widths that are multiples of
+# 96, such as the seed's D = 96: one pass of the W2 product covers all of D. At the seed shape,
+# threads 192 with threads_n 24 and j_split 3 ran the main kernel in 12.2 us against 16.5 for the
+# best 128-thread point (CUPTI, warm L2, run 33); threads_n 12 (48 columns) ran 23.3.
 # j_split: blocks sharing one tile of rows i, each taking every j_split-th tile of partners j
 # (small B*N leaves SMs idle otherwise); 3 and 6 fit j-tile counts such as 24/8 and 48/8.
 # tile_j 4 with j_split 6 gives the seed (N = 24) 144 blocks of 16 pairs, each with work. The
 # restrictions cannot see N, so points with more splits than j tiles at a length stay in the
 # space: the kernel runs them correctly (a split without a j tile only takes part in the
 # combine), and the tuner finds them slower.
-_SPACE = {"tile_i": (1, 2, 4, 8), "tile_j": (4, 8, 16, 32), "threads": (128, 256), "threads_n": (2, 4, 8, 16),
+_SPACE = {"tile_i": (1, 2, 4, 8), "tile_j": (4, 8, 16, 32), "threads": (128, 192, 256, 384), "threads_n": (2, 4, 8, 16, 24),
           "tn": (4, 8), "unroll": (2, 4), "weights_smem": (True, False), "j_split": (1, 2, 3, 4, 6, 8)}
 
 #: Parameters added after entries were tuned (and studies recorded), per strategy, with the value
@@ -276,14 +280,13 @@ def hidden_registers(tm: int, tn: int) -> int:
 @dataclass(frozen=True)
 class _PairMaxLaunch:
     """A split or direct variant's launch at one (B, N): scratch size and byte offsets (None: not
-    used), the arrival counters it needs, and the split prologue's kernel and grid."""
+    used), the arrival counters it needs, and the split prologue bound to its grid."""
     variant: object
     scratch_floats: int
     uv_at: int | None
     partials_at: int | None
     row_tiles: int
-    prologue: object
-    prologue_blocks: int
+    prologue: object  # launch.BoundLaunch, or None (direct)
 
 
 class ReadoutSpec(OpSpec):
@@ -295,6 +298,10 @@ class ReadoutSpec(OpSpec):
         # Real widths (D, H multiples of 64): 64 columns per pass, 4 rows i x 16 partners j.
         ("split", {"tile_i": 4, "tile_j": 16, "threads": 256, "threads_n": 8, "tn": 8, "unroll": 4,
                    "weights_smem": False, "j_split": 1, "prologue_rows": 8}),
+        # Widths with D and H multiples of 96 (the seed's): 96 columns per pass, one W2 pass over
+        # D = 96; 12.2 against 16.5 us for the next point at the seed shape (run 33).
+        ("split", {"tile_i": 4, "tile_j": 8, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4,
+                   "weights_smem": True, "j_split": 3, "prologue_rows": 2}),
         # Seed widths (D = 96): 32 columns per pass.
         ("split", {"tile_i": 2, "tile_j": 16, "threads": 128, "threads_n": 8, "tn": 4, "unroll": 4,
                    "weights_smem": False, "j_split": 1, "prologue_rows": 2}),
@@ -433,18 +440,19 @@ class PairReadout(KernelModule, PairReadoutReference):
     `edge_mask` may be bool or floating-point: a float mask is read as `edge_mask != 0`, so 0/1
     masks behave as the reference's bool ones (and a NaN entry counts as an edge).
 
-    Scratch (U/V of the split strategy, the partial maxima of a j split; the gemm strategy's
-    hidden layers and messages, B*N*N*(H + D) floats: 805 MB at B16 N128 D256 H512) comes from
-    torch's stream-aware caching allocator on every call, in one allocation, so a captured CUDA
-    graph never points at memory a later, larger call freed (the graph keeps its own pool). The
-    gemm strategy's matmul runs in fp32 even where the caller allowed TF32 (fp32_matmul). A j
-    split's per-tile arrival counters are owned by the module and left zeroed by every launch:
-    two launches of the SAME module on different streams at once would share them (as would a
-    graph replay overlapping a call on another stream).
+    Scratch of the split and direct strategies (U/V of every node, a j split's partial maxima)
+    and a j split's per-tile arrival counters are held by the module, grown when a larger call
+    needs more and never freed while the module lives (a captured CUDA graph may point at them;
+    a capture that needs more gets buffers of its own). The gemm strategy's scratch (hidden layers
+    and messages, B*N*N*(H + D) floats: 805 MB at B16 N128 D256 H512) comes from torch's
+    stream-aware caching allocator on every call instead. The gemm strategy's matmul runs in
+    fp32 even where the caller allowed TF32 (fp32_matmul). Two launches of the SAME module on
+    different streams at once would share the held buffers (as would a graph replay overlapping
+    a call on another stream): use one module per concurrent stream.
     """
 
     op = READOUT
-    _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_counters", "_pair_max_configs")
+    _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_counters", "_scratch", "_pair_max_configs")
     #: Counters allocated at least this many at a time (4 KB), so growth is rare.
     MIN_COUNTERS = 1024
 
@@ -457,6 +465,7 @@ class PairReadout(KernelModule, PairReadoutReference):
         self._ln_params = ln._parameters  # the validation's dtype and device, without __getattr__
         self._w2t_at = weight_offsets(node_dim, pair_dim, hidden_dim)["w2t"]  # gemm: W2^T's place in the pack
         self._counters = None  # (device index, the live counters, the buffers they replaced)
+        self._scratch = None  # the same for the split and direct strategies' scratch
         self._pair_max_configs = None  # (variant id, device, B, N) -> _PairMaxLaunch
 
     def reference_forward(self, nodes, pair_feats, edge_mask):
@@ -514,22 +523,34 @@ class PairReadout(KernelModule, PairReadoutReference):
 
     def _tile_counters(self, device: torch.device, count: int) -> int:
         """At least `count` zeroed arrival counters on this device, for the j split's "last block
-        done" (each launch leaves them zeroed). Grown when a larger grid needs more; the buffer
-        replaced is kept, not freed, since a captured CUDA graph may still point at it."""
+        done" (each launch leaves them zeroed)."""
+        return self._held_buffer("_counters", device, max(count, self.MIN_COUNTERS), torch.int32, zeroed=True)
+
+    def _split_scratch(self, device: torch.device, floats: int) -> int:
+        """At least `floats` of scratch for a split or direct launch (U/V, the j split's partial
+        maxima): held by the module, not allocated per call, since at the seed shape the host
+        path is most of a call and a torch.empty was 5.3 of its 34 us (run 33)."""
+        return self._held_buffer("_scratch", device, floats, torch.float32, zeroed=False)
+
+    def _held_buffer(self, slot: str, device: torch.device, count: int, dtype: torch.dtype, zeroed: bool) -> int:
+        """The data pointer of a buffer of at least `count` elements that the module keeps on this
+        device in attribute `slot`, as (device index, the live buffer, the buffers it replaced).
+        Grown by doubling; a buffer replaced is kept, not freed, since a captured CUDA graph may
+        still point at it."""
         index = device.index or 0
-        held = self._counters
+        held = getattr(self, slot)
         if held is not None and held[0] == index and held[1].numel() >= count:
             return held[1].data_ptr()
-        if held is None:
-            held = (index, torch.empty(0, device=device, dtype=torch.int32), [])
+        if held is None or held[0] != index:
+            held = (index, torch.empty(0, device=device, dtype=dtype), [] if held is None else held[2] + [held[1]])
         live, retired = held[1], held[2]
-        fresh = torch.zeros(max(count, self.MIN_COUNTERS, 2 * live.numel()), device=device, dtype=torch.int32)
+        fresh = (torch.zeros if zeroed else torch.empty)(max(count, 2 * live.numel()), device=device, dtype=dtype)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # Under capture the zero fill is recorded, not run: this buffer is zeroed only by the
+            # Under capture a zero fill is recorded, not run: this buffer is zeroed only by the
             # graph's replays, so it is the graph's (kept alive here), never the eager calls'.
-            self._counters = (held[0], live, retired + [fresh])
+            setattr(self, slot, (held[0], live, retired + [fresh]))
         else:
-            self._counters = (index, fresh, retired + [live])
+            setattr(self, slot, (index, fresh, retired + [live]))
         return fresh.data_ptr()
 
     def _launch(self, nodes, pair_feats, edge_mask, out=None, variant=None):
@@ -573,30 +594,28 @@ class PairReadout(KernelModule, PairReadoutReference):
         if config is None or config.variant is not variant:
             params, split = variant.plan.params, variant.plan.strategy == "split"
             at = scratch_offsets(variant.plan, B, N)
-            prologue = self._prologue_kernel(variant, device) if split else None
+            prologue = None
+            if split:
+                blocks = prologue_blocks(B * N, self.widths["H"], variant.plan.context["prologue_rows"])
+                prologue = self._prologue_kernel(variant, device).bind(blocks, PROLOGUE_THREADS, 0, 4)
             config = configs[key] = _PairMaxLaunch(
                 variant=variant, scratch_floats=at["total"], uv_at=4 * at["uv"] if split else None,
                 partials_at=4 * at["partials"] if params["j_split"] > 1 else None,
-                row_tiles=row_tiles(B, N, params["tile_i"]), prologue=prologue,
-                prologue_blocks=prologue_blocks(B * N, self.widths["H"], variant.plan.context["prologue_rows"])
-                if split else 0)
+                row_tiles=row_tiles(B, N, params["tile_i"]), prologue=prologue)
         return config
 
     def _launch_pair_max(self, variant, nodes, pair_feats, edge_mask, out) -> None:
         B, N, _ = nodes.shape
         device, weights = nodes.get_device(), self._weights.get().data_ptr()
         launch = self._pair_max_launch(variant, device, B, N)
-        # One fresh buffer per call for U (with b1) and V of every node, (B*N, 2H), written by the
-        # split prologue, then the j split's partial maxima and flags: the caching allocator makes
-        # it cheap and stream-safe. `scratch` is held until both launches are enqueued.
-        scratch = torch.empty(launch.scratch_floats, device=nodes.device, dtype=torch.float32) \
-            if launch.scratch_floats else None
-        base = scratch.data_ptr() if scratch is not None else 0
+        # Scratch for U (with b1) and V of every node, (B*N, 2H), written by the split prologue,
+        # then the j split's partial maxima and flags.
+        base = self._split_scratch(nodes.device, launch.scratch_floats) if launch.scratch_floats else 0
         uv = base + launch.uv_at if launch.uv_at is not None else 0
         partials = base + launch.partials_at if launch.partials_at is not None else 0
         counters = self._tile_counters(nodes.device, launch.row_tiles) if launch.partials_at is not None else 0
         if launch.prologue is not None:
-            launch.prologue(launch.prologue_blocks, PROLOGUE_THREADS, 0, nodes.data_ptr(), weights, uv, B * N)
+            launch.prologue(nodes.data_ptr(), weights, uv, B * N)
         variant.launch(device, B, N, nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(),
                        weights, uv, partials, counters, out.data_ptr())
 

@@ -1,0 +1,27 @@
+"""The launch path's argument block, without a GPU: what cuLaunchKernel would read."""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from pairgen.launch import _ArgumentBlock
+
+
+def test_argument_block_slots_hold_each_argument_as_int64_and_pointers_point_at_them():
+    block = _ArgumentBlock(4)
+    block.write(0x7F00_1234_5670, 0, 37, -1)  # a device pointer, a null pointer, an int, a negative int
+    slots = [ctypes.c_int64.from_address(block.pointers[i]).value for i in range(4)]
+    assert slots == [0x7F00_1234_5670, 0, 37, -1]
+    assert [ctypes.c_int32.from_address(block.pointers[2]).value] == [37], "an int parameter reads the low bytes"
+    block.write(1, 2, 3, 4)  # rewritten in place: the pointers stay valid
+    assert [ctypes.c_int64.from_address(block.pointers[i]).value for i in range(4)] == [1, 2, 3, 4]
+    assert isinstance(block.lock, type(threading.Lock()))
+
+
+def test_argument_block_refuses_the_wrong_number_of_arguments():
+    import struct
+
+    import pytest
+
+    with pytest.raises(struct.error):
+        _ArgumentBlock(3).write(1, 2)
