@@ -51,8 +51,38 @@ def _ensure_device(index: int) -> None:
         _current_device_set.add(index)
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute (cuda.h, CUDA 12+): an id, padding to 8 bytes, a 64-byte value union."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h, CUDA 12+), the first argument of cuLaunchKernelEx."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: the kernel may start before the one
+#: before it in the stream has finished (it waits with griddepcontrol.wait: common/pdl.cuh).
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+def programmatic_config(grid: int, block: int, smem: int) -> _LaunchConfig:
+    """A launch configuration with programmatic stream serialization allowed; the stream is set
+    per launch. The attribute array is kept on the config (ctypes holds the pointer only)."""
+    attrs = (_LaunchAttribute * 1)()
+    attrs[0].id = PROGRAMMATIC_STREAM_SERIALIZATION
+    attrs[0].value = (1).to_bytes(4, "little")  # programmaticStreamSerializationAllowed = 1
+    config = _LaunchConfig(grid, 1, 1, block, 1, 1, smem, None, attrs, 1)
+    config._attrs = attrs
+    return config
+
+
 class _Driver:
-    """cuLaunchKernel and cuLaunchCooperativeKernel from libcuda (the library torch loaded).
+    """cuLaunchKernel, cuLaunchCooperativeKernel and cuLaunchKernelEx from libcuda (the library
+    torch loaded).
 
     Opened as a PyDLL, so the GIL is held during the call: filling a kernel's shared argument
     block and launching it is one step that another Python thread cannot interleave."""
@@ -67,6 +97,9 @@ class _Driver:
         self.cooperative = lib.cuLaunchCooperativeKernel
         self.cooperative.argtypes = self._LAUNCH_ARGS  # ..., hStream, kernelParams
         self.cooperative.restype = ctypes.c_int
+        self.launch_ex = lib.cuLaunchKernelEx  # config, f, kernelParams, extra
+        self.launch_ex.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self.launch_ex.restype = ctypes.c_int
 
 
 def _get_driver() -> _Driver:
@@ -161,9 +194,10 @@ class LoadedKernel:
         if code:
             self._failed(code, grid, block, smem)
 
-    def bind(self, grid: int, block: int, smem: int, arg_count: int) -> "BoundLaunch":
-        """This kernel at a fixed grid, block and shared memory, with its own argument block."""
-        return BoundLaunch(self, grid, block, smem, arg_count)
+    def bind(self, grid: int, block: int, smem: int, arg_count: int, programmatic: bool = False) -> "BoundLaunch":
+        """This kernel at a fixed grid, block and shared memory, with its own argument block;
+        programmatic: launched as a programmatic dependent of the kernel before it (sm_90+)."""
+        return BoundLaunch(self, grid, block, smem, arg_count, programmatic)
 
     def _failed(self, code: int, grid: int, block: int, smem: int):
         raise LaunchError(f"launch of {self.name} (grid {grid}, block {block}, {smem} B shared) "
@@ -189,21 +223,37 @@ class _ArgumentBlock:
 class BoundLaunch:
     """A LoadedKernel at one grid, block and dynamic shared memory: `launch(*args)` writes the
     arguments and launches on torch's current stream. Built once per configuration by the
-    callers that repeat it (runtime.Variant.launch, the readout's prologue)."""
+    callers that repeat it (runtime.Variant.launch, the readout's launches).
 
-    __slots__ = ("kernel", "grid", "block", "smem", "_arguments", "_launch", "_device_index")
+    programmatic=True launches through cuLaunchKernelEx with programmatic stream serialization:
+    the kernel may start while the one before it in the stream is still running, and must wait
+    for it with pdl_wait() (common/pdl.cuh) before reading what it wrote."""
 
-    def __init__(self, kernel: LoadedKernel, grid: int, block: int, smem: int, arg_count: int):
+    __slots__ = ("kernel", "grid", "block", "smem", "programmatic", "_arguments", "_launch", "_config",
+                 "_device_index")
+
+    def __init__(self, kernel: LoadedKernel, grid: int, block: int, smem: int, arg_count: int,
+                 programmatic: bool = False):
         self.kernel, self.grid, self.block, self.smem = kernel, grid, block, smem
+        self.programmatic = programmatic
         self._arguments = _ArgumentBlock(arg_count)
         self._device_index = kernel.device_index
-        dims = [ctypes.c_uint(v) for v in (grid, 1, 1, block, 1, 1, smem)]  # converted once, not per call
-        self._launch = functools.partial(kernel._driver.launch, kernel._handle, *dims)
+        if programmatic:
+            self._config = programmatic_config(grid, block, smem)
+            self._launch = functools.partial(kernel._driver.launch_ex, ctypes.byref(self._config), kernel._handle)
+        else:
+            self._config = None
+            dims = [ctypes.c_uint(v) for v in (grid, 1, 1, block, 1, 1, smem)]  # converted once, not per call
+            self._launch = functools.partial(kernel._driver.launch, kernel._handle, *dims)
 
     def __call__(self, *args: int) -> None:
         arguments = self._arguments
         with arguments.lock:
             arguments.write(*args)
-            code = self._launch(_raw_stream(self._device_index), arguments.pointers, None)
+            if self._config is not None:
+                self._config.hStream = _raw_stream(self._device_index)
+                code = self._launch(arguments.pointers, None)
+            else:
+                code = self._launch(_raw_stream(self._device_index), arguments.pointers, None)
         if code:
             self.kernel._failed(code, self.grid, self.block, self.smem)

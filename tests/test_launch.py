@@ -25,3 +25,18 @@ def test_argument_block_refuses_the_wrong_number_of_arguments():
 
     with pytest.raises(struct.error):
         _ArgumentBlock(3).write(1, 2)
+
+
+def test_launch_config_structures_match_cuda_h():
+    """CUlaunchConfig and CUlaunchAttribute as cuda.h (CUDA 12+) lays them out on 64-bit hosts,
+    and a programmatic configuration as cuLaunchKernelEx will read it."""
+    from pairgen.launch import (PROGRAMMATIC_STREAM_SERIALIZATION, _LaunchAttribute, _LaunchConfig,
+                                programmatic_config)
+
+    assert ctypes.sizeof(_LaunchAttribute) == 72 and _LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_LaunchConfig) == 56
+    assert (_LaunchConfig.hStream.offset, _LaunchConfig.attrs.offset, _LaunchConfig.numAttrs.offset) == (32, 40, 48)
+    config = programmatic_config(144, 192, 115_000)
+    assert (config.gridDimX, config.gridDimY, config.blockDimX, config.sharedMemBytes) == (144, 1, 192, 115_000)
+    assert config.numAttrs == 1 and config.attrs[0].id == PROGRAMMATIC_STREAM_SERIALIZATION
+    assert int.from_bytes(bytes(config.attrs[0].value)[:4], "little") == 1

@@ -287,6 +287,8 @@ class _PairMaxLaunch:
     partials_at: int | None
     row_tiles: int
     prologue: object  # launch.BoundLaunch, or None (direct)
+    main: object  # launch.BoundLaunch of the main kernel
+    shape_args: tuple  # its trailing arguments: B, N, tiles
 
 
 class ReadoutSpec(OpSpec):
@@ -455,6 +457,10 @@ class PairReadout(KernelModule, PairReadoutReference):
     _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_counters", "_scratch", "_pair_max_configs")
     #: Counters allocated at least this many at a time (4 KB), so growth is rare.
     MIN_COUNTERS = 1024
+    #: split: launch the main kernel as a programmatic dependent of the node prologue (sm_90+),
+    #: so that its blocks stage their weights while the prologue runs (_pair_max.cuh.j2). False
+    #: launches it after the prologue has finished (the tests compare the two).
+    programmatic_main = True
 
     def __init__(self, node_dim: int, pair_dim: int, hidden_dim: int):
         super().__init__(node_dim, pair_dim, hidden_dim)
@@ -592,16 +598,23 @@ class PairReadout(KernelModule, PairReadoutReference):
             configs = self._pair_max_configs = {}
         config = configs.get(key)
         if config is None or config.variant is not variant:
+            from .. import runtime
+
             params, split = variant.plan.params, variant.plan.strategy == "split"
             at = scratch_offsets(variant.plan, B, N)
             prologue = None
             if split:
                 blocks = prologue_blocks(B * N, self.widths["H"], variant.plan.context["prologue_rows"])
                 prologue = self._prologue_kernel(variant, device).bind(blocks, PROLOGUE_THREADS, 0, 4)
+            kernel = variant.kernel(device)
+            blocks, tiles = variant.plan.grid(B, N, runtime.device_info(device).limits.sm_count, kernel.resident_per_sm)
+            programmatic = split and self.programmatic_main and torch.cuda.get_device_capability(device)[0] >= 9
             config = configs[key] = _PairMaxLaunch(
                 variant=variant, scratch_floats=at["total"], uv_at=4 * at["uv"] if split else None,
                 partials_at=4 * at["partials"] if params["j_split"] > 1 else None,
-                row_tiles=row_tiles(B, N, params["tile_i"]), prologue=prologue)
+                row_tiles=row_tiles(B, N, params["tile_i"]), prologue=prologue,
+                main=kernel.bind(blocks, variant.plan.threads, variant.plan.smem_bytes, 11, programmatic),
+                shape_args=(B, N, tiles))
         return config
 
     def _launch_pair_max(self, variant, nodes, pair_feats, edge_mask, out) -> None:
@@ -616,8 +629,8 @@ class PairReadout(KernelModule, PairReadoutReference):
         counters = self._tile_counters(nodes.device, launch.row_tiles) if launch.partials_at is not None else 0
         if launch.prologue is not None:
             launch.prologue(nodes.data_ptr(), weights, uv, B * N)
-        variant.launch(device, B, N, nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(),
-                       weights, uv, partials, counters, out.data_ptr())
+        launch.main(nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), weights, uv, partials, counters,
+                    out.data_ptr(), *launch.shape_args)
 
     def _launch_gemm(self, variant, nodes, pair_feats, edge_mask, out) -> None:
         """Prologue -> hidden kernel -> fp32 mm -> pool kernel, all on the current stream, on one
