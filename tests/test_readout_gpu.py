@@ -193,14 +193,18 @@ def _split_of(plan, j: int) -> int:
 
 
 def _run_on_poisoned_scratch(module, inputs, variant):
-    """_run, but right after a NaN-filled block of exactly the scratch's size was freed: the caching
-    allocator most likely hands that block to the launch's scratch, so a partial row or flag that
-    the combine read without its block having written it shows up as NaN or as a wrong row (gemm:
-    a hidden row or message the kernels left unwritten reaches the output as NaN)."""
+    """_run on NaN-filled scratch: a partial row or flag that the combine read without its block
+    having written it shows up as NaN or as a wrong row (gemm: a hidden row or message the kernels
+    left unwritten reaches the output as NaN). split and direct: the module's held scratch is
+    filled with NaN in place; gemm: a NaN-filled block of exactly the scratch's size is freed
+    right before the call, and the caching allocator most likely hands it to the call's scratch."""
     B, N = inputs[0].shape[:2]
     words = scratch_offsets(variant.plan, B, N)["total"]
     out = torch.full((B, N, module.widths["D"]), float("nan"), device="cuda")
     module.packed_weights()  # packed before the poisoned block is freed, so it is not what takes it
+    if variant.plan.strategy != "gemm" and words:
+        module._split_scratch(0, words)
+        module._scratch.live.fill_(float("nan"))
     torch.full((words,), float("nan"), device="cuda")  # freed at once, cached
     with torch.no_grad():
         module._launch(*inputs, out=out, variant=variant)
@@ -313,11 +317,10 @@ def test_j_split_counters_reset_between_calls_growth_and_graph_replays(j_split_v
             with torch.no_grad():
                 assert compare(module(*large), ref_large, TOL).ok
         assert compare(_replay(graph, captured), ref_large, TOL).ok, "the graph survives the counters' growth"
-        _, live, retired = module._counters
+        live, retired = module._counters.live, module._counters.retired
         assert live.numel() >= 3 * 19 and len(retired) >= 2
         assert all(int(t.abs().sum()) == 0 for t in (live, *retired)), "every launch leaves its counters zeroed"
-        _, live_scratch, retired_scratch = module._scratch
-        assert len(retired_scratch) >= 2, "the scratch grew under capture and again after it"
+        assert len(module._scratch.retired) >= 2, "the scratch grew under capture and again after it"
         assert compare(run_under_graph_capture(module, large, replays=3), ref_large, TOL).ok
         assert compare(run_under_graph_capture(module, small, replays=2), ref_small, TOL).ok
     finally:

@@ -392,20 +392,28 @@ def test_j_split_variants_compile_without_spills():
         assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{plan.label} {plan.widths}: {result.summary()}"
 
 
-def test_tile_counters_grow_and_keep_the_buffers_they_replace():
-    """The j split's arrival counters: zeroed, owned by the module, reused while large enough, grown
-    (at least doubled) for a larger grid; a replaced buffer stays alive for a graph that captured it."""
+def test_held_buffers_grow_and_keep_the_buffers_they_replace():
+    """The j split's arrival counters and the split/direct scratch: owned by the module (counters
+    zeroed), reused while large enough, grown (at least doubled) for a larger call; a replaced
+    buffer stays alive for a graph that captured it. On the CPU (device index -1): the logic is
+    device-independent, and the capture check applies to CUDA only."""
     module = PairReadout(8, 8, 8)
-    cpu = torch.device("cpu")
+    cpu = -1  # get_device() of a CPU tensor
     first = module._tile_counters(cpu, 10)
-    index, live, retired = module._counters
+    live = module._counters.live
     assert live.numel() == PairReadout.MIN_COUNTERS and first == live.data_ptr() and not live.any()
     assert module._tile_counters(cpu, PairReadout.MIN_COUNTERS) == first, "large enough: reused"
     grown = module._tile_counters(cpu, PairReadout.MIN_COUNTERS + 1)
-    _, bigger, retired = module._counters
+    bigger, retired = module._counters.live, module._counters.retired
     assert grown == bigger.data_ptr() != first and bigger.numel() == 2 * PairReadout.MIN_COUNTERS
     assert any(t.data_ptr() == first for t in retired), "the replaced buffer is kept"
     assert not bigger.any()
+    scratch = module._split_scratch(cpu, 100)
+    assert module._split_scratch(cpu, 60) == scratch, "large enough: reused"
+    grown = module._split_scratch(cpu, 150)
+    held = module._scratch
+    assert grown == held.ptr == held.live.data_ptr() != scratch and held.live.numel() == held.capacity == 200
+    assert held.retired[-1].data_ptr() == scratch
 
 
 # ---- the gemm strategy: prologue, hidden kernel, cuBLAS mm, pool kernel ----------------------

@@ -12,6 +12,7 @@ Three strategies:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -277,6 +278,16 @@ def hidden_registers(tm: int, tn: int) -> int:
     return 128 if tm * tn <= 32 else 168
 
 
+class _HeldBuffer(NamedTuple):
+    """A buffer a module keeps between calls on one device (index -1: the CPU), with the buffers
+    it replaced (kept alive for captured graphs), its length and its data pointer."""
+    index: int
+    live: torch.Tensor
+    retired: list
+    capacity: int
+    ptr: int
+
+
 @dataclass(frozen=True)
 class _PairMaxLaunch:
     """A split or direct variant's launch at one (B, N): scratch size and byte offsets (None: not
@@ -522,41 +533,51 @@ class PairReadout(KernelModule, PairReadoutReference):
         return self._weights.get()
 
     def uses_kernel(self, nodes, pair_feats, edge_mask) -> bool:
-        # The kernels index pairs with 32-bit ints; B*N*N*P >= 2^31 runs the reference.
+        # CUDA float32 (validated: one device, one dtype). The kernels index pairs with 32-bit
+        # ints; B*N*N*P >= 2^31 runs the reference.
+        if not (nodes.is_cuda and nodes.dtype is torch.float32):
+            return False
         B, N = nodes.shape[0], nodes.shape[1]
-        return (super().uses_kernel(nodes, pair_feats, edge_mask)
-                and B * N * N * self.widths["P"] < 2**31 and B * N * 2 * self.widths["H"] < 2**31)
+        return B * N * N * self.widths["P"] < 2**31 and B * N * 2 * self.widths["H"] < 2**31
 
-    def _tile_counters(self, device: torch.device, count: int) -> int:
-        """At least `count` zeroed arrival counters on this device, for the j split's "last block
-        done" (each launch leaves them zeroed)."""
-        return self._held_buffer("_counters", device, max(count, self.MIN_COUNTERS), torch.int32, zeroed=True)
+    def _tile_counters(self, index: int, count: int) -> int:
+        """At least `count` zeroed arrival counters on device `index`, for the j split's "last
+        block done" (each launch leaves them zeroed)."""
+        held = self._counters
+        if held is not None and held.index == index and count <= held.capacity:
+            return held.ptr
+        return self._grow("_counters", index, max(count, self.MIN_COUNTERS), torch.int32, zeroed=True)
 
-    def _split_scratch(self, device: torch.device, floats: int) -> int:
-        """At least `floats` of scratch for a split or direct launch (U/V, the j split's partial
-        maxima): held by the module, not allocated per call, since at the seed shape the host
-        path is most of a call and a torch.empty was 5.3 of its 34 us (run 33)."""
-        return self._held_buffer("_scratch", device, floats, torch.float32, zeroed=False)
+    def _split_scratch(self, index: int, floats: int) -> int:
+        """At least `floats` of scratch on device `index` for a split or direct launch (U/V, the
+        j split's partial maxima): held by the module, not allocated per call, since at the seed
+        shape the host path is most of a call and a torch.empty was 5.3 of its 34 us (run 33)."""
+        held = self._scratch
+        if held is not None and held.index == index and floats <= held.capacity:
+            return held.ptr
+        return self._grow("_scratch", index, floats, torch.float32, zeroed=False)
 
-    def _held_buffer(self, slot: str, device: torch.device, count: int, dtype: torch.dtype, zeroed: bool) -> int:
-        """The data pointer of a buffer of at least `count` elements that the module keeps on this
-        device in attribute `slot`, as (device index, the live buffer, the buffers it replaced).
-        Grown by doubling; a buffer replaced is kept, not freed, since a captured CUDA graph may
-        still point at it."""
-        index = device.index or 0
+    def _grow(self, slot: str, index: int, count: int, dtype: torch.dtype, zeroed: bool) -> int:
+        """A buffer of at least `count` elements for attribute `slot` (a _HeldBuffer) on device
+        `index` (-1: the CPU), at least twice the one it replaces. A buffer replaced is kept, not
+        freed, since a captured CUDA graph may still point at it."""
+        device = torch.device("cpu") if index < 0 else torch.device("cuda", index)
         held = getattr(self, slot)
-        if held is not None and held[0] == index and held[1].numel() >= count:
-            return held[1].data_ptr()
-        if held is None or held[0] != index:
-            held = (index, torch.empty(0, device=device, dtype=dtype), [] if held is None else held[2] + [held[1]])
-        live, retired = held[1], held[2]
-        fresh = (torch.zeros if zeroed else torch.empty)(max(count, 2 * live.numel()), device=device, dtype=dtype)
+        if held is None or held.index != index:  # none yet, or the module moved to another device
+            live, retired = None, [] if held is None else held.retired + [held.live]
+        else:
+            live, retired = held.live, held.retired
+        fresh = (torch.zeros if zeroed else torch.empty)(max(count, 2 * (0 if live is None else live.numel())),
+                                                         device=device, dtype=dtype)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # Under capture a zero fill is recorded, not run: this buffer is zeroed only by the
             # graph's replays, so it is the graph's (kept alive here), never the eager calls'.
-            setattr(self, slot, (held[0], live, retired + [fresh]))
+            if live is None:
+                live = torch.empty(0, device=device, dtype=dtype)
+            setattr(self, slot, _HeldBuffer(index, live, retired + [fresh], live.numel(), live.data_ptr()))
         else:
-            setattr(self, slot, (index, fresh, retired + [live]))
+            setattr(self, slot, _HeldBuffer(index, fresh, retired + ([] if live is None else [live]), fresh.numel(),
+                                            fresh.data_ptr()))
         return fresh.data_ptr()
 
     def _launch(self, nodes, pair_feats, edge_mask, out=None, variant=None):
@@ -574,7 +595,7 @@ class PairReadout(KernelModule, PairReadoutReference):
         if variant.plan.strategy == "gemm":
             self._launch_gemm(variant, nodes, pair_feats, edge_mask, out)
         else:
-            self._launch_pair_max(variant, nodes, pair_feats, edge_mask, out)
+            self._launch_pair_max(variant, B, N, nodes, pair_feats, edge_mask, out)
         return out
 
     @staticmethod
@@ -617,16 +638,15 @@ class PairReadout(KernelModule, PairReadoutReference):
                 shape_args=(B, N, tiles))
         return config
 
-    def _launch_pair_max(self, variant, nodes, pair_feats, edge_mask, out) -> None:
-        B, N, _ = nodes.shape
+    def _launch_pair_max(self, variant, B: int, N: int, nodes, pair_feats, edge_mask, out) -> None:
         device, weights = nodes.get_device(), self._weights.get().data_ptr()
         launch = self._pair_max_launch(variant, device, B, N)
         # Scratch for U (with b1) and V of every node, (B*N, 2H), written by the split prologue,
         # then the j split's partial maxima and flags.
-        base = self._split_scratch(nodes.device, launch.scratch_floats) if launch.scratch_floats else 0
+        base = self._split_scratch(device, launch.scratch_floats) if launch.scratch_floats else 0
         uv = base + launch.uv_at if launch.uv_at is not None else 0
         partials = base + launch.partials_at if launch.partials_at is not None else 0
-        counters = self._tile_counters(nodes.device, launch.row_tiles) if launch.partials_at is not None else 0
+        counters = self._tile_counters(device, launch.row_tiles) if launch.partials_at is not None else 0
         if launch.prologue is not None:
             launch.prologue(nodes.data_ptr(), weights, uv, B * N)
         launch.main(nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), weights, uv, partials, counters,
