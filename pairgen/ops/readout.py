@@ -470,7 +470,8 @@ class PairReadout(KernelModule, PairReadoutReference):
     MIN_COUNTERS = 1024
     #: split: launch the main kernel as a programmatic dependent of the node prologue (sm_90+),
     #: so that its blocks stage their weights while the prologue runs (_pair_max.cuh.j2). False
-    #: launches it after the prologue has finished (the tests compare the two).
+    #: launches it after the prologue has finished (the tests compare the two). Read when a
+    #: (B, N) is first launched: set it on a fresh module, or before its first call.
     programmatic_main = True
 
     def __init__(self, node_dim: int, pair_dim: int, hidden_dim: int):
