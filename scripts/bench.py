@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pairgen.cli import add_selection_args, selected_shapes, shape_label  # noqa: E402
+from pairgen.tuning.cli import add_selection_args, selected_shapes, shape_label  # noqa: E402
 from pairgen.ops import get_op, op_names  # noqa: E402
 
 
@@ -36,8 +36,8 @@ def measure(spec, shape, peers, reps):
     import torch
 
     from pairgen import runtime
-    from pairgen.check import compare, reference64
-    from pairgen.timing import floor_us, host_us_per_call, time_cuda, time_graph_replay
+    from pairgen.tuning.check import compare, reference64
+    from pairgen.tuning.timing import floor_us, host_us_per_call, time_cuda, time_graph_replay
 
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    from pairgen.timing import strict_fp32
+    from pairgen.tuning.timing import strict_fp32
 
     if not torch.cuda.is_available():
         print("bench.py needs a CUDA GPU; none is visible to torch", file=sys.stderr)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pairgen.cli import add_selection_args, selected_shapes, shape_label  # noqa: E402
+from pairgen.tuning.cli import add_selection_args, selected_shapes, shape_label  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -154,10 +154,10 @@ def tune(work, args) -> int:
     import torch
 
     from pairgen import compiler, runtime
-    from pairgen.evaluate import GpuEvaluator, tuned_entry
-    from pairgen.timing import strict_fp32
+    from pairgen.tuning.evaluate import GpuEvaluator, tuned_entry
+    from pairgen.tuning.timing import strict_fp32
     from pairgen.tuned import TunedDB
-    from pairgen.tuner import TuneSettings, tune_shape
+    from pairgen.tuning.tuner import TuneSettings, tune_shape
 
     if not torch.cuda.is_available():
         print("tuning needs a CUDA GPU; none is visible to torch (--dry-run and --status work without one)",

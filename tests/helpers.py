@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pairgen import compiler, runtime
-from pairgen.check import compare, reference64
+from pairgen.tuning.check import compare, reference64
 from pairgen.ops.base import DeviceLimits
 from pairgen.tuned import TunedDB
 

@@ -12,7 +12,7 @@ from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_gr
                      check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
                      run_under_graph_capture, run_variant, sampled_cases, sampled_plans)
 from pairgen import runtime
-from pairgen.check import compare, reference64
+from pairgen.tuning.check import compare, reference64
 from pairgen.ops.readout import READOUT, scratch_offsets
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_gr
                      assert_variant_matches_float64, check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
                      run_under_graph_capture, run_variant, sampled_cases)
 from pairgen import runtime
-from pairgen.check import compare, reference64
+from pairgen.tuning.check import compare, reference64
 from pairgen.ops.base import DeviceLimits
 from pairgen.ops.trimul import TRIMUL, random_mask
 

@@ -13,7 +13,7 @@ import torch
 from helpers import (Unpicklable, assert_copy_and_pickle_compute_the_reference, assert_state_dicts_interchange,
                      deepcopy_dropping_runtime_state, generator)
 from pairgen import TriangleMultiplication, TriangleMultiplicationReference
-from pairgen.check import compare, reference64
+from pairgen.tuning.check import compare, reference64
 from pairgen.ops.base import random_tensor
 from pairgen.ops.trimul import TRIMUL, options_of, pack_weights, random_mask, triangle_bmm, weight_offsets
 

@@ -8,7 +8,7 @@ import pytest
 
 from pairgen.ops.base import DeviceLimits
 from pairgen.ops.contact import CONTACT
-from pairgen.tuner import TuneSettings, _point_key, feasible_count, study_name, tune_shape
+from pairgen.tuning.tuner import TuneSettings, _point_key, feasible_count, study_name, tune_shape
 
 SHAPE = {"B": 4, "N": 64, "P": 64, "H": 32}
 WIDTHS = {"P": 64, "H": 32}

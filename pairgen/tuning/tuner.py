@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from . import config
-from .ops.base import DeviceLimits, OpSpec, Plan, n_bucket
+from .. import config
+from ..ops.base import DeviceLimits, OpSpec, Plan, n_bucket
 
 log = logging.getLogger("pairgen")
 
@@ -56,8 +56,8 @@ class TuneResult:
 def templates_digest(op: str) -> str:
     """12 hex digits over the op's strategies' template hashes: a template edit starts a new
     study, so a re-tune never answers a point from timings of the code before the edit."""
-    from . import codegen
-    from .ops import get_op
+    from .. import codegen
+    from ..ops import get_op
 
     digest = hashlib.sha256()
     for strategy in sorted(get_op(op).strategies):

@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from . import compiler, runtime
+from .. import compiler, runtime
 from .check import CheckFailed, compare, reference64
-from .ops.base import OpSpec, Plan
+from ..ops.base import OpSpec, Plan
 from .timing import time_cuda
 
 
@@ -76,10 +76,10 @@ def tuned_entry(result, spec: OpSpec, dtype: str = "float32") -> dict:
     """The tuned/ record of a finished tuning run."""
     import cuda.core
 
-    from . import __version__, codegen
-    from .compiler import nvrtc_version
-    from .ops.base import n_bucket
-    from .tuned import make_key
+    from .. import __version__, codegen
+    from ..compiler import nvrtc_version
+    from ..ops.base import n_bucket
+    from ..tuned import make_key
 
     best = result.best
     widths = spec.widths_of(result.shape)

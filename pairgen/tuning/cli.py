@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .ops import get_op, op_names
+from ..ops import get_op, op_names
 
 
 _SHAPE_ORDER = ("B", "N", "D", "P", "H")  # sizes, as OPS.md writes shapes; other keys are op options
