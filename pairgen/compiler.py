@@ -4,12 +4,14 @@ Imports no torch, so the tuner's compile workers start fast.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import tempfile
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -18,7 +20,8 @@ from pathlib import Path
 
 from . import config
 
-CACHE_FORMAT = "2"  # bumped when the cached metadata changes (2: resources per kernel)
+CACHE_FORMAT = "3"  # bumped when the cached metadata changes (2: resources per kernel, 3: cubin size and sha256)
+ELF_MAGIC = b"\x7fELF"  # every cubin is an ELF file
 NVRTC_OPTIONS = ("-std=c++17", "--ptxas-options=-v")  # -v: registers and spills in the log
 
 
@@ -116,11 +119,94 @@ def _cache_paths(key: str) -> tuple[Path, Path]:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Readers see the old file or the new one, never a partial write."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk must not also fill up with temp files
+            os.unlink(tmp)
+        raise
+
+
+def _cubin_problem(cubin: bytes, meta: dict) -> str | None:
+    """Why a cached cubin cannot be trusted, or None if it matches what was written.
+
+    A cubin loaded on the GPU is not checked any further, so a truncated or overwritten file
+    would only fail there, far from its cause (or, worse, run)."""
+    if not cubin:
+        return "the cubin is empty"
+    if not cubin.startswith(ELF_MAGIC):
+        return "the cubin is not an ELF file"
+    if len(cubin) != meta.get("cubin_size"):
+        return f"the cubin has {len(cubin)} bytes, its metadata says {meta.get('cubin_size')}"
+    if hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256"):
+        return "the cubin's sha256 differs from its metadata's"
+    return None
+
+
+def _read_entry(cubin_path: Path, meta_text: bytes) -> Compiled:
+    """The cache entry as a Compiled; raises ValueError saying why if it does not verify."""
+    try:
+        meta = json.loads(meta_text)
+        cubin = cubin_path.read_bytes()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"unreadable: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise ValueError("the metadata is not a JSON object")
+    problem = _cubin_problem(cubin, meta)
+    if problem:
+        raise ValueError(problem)
+    fields = {k: v for k, v in meta.items() if k not in ("cubin_size", "cubin_sha256")}
+    try:
+        return Compiled(**fields, cubin=cubin, from_cache=True)
+    except TypeError as exc:  # fields missing or unknown
+        raise ValueError(f"the metadata does not describe a Compiled: {exc}") from exc
+
+
+def _read_cache(key: str) -> Compiled | None:
+    """The verified cache entry for `key`, or None: not cached, or damaged (warned, then recompiled)."""
+    cubin_path, meta_path = _cache_paths(key)
+    try:
+        meta_text = meta_path.read_bytes()  # written last: no metadata, no entry
+    except OSError:
+        return None  # not cached, or a cache that cannot be read: either way compile
+    try:
+        return _read_entry(cubin_path, meta_text)
+    except ValueError as exc:
+        warnings.warn(f"pairgen: ignoring the damaged compile cache entry {cubin_path} ({exc}); recompiling it",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
+
+_warned_unwritable_cache = False  # per process: each compile worker warns at most once too
+
+
+def _warn_unwritable_cache_once(error: OSError) -> None:
+    global _warned_unwritable_cache
+    if _warned_unwritable_cache:
+        return  # a tuning run compiles thousands of variants: one warning says it all
+    _warned_unwritable_cache = True
+    warnings.warn(f"pairgen: cannot write the compile cache in {config.cache_dir()} ({error}); compiling in "
+                  "memory, so cubins are not kept between processes. Point PAIRGEN_CACHE_DIR at a writable "
+                  "directory to keep them.", RuntimeWarning, stacklevel=4)
+
+
+def _write_cache(key: str, compiled: Compiled) -> None:
+    """Store `compiled` under `key`, with the cubin's size and sha256 for _read_cache to verify.
+    A cache that cannot be written (read-only, not a directory, full) costs the reuse, never the
+    compile that just succeeded."""
+    cubin_path, meta_path = _cache_paths(key)
+    meta = {k: v for k, v in asdict(compiled).items() if k not in ("cubin", "from_cache")}
+    meta.update(cubin_size=len(compiled.cubin), cubin_sha256=hashlib.sha256(compiled.cubin).hexdigest())
+    try:
+        _write_atomic(cubin_path, compiled.cubin)  # the cubin first: metadata present means a cubin written
+        _write_atomic(meta_path, json.dumps(meta).encode())
+    except OSError as exc:
+        _warn_unwritable_cache_once(exc)
 
 
 def _nvrtc_compile(source: str, name: str, arch: str) -> tuple[bytes, str]:
@@ -142,22 +228,27 @@ def _nvrtc_compile(source: str, name: str, arch: str) -> tuple[bytes, str]:
         cubin = b" " * size
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check(err, "nvrtcGetCUBIN")
+        _check_cubin(cubin, arch)
         return cubin, log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def _check_cubin(cubin: bytes, arch: str) -> None:
+    """NVRTC "succeeds" with an empty cubin for a virtual target such as compute_90 (it makes
+    PTX only): refuse it here rather than fail at load time on the GPU."""
+    if not cubin.startswith(ELF_MAGIC):
+        what = "an empty cubin" if not cubin else "a cubin that is not an ELF file"
+        raise RuntimeError(f"NVRTC produced {what} for --gpu-architecture={arch}: "
+                           "expected a real GPU target sm_XY such as sm_90 (not compute_XY)")
+
+
 def compile_source(source: str, kernel_name: str, arch: str, use_cache: bool = True) -> Compiled:
     """Compile `source` for `arch` (e.g. "sm_90"), or take it from the disk cache."""
     key = cache_key(source, arch)
-    cubin_path, meta_path = _cache_paths(key)
-    if use_cache and cubin_path.exists() and meta_path.exists():
-        try:
-            meta = json.loads(meta_path.read_text())
-            meta.update(cubin=cubin_path.read_bytes(), from_cache=True)
-            return Compiled(**meta)
-        except (OSError, ValueError, TypeError):
-            pass  # a damaged entry is recompiled and rewritten
+    cached = _read_cache(key) if use_cache else None
+    if cached is not None:
+        return cached
     start = time.perf_counter()
     cubin, log = _nvrtc_compile(source, f"{kernel_name}.cu", arch)
     kernels = _parse_kernels(log)
@@ -165,9 +256,7 @@ def compile_source(source: str, kernel_name: str, arch: str, use_cache: bool = T
                         _worst(kernels, "registers"), _worst(kernels, "spill_bytes"), _worst(kernels, "stack_bytes"),
                         kernels)
     if use_cache:
-        meta = {k: v for k, v in asdict(compiled).items() if k not in ("cubin", "from_cache")}
-        _write_atomic(cubin_path, cubin)
-        _write_atomic(meta_path, json.dumps(meta).encode())
+        _write_cache(key, compiled)
     return compiled
 
 
