@@ -5,19 +5,17 @@ __version__ = "0.1.0"
 __all__ = ["ContactHead", "ContactHeadReference", "PairReadout", "PairReadoutReference", "TriangleMultiplication",
            "TriangleMultiplicationReference", "__version__"]
 
+#: public name -> the op package that defines it
+_EXPORTS = {"ContactHead": "contact", "ContactHeadReference": "contact",
+            "TriangleMultiplication": "trimul", "TriangleMultiplicationReference": "trimul",
+            "PairReadout": "readout", "PairReadoutReference": "readout"}
+
 
 def __getattr__(name):
     # Lazy, so that compile workers (which import pairgen.compiler) do not import torch.
-    if name in ("ContactHead", "ContactHeadReference"):
-        from .ops import contact
+    if name in _EXPORTS:
+        from .ops import get_op
 
-        return getattr(contact, name)
-    if name in ("TriangleMultiplication", "TriangleMultiplicationReference"):
-        from .ops import trimul
-
-        return getattr(trimul, name)
-    if name in ("PairReadout", "PairReadoutReference"):
-        from .ops import readout
-
-        return getattr(readout, name)
+        spec = get_op(_EXPORTS[name])
+        return spec.reference_class if name.endswith("Reference") else spec.module_class
     raise AttributeError(f"module 'pairgen' has no attribute {name!r}")

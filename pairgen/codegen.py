@@ -1,8 +1,10 @@
-"""Jinja rendering of kernel templates, and the hashes that make tuned entries go stale."""
+"""Jinja rendering of kernel templates; the check of a plan's declared kernels against the rendered
+`extern "C"` signatures; the hashes that make tuned entries go stale."""
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -10,6 +12,7 @@ import jinja2
 from jinja2 import meta
 
 from .config import REPO_ROOT
+from .spec import Plan, kernel_base_name
 
 TEMPLATES_DIR = REPO_ROOT / "templates"
 
@@ -27,6 +30,15 @@ class Rendered:
     template: str
     template_sha256: str
     kernel_name: str
+
+    @property
+    def source_sha256(self) -> str:
+        """What a tuned entry records: it is stale when today's code renders another source."""
+        return source_hash(self.source)
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
 
 
 def template_name(op: str, strategy: str) -> str:
@@ -56,10 +68,6 @@ def template_hash(op: str, strategy: str) -> str:
     return digest.hexdigest()
 
 
-def kernel_name(op: str, strategy: str) -> str:
-    return f"pairgen_{op}_{strategy}"
-
-
 def render_template(op: str, strategy: str, params: dict, widths: dict, context: dict) -> Rendered:
     """Render with a context already derived by the op (templates only substitute and unroll)."""
     name = template_name(op, strategy)
@@ -69,15 +77,56 @@ def render_template(op: str, strategy: str, params: dict, widths: dict, context:
         f"// params {json.dumps(params, sort_keys=True)}\n"
         f"// widths {json.dumps(widths, sort_keys=True)}"
     )
-    kname = kernel_name(op, strategy)
+    kname = kernel_base_name(op, strategy)
     source = _env.get_template(name).render(header=header, kernel_name=kname, **context)
     return Rendered(source=source, template=name, template_sha256=sha, kernel_name=kname)
 
 
-def render(op: str, strategy: str, params: dict, widths: dict) -> Rendered:
-    """Render one point of an op's search space: returns the CUDA source and template hash."""
-    from .ops import get_op
+def render_plan(plan: Plan) -> Rendered:
+    """A plan's source, checked against the kernels the plan declares."""
+    rendered = render_template(plan.op, plan.strategy, plan.params, plan.widths, plan.context)
+    check_contract(plan, rendered.source)
+    return rendered
 
-    spec = get_op(op)
-    plan = spec.plan(strategy, params, widths)
-    return render_template(op, strategy, plan.params, plan.widths, plan.context)
+
+class ContractError(ValueError):
+    """A plan's declared kernels disagree with its rendered source's `extern "C"` signatures."""
+
+
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?'
+                     r'(\w+)\s*\(([^)]*)\)', re.S)
+_I64 = re.compile(r"\b(i64|int64_t|long\s+long|long)\b")
+
+
+def _arg_kind(declaration: str) -> str:
+    """'const float* __restrict__ x' -> ptr; 'int B' -> i32; 'i64 N' -> i64 (pairgen.cuh's alias)."""
+    if "*" in declaration:
+        return "ptr"
+    if _I64.search(declaration):
+        return "i64"
+    if re.search(r"\b(int|int32_t|unsigned)\b", declaration):
+        return "i32"
+    return f"unsupported({declaration.strip()})"
+
+
+def signatures(source: str) -> dict[str, tuple[str, ...]]:
+    """The argument kinds of every `extern "C" __global__` function of a rendered source."""
+    found = {}
+    for match in _KERNEL.finditer(source):
+        args = [a for a in match.group(2).split(",") if a.strip()]
+        found[match.group(1)] = tuple(_arg_kind(a) for a in args)
+    return found
+
+
+def check_contract(plan: Plan, source: str) -> None:
+    """Every kernel the plan declares is in the source with the declared argument kinds, in
+    order; a mismatch names the template, the kernel and both signatures."""
+    found = signatures(source)
+    for kernel in plan.kernels:
+        if kernel.name not in found:
+            raise ContractError(f"{template_name(plan.op, plan.strategy)}: the plan declares kernel {kernel.name}, "
+                                f"which the rendered source does not define (it defines {sorted(found)})")
+        if found[kernel.name] != tuple(kernel.args):
+            raise ContractError(f"{template_name(plan.op, plan.strategy)}: kernel {kernel.name} takes "
+                                f"({', '.join(found[kernel.name])}) in the source but the plan declares "
+                                f"({', '.join(kernel.args)})")

@@ -7,9 +7,9 @@ conversion, LaunchConfig, Stream objects) cost ~15 us of the 44.7 us host path p
 H200 machine; this path is one foreign call.
 
 A BoundLaunch fixes grid, block and shared memory as well, for callers that launch the same
-configuration again and again (a module at one shape): on the H200 machine (run 33) the driver
-call alone took 4.8 us, a LoadedKernel call 9.7 us, of which the ctypes array assignment of the
-arguments and the conversion of the seven launch dimensions were most of the difference.
+configuration again and again (a module at one shape): on the H200 machine the driver call alone
+took 4.8 us, a LoadedKernel call 9.7 us, of which the ctypes array assignment of the arguments and
+the conversion of the seven launch dimensions were most of the difference.
 """
 from __future__ import annotations
 
@@ -194,10 +194,11 @@ class LoadedKernel:
         if code:
             self._failed(code, grid, block, smem)
 
-    def bind(self, grid: int, block: int, smem: int, arg_count: int, programmatic: bool = False) -> "BoundLaunch":
-        """This kernel at a fixed grid, block and shared memory, with its own argument block;
-        programmatic: launched as a programmatic dependent of the kernel before it (sm_90+)."""
-        return BoundLaunch(self, grid, block, smem, arg_count, programmatic)
+    def bind(self, grid: int, block: int, smem: int, arg_count: int, mode: str = "plain",
+             tail: tuple = ()) -> "BoundLaunch":
+        """This kernel at a fixed grid, block and shared memory, with its own argument block
+        (mode: see BoundLaunch)."""
+        return BoundLaunch(self, grid, block, smem, arg_count, mode, tail)
 
     def _failed(self, code: int, grid: int, block: int, smem: int):
         raise LaunchError(f"launch of {self.name} (grid {grid}, block {block}, {smem} B shared) "
@@ -222,28 +223,32 @@ class _ArgumentBlock:
 
 class BoundLaunch:
     """A LoadedKernel at one grid, block and dynamic shared memory: `launch(*args)` writes the
-    arguments and launches on torch's current stream. Built once per configuration by the
-    callers that repeat it (runtime.Variant.launch, the readout's launches).
+    arguments and launches on torch's current stream. Built once per (variant, device, B, N) by
+    runtime.Variant.launches; `tail` holds the trailing shape arguments the kernel's grid function
+    gave for that shape (B, N, tiles, ...), which the caller passes after its pointers.
 
-    programmatic=True launches through cuLaunchKernelEx with programmatic stream serialization:
+    mode "programmatic" launches through cuLaunchKernelEx with programmatic stream serialization:
     the kernel may start while the one before it in the stream is still running, and must wait
-    for it with pdl_wait() (common/pdl.cuh) before reading what it wrote."""
+    for it with pdl_wait() (common/pdl.cuh) before reading what it wrote. "cooperative" launches
+    with every block resident at once (kernels with a grid-wide barrier)."""
 
-    __slots__ = ("kernel", "grid", "block", "smem", "programmatic", "_arguments", "_launch", "_config",
+    __slots__ = ("kernel", "grid", "block", "smem", "mode", "tail", "_arguments", "_launch", "_config",
                  "_device_index")
 
     def __init__(self, kernel: LoadedKernel, grid: int, block: int, smem: int, arg_count: int,
-                 programmatic: bool = False):
+                 mode: str = "plain", tail: tuple = ()):
         self.kernel, self.grid, self.block, self.smem = kernel, grid, block, smem
-        self.programmatic = programmatic
+        self.mode, self.tail = mode, tail
         self._arguments = _ArgumentBlock(arg_count)
         self._device_index = kernel.device_index
-        if programmatic:
+        self._config = None
+        dims = [ctypes.c_uint(v) for v in (grid, 1, 1, block, 1, 1, smem)]  # converted once, not per call
+        if mode == "programmatic":
             self._config = programmatic_config(grid, block, smem)
             self._launch = functools.partial(kernel._driver.launch_ex, ctypes.byref(self._config), kernel._handle)
+        elif mode == "cooperative":
+            self._launch = functools.partial(kernel._driver.cooperative, kernel._handle, *dims)
         else:
-            self._config = None
-            dims = [ctypes.c_uint(v) for v in (grid, 1, 1, block, 1, 1, smem)]  # converted once, not per call
             self._launch = functools.partial(kernel._driver.launch, kernel._handle, *dims)
 
     def __call__(self, *args: int) -> None:
@@ -253,6 +258,8 @@ class BoundLaunch:
             if self._config is not None:
                 self._config.hStream = _raw_stream(self._device_index)
                 code = self._launch(arguments.pointers, None)
+            elif self.mode == "cooperative":
+                code = self._launch(_raw_stream(self._device_index), arguments.pointers)
             else:
                 code = self._launch(_raw_stream(self._device_index), arguments.pointers, None)
         if code:

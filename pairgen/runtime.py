@@ -1,16 +1,23 @@
-"""Dispatch: (op, dtype, widths, N) on this GPU -> tuned entry -> rendered source -> a compiled,
-launchable kernel. Each step is cached, so after the first call for a length only a dict
-lookup stands between the module and the launch."""
+"""Dispatch: (op, dtype, widths, N) on this GPU -> tuned entry -> rendered source -> a compiled
+variant -> its kernels bound to a call's shape. Each step is cached, so after the first call for a
+length only dict lookups stand between a module and its launches. Every cache that depends on N
+is bounded: in structure prediction every protein has its own N.
+
+This is the one launch path: a variant's plan declares its kernels (pairgen.spec.Kernel), and
+Variant.launches binds all of them for a (device, B, N) at once.
+"""
 from __future__ import annotations
 
 import logging
+import math
 import re
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
 from . import codegen, compiler, config
-from .ops.base import DeviceLimits, OpSpec, Plan, n_bucket
+from .spec import DeviceLimits, OpSpec, Plan, n_bucket
+from .tuned import TunedDB
 
 log = logging.getLogger("pairgen")
 
@@ -22,6 +29,7 @@ class DeviceInfo:
     slug: str
     arch: str
     limits: DeviceLimits
+    capability: tuple[int, int] = (9, 0)
 
 
 def slugify(name: str) -> str:
@@ -38,7 +46,7 @@ def device_info(index: int = 0) -> DeviceInfo:
     smem_sm = getattr(props, "shared_memory_per_multiprocessor", DeviceLimits.smem_per_sm)
     threads_sm = getattr(props, "max_threads_per_multi_processor", DeviceLimits.max_threads_per_sm)
     limits = DeviceLimits(smem_block, smem_sm, threads_sm, props.multi_processor_count)
-    return DeviceInfo(index, props.name, slugify(props.name), arch, limits)
+    return DeviceInfo(index, props.name, slugify(props.name), arch, limits, (props.major, props.minor))
 
 
 def default_arch() -> str:
@@ -56,75 +64,141 @@ def default_arch() -> str:
 
 
 class Variant:
-    """One rendered and compiled point of the search space; loads lazily per device."""
+    """One rendered and compiled point of the search space; its kernels load lazily per device,
+    and bind per (device, B, N)."""
+
+    #: (device, B, N) shapes kept bound per variant; past this the oldest half is dropped.
+    MAX_BOUND_SHAPES = 64
 
     def __init__(self, plan: Plan, rendered: codegen.Rendered, compiled: compiler.Compiled):
         self.plan = plan
         self.rendered = rendered
         self.compiled = compiled
-        self._loaded: dict[tuple, object] = {}  # (device index, kernel name or None) -> LoadedKernel
-        self._bound: dict[tuple, tuple] = {}  # (device index, batch, n) -> (BoundLaunch, trailing arguments)
+        self._loaded: dict[tuple, object] = {}  # (device index, kernel name) -> LoadedKernel
+        self._bound: dict[tuple, tuple] = {}  # (device index, B, N, programmatic) -> BoundLaunch per kernel
 
-    def kernel(self, device_index: int, name: str | None = None, threads: int | None = None,
-               smem_bytes: int | None = None):
-        """A __global__ function of this variant's cubin loaded on a device: the plan's main kernel
-        by default; another kernel of the same source by name, with its own block shape (used for
-        the occupancy query and the dynamic shared-memory opt-in)."""
-        key = (device_index, name)
+    def kernel(self, device_index: int, name: str | None = None):
+        """A declared kernel of this variant loaded on a device (the main kernel by default)."""
+        decl = self.plan.main if name is None else next(k for k in self.plan.kernels if k.name == name)
+        key = (device_index, decl.name)
         kernel = self._loaded.get(key)
         if kernel is None:
             from .launch import LoadedKernel
 
-            threads = self.plan.threads if threads is None else threads
-            smem_bytes = self.plan.smem_bytes if smem_bytes is None else smem_bytes
-            kernel = LoadedKernel(self.compiled, device_index, smem_bytes, threads, name)
-            self._loaded[key] = kernel
+            kernel = self._loaded[key] = LoadedKernel(self.compiled, device_index, decl.smem_bytes, decl.threads,
+                                                      decl.name)
         return kernel
 
-    def launch(self, device_index: int, batch: int, n: int, *pointers: int) -> None:
-        """The main kernel on (pointers..., batch, n, tiles), its grid from the plan at this shape."""
-        bound = self._bound.get((device_index, batch, n))
+    def launches(self, device_index: int, batch: int, n: int, programmatic: bool = True) -> tuple:
+        """Every declared kernel bound to this shape, in the plan's order: call each with its
+        pointer arguments, then `*launch.tail` (and any per-call ints the kernel takes after it).
+        programmatic=False launches kernels declared programmatic as plain ones."""
+        key = (device_index, batch, n, programmatic)
+        bound = self._bound.get(key)
         if bound is None:
-            bound = self._bind(device_index, batch, n, len(pointers))
-        bound[0](*pointers, *bound[1])
-
-    def _bind(self, device_index: int, batch: int, n: int, pointer_count: int) -> tuple:
-        kernel = self.kernel(device_index)
-        blocks, tiles = self.plan.grid(batch, n, device_info(device_index).limits.sm_count, kernel.resident_per_sm)
-        bound = self._bound[(device_index, batch, n)] = (
-            kernel.bind(blocks, self.plan.threads, self.plan.smem_bytes, pointer_count + 3), (batch, n, tiles))
+            if len(self._bound) >= self.MAX_BOUND_SHAPES:
+                for old in list(self._bound)[: self.MAX_BOUND_SHAPES // 2]:
+                    del self._bound[old]
+            bound = self._bound[key] = self._bind(device_index, batch, n, programmatic)
         return bound
+
+    def _bind(self, device_index: int, batch: int, n: int, programmatic: bool) -> tuple:
+        info = device_info(device_index)
+        bound = []
+        for decl in self.plan.kernels:
+            kernel = self.kernel(device_index, decl.name)
+            blocks, tail = decl.grid(batch, n, info.limits.sm_count, kernel.resident_per_sm)
+            mode = decl.mode
+            if mode == "programmatic" and not (programmatic and info.capability[0] >= 9):
+                mode = "plain"
+            bound.append(kernel.bind(blocks, decl.threads, decl.smem_bytes, len(decl.args), mode, tuple(tail)))
+        return tuple(bound)
 
     def __repr__(self) -> str:
         return f"Variant({self.plan.op}: {self.plan.label})"
 
 
-def render_plan(plan: Plan) -> codegen.Rendered:
-    return codegen.render_template(plan.op, plan.strategy, plan.params, plan.widths, plan.context)
-
-
 def build_variant(plan: Plan, arch: str | None = None) -> Variant:
-    rendered = render_plan(plan)
+    rendered = codegen.render_plan(plan)
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, arch or default_arch())
     return Variant(plan, rendered, compiled)
+
+
+# ---- the tuned entries: which ones apply --------------------------------------------------------
+
+def entry_state(spec: OpSpec, entry: dict, limits: DeviceLimits = DeviceLimits()) -> str:
+    """"ok"; "stale" (today's code renders another source at its parameters); or "invalid: why"
+    (its strategy or parameters are outside today's space, or break today's restrictions)."""
+    try:
+        plan = spec.plan(entry["strategy"], entry["params"], entry["key"]["widths"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"invalid: {exc}"
+    reasons = spec.infeasible(plan, limits)
+    if reasons:
+        return f"invalid: {'; '.join(reasons)}"
+    recorded = entry.get("source_sha256")
+    try:
+        today = codegen.render_plan(plan).source_sha256
+    except Exception as exc:  # a template gone or broken, a contract mismatch
+        return f"invalid: cannot render ({type(exc).__name__}: {exc})"
+    return "ok" if recorded == today else "stale"
 
 
 @dataclass
 class Choice:
     plan: Plan | None
-    source: str  # "tuned", "tuned (nearest N bucket ...)", "default", or why there is no kernel
+    source: str  # "tuned", "tuned (nearest N bucket ...)", "... on <gpu> (same architecture)", "default", or why none
+    entry: dict | None = None
+    database: str | None = None  # the file the entry came from
+
+
+def _usable(spec: OpSpec, db: TunedDB, dtype: str, widths: dict, limits: DeviceLimits) -> list[dict]:
+    """The database's entries for (dtype, widths) that today's code can run as they were tuned;
+    stale and invalid ones are skipped, each with a warning naming the file."""
+    want = {k: int(v) for k, v in widths.items()}
+    usable = []
+    for entry in db.entries():
+        if entry["key"]["dtype"] != dtype or entry["key"]["widths"] != want:
+            continue
+        state = entry_state(spec, entry, limits)
+        if state == "ok":
+            usable.append(entry)
+        else:
+            warnings.warn(f"pairgen: skipping the {state.split(':')[0]} tuned entry for N bucket "
+                          f"{entry['key']['n_bucket']} in {db.path} ({state}); `pairgen-tune --status` lists it")
+    return usable
+
+
+def _nearest(entries: list[dict], bucket: int) -> tuple[dict | None, bool]:
+    """The entry of exactly this bucket, else the nearest one in log scale (ties: the smaller)."""
+    for entry in entries:
+        if entry["key"]["n_bucket"] == bucket:
+            return entry, True
+    if not entries:
+        return None, False
+    return min(entries, key=lambda e: (abs(math.log2(e["key"]["n_bucket"]) - math.log2(bucket)),
+                                       e["key"]["n_bucket"])), False
+
+
+def _same_arch_databases(op: str, info: DeviceInfo) -> list[TunedDB]:
+    from . import tuned
+
+    finder = getattr(tuned, "databases_for_arch", None)
+    return finder(op, info.arch, info.slug) if finder else []
 
 
 def choose(spec: OpSpec, dtype: str, widths: dict, n: int, info: DeviceInfo) -> Choice:
-    """The lookup chain: exact tuned entry -> nearest N bucket -> the op's default params."""
-    from .tuned import TunedDB
-
-    entry, how = TunedDB(spec.name, info.slug).lookup(dtype, widths, n_bucket(n))
-    if entry is not None:
-        plan = spec.plan(entry["strategy"], entry["params"], widths)
-        if not spec.infeasible(plan, info.limits):
-            return Choice(plan, how)
-        warnings.warn(f"pairgen: tuned {spec.name} entry {plan.label} does not fit this GPU; using defaults")
+    """The lookup chain: this GPU's exact tuned entry -> its nearest N bucket -> a GPU of the same
+    compute capability (same order) -> the op's default params."""
+    bucket = n_bucket(n)
+    for db in [TunedDB(spec.name, info.slug), *_same_arch_databases(spec.name, info)]:
+        entry, exact = _nearest(_usable(spec, db, dtype, widths, info.limits), bucket)
+        if entry is None:
+            continue
+        how = "tuned" if exact else f"tuned (nearest N bucket {entry['key']['n_bucket']})"
+        if db.gpu_slug != info.slug:
+            how += f" on {db.gpu_slug} (same architecture, {info.arch})"
+        return Choice(spec.plan(entry["strategy"], entry["params"], widths), how, entry, str(db.path))
     plan = spec.default_plan(widths, info.limits)
     return Choice(plan, "default" if plan else f"no {spec.name} kernel fits widths {widths}")
 
@@ -133,8 +207,9 @@ _selected: dict[tuple, Variant | None] = {}
 
 
 def select(spec: OpSpec, dtype: str, widths: dict, n: int, device_index: int) -> Variant | None:
-    """The variant a module runs for length n (None: no kernel, run the reference)."""
-    key = (spec.name, device_index, dtype, tuple(sorted(widths.items())), n)
+    """The variant a module runs for length n (None: no kernel, run the reference). Keyed by the
+    N bucket: every length of a bucket runs the same variant."""
+    key = (spec.name, device_index, dtype, tuple(sorted(widths.items())), n_bucket(n))
     if key in _selected:
         return _selected[key]
     if config.disabled():  # read here, once per (module, length), not on every call
@@ -150,6 +225,41 @@ def select(spec: OpSpec, dtype: str, widths: dict, n: int, device_index: int) ->
         warnings.warn(f"pairgen: {choice.source}; running the PyTorch reference")
     _selected[key] = variant
     return variant
+
+
+@dataclass
+class Explanation:
+    """What a module runs for one shape on one GPU, and why."""
+    op: str
+    gpu: str
+    n: int
+    n_bucket: int
+    source: str        # tuned, nearest bucket, same-architecture GPU, default, disabled, or why none
+    strategy: str | None
+    params: dict | None
+    measured_us: float | None
+    database: str | None
+
+    def __str__(self) -> str:
+        what = f"{self.strategy}({', '.join(f'{k}={v}' for k, v in sorted(self.params.items()))})" \
+            if self.strategy else "the PyTorch reference"
+        timing = f", measured {self.measured_us} us when tuned" if self.measured_us is not None else ""
+        origin = f" [{self.database}]" if self.database else ""
+        return f"{self.op} N={self.n} (bucket {self.n_bucket}) on {self.gpu}: {what} from {self.source}{timing}{origin}"
+
+
+def explain(spec: OpSpec, dtype: str, widths: dict, n: int, device_index: int = 0,
+            info: DeviceInfo | None = None) -> Explanation:
+    """The variant a module would run for (widths, n) on this GPU (or on `info`, a GPU described
+    by hand), where it came from, its parameters and the time measured when it was tuned."""
+    info = info or device_info(device_index)
+    if config.disabled():
+        return Explanation(spec.name, info.slug, n, n_bucket(n), "disabled (PAIRGEN_DISABLE)", None, None, None, None)
+    choice = choose(spec, dtype, widths, n, info)
+    plan = choice.plan
+    return Explanation(spec.name, info.slug, n, n_bucket(n), choice.source, plan.strategy if plan else None,
+                       plan.params if plan else None, choice.entry.get("us") if choice.entry else None,
+                       choice.database)
 
 
 _variants: dict[tuple, Variant] = {}
@@ -171,7 +281,7 @@ def generation() -> int:
 
 
 def clear_caches() -> None:
-    """Forget selections (after the tuned database changed)."""
+    """Forget selections (after the tuned database changed, or PAIRGEN_DISABLE did)."""
     global _generation
     _selected.clear()
     _generation += 1

@@ -10,9 +10,9 @@ from operator import attrgetter
 import pytest
 import torch
 
-from pairgen import compiler, runtime
+from pairgen import codegen, compiler, runtime
 from pairgen.tuning.check import compare, reference64
-from pairgen.ops.base import DeviceLimits
+from pairgen.spec import DeviceLimits
 from pairgen.tuned import TunedDB
 
 SEED_WIDTHS = {"P": 64, "H": 32}
@@ -62,7 +62,7 @@ def sampled_cases(spec, widths_list, k: int, label=None) -> list:
 def compile_plans(plans) -> dict:
     """Every plan rendered and compiled in parallel once: {id(plan): Variant, or the exception
     its compilation raised}."""
-    rendered = [runtime.render_plan(p) for p in plans]
+    rendered = [codegen.render_plan(p) for p in plans]
     arch = runtime.default_arch()
     results = compiler.compile_many([(r.source, r.kernel_name, arch) for r in rendered])
     return {id(plan): res if isinstance(res, Exception) else runtime.Variant(plan, rend, res)
@@ -216,3 +216,10 @@ def assert_copy_and_pickle_compute_the_reference(module, clone, inputs: tuple) -
     expected = module.reference_forward(*inputs)
     torch.testing.assert_close(loaded(*inputs), expected, rtol=0, atol=0)
     torch.testing.assert_close(clone(*inputs), expected, rtol=0, atol=0)
+
+
+def main_grid(plan, B: int, N: int, sms: int, resident: int) -> tuple[int, int]:
+    """The plan's main kernel at (B, N): its blocks, and the work it loops over (the last of the
+    shape arguments its grid function gives: tiles, pairs)."""
+    blocks, tail = plan.main.grid(B, N, sms, resident)
+    return blocks, tail[-1]

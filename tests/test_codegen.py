@@ -6,6 +6,7 @@ import pytest
 
 from helpers import REAL_WIDTHS, SEED_WIDTHS, sampled_plans
 from pairgen import codegen
+from pairgen.ops import render
 from pairgen.ops.contact import CONTACT
 
 
@@ -13,7 +14,7 @@ from pairgen.ops.contact import CONTACT
 def test_every_strategy_renders_with_a_header(strategy):
     for widths in (SEED_WIDTHS, *REAL_WIDTHS):
         for plan in sampled_plans(CONTACT, strategy, widths, 2):
-            r = codegen.render("contact", strategy, plan.params, widths)
+            r = render("contact", strategy, plan.params, widths)
             first = r.source.splitlines()[:3]
             assert first[0].startswith(f"// pairgen: template contact/{strategy}.cu.j2")
             assert f"strategy {strategy}" in first[0]

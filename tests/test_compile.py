@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from helpers import sampled_plans
-from pairgen import compiler, runtime
+from pairgen import codegen, compiler, runtime
 from pairgen.ops import get_op, op_names
 
 ARCH = "sm_90"
@@ -33,7 +33,7 @@ def _label(widths: dict) -> str:
 def compiled(request):
     spec = get_op(request.param)
     plans = [p for w in preset_widths(spec) for s in spec.strategies for p in sampled_plans(spec, s, w, 2, seed=7)]
-    rendered = [runtime.render_plan(p) for p in plans]
+    rendered = [codegen.render_plan(p) for p in plans]
     return spec, list(zip(plans, compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])))
 
 

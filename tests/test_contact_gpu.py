@@ -8,7 +8,7 @@ from helpers import (ODD_SHAPES, REAL_WIDTHS, SEED_WIDTHS, assert_gradients_matc
                      assert_variant_matches_float64, check_tuned_entries, compile_plans, compiled_variant, generator,
                      run_under_graph_capture, sampled_cases)
 from pairgen.tuning.check import compare, reference64
-from pairgen.ops.base import DeviceLimits
+from pairgen.spec import DeviceLimits
 from pairgen.ops.contact import CONTACT
 
 pytestmark = pytest.mark.gpu

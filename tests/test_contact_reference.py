@@ -10,7 +10,7 @@ import torch
 from helpers import (Unpicklable, assert_copy_and_pickle_compute_the_reference, assert_state_dicts_interchange,
                      deepcopy_dropping_runtime_state, generator)
 from pairgen import ContactHead, ContactHeadReference
-from pairgen.ops.base import random_tensor
+from pairgen.testdata import random_tensor
 from pairgen.ops.contact import CONTACT
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from pairgen.ops.base import DeviceLimits
+from helpers import main_grid
+from pairgen.spec import DeviceLimits
 from pairgen.ops.contact import CONTACT, weight_offsets
 
 
@@ -28,19 +29,19 @@ def test_symmetric_tiles_cover_each_pair_once(n, side):
     assert len(pairs) == len(set(pairs)) == n * (n + 1) // 2
     plan = CONTACT.plan("symmetric_tiled", {"tile_side": side, "threads": 256, "tn": 8, "unroll": 2, "ln_rows": 4,
                                             "weights_smem": False, "blocks_per_sm": 0, "stage_rows": 1}, {"P": 64, "H": 32})
-    assert plan.grid(3, n, 132, 4) == (3 * tiles, 3 * tiles)
+    assert main_grid(plan, 3, n, 132, 4) == (3 * tiles, 3 * tiles)
 
 
 def test_grids():
     widths = {"P": 64, "H": 32}
     tpp = CONTACT.plan("thread_per_pair", {"threads": 128, "chunk": 4, "weights_smem": False, "symmetric": True}, widths)
-    assert tpp.grid(2, 37, 132, 4) == (-(-2 * 37 * 38 // 2 // 128), 2 * 37 * 38 // 2)
+    assert main_grid(tpp, 2, 37, 132, 4) == (-(-2 * 37 * 38 // 2 // 128), 2 * 37 * 38 // 2)
     tiled = CONTACT.plan("tiled", {"tile_rows": 64, "threads": 256, "tn": 8, "unroll": 2, "ln_rows": 4,
                                    "weights_smem": False, "blocks_per_sm": 2, "stage_rows": 2}, widths)
     tiles = -(-3 * 123 * 123 // 64)
-    assert tiled.grid(3, 123, 132, 4) == (2 * 132, tiles)  # persistent: 2 per SM
-    assert tiled.grid(3, 123, 132, 1) == (132, tiles)      # clamped to what is resident
-    assert tiled.grid(1, 7, 132, 4) == (1, 1)
+    assert main_grid(tiled, 3, 123, 132, 4) == (2 * 132, tiles)  # persistent: 2 per SM
+    assert main_grid(tiled, 3, 123, 132, 1) == (132, tiles)      # clamped to what is resident
+    assert main_grid(tiled, 1, 7, 132, 4) == (1, 1)
 
 
 def test_restrictions_prune_impossible_points():

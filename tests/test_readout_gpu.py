@@ -13,7 +13,7 @@ from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_gr
                      run_under_graph_capture, run_variant, sampled_cases, sampled_plans)
 from pairgen import runtime
 from pairgen.tuning.check import compare, reference64
-from pairgen.ops.readout import READOUT, scratch_offsets
+from pairgen.ops.readout import READOUT, gemm_scratch_offsets, pair_max_scratch
 
 pytestmark = pytest.mark.gpu
 TOL = READOUT.tolerance["float32"]
@@ -192,6 +192,14 @@ def _split_of(plan, j: int) -> int:
     return (j // plan.params["tile_j"]) % plan.params["j_split"]
 
 
+def _scratch_words(plan, B: int, N: int) -> int:
+    """The 4-byte words of scratch a call at (B, N) takes."""
+    D, H = plan.widths["D"], plan.widths["H"]
+    if plan.strategy == "gemm":
+        return gemm_scratch_offsets(B, N, D, H)["total"]
+    return pair_max_scratch(B, N, D, H, plan.params["j_split"], with_uv=plan.strategy == "split")["total"]
+
+
 def _run_on_poisoned_scratch(module, inputs, variant):
     """_run on NaN-filled scratch: a partial row or flag that the combine read without its block
     having written it shows up as NaN or as a wrong row (gemm: a hidden row or message the kernels
@@ -199,7 +207,7 @@ def _run_on_poisoned_scratch(module, inputs, variant):
     filled with NaN in place; gemm: a NaN-filled block of exactly the scratch's size is freed
     right before the call, and the caching allocator most likely hands it to the call's scratch."""
     B, N = inputs[0].shape[:2]
-    words = scratch_offsets(variant.plan, B, N)["total"]
+    words = _scratch_words(variant.plan, B, N)
     out = torch.full((B, N, module.widths["D"]), float("nan"), device="cuda")
     module.packed_weights()  # packed before the poisoned block is freed, so it is not what takes it
     if variant.plan.strategy != "gemm" and words:

@@ -12,12 +12,14 @@ import re
 import pytest
 import torch
 
-from helpers import compile_plans, compiled_variant
-from pairgen import runtime
-from pairgen.ops.base import DeviceLimits, fp32_matmul
-from pairgen.ops.readout import (GEMM_SCRATCH_ALIGN, PROLOGUE_COLS, PROLOGUE_THREADS, READOUT, PairReadout,
+from helpers import compile_plans, compiled_variant, main_grid
+from pairgen import codegen, runtime
+from pairgen.modules import fp32_matmul
+from pairgen.spec import DeviceLimits
+from pairgen.ops.readout import PairReadout
+from pairgen.ops.readout.spec import (GEMM_SCRATCH_ALIGN, PROLOGUE_COLS, PROLOGUE_THREADS, READOUT,
                                  gemm_pool_blocks, gemm_pool_smem, gemm_scratch_offsets, hidden_layout,
-                                 prologue_blocks, scratch_offsets, split_scratch_floats, weight_offsets)
+                                 pair_max_scratch, prologue_blocks, split_scratch_floats, weight_offsets)
 
 LIMITS = DeviceLimits()
 PRESET_WIDTHS = [READOUT.widths_of(s) for p in READOUT.presets.values() for s in p]
@@ -88,7 +90,7 @@ def test_grid_is_j_split_blocks_per_tile_of_rows():
         ti = plan.params["tile_i"]
         for B, N in [(1, 1), (3, 7), (16, 128), (2, 37)]:
             tiles = B * -(-N // ti)
-            assert plan.grid(B, N, 132, 1) == (tiles * j_split, tiles), plan.label
+            assert main_grid(plan, B, N, 132, 1) == (tiles * j_split, tiles), plan.label
             blocks = [split_of_block(k, j_split) for k in range(tiles * j_split)]
             assert sorted(blocks) == [(t, s) for t in range(tiles) for s in range(j_split)]
 
@@ -138,7 +140,7 @@ def test_small_pair_tiles_with_weights_through_the_cache_exist_for_every_j_split
 def _prologue_constants(prologue_rows: int, D: int, H: int) -> dict:
     """PRO_COLS and PRO_CHUNK as the rendered prologue (_nodes.cuh.j2) defines them."""
     plan = READOUT.plan("split", dict(READOUT.default_points[3][1], prologue_rows=prologue_rows), {"D": D, "P": 8, "H": H})
-    source = runtime.render_plan(plan).source
+    source = codegen.render_plan(plan).source
     return {name: int(re.search(rf"constexpr int {name} = (\d+);", source).group(1)) for name in ("PRO_COLS", "PRO_CHUNK")}
 
 
@@ -432,7 +434,7 @@ def hidden_writes(plan, B: int, N: int) -> list[tuple[int, int]]:
     block = tile, thread (tm, tn) = (t // threads_n, t % threads_n), rows r*threads_m + tm, chunks
     of cn columns."""
     c, H = plan.context, plan.widths["H"]
-    blocks, tiles = plan.grid(B, N, 132, 1)
+    blocks, tiles = main_grid(plan, B, N, 132, 1)
     assert blocks == tiles
     total, writes = B * N * N, []
     for tile in range(tiles):
@@ -577,17 +579,12 @@ def test_gemm_scratch_is_one_buffer_of_hidden_messages_and_uv():
     assert small == {"hidden": 0, "messages": 64, "uv": 128, "total": 192}
 
 
-def test_scratch_offsets_per_strategy():
+def test_pair_max_scratch():
     w = PRESET_WIDTHS[0]
     D, H = w["D"], w["H"]
-    point = READOUT.default_points[1][1]
-    split = READOUT.plan("split", dict(point, j_split=3), w)
-    assert scratch_offsets(split, 4, 24) == {"uv": 0, "partials": 4 * 24 * 2 * H,
-                                            "total": 4 * 24 * 2 * H + split_scratch_floats(4, 24, D, 3)}
-    direct = {k: v for k, v in point.items() if k != "prologue_rows"} | {"j_split": 1}  # no prologue, no split
-    assert scratch_offsets(READOUT.plan("direct", direct, w), 4, 24)["total"] == 0
-    gemm = READOUT.plan("gemm", READOUT.default_points[-2][1], w)
-    assert scratch_offsets(gemm, 4, 24) == gemm_scratch_offsets(4, 24, D, H)
+    assert pair_max_scratch(4, 24, D, H, 3, with_uv=True) == {
+        "uv": 0, "partials": 4 * 24 * 2 * H, "total": 4 * 24 * 2 * H + split_scratch_floats(4, 24, D, 3)}
+    assert pair_max_scratch(4, 24, D, H, 1, with_uv=False)["total"] == 0  # direct without a split: none
 
 
 def test_gemm_variants_compile_without_spills():

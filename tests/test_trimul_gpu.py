@@ -14,7 +14,7 @@ from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_gr
                      run_under_graph_capture, run_variant, sampled_cases)
 from pairgen import runtime
 from pairgen.tuning.check import compare, reference64
-from pairgen.ops.base import DeviceLimits
+from pairgen.spec import DeviceLimits
 from pairgen.ops.trimul import TRIMUL, random_mask
 
 pytestmark = pytest.mark.gpu

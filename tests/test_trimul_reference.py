@@ -14,7 +14,7 @@ from helpers import (Unpicklable, assert_copy_and_pickle_compute_the_reference, 
                      deepcopy_dropping_runtime_state, generator)
 from pairgen import TriangleMultiplication, TriangleMultiplicationReference
 from pairgen.tuning.check import compare, reference64
-from pairgen.ops.base import random_tensor
+from pairgen.testdata import random_tensor
 from pairgen.ops.trimul import TRIMUL, options_of, pack_weights, random_mask, triangle_bmm, weight_offsets
 
 OPTION_SETS = [{"outgoing": o, "gate_normalized": g, "bias": b} for o, g, b in itertools.product((0, 1), (0, 1), (1, 0))]
@@ -281,7 +281,6 @@ def test_gradients_flow_on_cpu():
 def test_copies_and_pickles_drop_runtime_state():
     module = module_for(16, 8, OPTION_SETS[0], 12)
     clone = deepcopy_dropping_runtime_state(module, {"_variant_cache": {"generation": 0, (0, 7): Unpicklable()},
-                                                     "_launches": {"key": Unpicklable()},
                                                      "_barrier": (0, Unpicklable()),
                                                      "_weights._packed": Unpicklable()})
     assert clone._weights._slots[0][0] is clone.layer_norm_in._parameters, "the copy packs its own parameters"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import sampled_plans
+from helpers import sampled_plans, main_grid
 from pairgen import codegen, compiler, runtime
-from pairgen.ops.base import DeviceLimits
+from pairgen.spec import DeviceLimits
 from pairgen.ops.trimul import TRI_BUDGET, TRI_KC, TRIMUL, triangle_staging, weight_offsets
 
 ARCH = "sm_90"
@@ -68,21 +68,21 @@ def test_restrictions_name_what_is_wrong():
 
 def test_grids():
     bmm = TRIMUL.plan("bmm", TRIMUL.default_points[0][1], widths(128, 128))
-    assert bmm.grid(3, 37, 132, 1) == (-(-3 * 37 * 37 // 128),) * 2
-    assert bmm.grid(1, 1, 132, 1) == (1, 1)
+    assert main_grid(bmm, 3, 37, 132, 1) == (-(-3 * 37 * 37 // 128),) * 2
+    assert main_grid(bmm, 1, 1, 132, 1) == (1, 1)
     fused = TRIMUL.plan("fused", {"p_tile": 32, "p_tm": 2, "p_tn": 4, "o_tile": 16, "o_tm": 1, "threads": 128,
                                   "unroll": 4, "blocks_per_sm": 2}, widths(64, 32))
     pairs = 2 * 32 * 32
-    assert fused.grid(2, 32, 132, 4) == (pairs // 16, pairs // 16)       # fewer tiles than resident slots
-    assert fused.grid(8, 64, 132, 4) == (2 * 132, 8 * 64 * 64 // 16)    # persistent: 2 per SM
-    assert fused.grid(8, 64, 132, 1) == (132, 8 * 64 * 64 // 16)        # clamped to what is resident
-    assert fused.grid(1, 1, 132, 1) == (1, 1)
+    assert main_grid(fused, 2, 32, 132, 4) == (pairs // 16, pairs // 16)       # fewer tiles than resident slots
+    assert main_grid(fused, 8, 64, 132, 4) == (2 * 132, 8 * 64 * 64 // 16)    # persistent: 2 per SM
+    assert main_grid(fused, 8, 64, 132, 1) == (132, 8 * 64 * 64 // 16)        # clamped to what is resident
+    assert main_grid(fused, 1, 1, 132, 1) == (1, 1)
     # Staged triangle sums: row tiles, ceil(N / o_tile) per (b, i).
     staged = TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": True}, widths(64, 32))
-    assert staged.grid(2, 32, 132, 1) == (2 * 32 * 2, 2 * 32 * 2)          # the seed: as many tiles as flat ones
-    assert staged.grid(3, 37, 132, 1) == (132, 3 * 37 * 3)                # 37 = 16 + 16 + 5 per row
-    assert staged.grid(1, 7, 132, 1) == (7, 7)                            # 7 rows of 7 (flat: 4 tiles of 16)
-    assert staged.grid(1, 1, 132, 1) == (1, 1)
+    assert main_grid(staged, 2, 32, 132, 1) == (2 * 32 * 2, 2 * 32 * 2)          # the seed: as many tiles as flat ones
+    assert main_grid(staged, 3, 37, 132, 1) == (132, 3 * 37 * 3)                # 37 = 16 + 16 + 5 per row
+    assert main_grid(staged, 1, 7, 132, 1) == (7, 7)                            # 7 rows of 7 (flat: 4 tiles of 16)
+    assert main_grid(staged, 1, 1, 132, 1) == (1, 1)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -179,7 +179,7 @@ def test_a_fused_entry_tuned_before_tri_smem_plans_as_the_global_path():
     legacy = TRIMUL.plan("fused", SEED_FUSED, widths(64, 32))
     explicit = TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": False}, widths(64, 32))
     assert legacy.params == explicit.params and legacy.context == explicit.context
-    assert legacy.smem_bytes == explicit.smem_bytes and legacy.grid(2, 32, 132, 1) == explicit.grid(2, 32, 132, 1)
+    assert legacy.smem_bytes == explicit.smem_bytes and main_grid(legacy, 2, 32, 132, 1) == main_grid(explicit, 2, 32, 132, 1)
     with pytest.raises(ValueError, match="params"):
         TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": True, "unknown": 1}, widths(64, 32))
     with pytest.raises(ValueError, match="tri_smem"):
@@ -188,7 +188,7 @@ def test_a_fused_entry_tuned_before_tri_smem_plans_as_the_global_path():
 
 def _compile_all_kernels(plan):
     """Every __global__ of the source with its spill and stack bytes (Compiled reports each)."""
-    rendered = runtime.render_plan(plan)
+    rendered = codegen.render_plan(plan)
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, ARCH)
     return rendered, {name: (k["stack_bytes"], k["spill_bytes"]) for name, k in compiled.kernels.items()}
 
@@ -225,7 +225,7 @@ def test_staged_triangle_sums_compile_without_spills(options):
     plans = _staged_plans(options)
     seed = TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": True}, widths(64, 32, options))
     plans.append(seed)
-    rendered = [runtime.render_plan(p) for p in plans]
+    rendered = [codegen.render_plan(p) for p in plans]
     results = compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])
     for plan, rend, result in zip(plans, rendered, results):
         assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
@@ -239,7 +239,7 @@ def test_staged_triangle_sums_compile_without_spills(options):
 def test_sampled_points_of_every_strategy_compile(options):
     plans = [p for s in TRIMUL.strategies for w in ((64, 32), (40, 24), (128, 128))
              for p in sampled_plans(TRIMUL, s, widths(*w, options), 1, seed=3)]
-    rendered = [runtime.render_plan(p) for p in plans]
+    rendered = [codegen.render_plan(p) for p in plans]
     results = compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])
     for plan, result in zip(plans, results):
         assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"

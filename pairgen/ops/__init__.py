@@ -1,16 +1,18 @@
-"""The op registry: every op lives in pairgen/ops/<op>.py and is named here. Names are known
-without importing the ops (and torch), so `scripts/tune.py --status` runs anywhere."""
+"""The op registry: every op lives in pairgen/ops/<op>/ (the same name as templates/<op>/ and
+tests/test_<op>_*.py) and is named here. Names are known without importing the ops (and torch),
+so `pairgen-tune --status` runs anywhere."""
 from __future__ import annotations
 
 from importlib import import_module
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .base import OpSpec
+    from ..codegen import Rendered
+    from ..spec import OpSpec
 
-#: op name -> (module, spec attribute)
-OPS = {"contact": ("pairgen.ops.contact", "CONTACT"), "readout": ("pairgen.ops.readout", "READOUT"),
-       "trimul": ("pairgen.ops.trimul", "TRIMUL")}
+#: op name -> the attribute of pairgen.ops.<op> holding its bound spec
+OPS = {"contact": "CONTACT", "readout": "READOUT", "trimul": "TRIMUL"}
+_PACKAGES = {"contact": "pairgen.ops.contact", "readout": "pairgen.ops.readout", "trimul": "pairgen.ops.trimul"}
 
 
 def op_names() -> list[str]:
@@ -20,5 +22,12 @@ def op_names() -> list[str]:
 def get_op(name: str) -> "OpSpec":
     if name not in OPS:
         raise ValueError(f"unknown op {name!r}; known: {op_names()}")
-    module, attribute = OPS[name]
-    return getattr(import_module(module), attribute)
+    return getattr(import_module(_PACKAGES[name]), OPS[name])
+
+
+def render(op: str, strategy: str, params: dict, widths: dict) -> "Rendered":
+    """Render one point of an op's search space: the CUDA source (checked against the plan's
+    declared kernels) and its hashes."""
+    from ..codegen import render_plan
+
+    return render_plan(get_op(op).plan(strategy, params, widths))

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.base import Tolerance
+from ..spec import Tolerance
 
 
 @dataclass

@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from .. import compiler, runtime
+from .. import codegen, compiler, runtime
 from .check import CheckFailed, compare, reference64
-from ..ops.base import OpSpec, Plan
+from ..spec import OpSpec, Plan
 from .timing import time_cuda
 
 
@@ -45,7 +45,7 @@ class GpuEvaluator:
         return out
 
     def compile(self, plans: list[Plan]) -> list[object]:
-        rendered = [runtime.render_plan(p) for p in plans]
+        rendered = [codegen.render_plan(p) for p in plans]
         results = compiler.compile_many([(r.source, r.kernel_name, self.arch) for r in rendered], self.pool)
         return [res if isinstance(res, Exception) else runtime.Variant(p, r, res)
                 for p, r, res in zip(plans, rendered, results)]
@@ -78,7 +78,7 @@ def tuned_entry(result, spec: OpSpec, dtype: str = "float32") -> dict:
 
     from .. import __version__, codegen
     from ..compiler import nvrtc_version
-    from ..ops.base import n_bucket
+    from ..spec import n_bucket
     from ..tuned import make_key
 
     best = result.best

@@ -1,0 +1,76 @@
+"""The contact head's drop-in module: validation, packed weights, the strategies' runners."""
+from __future__ import annotations
+
+import torch
+
+from ...modules import KernelModule, PackedParameters, check_float_tensor, contiguous_aligned
+from .reference import ContactHeadReference
+from .spec import CONTACT, SYMMETRIC_TILED, THREAD_PER_PAIR, TILED, weight_offsets
+
+
+def run_single_kernel(module: "ContactHead", variant, x, out) -> None:
+    """Every contact strategy is one kernel over (x, weights, out)."""
+    B, N = x.shape[0], x.shape[1]
+    (main,) = variant.launches(x.get_device(), B, N)
+    main(x.data_ptr(), module._weights.get().data_ptr(), out.data_ptr(), *main.tail)
+
+
+class ContactHead(KernelModule, ContactHeadReference):
+    """Drop-in for ContactHeadReference: same constructor, submodules and state_dict.
+
+    CUDA float32 input runs the tuned kernel; CPU input or other dtypes run the reference.
+    """
+
+    op = CONTACT
+    runners = {s.name: run_single_kernel for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED)}
+
+    def __init__(self, pair_dim: int, hidden_dim: int):
+        super().__init__(pair_dim, hidden_dim)
+        self.widths = {"P": int(pair_dim), "H": int(hidden_dim)}
+        ln, l1, l2, l3 = self.layer_norm, self.mlp[0], self.mlp[2], self.mlp[4]
+        slots = ((l1, "weight"), (l1, "bias"), (l2, "weight"), (l2, "bias"), (l3, "weight"), (l3, "bias"),
+                 (ln, "weight"), (ln, "bias"))
+        self._weights = PackedParameters(slots, self._pack)
+        self._ln_params = ln._parameters  # the validation's dtype and device, without __getattr__
+
+    def reference_forward(self, pair_repr):
+        return ContactHeadReference.forward(self, pair_repr)
+
+    def forward(self, pair_repr):
+        self._validate(pair_repr)
+        return self._dispatch(pair_repr)
+
+    def _validate(self, x) -> None:
+        P = self.widths["P"]
+        check_float_tensor("pair_repr", x, 4, self._ln_params["weight"])
+        shape = x.shape
+        if shape[1] != shape[2] or shape[3] != P:  # a plain if: the message is built only on failure
+            raise ValueError(f"pair_repr must have shape (B, N, N, {P}), got {tuple(shape)}")
+
+    def _pack(self, params: list) -> torch.Tensor:
+        """W1ᵀ | b1 | W2ᵀ | b2 | w3 | b3 | gamma | beta, at the offsets of weight_offsets()."""
+        w1, b1, w2, b2, w3, b3, gamma, beta = (p.float() for p in params)
+        off = weight_offsets(self.widths["P"], self.widths["H"])
+        packed = torch.zeros(off["total"], device=w1.device, dtype=torch.float32)
+        for name, value in (("w1t", w1.t()), ("b1", b1), ("w2t", w2.t()), ("b2", b2), ("w3", w3),
+                            ("b3", b3), ("gamma", gamma), ("beta", beta)):
+            packed[off[name]: off[name] + value.numel()] = value.reshape(-1)
+        return packed
+
+    def packed_weights(self) -> torch.Tensor:
+        """The weights in the kernels' layout (rebuilt only after a parameter changed)."""
+        return self._weights.get()
+
+    def uses_kernel(self, x) -> bool:
+        # The kernels index pairs with 32-bit ints; B*N*N >= 2^31 (over 1 TB at P=128) runs the reference.
+        return super().uses_kernel(x) and x.shape[0] * x.shape[1] * x.shape[1] < 2**31
+
+    def _launch(self, pair_repr, out=None, variant=None):
+        x = contiguous_aligned(pair_repr)
+        B, N = x.shape[0], x.shape[1]
+        if out is None:
+            out = torch.empty((B, N, N), device=x.device, dtype=torch.float32)
+        if out.numel() == 0:
+            return out
+        self._run(variant or self.variant_for(N, x.device), x, out)
+        return out

@@ -1,0 +1,197 @@
+"""The contact head's spec: strategies, search spaces, restrictions, defaults, plans.
+
+Three strategies:
+  thread_per_pair  one thread per pair, layers computed `chunk` outputs at a time in registers.
+  tiled            a block computes tile_rows consecutive pairs; the MLP as register-tiled products.
+  symmetric_tiled  tiled over blocks (bi <= bj) of the pair grid: each pair computed once, written
+                   twice (the output is exactly symmetric).
+"""
+from __future__ import annotations
+
+from ...spec import (Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, ceil_div,
+                     cuda_bool, is_pow2, padded_stride, section_offsets, smem_fits)
+
+#: The kernels' arguments: x, packed weights, out, then B, N and the work count as 64-bit ints.
+ARGS = ("ptr", "ptr", "ptr", "i64", "i64", "i64")
+
+
+def weight_offsets(P: int, H: int) -> dict[str, int]:
+    """Packed-weight layout shared with the templates (16-byte sections)."""
+    return section_offsets([("w1t", P * H), ("b1", H), ("w2t", H * H), ("b2", H), ("w3", H), ("b3", 1),
+                            ("gamma", P), ("beta", P)])
+
+
+def _widths_vectorise(plan: Plan, limits: DeviceLimits) -> bool:
+    return plan.widths["H"] % 4 == 0 and plan.widths["P"] % 4 == 0
+
+
+_COMMON = (
+    Restriction("P and H must be multiples of 4 (float4 weight reads)", _widths_vectorise),
+    Restriction("shared memory exceeds the per-block limit", smem_fits),
+)
+
+
+def _base_context(params: dict, widths: dict) -> tuple[dict, int]:
+    """The context every strategy shares, and the bytes of weights staged in shared memory."""
+    P, H = widths["P"], widths["H"]
+    off = weight_offsets(P, H)
+    context = {"P": P, "H": H, "off": off, "weights_smem": cuda_bool(params["weights_smem"])}
+    return context, (4 * off["total"] if params["weights_smem"] else 0)
+
+
+def _derive_thread_per_pair(params: dict, widths: dict, name: str):
+    context, weights = _base_context(params, widths)
+    P, H, threads = widths["P"], widths["H"], params["threads"]
+    context.update(threads=threads, chunk=params["chunk"], symmetric=cuda_bool(params["symmetric"]))
+
+    def grid(B, N, sms, resident, _sym=params["symmetric"], _t=threads):
+        work = B * (N * (N + 1) // 2 if _sym else N * N)
+        return max(1, ceil_div(work, _t)), (B, N, work)
+
+    return context, (Kernel(name, threads, weights + 4 * (P + H) * threads, ARGS, grid),)
+
+
+def _grid_tiles(num_tiles: int, blocks_per_sm: int, sms: int, resident_per_sm: int) -> int:
+    """Persistent grid (blocks_per_sm per SM, looping over tiles), or one block per tile (0).
+    A persistent grid is clamped to the blocks that can be resident at once (registers decide
+    that only after compilation): a block that waits for a slot would run its tiles last."""
+    if not blocks_per_sm:
+        return max(1, num_tiles)
+    return max(1, min(num_tiles, min(blocks_per_sm, max(1, resident_per_sm)) * sms))
+
+
+def _tiled_context(params: dict, widths: dict, rows: int) -> tuple[dict, int]:
+    """The tiled strategies' context for `rows` pairs per tile, and their shared memory."""
+    context, weights = _base_context(params, widths)
+    P, H = widths["P"], widths["H"]
+    threads_n = max(1, H // params["tn"])
+    threads_m = max(1, params["threads"] // threads_n)
+    context.update(tile_rows=rows, threads=params["threads"], tn=params["tn"], threads_n=threads_n,
+                   threads_m=threads_m, tm=rows // threads_m, unroll=params["unroll"], ln_rows=params["ln_rows"],
+                   a_stride=padded_stride(max(P, H)), stage_rows=params["stage_rows"], ln_lanes=params["ln_lanes"])
+    staged = params["stage_rows"] * 2 * rows * P  # both orientations of a tile's rows, per buffer
+    return context, weights + 4 * (rows * context["a_stride"] + staged)
+
+
+def _derive_tiled(params: dict, widths: dict, name: str):
+    rows = params["tile_rows"]
+    context, smem = _tiled_context(params, widths, rows)
+
+    def grid(B, N, sms, resident, _rows=rows, _per_sm=params["blocks_per_sm"]):
+        tiles = ceil_div(B * N * N, _rows)
+        return _grid_tiles(tiles, _per_sm, sms, resident), (B, N, tiles)
+
+    return context, (Kernel(name, params["threads"], smem, ARGS, grid),)
+
+
+def _derive_symmetric_tiled(params: dict, widths: dict, name: str):
+    side = params["tile_side"]
+    context, smem = _tiled_context(params, widths, side * side)
+    context["tile_side"] = side
+
+    def grid(B, N, sms, resident, _side=side, _per_sm=params["blocks_per_sm"]):
+        nb = ceil_div(N, _side)
+        tiles = B * nb * (nb + 1) // 2
+        return _grid_tiles(tiles, _per_sm, sms, resident), (B, N, tiles)
+
+    return context, (Kernel(name, params["threads"], smem, ARGS, grid),)
+
+
+THREAD_PER_PAIR = Strategy(
+    name="thread_per_pair",
+    summary="one thread per pair, layers computed `chunk` outputs at a time in registers",
+    space={"threads": (64, 128, 256), "chunk": (4, 8, 16), "weights_smem": (True, False),
+           "symmetric": (True, False)},
+    derive=_derive_thread_per_pair,
+    restrictions=_COMMON + (
+        Restriction("chunk must divide H", lambda p, _: p.widths["H"] % p.params["chunk"] == 0),
+    ),
+)
+
+
+def _tile_layout_ok(plan: Plan, limits: DeviceLimits) -> bool:
+    c = plan.context
+    return c["tm"] >= 1 and c["threads_m"] * c["tm"] == c["tile_rows"] and c["threads_m"] * c["threads_n"] == plan.threads
+
+
+def _persistent_blocks_fit(plan: Plan, limits: DeviceLimits) -> bool:
+    blocks = plan.params["blocks_per_sm"]
+    return blocks == 0 or (blocks * plan.smem_bytes <= limits.smem_per_sm
+                           and blocks * plan.threads <= limits.max_threads_per_sm)
+
+
+_TILED_RESTRICTIONS = _COMMON + (
+    Restriction("tn must divide H", lambda p, _: p.widths["H"] % p.params["tn"] == 0),
+    Restriction("H/tn must be a power of two <= 32 (a row's lanes sum by shuffles)",
+                lambda p, _: is_pow2(p.context["threads_n"]) and p.context["threads_n"] <= 32),
+    Restriction("threads must split into H/tn columns and rows that divide the tile", _tile_layout_ok),
+    Restriction("at most 64 accumulators per thread", lambda p, _: p.context["tm"] * p.params["tn"] <= 64),
+    Restriction("persistent blocks must be co-resident on an SM", _persistent_blocks_fit),
+    Restriction("stage_rows=2 prefetches the next tile: only a persistent grid (blocks_per_sm > 0) has one",
+                lambda p, _: p.params["stage_rows"] < 2 or p.params["blocks_per_sm"] > 0),
+    Restriction("staged rows are normalised from shared memory: ln_rows is unused, so only ln_rows=2 is tried",
+                lambda p, _: p.params["stage_rows"] == 0 or p.params["ln_rows"] == 2),
+    # Not tied to ln_rows (unused with ln_lanes > 0): a re-tune's restart from an older winner sets
+    # ln_lanes alone, and must stay feasible.
+    Restriction("ln_lanes > 0 loads rows itself: only with stage_rows=0",
+                lambda p, _: p.params["ln_lanes"] == 0 or p.params["stage_rows"] == 0),
+    Restriction("ln_lanes must split P into float4s, at most 8 per lane and row",
+                lambda p, _: p.params["ln_lanes"] == 0 or (p.widths["P"] % (4 * p.params["ln_lanes"]) == 0
+                                                           and p.widths["P"] // (4 * p.params["ln_lanes"]) <= 8)),
+)
+
+_TILED_SPACE = {"threads": (64, 128, 256, 512), "tn": (4, 8), "unroll": (1, 2, 4), "ln_rows": (2, 4, 8),
+                "weights_smem": (True, False), "blocks_per_sm": (0, 1, 2, 4),
+                "stage_rows": (0, 1, 2), "ln_lanes": (0, 4, 8)}
+
+TILED = Strategy(
+    name="tiled",
+    summary="a block computes tile_rows consecutive pairs; the MLP as register-tiled matrix products",
+    space={"tile_rows": (32, 64, 128), **_TILED_SPACE},
+    derive=_derive_tiled,
+    restrictions=_TILED_RESTRICTIONS,
+)
+
+SYMMETRIC_TILED = Strategy(
+    name="symmetric_tiled",
+    summary="tiled over blocks (bi <= bj) of the pair grid; each pair computed once, written twice",
+    space={"tile_side": (4, 8, 16), **_TILED_SPACE},
+    derive=_derive_symmetric_tiled,
+    restrictions=_TILED_RESTRICTIONS,
+)
+
+
+class ContactSpec(OpSpec):
+    # stage_rows and ln_lanes came after the first tuned entries: 0 is the kernel they ran.
+    added_params = {"tiled": {"stage_rows": 0, "ln_lanes": 0}, "symmetric_tiled": {"stage_rows": 0, "ln_lanes": 0}}
+    name = "contact"
+    width_names = ("P", "H")
+    strategies = {s.name: s for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED)}
+    # tn=4: with tn=8 the P=128, H=64 build spilled 8 B (NVRTC 13.0, sm_90); every tuned winner so far has tn=4.
+    # The first point: the seed's fastest (6.7 us of kernel, CUPTI, H200; ln_lanes 4 took the
+    # seed's tiled winner from 10.8 to 8.4 us). The second, the earlier default, serves any P % 4 == 0.
+    default_points = (
+        ("symmetric_tiled", {"tile_side": 4, "threads": 64, "tn": 4, "unroll": 2, "ln_rows": 2,
+                             "weights_smem": True, "blocks_per_sm": 0, "stage_rows": 0, "ln_lanes": 4}),
+        ("symmetric_tiled", {"tile_side": 8, "threads": 256, "tn": 4, "unroll": 2, "ln_rows": 4,
+                             "weights_smem": False, "blocks_per_sm": 2, "stage_rows": 0, "ln_lanes": 0}),
+        ("thread_per_pair", {"threads": 128, "chunk": 4, "weights_smem": False, "symmetric": True}),
+    )
+    presets = {
+        "seed": ({"B": 4, "N": 64, "P": 64, "H": 32},),
+        "real": ({"B": 1, "N": 256, "P": 128, "H": 128}, {"B": 1, "N": 512, "P": 128, "H": 128},
+                 {"B": 1, "N": 1024, "P": 128, "H": 64}),
+    }
+    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5)}
+
+    def constructor_args(self, widths: dict) -> dict:
+        return {"pair_dim": widths["P"], "hidden_dim": widths["H"]}
+
+    def cost(self, shape: dict) -> Cost:
+        B, N, P, H = (shape[k] for k in ("B", "N", "P", "H"))
+        pairs = B * N * N
+        flops = pairs * (2 * (P * H + H * H + H) + 10 * P)
+        return Cost(bytes=4.0 * (pairs * P + pairs + P * H + H * H), flops=float(flops))
+
+
+CONTACT = ContactSpec()

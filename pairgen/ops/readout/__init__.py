@@ -1,0 +1,16 @@
+"""The scene-graph pair readout: a per-pair MLP, the masked max over partners, LayerNorm, residual.
+
+reference.py  the reference module and its test inputs
+spec.py       strategies, search space, restrictions, defaults, plans (no torch)
+module.py     the drop-in module, its held scratch, and the strategies' runners
+"""
+from .module import PairReadout
+from .reference import PairReadoutReference, make_inputs, random_edge_mask
+from .spec import (GEMM_SCRATCH_ALIGN, PROLOGUE_COLS, PROLOGUE_ROWS, PROLOGUE_THREADS, READOUT, gemm_scratch_offsets,
+                   pair_max_scratch, prologue_blocks, row_tiles, split_scratch_floats, weight_offsets)
+
+READOUT.bind(PairReadoutReference, PairReadout, make_inputs)
+
+__all__ = ["GEMM_SCRATCH_ALIGN", "PROLOGUE_COLS", "PROLOGUE_ROWS", "PROLOGUE_THREADS", "READOUT", "PairReadout",
+           "PairReadoutReference", "gemm_scratch_offsets", "make_inputs", "pair_max_scratch", "prologue_blocks",
+           "random_edge_mask", "row_tiles", "split_scratch_floats", "weight_offsets"]

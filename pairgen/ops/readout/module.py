@@ -1,0 +1,186 @@
+"""The pair readout's drop-in module: validation, packed weights, held scratch, the strategies' runners."""
+from __future__ import annotations
+
+import torch
+
+from ...modules import (HeldBuffer, KernelModule, PackedParameters, check_float_tensor, contiguous_aligned,
+                        fp32_matmul, grow_held)
+from .reference import PairReadoutReference
+from .spec import DIRECT, GEMM, READOUT, SPLIT, gemm_scratch_offsets, pair_max_scratch, row_tiles, weight_offsets
+
+
+def _run_pair_max(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out, with_uv: bool) -> None:
+    """split (node prologue, then the pair-max kernel) and direct (the pair-max kernel alone)."""
+    B, N, D = nodes.shape
+    device, weights = nodes.get_device(), module._weights.get().data_ptr()
+    launches = variant.launches(device, B, N, programmatic=module.programmatic_main)
+    main = launches[0]
+    j_split = variant.plan.params["j_split"]
+    # Scratch for U (with b1) and V of every node, (B*N, 2H), written by the split prologue,
+    # then the j split's partial maxima and flags.
+    at = pair_max_scratch(B, N, D, module.widths["H"], j_split, with_uv)
+    base = module._split_scratch(device, at["total"]) if at["total"] else 0
+    uv = base + 4 * at["uv"] if with_uv else 0
+    partials = base + 4 * at["partials"] if j_split > 1 else 0
+    counters = module._tile_counters(device, row_tiles(B, N, variant.plan.params["tile_i"])) if j_split > 1 else 0
+    if with_uv:
+        prologue = launches[1]
+        prologue(nodes.data_ptr(), weights, uv, *prologue.tail)
+    main(nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), weights, uv, partials, counters,
+         out.data_ptr(), *main.tail)
+
+
+def run_split(module, variant, nodes, pair_feats, edge_mask, out) -> None:
+    _run_pair_max(module, variant, nodes, pair_feats, edge_mask, out, with_uv=True)
+
+
+def run_direct(module, variant, nodes, pair_feats, edge_mask, out) -> None:
+    _run_pair_max(module, variant, nodes, pair_feats, edge_mask, out, with_uv=False)
+
+
+def run_gemm(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -> None:
+    """Prologue -> hidden kernel -> fp32 mm -> pool kernel, all on the current stream, on one
+    scratch buffer (hidden, messages, uv) from the caching allocator, held until all are enqueued."""
+    B, N, D = nodes.shape
+    H, pairs = module.widths["H"], B * N * N
+    hidden_kernel, prologue, pool = variant.launches(nodes.get_device(), B, N)
+    packed = module._weights.get()
+    weights = packed.data_ptr()
+    at = gemm_scratch_offsets(B, N, D, H)
+    scratch = torch.empty(at["total"], device=nodes.device, dtype=torch.float32)
+    hidden = scratch[at["hidden"]: at["hidden"] + pairs * H].view(pairs, H)
+    messages = scratch[at["messages"]: at["messages"] + pairs * D].view(pairs, D)
+    uv = scratch.data_ptr() + 4 * at["uv"]
+    prologue(nodes.data_ptr(), weights, uv, *prologue.tail)
+    hidden_kernel(pair_feats.data_ptr(), uv, weights, hidden.data_ptr(), *hidden_kernel.tail)
+    # messages = hidden W2^T without b2: the pool kernel adds it after the max (gemm.cu.j2 says why).
+    w2t = packed[module._w2t_at: module._w2t_at + H * D].view(H, D)
+    with fp32_matmul():
+        torch.mm(hidden, w2t, out=messages)
+    pool(messages.data_ptr(), edge_mask.data_ptr(), nodes.data_ptr(), weights, out.data_ptr(), *pool.tail)
+
+
+class PairReadout(KernelModule, PairReadoutReference):
+    """Drop-in for PairReadoutReference: same constructor, submodules and state_dict.
+
+    CUDA float32 inputs run the tuned kernel; CPU inputs or other dtypes run the reference.
+    `edge_mask` may be bool or floating-point: a float mask is read as `edge_mask != 0`, so 0/1
+    masks behave as the reference's bool ones (and a NaN entry counts as an edge).
+
+    Scratch of the split and direct strategies (U/V of every node, a j split's partial maxima)
+    and a j split's per-tile arrival counters are held by the module, grown when a larger call
+    needs more and never freed while the module lives (a captured CUDA graph may point at them;
+    a capture that needs more gets buffers of its own). The gemm strategy's scratch (hidden layers
+    and messages, B*N*N*(H + D) floats: 805 MB at B16 N128 D256 H512) comes from torch's
+    stream-aware caching allocator on every call instead. The gemm strategy's matmul runs in
+    fp32 even where the caller allowed TF32 (fp32_matmul). Two launches of the SAME module on
+    different streams at once would share the held buffers (as would a graph replay overlapping
+    a call on another stream): use one module per concurrent stream.
+    """
+
+    op = READOUT
+    runners = {SPLIT.name: run_split, DIRECT.name: run_direct, GEMM.name: run_gemm}
+    _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_counters", "_scratch")
+    #: Counters allocated at least this many at a time (4 KB), so growth is rare.
+    MIN_COUNTERS = 1024
+    #: split: launch the main kernel as a programmatic dependent of the node prologue (sm_90+),
+    #: so that its blocks stage their weights while the prologue runs (_pair_max.cuh.j2). False
+    #: launches it after the prologue has finished (the tests compare the two).
+    programmatic_main = True
+
+    def __init__(self, node_dim: int, pair_dim: int, hidden_dim: int):
+        super().__init__(node_dim, pair_dim, hidden_dim)
+        self.widths = {"D": int(node_dim), "P": int(pair_dim), "H": int(hidden_dim)}
+        l1, l2, ln = self.fuse[0], self.fuse[2], self.norm
+        slots = ((l1, "weight"), (l1, "bias"), (l2, "weight"), (l2, "bias"), (ln, "weight"), (ln, "bias"))
+        self._weights = PackedParameters(slots, self._pack)
+        self._ln_params = ln._parameters  # the validation's dtype and device, without __getattr__
+        self._w2t_at = weight_offsets(node_dim, pair_dim, hidden_dim)["w2t"]  # gemm: W2^T's place in the pack
+        self._counters: HeldBuffer | None = None  # the j split's arrival counters
+        self._scratch: HeldBuffer | None = None   # the split and direct strategies' scratch
+
+    def reference_forward(self, nodes, pair_feats, edge_mask):
+        return PairReadoutReference.forward(self, nodes, pair_feats, edge_mask)
+
+    def forward(self, nodes, pair_feats, edge_mask):
+        self._validate(nodes, pair_feats, edge_mask)
+        if edge_mask.dtype is not torch.bool:
+            edge_mask = edge_mask != 0  # the reference's ~edge_mask needs bool; the kernels read bytes
+        return self._dispatch(nodes, pair_feats, edge_mask)
+
+    def _validate(self, nodes, pair_feats, edge_mask) -> None:
+        D, P = self.widths["D"], self.widths["P"]
+        weight = self._ln_params["weight"]
+        check_float_tensor("nodes", nodes, 3, weight)
+        check_float_tensor("pair_feats", pair_feats, 4, weight)
+        B, N = nodes.shape[0], nodes.shape[1]
+        # Plain ifs: a message is formatted only on failure.
+        if nodes.shape[2] != D:
+            raise ValueError(f"nodes must have shape (B, N, {D}), got {tuple(nodes.shape)}")
+        if pair_feats.shape != (B, N, N, P):
+            raise ValueError(f"pair_feats must have shape (B, N, N, {P}) = {(B, N, N, P)} for nodes of shape "
+                             f"{tuple(nodes.shape)}, got {tuple(pair_feats.shape)}")
+        if not isinstance(edge_mask, torch.Tensor):
+            raise ValueError(f"edge_mask must be a torch.Tensor, got {type(edge_mask).__name__}")
+        if edge_mask.dtype is not torch.bool and not edge_mask.dtype.is_floating_point:
+            raise ValueError(f"edge_mask must be bool or floating-point 0/1, got dtype {edge_mask.dtype}")
+        if edge_mask.shape != (B, N, N):
+            raise ValueError(f"edge_mask must have shape (B, N, N) = {(B, N, N)}, got {tuple(edge_mask.shape)}")
+        if edge_mask.device != nodes.device:
+            raise ValueError(f"nodes, pair_feats and edge_mask must be on one device, got {nodes.device}, "
+                             f"{pair_feats.device}, {edge_mask.device}")
+
+    def _pack(self, params: list) -> torch.Tensor:
+        """[W_i^T | W_j^T] | W_p^T | b1 | W2^T | b2 | gamma | beta, at the offsets of weight_offsets()."""
+        w1, b1, w2, b2, gamma, beta = (p.float() for p in params)
+        D, P, H = self.widths["D"], self.widths["P"], self.widths["H"]
+        off = weight_offsets(D, P, H)
+        wuvt = torch.cat([w1[:, :D].t(), w1[:, D:2 * D].t()], dim=1)  # [D][2H]
+        packed = torch.zeros(off["total"], device=w1.device, dtype=torch.float32)
+        for name, value in (("wuvt", wuvt), ("wpt", w1[:, 2 * D:].t()), ("b1", b1), ("w2t", w2.t()), ("b2", b2),
+                            ("gamma", gamma), ("beta", beta)):
+            packed[off[name]: off[name] + value.numel()] = value.reshape(-1)
+        return packed
+
+    def packed_weights(self) -> torch.Tensor:
+        """The weights in the kernels' layout (rebuilt only after a parameter changed)."""
+        return self._weights.get()
+
+    def uses_kernel(self, nodes, pair_feats, edge_mask) -> bool:
+        # CUDA float32 (validated: one device, one dtype). The kernels index pairs with 32-bit
+        # ints; B*N*N*P >= 2^31 runs the reference.
+        if not (nodes.is_cuda and nodes.dtype is torch.float32):
+            return False
+        B, N = nodes.shape[0], nodes.shape[1]
+        return B * N * N * self.widths["P"] < 2**31 and B * N * 2 * self.widths["H"] < 2**31
+
+    def _tile_counters(self, index: int, count: int) -> int:
+        """At least `count` zeroed arrival counters on device `index`, for the j split's "last
+        block done" (each launch leaves them zeroed)."""
+        held = self._counters
+        if held is None or held.index != index or count > held.capacity:
+            held = self._counters = grow_held(held, index, max(count, self.MIN_COUNTERS), torch.int32, zeroed=True)
+        return held.ptr
+
+    def _split_scratch(self, index: int, floats: int) -> int:
+        """At least `floats` of scratch on device `index` for a split or direct launch (U/V, the
+        j split's partial maxima): held by the module, not allocated per call, since at the seed
+        shape the host path is most of a call and a torch.empty was 5.3 of its 34 us (H200 host)."""
+        held = self._scratch
+        if held is None or held.index != index or floats > held.capacity:
+            held = self._scratch = grow_held(held, index, floats, torch.float32, zeroed=False)
+        return held.ptr
+
+    def _launch(self, nodes, pair_feats, edge_mask, out=None, variant=None):
+        # Rows on 16-byte boundaries: the kernels read them with float4 loads and cp.async.
+        nodes, pair_feats = contiguous_aligned(nodes), contiguous_aligned(pair_feats)
+        if edge_mask.dtype is not torch.bool:
+            edge_mask = edge_mask != 0
+        edge_mask = edge_mask.contiguous()
+        B, N, D = nodes.shape
+        if out is None:
+            out = torch.empty((B, N, D), device=nodes.device, dtype=torch.float32)
+        if out.numel() == 0:
+            return out
+        self._run(variant or self.variant_for(N, nodes.device), nodes, pair_feats, edge_mask, out)
+        return out

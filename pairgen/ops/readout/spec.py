@@ -1,0 +1,385 @@
+"""The pair readout's spec: strategies, search spaces, restrictions, defaults, plans.
+
+Three strategies:
+  direct  one kernel: per pair, the first Linear over [h_i | h_j | p_ij], the second Linear, and a
+          running max over j, per tile of rows i (templates/readout/_pair_max.cuh.j2).
+  split   the same kernel after a node prologue (U = nodes W_i^T + b1, V = nodes W_j^T), so a pair
+          needs only U_i + V_j + W_p p_ij.
+  gemm    large shapes: the node prologue, a kernel writing every pair's hidden layer to scratch,
+          cuBLAS for the second Linear (TF32 forced off), a pool kernel (masked max, LayerNorm,
+          residual). Scratch B*N*N*(H + D) floats per call: 805 MB at B16 N128 D256 H512.
+"""
+from __future__ import annotations
+
+from ...spec import (Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, ceil_div,
+                     cuda_bool, padded_stride, section_offsets, smem_fits)
+
+#: The pair-max kernel (split, direct): nodes, pair features, mask, weights, uv, scratch, counters,
+#: out, then B, N, row tiles.
+PAIR_MAX_ARGS = ("ptr",) * 8 + ("i32",) * 3
+#: The node prologue: nodes, weights, uv, then the node rows B*N.
+NODES_ARGS = ("ptr",) * 3 + ("i32",)
+#: The gemm strategy's hidden kernel: pair features, uv, weights, hidden, then B, N, tiles.
+HIDDEN_ARGS = ("ptr",) * 4 + ("i32",) * 3
+#: Its pool kernel: messages, mask, nodes, weights, out, then B, N.
+POOL_ARGS = ("ptr",) * 5 + ("i32",) * 2
+
+
+def weight_offsets(D: int, P: int, H: int) -> dict[str, int]:
+    """Packed-weight layout shared with templates/readout/_common.cuh.j2 (16-byte sections).
+
+    wuvt is [D][2H]: row k holds W_i^T[k] then W_j^T[k] (the first Linear's node columns), so
+    the node prologue computes U and V as one product, and the direct strategy reads W_i^T and
+    W_j^T as two [D][H] matrices of row stride 2H. The sections the main kernel of the split
+    strategy needs (wpt onwards) are contiguous, so only they are staged in shared memory.
+    """
+    sizes = [("wuvt", D * 2 * H), ("wpt", P * H), ("b1", H), ("w2t", H * D), ("b2", D), ("gamma", D), ("beta", D)]
+    return section_offsets(sizes)
+
+
+#: Node rows per block of the gemm strategy's prologue kernel (split tunes it; see _nodes.cuh.j2).
+#: The gemm strategy runs large B*N, where the prologue is bound by throughput, not latency: each
+#: weight float4 a thread loads serves PROLOGUE_ROWS rows (L2 reads of the weights ~ rows / 8).
+#: 16 would double the accumulators (64 registers next to 64 of weights in flight) and need 32 KB
+#: of partial sums, over the 48 KB static shared memory with D = 512's 32 KB of node rows.
+PROLOGUE_ROWS = 8
+#: Threads per prologue block: 4 warps, each a quarter of the k loop (D/4 k-steps) for the same
+#: 128 columns, lane l taking a float4 of them. The former 64 threads walking all D k-steps each
+#: ran 8.9 us at the seed shape (issued IPC 0.22, stalled on weight loads: _nodes.cuh.j2).
+PROLOGUE_THREADS = 128
+#: Columns of 2H per prologue block: 32 lanes x a float4.
+PROLOGUE_COLS = 128
+
+
+def prologue_blocks(rows: int, H: int, prologue_rows: int = PROLOGUE_ROWS) -> int:
+    """Blocks of the node prologue: prologue_rows node rows by PROLOGUE_COLS of the 2H columns
+    (block b: rows from (b // column blocks) * prologue_rows, columns from (b % column blocks) * 128)."""
+    return ceil_div(rows, prologue_rows) * ceil_div(2 * H, PROLOGUE_COLS)
+
+
+def _nodes_kernel(name: str, H: int, prologue_rows: int) -> Kernel:
+    """The node prologue (U with b1, and V, of every node): the split and gemm strategies' first launch."""
+
+    def grid(B, N, sms, resident, _H=H, _rows=prologue_rows):
+        return prologue_blocks(B * N, _H, _rows), (B * N,)
+
+    return Kernel(f"{name}_nodes", PROLOGUE_THREADS, 0, NODES_ARGS, grid)
+
+
+def min_blocks_per_sm(smem_bytes: int, threads: int, limits: DeviceLimits, registers: int = 128) -> int:
+    """The blocks per SM that shared memory and threads allow, capped so a thread keeps at
+    least `registers` registers: the kernel's __launch_bounds__ minimum (see _pair_max.cuh.j2).
+    Computed for the sm_90 limits, so a rendered source does not depend on the GPU it is for."""
+    by_smem = limits.smem_per_sm // (smem_bytes + 1024)  # 1 KB per block reserved by the driver
+    by_threads = limits.max_threads_per_sm // threads
+    by_registers = 65536 // (threads * registers)
+    return max(1, min(by_smem, by_threads, by_registers))
+
+
+# ---- split and direct ---------------------------------------------------------------------------
+
+def row_tiles(B: int, N: int, tile_i: int) -> int:
+    """Tiles of rows i, each owned by j_split blocks (and one arrival counter)."""
+    return B * ceil_div(N, tile_i)
+
+
+def _pair_max_grid(tile_i: int, j_split: int):
+    """j_split consecutive blocks per tile of rows i."""
+
+    def grid(B, N, sms, resident, _ti=tile_i, _js=j_split):
+        tiles = row_tiles(B, N, _ti)
+        return max(1, tiles * _js), (B, N, tiles)
+
+    return grid
+
+
+def split_scratch_floats(B: int, N: int, D: int, j_split: int) -> int:
+    """Global scratch of the j split, in 4-byte words: the partial maxima (B*N*j_split*D floats),
+    then one int flag per (node, split) (see _pool.cuh.j2); 0 without a split."""
+    return 0 if j_split == 1 else B * N * j_split * (D + 1)
+
+
+def pair_max_scratch(B: int, N: int, D: int, H: int, j_split: int, with_uv: bool) -> dict[str, int]:
+    """The split and direct strategies' scratch at (B, N), in 4-byte words from its start: uv
+    (split only: U, V of every node, B*N*2H), then the j split's partials and flags; "total" its length."""
+    uv = B * N * 2 * H if with_uv else 0
+    return {"uv": 0, "partials": uv, "total": uv + split_scratch_floats(B, N, D, j_split)}
+
+
+def _pair_max_context(params: dict, w: dict, split: bool) -> tuple[dict, int]:
+    """The pair-max kernel's context and its shared-memory bytes."""
+    D, P, H = w["D"], w["P"], w["H"]
+    off = weight_offsets(D, P, H)
+    tile_i, tile_j, threads = params["tile_i"], params["tile_j"], params["threads"]
+    threads_n, tn = params["threads_n"], params["tn"]
+    threads_m = threads // threads_n
+    pairs = tile_i * tile_j
+    # The main kernel of the split strategy never reads wuvt: it stages from wpt onwards.
+    smem_first = off["wpt"] if split else 0
+    context = {
+        "D": D, "P": P, "H": H, "off": off, "split": cuda_bool(split),
+        "smem_first": smem_first, "weights_smem": cuda_bool(params["weights_smem"]),
+        "tile_i": tile_i, "tile_j": tile_j, "tile_pairs": pairs, "threads": threads,
+        "threads_n": threads_n, "threads_m": threads_m, "tn": tn, "tm": pairs // threads_m,
+        "cols": threads_n * tn, "unroll": params["unroll"], "j_split": params["j_split"],
+        "p_stride": padded_stride(P), "h_stride": padded_stride(H), "d_stride": padded_stride(D),
+        "prologue_rows": params.get("prologue_rows", PROLOGUE_ROWS), "prologue_threads": PROLOGUE_THREADS,
+        "prologue_cols": PROLOGUE_COLS,
+    }
+    floats = (pairs * context["p_stride"]            # pair features of the tile
+              + pairs * context["h_stride"]          # hidden activations of the tile
+              + threads_m * context["d_stride"]      # running max, one row per thread row
+              + align(pairs) + align(threads_m))     # pair validity, per-row "any valid edge"
+    if not split:
+        floats += (tile_i + tile_j) * context["d_stride"]  # node rows i and j
+    if params["weights_smem"]:
+        floats += off["total"] - smem_first
+    # The j split adds no shared memory: its partials go to global scratch, and the "last
+    # block" answer travels by __syncthreads_or.
+    context["smem_floats"] = floats
+    context["min_blocks"] = min_blocks_per_sm(4 * floats, threads, DeviceLimits())
+    return context, 4 * floats
+
+
+def _derive_direct(params: dict, w: dict, name: str):
+    context, smem = _pair_max_context(params, w, split=False)
+    grid = _pair_max_grid(params["tile_i"], params["j_split"])
+    return context, (Kernel(name, params["threads"], smem, PAIR_MAX_ARGS, grid),)
+
+
+def _derive_split(params: dict, w: dict, name: str):
+    """The pair-max kernel (declared first: the restrictions read its block) runs after the node
+    prologue, as its programmatic dependent: it stages its weights while the prologue runs."""
+    context, smem = _pair_max_context(params, w, split=True)
+    grid = _pair_max_grid(params["tile_i"], params["j_split"])
+    return context, (Kernel(name, params["threads"], smem, PAIR_MAX_ARGS, grid, mode="programmatic"),
+                     _nodes_kernel(name, w["H"], params["prologue_rows"]))
+
+
+def _columns_divide_widths(plan: Plan, limits: DeviceLimits) -> bool:
+    cols = plan.context["cols"]
+    return plan.widths["D"] % cols == 0 and plan.widths["H"] % cols == 0
+
+
+def _thread_layout_ok(plan: Plan, limits: DeviceLimits) -> bool:
+    c = plan.context
+    return (plan.threads % c["threads_n"] == 0 and c["threads_m"] % c["tile_i"] == 0
+            and c["tm"] >= 1 and c["tm"] * c["threads_m"] == c["tile_pairs"])
+
+
+def _widths_vectorise(plan: Plan, limits: DeviceLimits) -> bool:
+    return all(plan.widths[k] % 4 == 0 for k in ("D", "P", "H"))
+
+
+_RESTRICTIONS = (
+    Restriction("D, P and H must be multiples of 4 (float4 reads)", _widths_vectorise),
+    Restriction("threads_n * tn (columns per pass) must divide D and H", _columns_divide_widths),
+    Restriction("threads must split into threads_n columns and rows that divide the pair tile, "
+                "with tile_i dividing the rows (a thread's pairs share one node i)", _thread_layout_ok),
+    Restriction("at most 64 accumulators per thread", lambda p, _: p.context["tm"] * p.params["tn"] <= 64),
+    Restriction("shared memory exceeds the per-block limit", smem_fits),
+)
+
+# threads_n = 2 with tn = 4 (8 columns per pass) is what makes every D, H multiple of 8 feasible.
+# threads_n 24 (96 columns per pass, with threads 192 or 384) fits widths that are multiples of
+# 96, such as the seed's D = 96: one pass of the W2 product covers all of D. At the seed shape,
+# threads 192 with threads_n 24 and j_split 3 ran the main kernel in 12.2 us against 16.5 for the
+# best 128-thread point (CUPTI, warm L2, H200); threads_n 12 (48 columns) ran 23.3.
+# j_split: blocks sharing one tile of rows i, each taking every j_split-th tile of partners j
+# (small B*N leaves SMs idle otherwise); 3 and 6 fit j-tile counts such as 24/8 and 48/8.
+# tile_j 4 with j_split 6 gives the seed (N = 24) 144 blocks of 16 pairs, each with work. The
+# restrictions cannot see N, so points with more splits than j tiles at a length stay in the
+# space: the kernel runs them correctly (a split without a j tile only takes part in the
+# combine), and the tuner finds them slower.
+_SPACE = {"tile_i": (1, 2, 4, 8), "tile_j": (4, 8, 16, 32), "threads": (128, 192, 256, 384), "threads_n": (2, 4, 8, 16, 24),
+          "tn": (4, 8), "unroll": (2, 4), "weights_smem": (True, False), "j_split": (1, 2, 3, 4, 6, 8)}
+
+DIRECT = Strategy(
+    name="direct",
+    summary="per pair, the first Linear over [h_i | h_j | p_ij] as three register-tiled products; one launch",
+    space=dict(_SPACE),
+    derive=_derive_direct,
+    restrictions=_RESTRICTIONS,
+)
+
+SPLIT = Strategy(
+    name="split",
+    summary="U = nodes W_i^T + b1, V = nodes W_j^T once per node (a prologue kernel); per pair only "
+            "U_i + V_j + W_p p_ij",
+    # prologue_rows: node rows per prologue block (of 128 columns, the k loop split across its 4
+    # warps: _nodes.cuh.j2). 2 gives the seed (B*N = 96 rows, 2H = 384) 144 blocks, 8 gives it 36,
+    # reading the weights from L2 a quarter as often (what matters at B*N = 2048).
+    space={**_SPACE, "prologue_rows": (2, 8)},
+    derive=_derive_split,
+    restrictions=_RESTRICTIONS,
+)
+
+
+# ---- gemm ---------------------------------------------------------------------------------------
+
+def hidden_layout(tile: int, tm: int, tn: int, threads: int) -> dict:
+    """Thread layout of the gemm strategy's hidden kernel: threads_m rows of threads (tm pair rows
+    each) by threads_n columns (tn hidden columns each, cn per chunk). Zeros where the numbers do
+    not divide (a restriction then rejects the plan)."""
+    threads_m = tile // tm if tile % tm == 0 else 0
+    threads_n = threads // threads_m if threads_m and threads % threads_m == 0 else 0
+    return {"threads_m": threads_m, "threads_n": threads_n, "cn": threads_n * tn}
+
+
+def hidden_registers(tm: int, tn: int) -> int:
+    """Registers a thread of the gemm hidden kernel is granted. An 8x8 micro-tile needs ~168
+    (64 accumulators, the next k step's A and W_p float4s in flight: ptxas -v, sm_90): capped at
+    128 it spilled 24-104 bytes. Up to 32 accumulators fit 128 without spilling."""
+    return 128 if tm * tn <= 32 else 168
+
+
+def gemm_pool_blocks(nodes: int, pool_nodes: int) -> int:
+    """Blocks of the gemm strategy's pool kernel for B*N nodes."""
+    return max(1, ceil_div(nodes, pool_nodes))
+
+
+def gemm_pool_smem(D: int, pool_nodes: int, pool_warps: int) -> int:
+    """Bytes of the pool kernel's shared memory: the partial rows of every warp of a node but its
+    first, and one any-edge int per warp (gemm.cu.j2's combine_node_warps); none with one warp."""
+    if pool_warps == 1:
+        return 0
+    return 4 * (pool_nodes * (pool_warps - 1) * D + align(pool_nodes * pool_warps))
+
+
+#: Sections of the gemm scratch start on 256-byte boundaries (cuBLAS reads and writes two of them).
+GEMM_SCRATCH_ALIGN = 64
+
+
+def gemm_scratch_offsets(B: int, N: int, D: int, H: int) -> dict[str, int]:
+    """The gemm strategy's one scratch buffer, in floats: hidden (B*N*N, H), messages (B*N*N, D),
+    uv (B*N, 2H); "total" its length. B*N*N*(H + D) floats dominate: 805 MB at B16 N128 D256 H512."""
+    pairs = B * N * N
+    offsets, at = {}, 0
+    for name, size in (("hidden", pairs * H), ("messages", pairs * D), ("uv", B * N * 2 * H)):
+        offsets[name] = at
+        at = align(at + size, GEMM_SCRATCH_ALIGN)
+    offsets["total"] = at
+    return offsets
+
+
+def gemm_hidden_grid(tile: int):
+    """One block per tile of consecutive pairs of the flattened B*N*N."""
+
+    def grid(B, N, sms, resident, _tile=tile):
+        tiles = ceil_div(B * N * N, _tile)
+        return max(1, tiles), (B, N, tiles)
+
+    return grid
+
+
+def _derive_gemm(params: dict, w: dict, name: str):
+    """Kernels: the hidden kernel (declared first: the restrictions read its block), the node
+    prologue, the pool kernel; cuBLAS runs between the hidden and the pool kernels."""
+    D, P, H = w["D"], w["P"], w["H"]
+    layout = hidden_layout(params["tile"], params["tm"], params["tn"], params["threads"])
+    tile, staged = params["tile"], params["weights_smem"]
+    pool_threads = 32 * params["pool_nodes"] * params["pool_warps"]
+    pool_smem = gemm_pool_smem(D, params["pool_nodes"], params["pool_warps"])
+    context = {"D": D, "P": P, "H": H, "off": weight_offsets(D, P, H), "p_stride": padded_stride(P),
+               "tile": tile, "threads": params["threads"], "tm": params["tm"], "tn": params["tn"],
+               "unroll": params["unroll"], "weights_smem": cuda_bool(staged), **layout,
+               "prologue_rows": PROLOGUE_ROWS, "prologue_threads": PROLOGUE_THREADS,
+               "prologue_cols": PROLOGUE_COLS,
+               "pool_nodes": params["pool_nodes"], "pool_warps": params["pool_warps"],
+               "pool_threads": pool_threads, "pool_smem": pool_smem}
+    floats = (tile * context["p_stride"]                 # the tile's pair rows
+              + (P * layout["cn"] if staged else 0)      # a [P][cn] chunk of W_p
+              + 2 * tile)                                # each pair's uv rows (ints)
+    context["min_blocks"] = min_blocks_per_sm(4 * floats, params["threads"], DeviceLimits(),
+                                              hidden_registers(params["tm"], params["tn"]))
+
+    def pool_grid(B, N, sms, resident, _nodes=params["pool_nodes"]):
+        return gemm_pool_blocks(B * N, _nodes), (B, N)
+
+    return context, (Kernel(f"{name}_hidden", params["threads"], 4 * floats, HIDDEN_ARGS, gemm_hidden_grid(tile)),
+                     _nodes_kernel(name, H, PROLOGUE_ROWS),
+                     Kernel(f"{name}_pool", pool_threads, pool_smem, POOL_ARGS, pool_grid))
+
+
+def _hidden_layout_ok(plan: Plan, limits: DeviceLimits) -> bool:
+    return plan.context["threads_m"] > 0 and plan.context["threads_n"] > 0
+
+
+def _hidden_chunks_divide_h(plan: Plan, limits: DeviceLimits) -> bool:
+    return plan.context["cn"] > 0 and plan.widths["H"] % plan.context["cn"] == 0
+
+
+GEMM = Strategy(
+    name="gemm",
+    summary="large shapes: the split prologue (U, V per node); a hidden kernel writes SiLU(U_i + V_j + W_p p_ij) "
+            "of every pair to a (B*N*N, H) scratch; cuBLAS fp32 mm (TF32 forced off) gives the (B*N*N, D) "
+            "messages; a pool kernel takes the masked max over j, adds b2, LayerNorms and adds the residual. "
+            "Scratch per call: B*N*N*(H + D) floats (805 MB at B16 N128 D256 H512)",
+    # tile: pairs per block of the hidden kernel; tm x tn its micro-tile (tm = 1 makes 8 columns
+    # per chunk with 64-pair tiles: any H multiple of 8 at P up to 512); weights_smem: W_p staged
+    # per column chunk (else read through the cache). pool_nodes: nodes per block of the pool
+    # kernel; pool_warps: warps per node (its partners split between them), for small B*N.
+    space={"tile": (64, 128, 256), "threads": (128, 256), "tm": (1, 2, 4, 8), "tn": (4, 8), "unroll": (2, 4),
+           "weights_smem": (False, True), "pool_nodes": (1, 2, 4, 8), "pool_warps": (1, 2, 4)},
+    derive=_derive_gemm,
+    restrictions=(
+        Restriction("D, P and H must be multiples of 4 (float4 reads)", _widths_vectorise),
+        Restriction("tile, threads and micro-tile must form a thread layout (tile/tm rows of threads "
+                    "dividing threads)", _hidden_layout_ok),
+        Restriction("threads_n * tn (hidden columns per chunk) must divide H", _hidden_chunks_divide_h),
+        Restriction("at most 64 accumulators per thread", lambda p, _: p.params["tm"] * p.params["tn"] <= 64),
+        Restriction("shared memory exceeds the per-block limit", smem_fits),
+        Restriction("the pool kernel's block exceeds 1024 threads", lambda p, _: p.context["pool_threads"] <= 1024),
+    ),
+)
+
+
+class ReadoutSpec(OpSpec):
+    #: Parameters added after entries were tuned (and studies recorded), per strategy, with the value
+    #: that gives the kernel those entries ran: plan() fills them in where a point leaves them out.
+    added_params = {"split": {"j_split": 1, "prologue_rows": 8}, "direct": {"j_split": 1}}
+    name = "readout"
+    width_names = ("D", "P", "H")
+    strategies = {s.name: s for s in (SPLIT, DIRECT, GEMM)}
+    default_points = (
+        # Real widths (D, H multiples of 64): 64 columns per pass, 4 rows i x 16 partners j.
+        ("split", {"tile_i": 4, "tile_j": 16, "threads": 256, "threads_n": 8, "tn": 8, "unroll": 4,
+                   "weights_smem": False, "j_split": 1, "prologue_rows": 8}),
+        # Widths with D and H multiples of 96 (the seed's): 96 columns per pass, one W2 pass over
+        # D = 96; 12.2 against 16.5 us for the next point at the seed shape (H200).
+        ("split", {"tile_i": 4, "tile_j": 8, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4,
+                   "weights_smem": True, "j_split": 3, "prologue_rows": 2}),
+        # Seed widths (D = 96): 32 columns per pass.
+        ("split", {"tile_i": 2, "tile_j": 16, "threads": 128, "threads_n": 8, "tn": 4, "unroll": 4,
+                   "weights_smem": False, "j_split": 1, "prologue_rows": 2}),
+        # Any D, P, H multiple of 8: 8 columns per pass.
+        ("split", {"tile_i": 8, "tile_j": 8, "threads": 128, "threads_n": 2, "tn": 4, "unroll": 2,
+                   "weights_smem": False, "j_split": 1, "prologue_rows": 8}),
+        # gemm, for the tuner's defaults (complete_point) and the widths no split point fits: 8x8
+        # micro-tiles, 64 hidden columns per chunk (every preset width; unroll 4 spilled 4 bytes at
+        # P = 16, where it unrolls the whole k loop); then 8 columns of 64-pair tiles (any D, P, H
+        # multiple of 8 up to 512, e.g. D=504 H=496, whose split tiles outgrow shared memory).
+        ("gemm", {"tile": 128, "threads": 128, "tm": 8, "tn": 8, "unroll": 2, "weights_smem": False,
+                  "pool_nodes": 4, "pool_warps": 2}),
+        ("gemm", {"tile": 64, "threads": 128, "tm": 1, "tn": 4, "unroll": 4, "weights_smem": False,
+                  "pool_nodes": 4, "pool_warps": 2}),
+    )
+    presets = {
+        "seed": ({"B": 4, "N": 24, "D": 96, "P": 16, "H": 192},),
+        "real": ({"B": 8, "N": 64, "D": 128, "P": 32, "H": 256}, {"B": 16, "N": 128, "D": 256, "P": 64, "H": 512}),
+    }
+    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5)}
+
+    def constructor_args(self, widths: dict) -> dict:
+        return {"node_dim": widths["D"], "pair_dim": widths["P"], "hidden_dim": widths["H"]}
+
+    def cost(self, shape: dict) -> Cost:
+        """Bytes and FLOPs of the reference formula (the direct form)."""
+        B, N, D, P, H = (shape[k] for k in ("B", "N", "D", "P", "H"))
+        pairs = B * N * N
+        flops = pairs * (2 * ((2 * D + P) * H + H * D) + 4 * H + 2 * D) + B * N * 10 * D
+        weights = (2 * D + P) * H + H + H * D + 3 * D
+        return Cost(bytes=4.0 * (pairs * P + 2 * B * N * D + weights) + pairs, flops=float(flops))
+
+
+READOUT = ReadoutSpec()

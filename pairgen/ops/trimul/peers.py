@@ -1,0 +1,35 @@
+"""Peers scripts/bench.py times beside the triangle update: cuEquivariance's fused kernel."""
+from __future__ import annotations
+
+import torch
+
+
+def cuequivariance_peer(name: str, module, inputs: tuple):
+    """cuEquivariance's fused triangle update in its fp32 mode (precision="ieee"), on the
+    module's weights. It gates the output on the normalised input, so it computes this
+    module's function for gate_on="normalized"; for gate_on="input" it is timed as the
+    nearest equivalent (same shapes and work). A string says why it cannot run here."""
+    try:
+        from cuequivariance_torch import triangle_multiplicative_update
+    except Exception as exc:  # not installed, or its CUDA libraries do not load here
+        return f"cuequivariance_torch is not importable ({type(exc).__name__}: {exc})"
+    x, mask = inputs
+    m = module
+    bias = m.widths["bias"]
+
+    def cat(first, second):
+        return torch.cat([first, second]) if first is not None else None
+
+    weights = dict(
+        norm_in_weight=m.layer_norm_in.weight, norm_in_bias=m.layer_norm_in.bias,
+        p_in_weight=cat(m.proj_a.weight, m.proj_b.weight), g_in_weight=cat(m.gate_a.weight, m.gate_b.weight),
+        p_in_bias=cat(m.proj_a.bias, m.proj_b.bias) if bias else None,
+        g_in_bias=cat(m.gate_a.bias, m.gate_b.bias) if bias else None,
+        norm_out_weight=m.layer_norm_out.weight, norm_out_bias=m.layer_norm_out.bias,
+        p_out_weight=m.out_proj.weight, p_out_bias=m.out_proj.bias if bias else None,
+        g_out_weight=m.out_gate.weight, g_out_bias=m.out_gate.bias if bias else None)
+    weights = {k: (v.detach() if v is not None else None) for k, v in weights.items()}
+    direction = "outgoing" if m.widths["outgoing"] else "incoming"
+    float_mask = mask.to(x.dtype)
+    return lambda: triangle_multiplicative_update(x, direction, mask=float_mask, eps=1e-5,
+                                                  precision="ieee", **weights)

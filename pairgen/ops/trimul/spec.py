@@ -1,0 +1,247 @@
+"""The triangle update's spec: strategies, search spaces, restrictions, defaults, plans.
+
+Two strategies:
+  bmm    a projection kernel writes a, b in (B*H, N, N) layout, cuBLAS bmm forms the triangle sums
+         (the transposes that the direction needs are cuBLAS flags, no copies), an output kernel
+         reads the bmm result in place. Right for every N; the GEMMs dominate at N >= 256.
+  fused  one cooperative kernel: projection, grid-wide barrier, triangle sums + output. For small N,
+         where three launches and a cuBLAS call cost more than the work. Its triangle sums read a
+         and b from global memory per (pair, channel) (tri_smem=False), or stage them in shared
+         memory per row tile (tri_smem=True); both in templates/trimul/_triangle.cuh.j2.
+"""
+from __future__ import annotations
+
+from ...spec import (Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, ceil_div,
+                     cuda_bool, padded_stride, section_offsets, smem_fits)
+
+#: The projection kernel: x, mask, weights, a, b, then B, N, tiles, and whether the mask is float.
+PROJECT_ARGS = ("ptr",) * 5 + ("i32",) * 4
+#: The output kernel: x, the triangle sums z, weights, out, then B, N, tiles.
+OUTPUT_ARGS = ("ptr",) * 4 + ("i32",) * 3
+#: The fused kernel: x, mask, weights, a, b, the barrier's ints, out, then B, N, work, mask is float.
+FUSED_ARGS = ("ptr",) * 7 + ("i32",) * 4
+
+
+def weight_offsets(P: int, H: int, bias: bool) -> dict[str, int]:
+    """Float offsets of each section of the packed weights (shared with templates/trimul/_widths.cuh.j2),
+    16-byte aligned; bias sections are empty without bias."""
+    nb = 1 if bias else 0
+    sizes = [("ln_in_g", P), ("ln_in_b", P), ("wp", P * 4 * H), ("bp", nb * 4 * H), ("ln_out_g", H), ("ln_out_b", H),
+             ("wo", H * P), ("bo", nb * P), ("wg", P * P), ("bg", nb * P)]
+    return section_offsets(sizes)
+
+
+O_TN = 4          # output columns per thread in each of the output kernel's two products (fused; bmm tunes o_tn)
+LN_ROWS = 4       # LayerNorm rows in flight per warp (the contact head's tuning never moved off 4)
+_LANE_PREFERENCE = (8, 16, 4, 32, 2, 1)  # rows per warp: 8 gives one-wavefront reads, full-sector stores
+
+
+def gemm_layout(tile: int, tm: int, tn: int, threads: int) -> dict:
+    """Thread layout of a tile_gemm: THREADS_M x THREADS_N threads, LANES_M rows per warp
+    (tile_map.cuh). Zeros where the numbers do not divide (a restriction then rejects the plan)."""
+    threads_m = tile // tm if tile % tm == 0 else 0
+    threads_n = threads // threads_m if threads_m and threads % threads_m == 0 else 0
+    lanes_m = next((lanes for lanes in _LANE_PREFERENCE
+                    if threads_m and threads_n and threads_m % lanes == 0 and threads_n % (32 // lanes) == 0), 0)
+    return {"threads_m": threads_m, "threads_n": threads_n, "lanes_m": lanes_m, "cn": threads_n * tn}
+
+
+TRI_KC = 32              # k rows per stage of the staged triangle sums: one stage covers N <= 32 (the seed)
+TRI_BUDGET = 96 * 1024   # bytes for its two stage buffers: two blocks per SM (blocks_per_sm 2) still fit
+
+
+def triangle_staging(o_tile: int, H: int, outgoing: bool) -> dict:
+    """Shared-memory layout of the fused strategy's staged triangle sums (_triangle.cuh.j2). A stage
+    holds hc channels x TRI_KC k rows of a row tile's a vector and its o_tile b vectors:
+      a  [hc][k], rows of a_stride floats (== 4 mod 32: two channels' float4 reads in distinct banks);
+      b  [hc][k][t] incoming, [hc][t][k] outgoing: the index that is contiguous in global memory is
+         contiguous here too, so copies coalesce on both sides; rows of b_row floats (outgoing
+         TRI_KC + 1, odd: a warp's reads of 32 t's hit 32 banks); channels h_stride apart, == o_tile
+         (mod 32) when o_tile < 32, where a warp spans two channels, each then in half of the banks.
+    hc: the largest multiple of 4 dividing H whose two stage buffers fit TRI_BUDGET (else 4)."""
+    b_row = TRI_KC + 1 if outgoing else o_tile
+    h_stride = align((o_tile if outgoing else TRI_KC) * b_row, 32) + o_tile % 32
+    a_stride = padded_stride(TRI_KC)
+    per_channel = a_stride + h_stride
+    hc = max((d for d in range(4, H + 1, 4) if H % d == 0 and 2 * 4 * d * per_channel <= TRI_BUDGET), default=4)
+    return {"kc": TRI_KC, "hc": hc, "a_stride": a_stride, "b_row": b_row, "h_stride": h_stride,
+            "stage_floats": hc * per_channel}
+
+
+def _shared_context(params: dict, w: dict) -> tuple[dict, int, int]:
+    """The context both strategies share (projection and output phases), with the projection's
+    and the output's shared-memory bytes."""
+    P, H = w["P"], w["H"]
+    threads = params["threads"]
+    weights_smem = bool(params.get("p_weights_smem", False))
+    o_weights_smem = bool(params.get("o_weights_smem", False))
+    o_tn = params.get("o_tn", O_TN)
+    proj = gemm_layout(params["p_tile"], params["p_tm"], params["p_tn"], threads)
+    outp = gemm_layout(params["o_tile"], params["o_tm"], o_tn, threads)
+    context = {"P": P, "H": H, "outgoing": cuda_bool(w["outgoing"]), "gate_normalized": cuda_bool(w["gate_normalized"]),
+               "bias": cuda_bool(w["bias"]), "off": weight_offsets(P, H, bool(w["bias"])), "unroll": params["unroll"],
+               "ln_rows": LN_ROWS, "min_blocks": params.get("min_blocks", params.get("blocks_per_sm", 1)),
+               "p_tile": params["p_tile"], "p_tm": params["p_tm"], "p_tn": params["p_tn"],
+               "p_threads": threads, "p_a_stride": padded_stride(P), "p_weights_smem": cuda_bool(weights_smem),
+               "o_tile": params["o_tile"], "o_tm": params["o_tm"], "o_tn": o_tn, "o_threads": threads,
+               "o_z_stride": padded_stride(H), "o_x_stride": padded_stride(P),
+               "o_weights_smem": cuda_bool(o_weights_smem)}
+    context.update({f"p_{k}": v for k, v in proj.items()})
+    context.update({f"o_{k}": v for k, v in outp.items()})
+    project_smem = 4 * (params["p_tile"] * padded_stride(P) + (P * proj["cn"] if weights_smem else 0))
+    output_smem = 4 * (params["o_tile"] * (padded_stride(H) + padded_stride(P))
+                       + ((H + P) * outp["cn"] if o_weights_smem else 0))
+    return context, project_smem, output_smem
+
+
+def _tile_grid(tile: int):
+    """One block per tile of `tile` consecutive pairs of the flattened B*N*N."""
+
+    def grid(B, N, sms, resident, _tile=tile):
+        tiles = ceil_div(B * N * N, _tile)
+        return max(1, tiles), (B, N, tiles)
+
+    return grid
+
+
+def _derive_bmm(params: dict, w: dict, name: str):
+    context, project_smem, output_smem = _shared_context(params, w)
+    threads = params["threads"]
+    context.update(output_threads=threads, output_smem=output_smem)
+    return context, (Kernel(name, threads, project_smem, PROJECT_ARGS, _tile_grid(params["p_tile"])),
+                     Kernel(f"{name}_output", threads, output_smem, OUTPUT_ARGS, _tile_grid(params["o_tile"])))
+
+
+def _fused_grid(p_tile: int, o_tile: int, blocks_per_sm: int, row_tiles: bool = False):
+    """Persistent and co-resident (the grid barrier needs every block running): at most
+    min(blocks_per_sm, resident) per SM, and no more than the larger phase has tiles.
+    work = the output phase's tile count: o_tile consecutive pairs of the flattened B*N*N, or with
+    row_tiles (staged triangle sums) up to o_tile pairs of one row (b, i), ceil(N / o_tile) per row."""
+
+    def grid(B, N, sms, resident, _p=p_tile, _o=o_tile, _per_sm=blocks_per_sm, _rows=row_tiles):
+        pairs = B * N * N
+        out_tiles = B * N * ceil_div(N, _o) if _rows else ceil_div(pairs, _o)
+        tiles = max(ceil_div(pairs, _p), out_tiles)
+        return max(1, min(tiles, min(_per_sm, max(1, resident)) * sms)), (B, N, out_tiles)
+
+    return grid
+
+
+def _derive_fused(params: dict, w: dict, name: str):
+    context, project_smem, output_smem = _shared_context(params, w)
+    threads, staged = params["threads"], params["tri_smem"]
+    tri = triangle_staging(params["o_tile"], w["H"], bool(w["outgoing"]))
+    context.update(threads=threads, output_threads=threads, output_smem=0, tri_smem=cuda_bool(staged),
+                   **{f"tri_{k}": v for k, v in tri.items()})
+    # One buffer, reused by every phase; staged sums hold the tile's z rows and two stages in it.
+    triangle_smem = 4 * (params["o_tile"] * padded_stride(w["H"]) + 2 * tri["stage_floats"]) if staged else 0
+    smem = max(project_smem, output_smem, triangle_smem)
+    grid = _fused_grid(params["p_tile"], params["o_tile"], params["blocks_per_sm"], row_tiles=staged)
+    return context, (Kernel(name, threads, smem, FUSED_ARGS, grid, mode="cooperative"),)
+
+
+def _layouts_ok(plan: Plan, limits: DeviceLimits) -> bool:
+    c = plan.context
+    return all(c[f"{k}_threads_m"] and c[f"{k}_threads_n"] and c[f"{k}_lanes_m"] for k in ("p", "o"))
+
+
+def _columns_divide(plan: Plan, limits: DeviceLimits) -> bool:
+    c = plan.context
+    return c["p_cn"] > 0 and (4 * c["H"]) % c["p_cn"] == 0 and c["o_cn"] > 0 and c["P"] % c["o_cn"] == 0
+
+
+def _accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
+    c = plan.context
+    return c["p_tm"] * c["p_tn"] <= 64 and 2 * c["o_tm"] * c["o_tn"] <= 64
+
+
+def _persistent_blocks_fit(plan: Plan, limits: DeviceLimits) -> bool:
+    blocks = plan.params["blocks_per_sm"]
+    return blocks * plan.smem_bytes <= limits.smem_per_sm and blocks * plan.threads <= limits.max_threads_per_sm
+
+
+_COMMON = (
+    Restriction("tiles, threads and micro-tiles must form a thread layout (tile_map.cuh)", _layouts_ok),
+    Restriction("column chunks must divide 4H (projection) and P (output)", _columns_divide),
+    Restriction("at most 64 accumulators per thread", _accumulators_fit),
+    Restriction("shared memory exceeds the per-block limit", smem_fits),
+)
+
+BMM = Strategy(
+    name="bmm",
+    summary="projection kernel -> (B*H, N, N) a, b -> cuBLAS bmm -> output kernel reading the product in place",
+    # One block size for both kernels: it halves the space, and the defaults need no more.
+    # min_blocks: the launch bounds' minimum blocks per SM. Unbounded, ptxas gives the 8x8 tiles
+    # ~210 registers (one 256-thread block per SM); 2 caps them at 128. unroll: the 32 k-steps
+    # of a 128-wide product unrolled 4 deep (a single value, kept as data to widen later).
+    # The output kernel ran its two products at 21 TFLOP/s against the projection's 35 (H200,
+    # N512: 796 us for 17.2 GFLOP). o_weights_smem stages its Wout/Wgate column chunks in shared
+    # memory (as p_weights_smem does for the projection): it has not won a tuning yet. o_tn 8 gives
+    # each product 4 x 8 micro-tiles, 10.7 multiply-adds per load as in the projection's (8 with o_tn 4).
+    space={"p_tile": (64, 128), "p_tm": (4, 8), "p_tn": (4, 8), "p_weights_smem": (False, True),
+           "o_tile": (32, 64, 128), "o_tm": (1, 2, 4), "o_tn": (4, 8), "o_weights_smem": (False, True),
+           "threads": (128, 256), "unroll": (4,), "min_blocks": (1, 2)},
+    derive=_derive_bmm,
+    restrictions=_COMMON,
+)
+
+FUSED = Strategy(
+    name="fused",
+    summary="one cooperative kernel: projection, grid barrier, triangle sums + output (small N)",
+    # tri_smem: the output phase's triangle sums from global memory per (pair, channel) (False), or
+    # staged in shared memory per row tile (True; stages sized by triangle_staging).
+    space={"p_tile": (32, 64), "p_tm": (2, 4), "p_tn": (4, 8), "o_tile": (16, 32, 64), "o_tm": (1, 2, 4),
+           "threads": (128, 256), "unroll": (2, 4), "blocks_per_sm": (1, 2), "tri_smem": (False, True)},
+    derive=_derive_fused,
+    restrictions=_COMMON + (Restriction("persistent blocks must be co-resident on an SM", _persistent_blocks_fit),),
+)
+
+
+def options_of(widths: dict) -> dict:
+    """Constructor options from the 0/1 entries of a widths dict (absent: the defaults)."""
+    return {"direction": "outgoing" if widths.get("outgoing", 0) else "incoming",
+            "gate_on": "normalized" if widths.get("gate_normalized", 0) else "input",
+            "bias": bool(widths.get("bias", 1))}
+
+
+class TrimulSpec(OpSpec):
+    # Parameters added to a strategy after tuned entries existed, with the value that reproduces what
+    # those entries ran, so that an entry without them still plans.
+    added_params = {"fused": {"tri_smem": False}, "bmm": {"o_weights_smem": False, "o_tn": O_TN}}
+    name = "trimul"
+    # The options are compile-time and part of the tuned key, as 0/1 next to the widths.
+    width_names = ("P", "H", "outgoing", "gate_normalized", "bias")
+    strategies = {s.name: s for s in (BMM, FUSED)}
+    default_points = (
+        # P a multiple of 64, H of 32 (the real models): 128-column chunks of 4H, 8x8 micro-tiles.
+        ("bmm", {"p_tile": 128, "p_tm": 8, "p_tn": 8, "p_weights_smem": False, "o_tile": 64, "o_tm": 4, "o_tn": 4,
+                 "o_weights_smem": False, "threads": 256, "unroll": 4, "min_blocks": 1}),
+        # Any P, H multiples of 8 up to 256: 32-column chunks of 4H, 8-column chunks of P (64-row
+        # output tiles keep P = H = 248 within shared memory).
+        ("bmm", {"p_tile": 64, "p_tm": 4, "p_tn": 4, "p_weights_smem": False, "o_tile": 64, "o_tm": 1, "o_tn": 4,
+                 "o_weights_smem": False, "threads": 128, "unroll": 4, "min_blocks": 1}),
+    )
+    presets = {
+        "seed": ({"B": 2, "N": 32, "P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1},),
+        "real": tuple({"B": b, "N": n, "P": 128, "H": 128, "outgoing": 0, "gate_normalized": 0, "bias": 1}
+                      for b, n in ((1, 128), (1, 256), (1, 512), (2, 768)))
+                + ({"B": 1, "N": 256, "P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 1},),
+    }
+    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5)}
+    width_defaults = {"outgoing": 0, "gate_normalized": 0, "bias": 1}  # the reference's defaults
+    extra_peer_names = ("cuequivariance",)
+
+    def constructor_args(self, widths: dict) -> dict:
+        return {"pair_dim": widths["P"], "hidden_dim": widths["H"], **options_of(widths)}
+
+    def cost(self, shape: dict) -> Cost:
+        """The reference's FLOPs (projections, triangle sums, output layers) and the bytes that must
+        move: the input once, the mask, the output once, the weights."""
+        B, N, P, H = (shape[k] for k in ("B", "N", "P", "H"))
+        pairs = B * N * N
+        flops = 2 * pairs * P * 4 * H + 2 * B * N * N * N * H + 2 * pairs * (H * P + P * P)
+        weights = 4 * P * H + H * P + P * P
+        return Cost(bytes=4.0 * (2 * pairs * P + weights) + pairs, flops=float(flops))
+
+
+TRIMUL = TrimulSpec()

@@ -1,0 +1,314 @@
+"""What an op declares, as data: strategies, search spaces, restrictions, plans and the kernels a
+plan launches. Imports no torch (and nothing else of pairgen), so compile workers, dry runs and
+`pairgen-tune --status` stay light, and every other module can build on it without a cycle.
+
+The Python <-> CUDA contract lives here: a Plan lists every kernel its variant launches (name,
+block, shared memory, grid as a function of the call's shape, argument kinds), and
+codegen.check_contract compares that list with the rendered source's `extern "C"` signatures
+before anything is compiled.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+#: Argument kinds of a kernel's parameters: a device pointer, a 32-bit int, a 64-bit int.
+ARG_KINDS = ("ptr", "i32", "i64")
+#: How a kernel is launched: plainly, cooperatively (all blocks resident: a grid barrier), or as a
+#: programmatic dependent of the kernel before it in the stream (sm_90+; it waits with pdl_wait()).
+LAUNCH_MODES = ("plain", "cooperative", "programmatic")
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What a restriction may depend on. Defaults are the H100/H200 (sm_90) values, used where
+    no GPU is present (dry runs, CI)."""
+
+    max_smem_per_block: int = 227 * 1024
+    smem_per_sm: int = 228 * 1024
+    max_threads_per_sm: int = 2048
+    sm_count: int = 132
+
+
+#: (B, N, SM count, blocks of this kernel resident per SM) -> (blocks to launch, the trailing
+#: shape arguments the kernel takes, e.g. (B, N, tiles)).
+GridFn = Callable[[int, int, int, int], "tuple[int, tuple[int, ...]]"]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One __global__ function a variant launches: its declared contract with the template."""
+
+    name: str
+    threads: int
+    smem_bytes: int
+    args: tuple[str, ...]  # ARG_KINDS, in the order of the C signature
+    grid: GridFn
+    mode: str = "plain"
+
+    def __post_init__(self):
+        bad = [a for a in self.args if a not in ARG_KINDS]
+        if bad or self.mode not in LAUNCH_MODES:
+            raise ValueError(f"kernel {self.name}: argument kinds must be in {ARG_KINDS} and mode in "
+                             f"{LAUNCH_MODES}, got args {self.args}, mode {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class Restriction:
+    """A predicate on a plan; a point that fails one is pruned before it is compiled."""
+
+    reason: str
+    holds: Callable[["Plan", DeviceLimits], bool]
+
+
+@dataclass
+class Plan:
+    """A point of the search space made concrete for channel widths: what the template needs
+    (context) and every kernel the variant launches (the first is its main kernel)."""
+
+    op: str
+    strategy: str
+    params: dict
+    widths: dict
+    context: dict
+    kernels: tuple[Kernel, ...]
+
+    @property
+    def main(self) -> Kernel:
+        return self.kernels[0]
+
+    @property
+    def threads(self) -> int:
+        return self.kernels[0].threads
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.kernels[0].smem_bytes
+
+    @property
+    def label(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.strategy}({inner})"
+
+
+#: (params, widths, base kernel name) -> (template context, the kernels launched, main first)
+DeriveFn = Callable[[dict, dict, str], "tuple[dict, tuple[Kernel, ...]]"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One template and its search space (a dict of choices per parameter). `derive` turns a
+    point into the template's context and the kernels it declares; what a strategy does at run
+    time is its runner, registered beside the op's drop-in module."""
+
+    name: str
+    space: dict[str, tuple]
+    derive: DeriveFn
+    restrictions: tuple[Restriction, ...] = ()
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_abs: float
+    rel_l2: float
+
+
+@dataclass(frozen=True)
+class Cost:
+    bytes: float
+    flops: float
+
+
+def kernel_base_name(op: str, strategy: str) -> str:
+    """The main kernel's name; a variant's other kernels add a suffix (`_output`, `_nodes`, ...)."""
+    return f"pairgen_{op}_{strategy}"
+
+
+class OpSpec:
+    """Data every op declares, and the behaviour that follows from it. Subclasses (in
+    pairgen/ops/<op>/spec.py) set the class attributes and cost(); the op's package binds the
+    reference module, the drop-in module and the input generator (pairgen/ops/<op>/__init__.py)."""
+
+    name: str
+    width_names: tuple[str, ...]
+    strategies: dict[str, Strategy]
+    default_points: tuple[tuple[str, dict], ...]  # tried in order; the first feasible one is used
+    presets: dict[str, tuple[dict, ...]]          # tuning shapes: "seed", "real"
+    tolerance: dict[str, Tolerance]               # per dtype
+    width_defaults: dict[str, int] = {}           # compile-time options a --shape may leave out
+    #: Per strategy, parameters added after tuned entries existed, each with the value that
+    #: reproduces the kernel those entries ran: an entry (or a study's trial) without them plans.
+    added_params: dict[str, dict] = {}
+    #: peers beyond eager and torch.compile that scripts/bench.py can time for this op
+    extra_peer_names: tuple[str, ...] = ()
+
+    # Bound by the op's package (they need torch): see bind().
+    reference_class: Any = None
+    module_class: Any = None
+    _inputs: Callable | None = None
+    _peer: Callable | None = None
+
+    def bind(self, reference_class, module_class, make_inputs: Callable, extra_peer: Callable | None = None):
+        self.reference_class, self.module_class = reference_class, module_class
+        self._inputs, self._peer = make_inputs, extra_peer
+        return self
+
+    # ---- what a subclass provides ------------------------------------------------------------
+
+    def constructor_args(self, widths: dict) -> dict:
+        """The modules' constructor keywords for these widths."""
+        raise NotImplementedError
+
+    def cost(self, shape: dict) -> Cost:
+        raise NotImplementedError
+
+    # ---- plans -----------------------------------------------------------------------------
+
+    def plan(self, strategy: str, params: dict, widths: dict) -> Plan:
+        params = self.with_added_params(strategy, params)
+        self.check_point(strategy, params)
+        w = {name: int(widths[name]) for name in self.width_names}
+        context, kernels = self.strategies[strategy].derive(dict(params), w, kernel_base_name(self.name, strategy))
+        return Plan(self.name, strategy, dict(params), w, context, tuple(kernels))
+
+    def infeasible(self, plan: Plan, limits: DeviceLimits) -> list[str]:
+        """Reasons the plan cannot run (empty when it can)."""
+        strategy = self.strategies[plan.strategy]
+        return [r.reason for r in strategy.restrictions if not r.holds(plan, limits)]
+
+    def default_plan(self, widths: dict, limits: DeviceLimits) -> Plan | None:
+        for strategy, params in self.default_points:
+            plan = self.plan(strategy, params, widths)
+            if not self.infeasible(plan, limits):
+                return plan
+        return None
+
+    def points(self, strategy: str):
+        """Every point of a strategy's space, feasible or not."""
+        space = self.strategies[strategy].space
+        names = sorted(space)
+        for values in itertools.product(*(space[n] for n in names)):
+            yield dict(zip(names, values))
+
+    def feasible_plans(self, strategy: str, widths: dict, limits: DeviceLimits) -> list[Plan]:
+        plans = (self.plan(strategy, params, widths) for params in self.points(strategy))
+        return [plan for plan in plans if not self.infeasible(plan, limits)]
+
+    def sample_plans(self, strategy: str, widths: dict, k: int, rng: random.Random,
+                     limits: DeviceLimits = DeviceLimits()) -> list[Plan]:
+        """The strategy's feasible default points, then k feasible points drawn by rng."""
+        defaults = [self.plan(s, p, widths) for s, p in self.default_points if s == strategy]
+        feasible = self.feasible_plans(strategy, widths, limits)
+        return [p for p in defaults if not self.infeasible(p, limits)] + rng.sample(feasible, min(k, len(feasible)))
+
+    def widths_of(self, shape: dict) -> dict:
+        return {name: int(shape[name]) for name in self.width_names}
+
+    def with_added_params(self, strategy: str, params: dict) -> dict:
+        return {**self.added_params.get(strategy, {}), **params}
+
+    def complete_point(self, strategy: str, params: dict) -> dict | None:
+        """An older point in today's space: parameters added since take the value that reproduces
+        the old kernel (added_params), else the strategy's default point's, else the first in the
+        space; parameters gone are dropped. None when the strategy is gone or a kept value is no
+        longer in the space."""
+        space = self.strategies[strategy].space if strategy in self.strategies else None
+        if space is None or any(k in space and v not in space[k] for k, v in params.items()):
+            return None
+        default = {**next((p for s, p in self.default_points if s == strategy), {}), **self.added_params.get(strategy, {})}
+        return {k: params[k] if k in params else default.get(k, values[0]) for k, values in space.items()}
+
+    def restarts(self, strategy: str, params: dict) -> list[dict]:
+        """Where a re-tune starts from an older winner: the point completed to today's space, then
+        the same point with each other value of every parameter it did not have (one at a time), so
+        the new parameter is measured against the old winner whatever the sampler does next."""
+        completed = self.complete_point(strategy, params)
+        if completed is None:
+            return []
+        space = self.strategies[strategy].space
+        return [completed] + [{**completed, k: v} for k in space if k not in params for v in space[k] if v != completed[k]]
+
+    def check_point(self, strategy: str, params: dict) -> None:
+        if strategy not in self.strategies:
+            raise ValueError(f"{self.name}: unknown strategy {strategy!r}; known: {sorted(self.strategies)}")
+        space = self.strategies[strategy].space
+        if set(params) != set(space):
+            raise ValueError(f"{self.name}/{strategy}: params {sorted(params)} != space {sorted(space)}")
+        for key, value in params.items():
+            if value not in space[key] or type(value) is not type(space[key][space[key].index(value)]):
+                raise ValueError(f"{self.name}/{strategy}: {key}={value!r} not in {space[key]}")
+
+    # ---- modules and data (torch, imported when used) ----------------------------------------
+
+    def make_module(self, widths: dict, generator):
+        from .testdata import randomize_parameters
+
+        module = self.module_class(**self.constructor_args(widths))
+        randomize_parameters(module, generator)
+        return module
+
+    def make_reference(self, module):
+        """A plain reference module holding the same weights (the peers run this)."""
+        ref = self.reference_class(**self.constructor_args(module.widths))
+        ref.load_state_dict(module.state_dict())
+        return ref.to(next(module.parameters()).device)
+
+    def make_inputs(self, shape: dict, generator, distribution: str = "normal") -> tuple:
+        return self._inputs(shape, generator, distribution)
+
+    def extra_peer(self, name: str, module, inputs: tuple):
+        """A callable timing peer `name` on these inputs, or a string saying why there is none
+        here (a library that is not installed, a shape it does not support)."""
+        if name not in self.extra_peer_names or self._peer is None:
+            return f"{self.name} has no peer {name!r}"
+        return self._peer(name, module, inputs)
+
+
+# ---- small arithmetic the specs share ----------------------------------------------------------
+
+def section_offsets(sizes: list[tuple[str, int]]) -> dict[str, int]:
+    """Offsets (in floats) of named sections packed one after another, each starting on a
+    16-byte boundary so kernels can read it with float4 loads; "total" is the packed length."""
+    offsets, at = {}, 0
+    for name, size in sizes:
+        offsets[name] = at
+        at = align(at + size)
+    offsets["total"] = at
+    return offsets
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def align(n: int, to: int = 4) -> int:
+    return ceil_div(n, to) * to
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def n_bucket(n: int) -> int:
+    """Tuned entries are keyed by the power of two nearest to N (in log scale)."""
+    return 1 << max(0, round(math.log2(max(1, n))))
+
+
+def cuda_bool(value) -> str:
+    """A Python truth value as a C++ literal for a template."""
+    return "true" if value else "false"
+
+
+def padded_stride(width: int) -> int:
+    """A shared-memory row stride >= width with stride % 32 == 4: tile_gemm.cuh's float4 reads of
+    consecutive rows then land in distinct banks."""
+    return align(width, 32) + 4
+
+
+def smem_fits(plan: Plan, limits: DeviceLimits) -> bool:
+    """Every kernel of the plan within the per-block shared-memory limit."""
+    return all(k.smem_bytes <= limits.max_smem_per_block for k in plan.kernels)
