@@ -11,7 +11,7 @@ import pytest
 from pairgen import codegen, runtime
 from pairgen.ops.base import DeviceLimits, n_bucket
 from pairgen.ops.contact import CONTACT
-from pairgen.tuned import TunedDB, make_key
+from pairgen.tuned import TunedDB, TunedDBError, make_key
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,18 +62,27 @@ def test_stale_entries_are_not_used(db):
 
 @pytest.mark.parametrize("text", ["{not json", json.dumps([1, 2]),
                                   json.dumps({"schema": 99, "op": "contact", "entries": []}),
-                                  json.dumps({"schema": 1, "op": "trimul", "entries": []}),
-                                  json.dumps({"schema": 1, "op": "contact", "entries": [{"key": 3}]})])
+                                  json.dumps({"schema": 1, "op": "trimul", "entries": []})])
 def test_corrupt_or_foreign_files_are_reported_and_ignored(db, text):
     db.path.parent.mkdir(parents=True, exist_ok=True)
     db.path.write_text(text)
     with pytest.warns(UserWarning, match="ignoring tuned database"):
         assert db.lookup("float32", WIDTHS, 64) == (None, "default")
     assert db.problem
-    with pytest.warns(UserWarning):
-        db.upsert(entry(64))  # a write keeps the bad file aside and starts afresh
-    assert len(db.entries()) == 1 and db.problem is None
-    assert list(db.path.parent.glob("contact.json.corrupt-*"))
+    with pytest.raises(TunedDBError, match="contact.json"):
+        db.upsert(entry(64))  # a write never replaces a file it cannot read: that lost every entry in it
+    assert db.path.read_text() == text
+
+
+def test_a_malformed_entry_is_skipped_and_kept(db):
+    db.path.parent.mkdir(parents=True, exist_ok=True)
+    db.path.write_text(json.dumps({"schema": 1, "op": "contact", "entries": [{"key": 3}]}))
+    with pytest.warns(UserWarning, match="skipping malformed entry 0"):
+        assert db.lookup("float32", WIDTHS, 64) == (None, "default")
+    assert db.problem is None and [i for i, _ in db.skipped()] == [0]
+    with pytest.warns(UserWarning, match="skipping malformed entry 0"):
+        db.upsert(entry(64))
+    assert json.loads(db.path.read_text())["entries"][1] == {"key": 3}
 
 
 def _writer(args):
