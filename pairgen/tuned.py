@@ -7,8 +7,8 @@ Schema (version 1):
   entry = {"key": {"dtype", "widths", "n_bucket"}, "shape", "strategy", "params", "template_sha256",
            "source_sha256" (optional), "precision" (optional), "us", "baselines_us", "trials", "date",
            "versions", ...}
-Lookup: exact key -> nearest N bucket (same dtype and widths) -> none (the op's defaults).
-An entry whose template hash differs from the template's current hash is stale and not used.
+This module stores and validates entries; which entry a call runs (the lookup chain, and whether an
+entry is stale or invalid against today's code) is runtime's: runtime.choose and runtime.entry_state.
 
 The database never loses an entry:
   * A malformed entry (entry_problem says why) is skipped with a warning when reading, and written
@@ -32,7 +32,7 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-from . import codegen, config
+from . import config
 
 SCHEMA_VERSION = 1
 
@@ -267,26 +267,6 @@ class TunedDB:
     def arch(self) -> str | None:
         """The header's arch (e.g. "sm_90": what the entries were tuned on); None if absent or unusable."""
         return self._read().data.get("arch")
-
-    def is_stale(self, entry: dict) -> bool:
-        try:
-            return entry["template_sha256"] != codegen.template_hash(self.op, entry["strategy"])
-        except Exception:  # the strategy's template is gone
-            return True
-
-    def lookup(self, dtype: str, widths: dict, n_bucket: int) -> tuple[dict | None, str]:
-        """The entry to use, and how it was found."""
-        want = make_key(dtype, widths, n_bucket)
-        usable = [e for e in self.entries()
-                  if e["key"]["dtype"] == dtype and e["key"]["widths"] == want["widths"] and not self.is_stale(e)]
-        for entry in usable:
-            if entry["key"]["n_bucket"] == want["n_bucket"]:
-                return entry, "tuned"
-        if usable:
-            nearest = min(usable, key=lambda e: (abs(math.log2(e["key"]["n_bucket"]) - math.log2(want["n_bucket"])),
-                                                 e["key"]["n_bucket"]))
-            return nearest, f"tuned (nearest N bucket {nearest['key']['n_bucket']})"
-        return None, "default"
 
     def previous(self, dtype: str, widths: dict, n_bucket: int) -> dict | None:
         """The entry recorded for exactly this key, stale or not (a re-tune starts from it)."""

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pairgen import codegen, runtime
-from pairgen.ops.base import DeviceLimits, n_bucket
+from pairgen.spec import DeviceLimits, n_bucket
+from pairgen.ops import render
 from pairgen.ops.contact import CONTACT
 from pairgen.tuned import TunedDB, TunedDBError, make_key
 
@@ -19,10 +20,25 @@ WIDTHS = {"P": 64, "H": 32}
 TPP = {"threads": 128, "chunk": 8, "weights_smem": True, "symmetric": True}
 
 
-def entry(bucket, strategy="thread_per_pair", params=TPP, sha=None, widths=WIDTHS, us=10.0):
+INFO = runtime.DeviceInfo(0, "Test GPU", "test-gpu", "sm_90", DeviceLimits())
+
+
+def entry(bucket, strategy="thread_per_pair", params=TPP, sha=None, widths=WIDTHS, us=10.0, source=None):
+    """An entry as the tuner writes it: hashes of today's template and rendered source, unless given."""
+    if strategy not in CONTACT.strategies:  # a strategy gone from today's code
+        sha, source = sha or "e" * 64, source or "f" * 64
+    if source is None:
+        try:
+            source = render("contact", strategy, params, widths).source_sha256
+        except ValueError:  # a point outside today's space
+            source = "f" * 64
     return {"key": make_key("float32", widths, bucket), "shape": {"B": 1, "N": bucket, **widths},
             "strategy": strategy, "params": dict(params), "us": us,
-            "template_sha256": sha or codegen.template_hash("contact", strategy)}
+            "template_sha256": sha or codegen.template_hash("contact", strategy), "source_sha256": source}
+
+
+def choose(n, widths=WIDTHS, dtype="float32", info=INFO):
+    return runtime.choose(CONTACT, dtype, widths, n, info)
 
 
 @pytest.fixture
@@ -34,16 +50,17 @@ def test_n_bucket_is_the_nearest_power_of_two():
     assert [n_bucket(n) for n in (1, 2, 3, 37, 48, 64, 100, 123, 768, 1024)] == [1, 2, 4, 32, 64, 64, 128, 128, 1024, 1024]
 
 
-def test_lookup_exact_then_nearest_then_default(db):
-    assert db.lookup("float32", WIDTHS, 64) == (None, "default")
+def test_lookup_exact_then_nearest_then_default(db, monkeypatch):
+    monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(db.path.parent.parent))
+    assert choose(64).source == "default"
     db.upsert(entry(64))
     db.upsert(entry(512, params=dict(TPP, threads=256)))
-    found, how = db.lookup("float32", WIDTHS, 64)
-    assert how == "tuned" and found["params"]["threads"] == 128
-    found, how = db.lookup("float32", WIDTHS, 256)  # log-distance 2 to 64, 1 to 512
-    assert found["params"]["threads"] == 256 and "nearest" in how
-    assert db.lookup("float32", {"P": 128, "H": 128}, 64) == (None, "default")
-    assert db.lookup("float16", WIDTHS, 64) == (None, "default")
+    found = choose(64)
+    assert found.source == "tuned" and found.entry["key"]["n_bucket"] == 64 and found.database == str(db.path)
+    found = choose(256)  # log-distance 2 to 64, 1 to 512
+    assert found.source == "tuned (nearest N bucket 512)" and found.plan.params["threads"] == 256
+    assert choose(64, widths={"P": 128, "H": 128}).source == "default"
+    assert choose(64, dtype="float16").source == "default"
 
 
 def test_upsert_replaces_the_same_key(db):
@@ -52,12 +69,46 @@ def test_upsert_replaces_the_same_key(db):
     assert [e["us"] for e in db.entries()] == [7.0]
 
 
-def test_stale_entries_are_not_used(db):
-    db.upsert(entry(64, sha="0" * 64))
-    assert db.is_stale(db.entries()[0])
-    assert db.lookup("float32", WIDTHS, 64) == (None, "default")
-    db.upsert(entry(128, strategy="gone_strategy", sha="1" * 64))
-    assert db.is_stale([e for e in db.entries() if e["strategy"] == "gone_strategy"][0])
+def test_stale_entries_are_not_used(db, monkeypatch):
+    """Stale: today's code renders another source at the entry's parameters than the one it was tuned with."""
+    monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(db.path.parent.parent))
+    db.upsert(entry(64, source="0" * 64))
+    assert runtime.entry_state(CONTACT, db.entries()[0]) == "stale"
+    with pytest.warns(UserWarning, match="skipping the stale tuned entry for N bucket 64 in .*contact.json"):
+        assert choose(64).source == "default"
+
+
+def test_a_changed_plan_constant_makes_an_entry_stale(db, monkeypatch):
+    """Not only template edits: a value the plan derives (here the packed weights' offsets) that
+    changes the rendered kernel makes the entry stale, though its template is unchanged."""
+    from pairgen.ops.contact import spec as contact_spec
+
+    tuned = entry(64)
+    assert runtime.entry_state(CONTACT, tuned) == "ok"
+    real = contact_spec.weight_offsets
+    monkeypatch.setattr(contact_spec, "weight_offsets", lambda P, H: {**real(P, H), "b3": real(P, H)["b3"] + 4})
+    assert tuned["template_sha256"] == codegen.template_hash("contact", "thread_per_pair")
+    assert runtime.entry_state(CONTACT, tuned) == "stale"
+
+
+@pytest.mark.parametrize("strategy, params, why", [
+    ("gone_strategy", TPP, "unknown strategy"),
+    ("thread_per_pair", dict(TPP, threads=96), "threads=96 not in"),
+    ("thread_per_pair", dict(TPP, chunk=16, bogus=1), "params"),
+    ("thread_per_pair", dict(TPP, threads=256, chunk=16, weights_smem=True), None),
+])
+def test_invalid_entries_are_skipped_with_a_warning_naming_the_file(db, monkeypatch, strategy, params, why):
+    """Outside today's space, or breaking today's restrictions (a GPU with 1 KB of shared memory
+    per block): listed as invalid, skipped with a warning naming the file, never raised."""
+    monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(db.path.parent.parent))
+    db.upsert(entry(64, strategy=strategy, params=params))
+    tiny = runtime.DeviceInfo(0, "Tiny GPU", "test-gpu", "sm_90", DeviceLimits(max_smem_per_block=1024))
+    info = INFO if why else tiny
+    state = runtime.entry_state(CONTACT, db.entries()[0], info.limits)
+    assert state.startswith("invalid: ") and (why or "shared memory") in state
+    with pytest.warns(UserWarning, match=r"skipping the invalid tuned entry .* in .*contact\.json"):
+        choice = choose(64, info=info)
+    assert not choice.source.startswith("tuned")
 
 
 @pytest.mark.parametrize("text", ["{not json", json.dumps([1, 2]),
@@ -67,7 +118,7 @@ def test_corrupt_or_foreign_files_are_reported_and_ignored(db, text):
     db.path.parent.mkdir(parents=True, exist_ok=True)
     db.path.write_text(text)
     with pytest.warns(UserWarning, match="ignoring tuned database"):
-        assert db.lookup("float32", WIDTHS, 64) == (None, "default")
+        assert db.entries() == []
     assert db.problem
     with pytest.raises(TunedDBError, match="contact.json"):
         db.upsert(entry(64))  # a write never replaces a file it cannot read: that lost every entry in it
@@ -78,7 +129,7 @@ def test_a_malformed_entry_is_skipped_and_kept(db):
     db.path.parent.mkdir(parents=True, exist_ok=True)
     db.path.write_text(json.dumps({"schema": 1, "op": "contact", "entries": [{"key": 3}]}))
     with pytest.warns(UserWarning, match="skipping malformed entry 0"):
-        assert db.lookup("float32", WIDTHS, 64) == (None, "default")
+        assert db.entries() == []
     assert db.problem is None and [i for i, _ in db.skipped()] == [0]
     with pytest.warns(UserWarning, match="skipping malformed entry 0"):
         db.upsert(entry(64))
@@ -101,23 +152,34 @@ def test_concurrent_writers_lose_nothing(tmp_path):
 
 def test_runtime_choice_follows_the_chain(tmp_path, monkeypatch):
     monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(tmp_path))
-    info = runtime.DeviceInfo(0, "Test GPU", "test-gpu", "sm_90", DeviceLimits())
-    choice = runtime.choose(CONTACT, "float32", WIDTHS, 64, info)
+    choice = choose(64)
     assert choice.source == "default" and choice.plan.strategy == CONTACT.default_points[0][0]
     TunedDB("contact", "test-gpu", tmp_path).upsert(entry(64))
-    choice = runtime.choose(CONTACT, "float32", WIDTHS, 70, info)
+    choice = choose(70)
     assert choice.source == "tuned" and choice.plan.params == TPP
-    choice = runtime.choose(CONTACT, "float32", WIDTHS, 300, info)
-    assert choice.source.startswith("tuned (nearest")
+    assert choose(300).source.startswith("tuned (nearest")
 
 
-def test_an_entry_that_does_not_fit_the_gpu_falls_back_to_defaults(tmp_path, monkeypatch):
+def test_same_architecture_entries_come_before_the_defaults(tmp_path, monkeypatch):
+    """A GPU without a folder of its own (an H100, an H200 NVL) uses entries tuned on a GPU of the
+    same compute capability, and says so; a GPU of another capability does not."""
     monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(tmp_path))
-    TunedDB("contact", "test-gpu", tmp_path).upsert(entry(64))
-    tiny = runtime.DeviceInfo(0, "Tiny GPU", "test-gpu", "sm_90", DeviceLimits(max_smem_per_block=1024))
-    with pytest.warns(UserWarning, match="does not fit"):
-        choice = runtime.choose(CONTACT, "float32", WIDTHS, 64, tiny)
-    assert choice.source != "tuned"
+    TunedDB("contact", "test-gpu", tmp_path).upsert(entry(64), arch="sm_90")
+    h100 = runtime.DeviceInfo(0, "NVIDIA H100", "nvidia-h100", "sm_90", DeviceLimits())
+    choice = choose(64, info=h100)
+    assert choice.plan.params == TPP and choice.source == "tuned on test-gpu (same architecture, sm_90)"
+    a100 = runtime.DeviceInfo(0, "NVIDIA A100", "nvidia-a100", "sm_80", DeviceLimits())
+    assert choose(64, info=a100).source == "default"
+    explained = runtime.explain(CONTACT, "float32", WIDTHS, 70, info=h100)
+    assert explained.strategy == "thread_per_pair" and explained.measured_us == 10.0
+    assert "same architecture" in str(explained) and "contact.json" in str(explained)
+
+
+def test_explain_says_default_where_nothing_is_tuned(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(tmp_path))
+    explained = runtime.explain(CONTACT, "float32", WIDTHS, 37, info=INFO)
+    assert explained.source == "default" and explained.n_bucket == 32 and explained.measured_us is None
+    assert explained.params == CONTACT.default_points[0][1]
 
 
 def test_a_stale_entry_is_completed_to_the_current_space_and_tried_first(db):
@@ -127,8 +189,8 @@ def test_a_stale_entry_is_completed_to_the_current_space_and_tried_first(db):
 
     old = {"tile_side": 16, "threads": 512, "tn": 4, "unroll": 4, "ln_rows": 4, "weights_smem": True,
            "blocks_per_sm": 1}  # before stage_rows existed
-    db.upsert(entry(1024, "symmetric_tiled", old, sha="0" * 64, widths={"P": 128, "H": 64}))
-    assert db.lookup("float32", {"P": 128, "H": 64}, 1024) == (None, "default")
+    db.upsert(entry(1024, "symmetric_tiled", old, sha="0" * 64, widths={"P": 128, "H": 64}, source="0" * 64))
+    assert runtime.entry_state(CONTACT, db.entries()[0]) == "stale"
     assert db.previous("float32", {"P": 128, "H": 64}, 1024)["params"] == old
     completed = CONTACT.complete_point("symmetric_tiled", old)
     assert completed == {**old, "stage_rows": 0, "ln_lanes": 0}

@@ -1,0 +1,92 @@
+"""The one launch path's contract and caches, on the CPU: a plan's declared kernels against the
+rendered signatures, and caches that stay bounded over many lengths."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pairgen import codegen, runtime
+from pairgen.ops import get_op, op_names
+from pairgen.ops.contact import CONTACT, ContactHead
+from pairgen.spec import DeviceLimits, Kernel
+
+
+def _default_plans():
+    for name in op_names():
+        spec = get_op(name)
+        for shape in spec.presets["seed"]:
+            for strategy, params in spec.default_points:
+                plan = spec.plan(strategy, params, spec.widths_of(shape))
+                if not spec.infeasible(plan, DeviceLimits()):
+                    yield plan
+
+
+@pytest.mark.parametrize("plan", list(_default_plans()), ids=lambda p: f"{p.op}-{p.label}")
+def test_every_declared_kernel_matches_its_rendered_signature(plan):
+    rendered = codegen.render_plan(plan)  # raises ContractError on a mismatch
+    found = codegen.signatures(rendered.source)
+    for kernel in plan.kernels:
+        assert found[kernel.name] == kernel.args
+
+
+def test_a_plan_that_disagrees_with_its_template_is_a_clear_error():
+    plan = CONTACT.default_plan({"P": 64, "H": 32}, DeviceLimits())
+    main = plan.main
+    wrong_kind = dataclasses.replace(plan, kernels=(dataclasses.replace(main, args=main.args[:-1] + ("i32",)),))
+    with pytest.raises(codegen.ContractError, match=r"kernel pairgen_contact_symmetric_tiled takes "
+                                                    r"\(ptr, ptr, ptr, i64, i64, i64\) in the source but the plan "
+                                                    r"declares \(ptr, ptr, ptr, i64, i64, i32\)"):
+        codegen.render_plan(wrong_kind)
+    one_short = dataclasses.replace(plan, kernels=(dataclasses.replace(main, args=main.args[:-1]),))
+    with pytest.raises(codegen.ContractError, match="templates|contact/symmetric_tiled.cu.j2"):
+        codegen.render_plan(one_short)
+    extra = Kernel(f"{main.name}_output", 64, 0, ("ptr",), main.grid)
+    with pytest.raises(codegen.ContractError, match=r"declares kernel pairgen_contact_symmetric_tiled_output, "
+                                                    r"which the rendered source does not define"):
+        codegen.render_plan(dataclasses.replace(plan, kernels=(main, extra)))
+
+
+def test_signature_kinds():
+    source = '''extern "C" __global__ void __launch_bounds__(128, 2)
+k(const float* __restrict__ x, const void* m, int* c, int B, i64 N, long long T) {}
+extern "C" __global__ void k2(float* out) {}'''
+    assert codegen.signatures(source) == {"k": ("ptr", "ptr", "ptr", "i32", "i64", "i64"), "k2": ("ptr",)}
+
+
+def test_kernel_declarations_reject_unknown_kinds_and_modes():
+    with pytest.raises(ValueError, match="argument kinds"):
+        Kernel("k", 32, 0, ("float",), lambda *a: (1, ()))
+    with pytest.raises(ValueError, match="mode"):
+        Kernel("k", 32, 0, ("ptr",), lambda *a: (1, ()), mode="eventually")
+
+
+class _FakeKernel:
+    resident_per_sm = 2
+
+    def bind(self, *args):
+        return args
+
+
+def test_caches_stay_bounded_over_a_thousand_lengths(monkeypatch):
+    """A server meets every protein's own N: the module's variant cache, the runtime's selections
+    and a variant's bound launches must not grow with the number of distinct lengths."""
+    plan = CONTACT.default_plan({"P": 64, "H": 32}, DeviceLimits())
+    variant = runtime.Variant(plan, rendered=None, compiled=None)
+    monkeypatch.setattr(runtime.Variant, "kernel", lambda self, index, name=None: _FakeKernel())
+    info = runtime.DeviceInfo(0, "Test GPU", "test-gpu", "sm_90", DeviceLimits())
+    monkeypatch.setattr(runtime, "device_info", lambda index=0: info)
+    monkeypatch.setattr(runtime, "_by_plan", lambda plan, arch: variant)
+    monkeypatch.setattr(runtime, "choose", lambda *a: runtime.Choice(plan, "default"))
+    runtime.clear_caches()
+    module = ContactHead(64, 32)
+    device = torch.device("cuda", 0)
+    for n in range(1, 1001):
+        assert module.variant_for(n, device) is variant
+        variant.launches(0, 1, n)
+    assert len(module._variant_cache) <= module.MAX_CACHED_LENGTHS + 1
+    assert len(runtime._selected) <= 11  # keyed by N bucket: 1, 2, 4, ..., 1024
+    assert len(variant._bound) <= runtime.Variant.MAX_BOUND_SHAPES
+    assert module.variant_for(1000, device) is variant and variant.launches(0, 1, 1000)  # still served
+    runtime.clear_caches()
