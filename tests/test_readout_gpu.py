@@ -130,8 +130,8 @@ def test_programmatic_main_launch_gives_the_plain_launchs_result_eager_and_captu
         with torch.no_grad():
             eager = [module(*inputs) for _ in range(3)]
         captured = run_under_graph_capture(module, inputs)
-        launch = next(iter(module._pair_max_configs.values()))
-        assert launch.main.programmatic is programmatic
+        main = module.variant_for(24, inputs[0].device).launches(0, 4, 24, programmatic=programmatic)[0]
+        assert (main.mode == "programmatic") is programmatic
         outputs[programmatic] = (eager, captured)
     ref = reference64(module, inputs)
     for programmatic, (eager, captured) in outputs.items():
