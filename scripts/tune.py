@@ -41,78 +41,159 @@ def parse_args(argv=None):
 # ---- --status ----------------------------------------------------------------------------------
 
 def status() -> int:
+    from pairgen import runtime
     from pairgen.config import tuned_dir
+    from pairgen.ops import get_op
     from pairgen.tuned import all_databases
 
     dbs = all_databases()
     if not dbs:
         print(f"no tuned entries under {tuned_dir()}")
         return 0
-    stale_total = 0
+    totals = {"stale": 0, "invalid": 0}
     print("| gpu | op | shape | strategy | µs | × eager | × compile | state |\n|---|---|---|---|---|---|---|---|")
     for db in dbs:
         entries = db.entries()
         if db.problem:
             print(f"| {db.gpu_slug} | {db.op} | – | – | – | – | – | IGNORED: {db.problem} |")
+        spec = get_op(db.op)
         for e in entries:
-            stale = db.is_stale(e)
-            stale_total += stale
+            state = runtime.entry_state(spec, e)  # "ok", "stale", or "invalid: why"
+            kind = state.split(":")[0]
+            if kind in totals:
+                totals[kind] += 1
             base = e.get("baselines_us", {})
             ratio = lambda peer: f"{base[peer] / e['us']:.1f}×" if peer in base and e.get("us") else "–"  # noqa: E731
             print(f"| {db.gpu_slug} | {db.op} | {shape_label(e.get('shape', e['key']))} | {e['strategy']} "
-                  f"| {e.get('us', '–')} | {ratio('eager')} | {ratio('compile')} "
-                  f"| {'STALE (template changed)' if stale else 'ok'} |")
-    print(f"\n{stale_total} stale entr{'y' if stale_total == 1 else 'ies'}"
-          + ("; re-tune them with: python scripts/tune.py --stale" if stale_total else ""))
+                  f"| {e.get('us', '–')} | {ratio('eager')} | {ratio('compile')} | {_state_cell(state)} |")
+    stale, invalid = totals["stale"], totals["invalid"]
+    print(f"\n{stale} stale entr{'y' if stale == 1 else 'ies'}" + (f", {invalid} invalid" if invalid else "")
+          + ("; re-tune them with: python scripts/tune.py --stale" if stale or invalid else ""))
     return 0
+
+
+def _state_cell(state: str) -> str:
+    if state == "stale":
+        return "STALE (today's code renders another source)"
+    return "INVALID" + state[len("invalid"):] if state.startswith("invalid") else state
 
 
 # ---- --dry-run -----------------------------------------------------------------------------------
 
 def dry_run(work) -> int:
-    import random
-
-    from pairgen import compiler, runtime
+    """Render and compile each strategy's default points and two sampled ones, per op and widths,
+    printing each strategy/width set's rows as soon as it is compiled."""
+    from pairgen import config, runtime
 
     arch = runtime.default_arch()
-    plans = []
+    sets = dry_run_sets(work)
+    total = sum(len(plans) for plans in sets.values())
+    workers = max(1, min(config.compile_workers(), total))
+    # Said at once: a cold compile cache takes tens of seconds, which must not look like a hang.
+    print(f"compiling {total} variants ({len(sets)} strategy/width sets) for {arch} on {workers} process(es)...",
+          flush=True)
+    print(f"| op | widths | variant | {arch} |\n|---|---|---|---|", flush=True)
+    failed = 0
+    for plans, results in compiled_sets(sets, arch, workers):
+        failed += print_set(plans, results)
+    print(f"\n{total - failed} of {total} variants rendered and compiled for {arch}")
+    return 1 if failed else 0
+
+
+def dry_run_sets(work) -> dict[tuple, list]:
+    """(op, widths, strategy) -> the distinct plans to compile. Shapes that share widths share a
+    set: the presets repeat widths with other B and N, and B and N change no kernel."""
+    import random
+
+    sets: dict[tuple, list] = {}
     for spec, shape in work:
         widths = spec.widths_of(shape)
-        for name in spec.strategies:
-            picked = spec.sample_plans(name, widths, 2, random.Random(name))
+        for strategy in spec.strategies:
+            key = (spec.name, tuple(sorted(widths.items())), strategy)
+            if key in sets:
+                continue
+            # Seeded by the strategy's name: the same points every run, so the cache answers a re-run.
+            picked = spec.sample_plans(strategy, widths, 2, random.Random(strategy))
             if not picked:
-                print(f"{spec.name} {name}: no feasible point for widths {widths}")
-            plans += [(spec, shape, p) for p in picked]
-    rendered = [runtime.render_plan(p) for _, _, p in plans]
-    results = compiler.compile_many([(r.source, r.kernel_name, arch) for r in rendered])
+                print(f"{spec.name} {strategy}: no feasible point for widths {widths}", flush=True)
+                continue
+            sets[key] = list({plan.label: plan for plan in picked}.values())  # a sample may equal a default
+    return sets
+
+
+def compiled_sets(sets: dict[tuple, list], arch: str, workers: int):
+    """Yield (plans, results) per set, in order, as soon as the set is compiled. Every variant is
+    queued at once, so all workers stay busy across sets; a result is a Compiled or the exception
+    that stopped its compile."""
+    from pairgen import compiler
+
+    if not sets:
+        return
+    pool = compiler.compile_pool(workers)
+    try:
+        # One variant per task: a set can be printed when its own variants are done.
+        futures = {key: [pool.submit(compiler.compile_many, [_job(plan, arch)]) for plan in plans]
+                   for key, plans in sets.items()}
+        for key, plans in sets.items():
+            yield plans, [_result(future) for future in futures[key]]
+    finally:
+        pool.shutdown(cancel_futures=True)  # on Ctrl-C, do not sit through the queued compiles
+
+
+def _job(plan, arch: str) -> tuple[str, str, str]:
+    from pairgen import codegen
+
+    rendered = codegen.render_plan(plan)
+    return rendered.source, rendered.kernel_name, arch
+
+
+def _result(future):
+    try:
+        return future.result()[0]
+    except Exception as exc:  # a toolchain error (NVRTC not loadable...) is a FAILED row, not a traceback
+        return exc
+
+
+def print_set(plans: list, results: list) -> int:
+    """Print a set's table rows (the full error of a failure on stderr); returns the failures."""
     failed = 0
-    print(f"| op | widths | variant | {arch} |\n|---|---|---|---|")
-    for (spec, shape, plan), res in zip(plans, results):
+    for plan, res in zip(plans, results):
         ok = not isinstance(res, Exception)
         failed += not ok
-        text = res.summary() if ok else f"FAILED: {str(res).splitlines()[0]}"
-        print(f"| {spec.name} | {plan.widths} | {plan.label} | {text} |")
+        text = res.summary() if ok else f"FAILED: {(str(res).splitlines() or [type(res).__name__])[0]}"
+        print(f"| {plan.op} | {plan.widths} | {plan.label} | {text} |")
         if not ok:
             print(res, file=sys.stderr)
-    print(f"\n{len(results) - failed} of {len(results)} variants rendered and compiled for {arch}")
-    return 1 if failed else 0
+    sys.stdout.flush()  # a pipe (CI, tee) is block-buffered: without this the rows all come at the end
+    return failed
 
 
 # ---- tuning ---------------------------------------------------------------------------------------
 
+def gpu_missing(what: str) -> bool:
+    """True, having said so on stderr in one line, when torch sees no CUDA GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(f"{what} needs a CUDA GPU; none is visible to torch (--dry-run and --status work without one)",
+          file=sys.stderr)
+    return True
+
+
 def stale_work(args, parser):
+    """This GPU's entries that lookups skip (stale or invalid against today's code), as (spec,
+    shape) pairs: a re-tune writes a fresh entry over each."""
     from pairgen import runtime
-    from pairgen.ops import get_op
+    from pairgen.ops import get_op, op_names
     from pairgen.tuned import TunedDB
 
-    slug = runtime.device_info(0).slug
-    from pairgen.ops import op_names
-
-    ops = args.op or op_names()
+    info = runtime.device_info(0)
     work = []
-    for op in ops:
-        db = TunedDB(op, slug)
-        work += [(get_op(op), dict(e["shape"])) for e in db.entries() if db.is_stale(e)]
+    for op in args.op or op_names():
+        spec = get_op(op)
+        work += [(spec, dict(e["shape"])) for e in TunedDB(op, info.slug).entries()
+                 if runtime.entry_state(spec, e, info.limits) != "ok"]
     return work
 
 
@@ -133,17 +214,19 @@ def closing_table(results, peers) -> str:
     return "\n".join(lines)
 
 
-def starting_points(spec, db, shape: dict) -> list[tuple[str, dict]]:
+def starting_points(spec, db, shape: dict, info) -> list[tuple[str, dict]]:
     """The entry in use for the shape's key, and the one recorded for exactly its key even if a
     template edit made it stale (with each value of any parameter added since: spec.restarts),
     are tried first: a re-tune after an edit that grew the space then cannot come out worse than
     the old winner, as it did in run 17 (contact B1 N1024: 588 us against 538 before, the old
     point never sampled)."""
     from pairgen import runtime
+    from pairgen.spec import n_bucket
 
-    key = ("float32", spec.widths_of(shape), runtime.n_bucket(shape["N"]))
+    widths = spec.widths_of(shape)
+    in_use = runtime.choose(spec, "float32", widths, shape["N"], info).entry
     points = []
-    for entry in (db.lookup(*key)[0], db.previous(*key)):
+    for entry in (in_use, db.previous("float32", widths, n_bucket(shape["N"]))):
         for params in (spec.restarts(entry["strategy"], entry["params"]) if entry else []):
             if (entry["strategy"], params) not in points:
                 points.append((entry["strategy"], params))
@@ -159,9 +242,7 @@ def tune(work, args) -> int:
     from pairgen.tuned import TunedDB
     from pairgen.tuning.tuner import TuneSettings, tune_shape
 
-    if not torch.cuda.is_available():
-        print("tuning needs a CUDA GPU; none is visible to torch (--dry-run and --status work without one)",
-              file=sys.stderr)
+    if gpu_missing("tuning"):
         return 2
     strict_fp32()
     peers = tuple(p for p in args.peers.split(",") if p)
@@ -173,7 +254,7 @@ def tune(work, args) -> int:
     with compiler.compile_pool() as pool:
         for spec, shape in work:
             db = TunedDB(spec.name, info.slug)
-            extra = starting_points(spec, db, shape)
+            extra = starting_points(spec, db, shape, info)
             evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers, pool)
             result = tune_shape(spec, shape, evaluator, info.slug, settings, extra)
             results.append(result)
@@ -199,6 +280,9 @@ def main(argv=None) -> int:
     if args.status:
         return status()
     if args.stale:
+        # Stale entries are found per GPU (its slug names the folder), so the GPU comes first.
+        if gpu_missing("re-tuning stale entries"):
+            return 2
         work = stale_work(args, parser)
         if not work:
             print("nothing is stale for this GPU")

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import optuna
 import pytest
 
-from pairgen.ops.base import DeviceLimits
+from pairgen.spec import DeviceLimits
 from pairgen.ops.contact import CONTACT
+from pairgen.compiler import CompileError
 from pairgen.tuning.tuner import TuneSettings, _point_key, feasible_count, study_name, tune_shape
 
 SHAPE = {"B": 4, "N": 64, "P": 64, "H": 32}
@@ -92,6 +94,81 @@ def test_an_interrupted_study_resumes(tmp_path):
     assert len(second.compiled) == 12, "the resumed run should only try the missing trials"
     keys = lambda ev: {_point_key(p.strategy, p.params) for p in ev.compiled}  # noqa: E731
     assert not keys(first) & keys(second)
+
+
+def _trials(tmp_path):
+    """The finished trials of the fake study, in order."""
+    name = study_name("fake-gpu", "contact", "float32", WIDTHS, 64)
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / f"{name}.journal")))
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+    return optuna.load_study(study_name=name, storage=storage).get_trials(states=states)
+
+
+class BrokenMachine(FakeEvaluator):
+    """Every compile fails the way a machine (not a point) fails: `how` is "slow" (5 s each,
+    over the 1 s budget the test sets), "returned" (an OSError per variant: NVRTC's library
+    missing) or "raised" (the whole compile call raises, as compile_many does for an ImportError)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def compile(self, plans):
+        self.compiled += plans
+        if self.how == "raised":
+            raise ImportError("cuda.bindings: synthetic toolchain failure")
+        if self.how == "returned":
+            return [OSError("libnvrtc.so.12: cannot open shared object file (synthetic)") for _ in plans]
+        return [SimpleNamespace(plan=p, compiled=SimpleNamespace(compile_s=5.0)) for p in plans]
+
+
+@pytest.mark.parametrize("how", ["slow", "returned", "raised"])
+def test_environment_failures_are_tried_again_by_the_next_run(tmp_path, monkeypatch, how):
+    """Run 1 fails every point for a reason of the machine; run 2, on a sane machine, must time
+    those points (first), not answer them from run 1's failures."""
+    monkeypatch.setenv("PAIRGEN_COMPILE_BUDGET_S", "1")
+    broken = BrokenMachine(how)
+    first = None
+    if how == "raised":
+        with pytest.raises(ImportError):
+            tune_shape(CONTACT, SHAPE, broken, "fake-gpu", _settings(4), storage_dir=tmp_path)
+    else:
+        first = tune_shape(CONTACT, SHAPE, broken, "fake-gpu", _settings(4), storage_dir=tmp_path)
+        assert first.best is None
+    failed_points = [t.user_attrs["point"] for t in _trials(tmp_path)]
+    assert len(failed_points) == 4
+
+    monkeypatch.setenv("PAIRGEN_COMPILE_BUDGET_S", "60")
+    sane = FakeEvaluator()
+    result = tune_shape(CONTACT, SHAPE, sane, "fake-gpu", _settings(4), storage_dir=tmp_path)
+    assert [_point_key(p.strategy, p.params) for p in sane.compiled] == failed_points
+    assert result.counts["evaluated"] == 4 and result.best is not None
+    # Run 1's trials say why they failed, and that the machine did.
+    assert all(t.user_attrs.get("env_failure") is True and t.user_attrs["fail_reason"] for t in _trials(tmp_path)[:4])
+    assert first is None or first.counts["env_failed"] == 4
+
+
+@pytest.mark.parametrize("failure", ["check", "compile error"])
+def test_a_genuine_failure_stays_a_verdict(tmp_path, failure):
+    """A point NVRTC rejects, or whose output is wrong, is not compiled again by a later run."""
+
+    class Failing(FakeEvaluator):
+        def compile(self, plans):
+            self.compiled += plans
+            if failure == "compile error":
+                return [CompileError("k.cu(1): error: synthetic", "int x;", "k.cu") for _ in plans]
+            return list(plans)
+
+        def evaluate(self, plan):
+            raise ValueError("synthetic check failure")
+
+    first = Failing()
+    result = tune_shape(CONTACT, SHAPE, first, "fake-gpu", _settings(4), storage_dir=tmp_path)
+    assert result.counts["failed"] == 4 and not result.counts.get("env_failed")
+    assert not any(t.user_attrs.get("env_failure") for t in _trials(tmp_path))
+    second = FakeEvaluator()
+    result = tune_shape(CONTACT, SHAPE, second, "fake-gpu", _settings(4), storage_dir=tmp_path)
+    assert result.counts["evaluated"] == 4 and not second.compiled
 
 
 def test_time_budget_stops_sampling(tmp_path):

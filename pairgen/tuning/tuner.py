@@ -4,20 +4,29 @@ interrupted run resumes and processes on several GPUs can share a study.
 Control flow (tested on the CPU with a fake evaluator): ask a batch of trials; prune points that
 break a restriction before anything is compiled; compile the rest in parallel; check and time
 them one at a time on the GPU; tell. Failures are recorded with their reason and never cached.
+
+A failed trial is a verdict on its point (never tried again in this study) unless the failure came
+from the machine rather than the point (a compile over the budget, NVRTC not loadable, a compile
+worker killed, an interrupted batch): those carry the user attr env_failure=True, and a later run
+tries the point again, first.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import random
+import shutil
+import tempfile
 import time
+from concurrent.futures import BrokenExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from .. import config
-from ..ops.base import DeviceLimits, OpSpec, Plan, n_bucket
+from ..spec import DeviceLimits, OpSpec, Plan, n_bucket
 
 log = logging.getLogger("pairgen")
 
@@ -75,7 +84,80 @@ def _storage(path: Path):
     from optuna.storages.journal import JournalFileBackend
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    repair_journal(path)
     return JournalStorage(JournalFileBackend(str(path)))
+
+
+# ---- torn journals --------------------------------------------------------------------------------
+# Optuna appends each batch of records as JSON lines. A process killed mid-write, or a full disk,
+# leaves half a line at the end. Optuna skips it when reading, but the next append lands on the
+# same line, and from then on every load of the study fails with a JSONDecodeError naming no file.
+# So each journal is checked before Optuna opens it.
+
+def repair_journal(path: Path) -> bool:
+    """Keep the journal's leading records that parse; move the whole file aside first when any
+    record does not. Returns True when it repaired the journal."""
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    if not path.exists():
+        return False
+    # The lock Optuna's JournalFileBackend takes to append: another process sharing the study
+    # cannot be mid-append (its record looking torn) while the file is read and rewritten.
+    lock = JournalFileSymlinkLock(str(path))
+    lock.acquire()
+    try:
+        data = path.read_bytes()
+        records = _parseable_records(data)
+        kept = b"".join(line + b"\n" for line in records)
+        if kept == data:
+            return False
+        aside = _aside_path(path)
+        shutil.copyfile(path, aside)
+        _write_atomic(path, kept)
+    finally:
+        lock.release()
+    log.warning("%s: a record did not parse (a torn write?); moved the journal to %s and kept the %d "
+                "records before it (%d bytes dropped)", path, aside, len(records), len(data) - len(kept))
+    return True
+
+
+def _parseable_records(data: bytes) -> list[bytes]:
+    """The journal's lines, up to the first that is not a JSON object. Not the good lines after a
+    bad one: Optuna replays records in order, numbering trials as it creates them, so a record
+    after a lost one could land on the wrong trial."""
+    records = []
+    for line in data.split(b"\n"):
+        try:
+            if not isinstance(json.loads(line), dict):
+                break
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError; also the empty piece after the last newline
+            break
+        records.append(line)
+    return records
+
+
+def _aside_path(path: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while aside.exists():  # a second repair within the same second
+        aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    return aside
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """A crash mid-rewrite leaves the old file, never a half-written one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # a full disk must not also keep a temp file
+        raise
 
 
 def open_study(name: str, seed: int, storage_dir: Path | None = None):
@@ -92,6 +174,11 @@ def _point_key(strategy: str, params: dict) -> str:
     return json.dumps([strategy, params], sort_keys=True)
 
 
+def _trial_params(strategy: str, params: dict) -> dict:
+    """A point as the study's parameters (suggest's names), for enqueue_trial."""
+    return {"strategy": strategy, **{f"{strategy}.{k}": v for k, v in params.items()}}
+
+
 def enqueue_first(study, spec: OpSpec, widths: dict, limits: DeviceLimits, extra: list[tuple[str, dict]]) -> None:
     """Default params (and the current tuned entry) are the first trials of a new study."""
     if study.trials:
@@ -102,7 +189,7 @@ def enqueue_first(study, spec: OpSpec, widths: dict, limits: DeviceLimits, extra
         if key in queued or spec.infeasible(spec.plan(strategy, params, widths), limits):
             continue
         queued.add(key)
-        study.enqueue_trial({"strategy": strategy, **{f"{strategy}.{k}": v for k, v in params.items()}})
+        study.enqueue_trial(_trial_params(strategy, params))
 
 
 def suggest(trial, spec: OpSpec) -> tuple[str, dict]:
@@ -125,8 +212,13 @@ def _enqueue_unseen(study, points: list[tuple[str, dict]], taken: set[str], rng)
     repeat is answered from memory, and an unseen feasible point is queued in its place."""
     unseen = [(s, p) for s, p in points if _point_key(s, p) not in taken]
     if unseen:
-        strategy, params = rng.choice(unseen)
-        study.enqueue_trial({"strategy": strategy, **{f"{strategy}.{k}": v for k, v in params.items()}})
+        study.enqueue_trial(_trial_params(*rng.choice(unseen)))
+
+
+def enqueue_points(study, points: list[str]) -> None:
+    """Queue points (as _point_key writes them) to be the next trials asked."""
+    for point in points:
+        study.enqueue_trial(_trial_params(*json.loads(point)))
 
 
 class _Progress:
@@ -157,102 +249,199 @@ class _Progress:
 def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, settings: TuneSettings,
                extra_points: list[tuple[str, dict]] = (), storage_dir: Path | None = None,
                dtype: str = "float32") -> TuneResult:
-    from optuna.trial import TrialState
-
     widths = spec.widths_of(shape)
     limits = evaluator.limits
     study = open_study(study_name(gpu_slug, spec.name, dtype, widths, n_bucket(shape["N"])), settings.seed, storage_dir)
     enqueue_first(study, spec, widths, limits, list(extra_points))
+    seen, retry = past_outcomes(study)
+    if retry:
+        log.info("%d point(s) failed only for environment reasons in an earlier run; trying them again first", len(retry))
+        enqueue_points(study, retry)
     baselines = evaluator.baselines()
     start = time.perf_counter()  # the time budget is the search's: baselines (torch.compile) are outside it
 
-    seen: dict[str, tuple[float | None, str]] = {}  # point -> (µs, failure reason)
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
-        if "point" in t.user_attrs:
-            seen[t.user_attrs["point"]] = (t.value, t.user_attrs.get("fail_reason", ""))
     points = feasible_points(spec, widths, limits)
     target = min(settings.trials, len(points))
-    rng = random.Random(settings.seed)
-    batch_size = settings.batch or config.compile_workers()
-    compile_times: list[float] = []
-    failures: list[str] = []
-    counts = {"evaluated": len(seen), "pruned": 0, "failed": 0, "repeated": 0}
-    asks_left = 20 * max(1, settings.trials)  # sampling repeats or infeasible points cannot loop forever
     progress = _Progress(target, f"{spec.name} {' '.join(f'{k}{v}' for k, v in shape.items())}",
                          settings.progress, baselines.get("eager"))
+    search = _Search(study, spec, widths, evaluator, seen, points, target, progress, random.Random(settings.seed),
+                     asks_left=20 * max(1, settings.trials))  # sampling repeats or infeasible points cannot loop forever
+    batch_size = settings.batch or config.compile_workers()
+    search.show_progress()
+    try:
+        while len(seen) < target and search.asks_left > 0:
+            if settings.time_budget_s is not None and time.perf_counter() - start > settings.time_budget_s:
+                log.warning("time budget of %.0f s reached after %d trials", settings.time_budget_s, len(seen))
+                break
+            search.run_batch(search.ask_batch(min(batch_size, target - len(seen))))
+    except BaseException as exc:  # Ctrl-C, a compile pool that broke, a toolchain that would not load
+        search.abandon_running(exc)
+        raise
+    finally:
+        progress.close()
+    counts = {"evaluated": len(seen), **search.counts}
+    compile_s_mean = sum(search.compile_times) / len(search.compile_times) if search.compile_times else None
+    return TuneResult(spec.name, dict(shape), _best(study, spec, widths), baselines, counts, compile_s_mean,
+                      time.perf_counter() - start, search.failures)
 
-    def best_us():
-        values = [v for v, _ in seen.values() if v is not None]
-        return min(values) if values else None
 
-    progress.update(min(len(seen), target), best_us())
-    while len(seen) < target and asks_left > 0:
-        if settings.time_budget_s is not None and time.perf_counter() - start > settings.time_budget_s:
-            log.warning("time budget of %.0f s reached after %d trials", settings.time_budget_s, len(seen))
-            break
-        batch: list[tuple[object, Plan, str]] = []
-        in_batch: set[str] = set()
-        while len(batch) < min(batch_size, target - len(seen)) and asks_left > 0:
-            asks_left -= 1
-            trial = study.ask()
-            strategy, params = suggest(trial, spec)
-            point = _point_key(strategy, params)
-            trial.set_user_attr("point", point)
-            plan = spec.plan(strategy, params, widths)
-            reasons = spec.infeasible(plan, limits)
-            if reasons:
-                trial.set_user_attr("pruned_reason", "; ".join(reasons))
-                study.tell(trial, state=TrialState.PRUNED)
-                counts["pruned"] += 1
-            elif point in seen or point in in_batch:
-                value, reason = seen.get(point, (None, "repeated within a batch"))
-                counts["repeated"] += 1
-                if value is None:
-                    trial.set_user_attr("fail_reason", reason or "repeated")
-                    study.tell(trial, state=TrialState.FAIL)
-                else:
-                    study.tell(trial, value)
-                _enqueue_unseen(study, points, set(seen) | in_batch, rng)
-            else:
-                in_batch.add(point)
-                batch.append((trial, plan, point))
-        compiled = evaluator.compile([plan for _, plan, _ in batch]) if batch else []
-        for (trial, plan, point), variant in zip(batch, compiled):
-            value, reason = _run_one(evaluator, variant, compile_times)
-            if value is None:
-                trial.set_user_attr("fail_reason", reason[:4000])
-                study.tell(trial, state=TrialState.FAIL)
-                counts["failed"] += 1
-                failures.append(f"{plan.label}: {reason.splitlines()[0] if reason else '?'}")
-            else:
-                study.tell(trial, value)
-            seen[point] = (value, reason)
-            progress.update(min(len(seen), target), best_us())
-    progress.close()
-    counts["evaluated"] = len(seen)
-
-    best = None
+def _best(study, spec: OpSpec, widths: dict) -> dict | None:
     try:
         trial = study.best_trial
-        strategy, params = json.loads(trial.user_attrs["point"])
-        best = {"strategy": strategy, "params": params, "us": trial.value,
-                "label": spec.plan(strategy, params, widths).label}
     except ValueError:  # no completed trial
-        pass
-    return TuneResult(spec.name, dict(shape), best, baselines, counts,
-                      sum(compile_times) / len(compile_times) if compile_times else None,
-                      time.perf_counter() - start, failures)
+        return None
+    strategy, params = json.loads(trial.user_attrs["point"])
+    return {"strategy": strategy, "params": params, "us": trial.value,
+            "label": spec.plan(strategy, params, widths).label}
 
 
-def _run_one(evaluator: Evaluator, variant, compile_times: list[float]) -> tuple[float | None, str]:
+# ---- outcomes: verdicts on points, and failures of the machine --------------------------------------
+
+class Outcome(NamedTuple):
+    """What trying a point gave: its median µs, or None and why it failed."""
+
+    value: float | None
+    reason: str = ""
+    #: The machine failed, not the point: no verdict, so a later run tries the point again.
+    env_failure: bool = False
+
+
+#: Exceptions that say the machine failed rather than the point: the toolchain would not load
+#: (ImportError; OSError, e.g. NVRTC's library missing), a compile worker died (BrokenExecutor),
+#: the host ran out of memory. NVRTC rejecting the source (CompileError), a failed accuracy check
+#: and a launch error are none of these: they are verdicts on the point.
+ENVIRONMENT_ERRORS = (OSError, ImportError, MemoryError, BrokenExecutor)
+
+
+def past_outcomes(study) -> tuple[dict[str, Outcome], list[str]]:
+    """Per point, the verdict earlier runs of the study reached; and the points to try again:
+    those whose only failures were environment failures (a compile over a budget since raised,
+    a toolchain since fixed)."""
+    from optuna.trial import TrialState
+
+    seen: dict[str, Outcome] = {}
+    env_failed: list[str] = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
+        point = t.user_attrs.get("point")
+        # A repeat was answered from memory: the trial it repeated holds the verdict (a repeat
+        # within a batch was told before the original was timed, and would read as a failure).
+        if point is None or t.user_attrs.get("repeat"):
+            continue
+        if t.user_attrs.get("env_failure"):
+            env_failed.append(point)
+        else:
+            seen[point] = Outcome(t.value, t.user_attrs.get("fail_reason", ""))
+    retry = list(dict.fromkeys(p for p in env_failed if p not in seen))
+    return seen, retry
+
+
+def _run_one(evaluator: Evaluator, variant, compile_times: list[float]) -> Outcome:
     if isinstance(variant, Exception):
-        return None, f"compile failed: {variant}"
+        return Outcome(None, f"compile failed: {variant}", isinstance(variant, ENVIRONMENT_ERRORS))
     compile_s = getattr(getattr(variant, "compiled", None), "compile_s", None)
     if compile_s is not None:
         compile_times.append(compile_s)
         if compile_s > config.compile_budget_s():
-            return None, f"compile took {compile_s:.1f} s, over the {config.compile_budget_s():.0f} s budget"
+            # The budget is a setting of this run (and a loaded machine compiles slowly): a run
+            # with a larger budget must still get to time the point.
+            return Outcome(None, f"compile took {compile_s:.1f} s, over the {config.compile_budget_s():.0f} s budget",
+                           env_failure=True)
     try:
-        return float(evaluator.evaluate(variant)), ""
+        return Outcome(float(evaluator.evaluate(variant)))
     except Exception as exc:  # a failed check or launch fails the trial, with its reason
-        return None, f"{type(exc).__name__}: {exc}"
+        return Outcome(None, f"{type(exc).__name__}: {exc}", isinstance(exc, ENVIRONMENT_ERRORS))
+
+
+class _Search:
+    """One tune_shape call's asking and telling: what is known per point (`seen`, shared with the
+    caller), the trials asked and not yet told, the counts."""
+
+    def __init__(self, study, spec: OpSpec, widths: dict, evaluator: Evaluator, seen: dict[str, Outcome],
+                 points: list[tuple[str, dict]], target: int, progress: _Progress, rng: random.Random,
+                 asks_left: int):
+        self.study, self.spec, self.widths, self.evaluator = study, spec, widths, evaluator
+        self.seen, self.points, self.target, self.progress, self.rng = seen, points, target, progress, rng
+        self.asks_left = asks_left
+        self.running: dict[int, object] = {}  # trial number -> trial asked and not yet told
+        self.counts = {"pruned": 0, "failed": 0, "env_failed": 0, "repeated": 0}
+        self.compile_times: list[float] = []
+        self.failures: list[str] = []
+
+    def ask_batch(self, size: int) -> list[tuple[object, Plan, str]]:
+        """Up to `size` trials of distinct unseen feasible points. Proposals that break a
+        restriction are pruned, and repeats answered from memory, without compiling anything."""
+        from optuna.trial import TrialState
+
+        batch: list[tuple[object, Plan, str]] = []
+        in_batch: set[str] = set()
+        while len(batch) < size and self.asks_left > 0:
+            self.asks_left -= 1
+            trial = self.study.ask()
+            self.running[trial.number] = trial
+            strategy, params = suggest(trial, self.spec)
+            point = _point_key(strategy, params)
+            trial.set_user_attr("point", point)
+            plan = self.spec.plan(strategy, params, self.widths)
+            reasons = self.spec.infeasible(plan, self.evaluator.limits)
+            if reasons:
+                trial.set_user_attr("pruned_reason", "; ".join(reasons))
+                self._tell(trial, state=TrialState.PRUNED)
+                self.counts["pruned"] += 1
+            elif point in self.seen or point in in_batch:
+                trial.set_user_attr("repeat", True)
+                self._tell_outcome(trial, self.seen.get(point, Outcome(None, "repeated within a batch")))
+                self.counts["repeated"] += 1
+                _enqueue_unseen(self.study, self.points, set(self.seen) | in_batch, self.rng)
+            else:
+                in_batch.add(point)
+                batch.append((trial, plan, point))
+        return batch
+
+    def run_batch(self, batch: list[tuple[object, Plan, str]]) -> None:
+        """Compile the batch in parallel, then check and time each variant, one at a time."""
+        compiled = self.evaluator.compile([plan for _, plan, _ in batch]) if batch else []
+        for (trial, plan, point), variant in zip(batch, compiled):
+            outcome = _run_one(self.evaluator, variant, self.compile_times)
+            self._tell_outcome(trial, outcome)
+            self._record(plan, point, outcome)
+
+    def abandon_running(self, exc: BaseException) -> None:
+        """Fail the trials asked and not told as environment failures. Left running they would
+        stay so in the journal, and the sampler (constant liar) would count them as bad points in
+        every later run; failed as env failures, a later run tries them again."""
+        reason = f"not evaluated: the run stopped ({type(exc).__name__}: {exc})"
+        for trial in list(self.running.values()):
+            try:
+                self._tell_outcome(trial, Outcome(None, reason, env_failure=True))
+            except Exception as tell_exc:  # the journal itself may be what failed; keep the original error
+                log.warning("could not record trial %d as abandoned: %s", trial.number, tell_exc)
+
+    def show_progress(self) -> None:
+        values = [o.value for o in self.seen.values() if o.value is not None]
+        self.progress.update(min(len(self.seen), self.target), min(values) if values else None)
+
+    def _tell_outcome(self, trial, outcome: Outcome) -> None:
+        from optuna.trial import TrialState
+
+        if outcome.value is not None:
+            self._tell(trial, outcome.value)
+            return
+        trial.set_user_attr("fail_reason", outcome.reason[:4000] or "?")
+        if outcome.env_failure:
+            trial.set_user_attr("env_failure", True)
+        self._tell(trial, state=TrialState.FAIL)
+
+    def _tell(self, trial, value: float | None = None, state=None) -> None:
+        self.study.tell(trial, value, state=state)
+        del self.running[trial.number]
+
+    def _record(self, plan: Plan, point: str, outcome: Outcome) -> None:
+        # In this run an env-failed point counts as seen too: the same machine would fail it again.
+        self.seen[point] = outcome
+        if outcome.value is None:
+            self.counts["failed"] += 1
+            self.counts["env_failed"] += outcome.env_failure
+            first_line = outcome.reason.splitlines()[0] if outcome.reason else "?"
+            self.failures.append(f"{plan.label}: {first_line}"
+                                 + (" (environment: tried again next run)" if outcome.env_failure else ""))
+        self.show_progress()
