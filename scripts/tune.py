@@ -218,8 +218,8 @@ def starting_points(spec, db, shape: dict, info) -> list[tuple[str, dict]]:
     """The entry in use for the shape's key, and the one recorded for exactly its key even if a
     template edit made it stale (with each value of any parameter added since: spec.restarts),
     are tried first: a re-tune after an edit that grew the space then cannot come out worse than
-    the old winner, as it did in run 17 (contact B1 N1024: 588 us against 538 before, the old
-    point never sampled)."""
+    the old winner, as a re-tune once did (contact B1 N1024 on the H200: 588 us against 538
+    before, the old point never sampled)."""
     from pairgen import runtime
     from pairgen.spec import n_bucket
 
@@ -259,7 +259,7 @@ def tune(work, args) -> int:
             result = tune_shape(spec, shape, evaluator, info.slug, settings, extra)
             results.append(result)
             if result.best:
-                db.upsert(tuned_entry(result, spec))
+                db.upsert(tuned_entry(result, spec), arch=info.arch)
             else:
                 print(f"{spec.name} {shape_label(shape)}: no variant passed; nothing written", file=sys.stderr)
             for line in result.failures[:5]:

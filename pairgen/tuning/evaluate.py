@@ -89,6 +89,8 @@ def tuned_entry(result, spec: OpSpec, dtype: str = "float32") -> dict:
         "strategy": best["strategy"],
         "params": best["params"],
         "template_sha256": codegen.template_hash(spec.name, best["strategy"]),
+        # What makes the entry stale: today's code rendering another source at these parameters.
+        "source_sha256": codegen.render_plan(spec.plan(best["strategy"], best["params"], widths)).source_sha256,
         "us": round(best["us"], 2),
         "baselines_us": {k: round(v, 2) for k, v in result.baselines.items()},
         "trials": result.counts,

@@ -63,13 +63,17 @@ class TuneResult:
 
 
 def templates_digest(op: str) -> str:
-    """12 hex digits over the op's strategies' template hashes: a template edit starts a new
-    study, so a re-tune never answers a point from timings of the code before the edit."""
+    """12 hex digits over what renders the op's kernels: its strategies' templates and its spec
+    module (where plans derive the templates' constants). An edit to either starts a new study, so
+    a re-tune never answers a point from timings of the code before the edit."""
+    import inspect
+
     from .. import codegen
     from ..ops import get_op
 
-    digest = hashlib.sha256()
-    for strategy in sorted(get_op(op).strategies):
+    spec = get_op(op)
+    digest = hashlib.sha256(inspect.getsource(inspect.getmodule(type(spec))).encode())
+    for strategy in sorted(spec.strategies):
         digest.update(f"{strategy}={codegen.template_hash(op, strategy)};".encode())
     return digest.hexdigest()[:12]
 
