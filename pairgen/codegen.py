@@ -11,10 +11,11 @@ from functools import lru_cache
 import jinja2
 from jinja2 import meta
 
-from .config import REPO_ROOT
+from .config import templates_dir
 from .spec import Plan, kernel_base_name
 
-TEMPLATES_DIR = REPO_ROOT / "templates"
+#: <repo>/templates in a checkout, the wheel's packaged copy (pairgen/_templates) when installed.
+TEMPLATES_DIR = templates_dir()
 
 _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),

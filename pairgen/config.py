@@ -1,4 +1,6 @@
-"""Every environment variable pairgen reads, in one place (the README's table mirrors this)."""
+"""Every environment variable pairgen reads, in one place (the README's table mirrors this), and
+where the kernel templates and the tuned results are (a checkout's folders, or the wheel's copies;
+the user's tuned folder follows XDG_DATA_HOME)."""
 from __future__ import annotations
 
 import math
@@ -7,12 +9,16 @@ import re
 from pathlib import Path
 from typing import Callable, TypeVar
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIR = Path(__file__).resolve().parent
+#: The checkout's root when pairgen runs from one (the folder holding pyproject.toml, templates/ and
+#: tuned/); for an installed wheel, the site-packages folder (see in_checkout()).
+REPO_ROOT = PACKAGE_DIR.parent
 
 #: name -> (default, meaning). tests/test_docs.py checks the README lists exactly these.
 ENVIRONMENT = {
     "PAIRGEN_CACHE_DIR": ("~/.cache/pairgen", "Compiled cubins and the tuner's Optuna journals."),
-    "PAIRGEN_TUNED_DIR": ("<repo>/tuned", "The tuned database read by the modules and written by scripts/tune.py."),
+    "PAIRGEN_TUNED_DIR": ("unset: the user folder (`$XDG_DATA_HOME/pairgen/tuned`, else `~/.local/share/pairgen/tuned`) over the shipped results; `<repo>/tuned` in a checkout",
+                          "The tuned database folder. Set, it is the only one: read by the modules and written by `pairgen-tune`. Unset, tuning writes the user folder and lookups read it before the results shipped with pairgen; a checkout whose `tuned/` is writable reads and writes `<repo>/tuned` instead (results to commit)."),
     "PAIRGEN_DISABLE": ("0", "1 makes every module run its PyTorch reference (for debugging). Read when a module first meets a length; after changing it in a running process call `pairgen.runtime.clear_caches()`."),
     "PAIRGEN_ARCH": ("the current GPU's, else sm_90", "NVRTC target, e.g. sm_90; lets a machine without a GPU compile."),
     "PAIRGEN_COMPILE_WORKERS": ("number of CPUs", "Processes compiling variants in parallel (tuner, dry runs)."),
@@ -53,8 +59,71 @@ def cache_dir() -> Path:
     return Path(_get("PAIRGEN_CACHE_DIR") or "~/.cache/pairgen").expanduser()
 
 
+# ---- where the templates and the tuned results are ---------------------------------------------
+# A checkout keeps templates/ and tuned/ at the top of the repository; the wheel ships them inside
+# the package as pairgen/_templates and pairgen/_tuned (pyproject.toml maps the folders).
+
+def in_checkout() -> bool:
+    """True when pairgen runs from a source tree (an editable install, or the repository on
+    sys.path), False for an installed wheel."""
+    if {"site-packages", "dist-packages"} & set(PACKAGE_DIR.parts):
+        return False
+    return (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "templates").is_dir()
+
+
+def templates_dir() -> Path:
+    """The kernel templates: <repo>/templates in a checkout, the packaged copy in a wheel."""
+    return REPO_ROOT / "templates" if in_checkout() else PACKAGE_DIR / "_templates"
+
+
+def shipped_tuned_dir() -> Path:
+    """The tuned results that come with pairgen: <repo>/tuned in a checkout, the packaged copy in a wheel."""
+    return REPO_ROOT / "tuned" if in_checkout() else PACKAGE_DIR / "_tuned"
+
+
+def user_tuned_dir() -> Path:
+    """$XDG_DATA_HOME/pairgen/tuned, else ~/.local/share/pairgen/tuned (a relative XDG_DATA_HOME
+    is ignored, as the XDG base directory specification says)."""
+    base = os.environ.get("XDG_DATA_HOME", "")
+    root = Path(base) if base and Path(base).is_absolute() else Path("~/.local/share").expanduser()
+    return root / "pairgen" / "tuned"
+
+
+def _checkout_tuned_writable() -> bool:
+    tuned = REPO_ROOT / "tuned"
+    return in_checkout() and os.access(tuned if tuned.exists() else REPO_ROOT, os.W_OK)
+
+
+def tuned_dir_override() -> Path | None:
+    """PAIRGEN_TUNED_DIR, when set: then the only tuned folder, read and written."""
+    override = _get("PAIRGEN_TUNED_DIR")
+    return Path(override).expanduser() if override is not None else None
+
+
+def tuned_write_dir() -> Path:
+    """Where tuning writes: PAIRGEN_TUNED_DIR; else, in a checkout whose tuned/ is writable, that
+    folder (results to commit); else the user folder."""
+    override = tuned_dir_override()
+    if override is not None:
+        return override
+    return REPO_ROOT / "tuned" if _checkout_tuned_writable() else user_tuned_dir()
+
+
+def tuned_read_dirs() -> list[Path]:
+    """Where lookups read, first folder first (an entry there hides the same key's in later ones):
+    PAIRGEN_TUNED_DIR alone when set; else the folder tuning writes, then the shipped results."""
+    override = tuned_dir_override()
+    if override is not None:
+        return [override]
+    dirs = [tuned_write_dir()]
+    if shipped_tuned_dir() not in dirs:
+        dirs.append(shipped_tuned_dir())
+    return dirs
+
+
 def tuned_dir() -> Path:
-    return Path(_get("PAIRGEN_TUNED_DIR") or REPO_ROOT / "tuned").expanduser()
+    """The folder tuning writes (tuned_write_dir): a TunedDB's default root."""
+    return tuned_write_dir()
 
 
 def disabled() -> bool:

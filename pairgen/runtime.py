@@ -181,20 +181,41 @@ def _nearest(entries: list[dict], bucket: int) -> tuple[dict | None, bool]:
 
 
 def _same_arch_databases(op: str, info: DeviceInfo) -> list[TunedDB]:
+    """Other GPUs' databases of this GPU's arch, folder by folder in lookup order (each folder's by name)."""
     from . import tuned
 
     finder = getattr(tuned, "databases_for_arch", None)
-    return finder(op, info.arch, info.slug) if finder else []
+    if finder is None:
+        return []
+    return [db for root in config.tuned_read_dirs() for db in finder(op, info.arch, info.slug, root)]
+
+
+def _database_groups(op: str, info: DeviceInfo) -> list[list[TunedDB]]:
+    """The databases choose() reads, grouped: this GPU's in every read folder (config.tuned_read_dirs:
+    the user's or PAIRGEN_TUNED_DIR's first, then the shipped results), then each same-architecture
+    GPU's, in the order they are first met. A group is one overlay: an N bucket an earlier folder
+    has hides the later folders' entry for it."""
+    groups = [[TunedDB(op, info.slug, root) for root in config.tuned_read_dirs()]]
+    by_slug: dict[str, list[TunedDB]] = {}
+    for db in _same_arch_databases(op, info):
+        by_slug.setdefault(db.gpu_slug, []).append(db)
+    return groups + list(by_slug.values())
 
 
 def choose(spec: OpSpec, dtype: str, widths: dict, n: int, info: DeviceInfo) -> Choice:
     """The lookup chain: this GPU's exact tuned entry -> its nearest N bucket -> a GPU of the same
-    compute capability (same order) -> the op's default params."""
+    compute capability (same order) -> the op's default params. Each GPU's entries are those of
+    every read folder, the first folder's winning for an N bucket two of them have."""
     bucket = n_bucket(n)
-    for db in [TunedDB(spec.name, info.slug), *_same_arch_databases(spec.name, info)]:
-        entry, exact = _nearest(_usable(spec, db, dtype, widths, info.limits), bucket)
+    for group in _database_groups(spec.name, info):
+        found: dict[int, tuple[dict, TunedDB]] = {}  # N bucket -> (entry, its database), first folder first
+        for db in group:
+            for entry in _usable(spec, db, dtype, widths, info.limits):
+                found.setdefault(entry["key"]["n_bucket"], (entry, db))
+        entry, exact = _nearest([e for e, _ in found.values()], bucket)
         if entry is None:
             continue
+        db = found[entry["key"]["n_bucket"]][1]
         how = "tuned" if exact else f"tuned (nearest N bucket {entry['key']['n_bucket']})"
         if db.gpu_slug != info.slug:
             how += f" on {db.gpu_slug} (same architecture, {info.arch})"

@@ -361,9 +361,10 @@ def _merged(snapshot: _Snapshot, entry: dict) -> list:
 
 
 def all_databases(root: Path | None = None) -> list[TunedDB]:
-    """Every tuned/<gpu>/<op>.json under the root."""
-    root = Path(root or config.tuned_dir())
-    return [TunedDB(p.stem, p.parent.name, root) for p in sorted(root.glob("*/*.json"))]
+    """Every <gpu>/<op>.json under the root; without one, under each folder lookups read
+    (config.tuned_read_dirs), in their order."""
+    roots = [Path(root)] if root else config.tuned_read_dirs()
+    return [TunedDB(p.stem, p.parent.name, r) for r in roots for p in sorted(r.glob("*/*.json"))]
 
 
 def databases_for_arch(op: str, arch: str, exclude_slug: str | None, root: Path | None = None) -> list[TunedDB]:

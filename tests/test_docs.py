@@ -22,4 +22,28 @@ def test_ci_runs_the_readme_test_command():
     command = "python -m pytest -q"
     assert command in README
     assert command in (ROOT / ".ci" / "run").read_text()
-    assert "python scripts/tune.py" in README
+
+
+def _section(title: str) -> str:
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start:end if end != -1 else len(README)]
+
+
+def test_fresh_machine_says_cpu_first_then_the_two_commands():
+    """Users on a CPU-only machine must install the CPU torch before the install commands."""
+    section = _section("On a fresh machine")
+    cpu_note = section.index("pip install torch==2.13.0")
+    commands = section.index('pip install -e ".[bench]" && pairgen-tune')
+    assert cpu_note < commands < section.index('pip install -e ".[test]" && python -m pytest -q')
+    assert "pairgen-tune" in section and "pairgen-bench" in section and "python scripts/tune.py" in section
+    assert "torch==2.13.0" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_tuning_documents_the_commands_the_folders_and_the_lookup():
+    section = _section("Tuning")
+    for flag in ("--status", "--stale", "--dry-run", "--explain", "--gpu", "--arch"):
+        assert f"pairgen-tune {flag}" in section or f" {flag} " in section, flag
+    for where in ("$XDG_DATA_HOME/pairgen/tuned", "~/.local/share/pairgen/tuned", "PAIRGEN_TUNED_DIR",
+                  "same compute capability", "default parameters", "pairgen-bench"):
+        assert where in section, where

@@ -1,4 +1,5 @@
-"""The scripts: --help, dry runs (no GPU needed), --status, and clear errors without a GPU."""
+"""The commands (pairgen-tune, pairgen-bench; scripts/tune.py and scripts/bench.py are the same from a
+checkout): --help, dry runs (no GPU needed), --status, --explain, and clear errors without a GPU."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import torch
 
 from pairgen import codegen
 from pairgen.ops import get_op, render
-from pairgen.tuned import make_key
+from pairgen.tuned import TunedDB, make_key
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,11 +23,25 @@ def run(*args, env=None):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=600)
 
 
-@pytest.mark.parametrize("script", ["scripts/tune.py", "scripts/bench.py"])
-def test_help(script):
-    result = run(script, "--help")
+@pytest.mark.parametrize("command", [("scripts/tune.py",), ("scripts/bench.py",), ("-m", "pairgen.tuning.tune_cli"),
+                                     ("-m", "pairgen.tuning.bench_cli")])
+def test_help(command):
+    result = run(*command, "--help")
     assert result.returncode == 0
     assert "--shape" in result.stdout and "--preset" in result.stdout
+
+
+def test_the_scripts_are_thin_wrappers_that_run_from_anywhere(tmp_path):
+    """scripts/*.py put their checkout first on sys.path and call the console commands' main, so
+    they work from a checkout that is not installed, whatever the working folder."""
+    for name, module in (("tune", "tune_cli"), ("bench", "bench_cli")):
+        text = (ROOT / "scripts" / f"{name}.py").read_text()
+        assert f"from pairgen.tuning.{module} import main" in text and len(text.splitlines()) <= 12
+    probe = (f"import runpy, sys; runpy.run_path({str(ROOT / 'scripts' / 'tune.py')!r}); "
+             "print(sys.path[0]); print(sys.modules['pairgen'].__file__)")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(ROOT), str(ROOT / "pairgen" / "__init__.py")]
 
 
 def test_tune_dry_run_compiles_every_strategy():
@@ -105,3 +120,61 @@ def test_tuning_without_a_gpu_says_so():
     assert len(result.stderr.strip().splitlines()) == 1
     result = run("scripts/bench.py", "--preset", "seed")
     assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr
+
+
+def _entry_on(root: Path, slug: str, widths: dict, bucket: int) -> None:
+    """A fresh contact entry (today's templates) in root/slug, tuned on sm_90."""
+    strategy, params = get_op("contact").default_points[0]
+    entry = {"key": make_key("float32", widths, bucket), "shape": {"B": 1, "N": bucket, **widths},
+             "strategy": strategy, "params": dict(params), "us": 7.5,
+             "template_sha256": codegen.template_hash("contact", strategy),
+             "source_sha256": render("contact", strategy, params, widths).source_sha256}
+    TunedDB("contact", slug, root).upsert(entry, arch="sm_90")
+
+
+def test_explain_for_a_described_gpu(tmp_path):
+    """--explain --gpu/--arch needs no GPU: this GPU's entry, its nearest bucket, a same-architecture
+    GPU's entry, or the defaults, with the parameters, the time and the file."""
+    _entry_on(tmp_path, "nvidia-h200", {"P": 64, "H": 32}, 64)
+    env = {"PAIRGEN_TUNED_DIR": str(tmp_path)}
+    explain = ("scripts/tune.py", "--explain", "--op", "contact", "--shape", "B=1,N=64,P=64,H=32",
+               "--shape", "B=1,N=300,P=64,H=32", "--shape", "B=1,N=64,P=128,H=64")
+    result = run(*explain, "--gpu", "nvidia-h200", "--arch", "sm_90", env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert str(tmp_path) in lines[0] and len(lines) == 4
+    assert lines[1].startswith("B1 N64 P64 H32: contact N=64 (bucket 64) on nvidia-h200: ")
+    assert "from tuned, measured 7.5 us when tuned" in lines[1] and str(tmp_path / "nvidia-h200" / "contact.json") in lines[1]
+    assert "from tuned (nearest N bucket 64)" in lines[2]
+    assert "from default" in lines[3] and "measured" not in lines[3]
+    result = run(*explain, "--gpu", "NVIDIA H100", "--arch", "sm_90", env=env)
+    assert result.returncode == 0 and "on nvidia-h100: " in result.stdout
+    assert "from tuned on nvidia-h200 (same architecture, sm_90), measured 7.5 us" in result.stdout
+    result = run(*explain, "--gpu", "nvidia-a100", "--arch", "sm_80", env=env)
+    assert result.returncode == 0 and result.stdout.count("from default") == 3
+
+
+def test_explain_refuses_half_a_gpu_and_says_what_it_needs(tmp_path):
+    result = run("scripts/tune.py", "--explain", "--op", "contact", "--gpu", "nvidia-h200")
+    assert result.returncode == 2 and "--gpu and --arch go together" in result.stderr
+    result = run("scripts/tune.py", "--explain", "--op", "contact", "--gpu", "nvidia-h200", "--arch", "compute_90")
+    assert result.returncode == 2 and "is not a GPU target" in result.stderr
+    result = run("scripts/tune.py", "--dry-run", "--gpu", "nvidia-h200", "--arch", "sm_90")
+    assert result.returncode == 2 and "--explain and --status only" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where there is no GPU")
+def test_explain_without_a_gpu_says_so_in_one_line():
+    result = run("scripts/tune.py", "--explain", "--op", "contact", "--shape", "B=1,N=64,P=64,H=32")
+    assert result.returncode == 2 and "--gpu SLUG --arch sm_XY" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not result.stdout
+
+
+def test_status_says_which_entries_apply_on_a_described_gpu(tmp_path):
+    _entry_on(tmp_path, "nvidia-h200", {"P": 64, "H": 32}, 64)
+    result = run("scripts/tune.py", "--status", "--gpu", "nvidia-h100", "--arch", "sm_90",
+                 env={"PAIRGEN_TUNED_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert f"## {tmp_path} (PAIRGEN_TUNED_DIR: read and written)" in result.stdout
+    assert "on nvidia-h100 (nvidia-h100, sm_90):" in result.stdout
+    assert "contact: no entries of its own; entries tuned on nvidia-h200 (same architecture, sm_90) apply" in result.stdout

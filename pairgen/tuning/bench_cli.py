@@ -1,0 +1,171 @@
+"""Side-by-side timing: pairgen's module call and its CUDA-graph replay against PyTorch eager and
+torch.compile(mode="max-autotune-no-cudagraphs"), in one process and one run (MEASURE.md).
+
+  pairgen-bench                  every op, its default shapes (seed + real)
+  pairgen-bench --op contact --shape B=1,N=256,P=128,H=128 --peers eager,compile
+  pairgen-bench --dry-run        list what would be measured
+
+Writes bench.md (table), bench.json (all numbers) and bench.png (speedups, with matplotlib: the
+`bench` extra) to --out. (`python scripts/bench.py` is this command, from a checkout that is not installed.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from ..ops import get_op, op_names
+from .cli import add_selection_args, selected_shapes, shape_label
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_selection_args(parser)
+    parser.add_argument("--peers", default="eager,compile,cuequivariance",
+                        help="comma-separated peers: eager, compile, and an op's own (trimul: cuequivariance, "
+                             "timed where it is importable); default: all of them")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    parser.add_argument("--reps", type=int, default=200, help="timed repetitions per measurement")
+    parser.add_argument("--dry-run", action="store_true", help="list what would be measured, and exit")
+    args = parser.parse_args(argv)
+    return parser, args
+
+
+def measure(spec, shape, peers, reps):
+    import torch
+
+    from pairgen import runtime
+    from pairgen.tuning.check import compare, reference64
+    from pairgen.tuning.timing import floor_us, host_us_per_call, time_cuda, time_graph_replay
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(0)
+    widths = spec.widths_of(shape)
+    module = spec.make_module(widths, gen).to(device)
+    inputs = tuple(t.to(device) for t in spec.make_inputs(shape, gen))
+    eager = spec.make_reference(module)
+    row = {"op": spec.name, "shape": shape}
+    with torch.inference_mode():
+        out = module(*inputs)
+        check = compare(out, reference64(module, inputs), spec.tolerance["float32"])
+        variant = module.variant_for(shape["N"], device)
+        row["variant"] = variant.plan.label if variant else "reference (no kernel)"
+        row["check"] = str(check)
+        call = lambda: module(*inputs)  # noqa: E731
+        row["call_us"] = time_cuda(call, device, reps=reps).median_us
+        row["graph_us"] = time_graph_replay(call, device, reps=reps).median_us
+        row["host_us"] = host_us_per_call(call)
+        if "eager" in peers:
+            row["eager_us"] = time_cuda(lambda: eager(*inputs), device, reps=reps).median_us
+        if "compile" in peers:
+            compiled = torch.compile(eager, mode="max-autotune-no-cudagraphs")
+            start = time.perf_counter()
+            compiled(*inputs)
+            row["compile_build_s"] = time.perf_counter() - start
+            row["compile_us"] = time_cuda(lambda: compiled(*inputs), device, reps=reps).median_us
+        for name in peers:
+            if name in spec.extra_peer_names:
+                peer = spec.extra_peer(name, module, inputs)
+                if isinstance(peer, str):
+                    row.setdefault("unavailable", {})[name] = peer
+                else:
+                    peer()
+                    row[f"{name}_us"] = time_cuda(peer, device, reps=reps).median_us
+        row["call_again_us"] = time_cuda(call, device, reps=reps).median_us  # the spread between two runs
+    row["floor_us"] = floor_us(spec.cost(shape), runtime.device_info(device.index).slug)
+    return row
+
+
+def table(rows, peers) -> str:
+    head = ["op", "shape", "pairgen variant", "call µs (2 runs)", "graph µs", "overhead µs", "host µs/call"]
+    head += [f"{p} µs" for p in peers] + [f"× vs {p}" for p in peers] + ["floor µs", "call / floor", "check"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["op"], shape_label(r["shape"]), f"`{r['variant']}`", f"{r['call_us']:.1f} / {r['call_again_us']:.1f}",
+                 f"{r['graph_us']:.1f}", f"{r['call_us'] - r['graph_us']:.1f}", f"{r['host_us']:.1f}"]
+        cells += [f"{r[p + '_us']:.1f}" if p + "_us" in r else "–" for p in peers]
+        cells += [f"{r[p + '_us'] / r['call_us']:.1f}×" if p + "_us" in r else "–" for p in peers]
+        floor = r.get("floor_us")
+        cells += [f"{floor:.1f}" if floor else "–", f"{r['call_us'] / floor:.1f}" if floor else "–",
+                  "ok" if r["check"].startswith("ok") else r["check"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = {f"{name}: {why}" for r in rows for name, why in r.get("unavailable", {}).items()}
+    return "\n".join(lines + [""] + [f"- not measured: {note}" for note in sorted(notes)])
+
+
+def plot(rows, peers, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['op']}\n{shape_label(r['shape'])}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
+    width = 0.8 / max(1, len(peers))
+    for k, peer in enumerate(peers):
+        ax.bar([i + k * width for i in range(len(rows))], [r.get(peer + "_us", 0.0) / r["call_us"] for r in rows],
+               width, label=f"vs {peer}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + width * (len(peers) - 1) / 2 for i in range(len(rows))], labels, fontsize=8)
+    ax.set_ylabel("speedup of pairgen's module call (×)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser, args = parse_args(argv)
+    peers = [p for p in args.peers.split(",") if p]
+    work = selected_shapes(args, parser)
+    known = {"eager", "compile"}.union(*(get_op(name).extra_peer_names for name in op_names()))
+    bad = set(peers) - known
+    if bad:
+        parser.error(f"unknown peers {sorted(bad)}; known: {sorted(known)}")
+    if args.dry_run:
+        for spec, shape in work:
+            mine = [p for p in peers if p in ("eager", "compile") or p in spec.extra_peer_names]
+            print(f"would measure {spec.name} {shape_label(shape)} against {', '.join(mine) or 'no peers'}")
+        return 0
+    import torch
+
+    from pairgen.tuning.timing import strict_fp32
+
+    if not torch.cuda.is_available():
+        print("pairgen-bench needs a CUDA GPU; none is visible to torch", file=sys.stderr)
+        return 2
+    strict_fp32()
+    import cuda.core
+
+    from pairgen.compiler import nvrtc_version
+
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "nvrtc": nvrtc_version(), "cuda.core": cuda.core.__version__, "python": platform.python_version(),
+           "date": time.strftime("%Y-%m-%d"), "tf32": "off",
+           "timing": "median of CUDA-event-timed calls, L2 flushed before each; inference_mode"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for spec, shape in work:
+        rows.append(measure(spec, shape, peers, args.reps))
+        r = rows[-1]
+        print(f"{spec.name} {shape_label(shape)}: call {r['call_us']:.1f} µs, graph {r['graph_us']:.1f} µs, "
+              + ", ".join(f"{p} {r[p + '_us']:.1f} µs" for p in peers if p + "_us" in r), flush=True)
+        text = write_results(args.out, env, rows, peers)  # after every shape: a cut-short run keeps its rows
+    if peers:
+        plot(rows, peers, args.out / "bench.png")
+    print(text)
+    return 0
+
+
+def write_results(out: Path, env: dict, rows: list, peers: list) -> str:
+    text = (f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, NVRTC {env['nvrtc']}, {env['date']}; "
+            f"fp32, TF32 off; {env['timing']}.\n\n" + table(rows, peers) + "\n")
+    (out / "bench.md").write_text(text)
+    (out / "bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,438 @@
+"""Tune pairgen's kernels on this GPU and record the winners in the tuned database.
+
+  pairgen-tune                   every op, its default shapes (seed + real), 64 trials each
+  pairgen-tune --op contact --shape B=4,N=64,P=64,H=32 --trials 32
+  pairgen-tune --status          the tuned folders: what is tuned, for which GPU, and what is stale
+  pairgen-tune --stale           re-tune exactly this GPU's stale entries
+  pairgen-tune --dry-run         render and compile every strategy (no GPU needed)
+  pairgen-tune --explain --op contact --shape B=1,N=300,P=128,H=128
+                                 what a module runs for that shape on this GPU, and why
+                                 (--gpu SLUG --arch sm_XY: on a GPU described by hand, no GPU needed)
+
+Results go to the user folder ($XDG_DATA_HOME/pairgen/tuned, else ~/.local/share/pairgen/tuned),
+to <repo>/tuned when run from a checkout, or to PAIRGEN_TUNED_DIR when it is set.
+(`python scripts/tune.py` is this command, from a checkout that is not installed.)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .cli import add_selection_args, selected_shapes, shape_label
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_selection_args(parser)
+    parser.add_argument("--trials", type=int, default=64, help="distinct points checked and timed per shape (default 64)")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="stop sampling a shape after this many seconds")
+    parser.add_argument("--peers", default="eager,compile", help="baselines measured per shape (default eager,compile)")
+    parser.add_argument("--seed", type=int, default=0, help="sampler and input seed")
+    parser.add_argument("--report", type=Path, help="also write the closing table (markdown) here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--status", action="store_true", help="list tuned entries and whether they are stale")
+    mode.add_argument("--stale", action="store_true", help="re-tune this GPU's stale entries")
+    mode.add_argument("--dry-run", action="store_true", help="render and compile every strategy, then exit")
+    mode.add_argument("--explain", action="store_true",
+                      help="say what a module runs for each selected shape on this GPU (or on --gpu/--arch): "
+                           "tuned, nearest bucket, same-architecture GPU or default; its parameters, time and file")
+    described = parser.add_argument_group("a GPU described by hand (--explain, --status; no GPU needed)")
+    described.add_argument("--gpu", metavar="SLUG", help="the GPU's folder name in the tuned database, e.g. nvidia-h200")
+    described.add_argument("--arch", metavar="sm_XY", help="its compute capability, e.g. sm_90")
+    args = parser.parse_args(argv)
+    if args.trials < 1:
+        parser.error("--trials must be at least 1")
+    if (args.gpu is None) != (args.arch is None):
+        parser.error("--gpu and --arch go together: the GPU's folder name and its compute capability")
+    if args.arch is not None and not _arch_pattern().fullmatch(args.arch):
+        parser.error(f"--arch {args.arch!r} is not a GPU target such as sm_80, sm_90 or sm_100")
+    if args.gpu is not None and not (args.explain or args.status):
+        parser.error("--gpu and --arch describe a GPU for --explain and --status only")
+    return parser, args
+
+
+def _arch_pattern():
+    from pairgen.config import ARCH_PATTERN
+
+    return ARCH_PATTERN
+
+
+def described_gpu(args):
+    """A runtime.DeviceInfo for --gpu/--arch (default device limits), else None."""
+    if args.gpu is None:
+        return None
+    from pairgen import runtime
+    from pairgen.spec import DeviceLimits
+
+    digits = args.arch[len("sm_"):].rstrip("af")
+    capability = (int(digits[:-1]), int(digits[-1]))
+    return runtime.DeviceInfo(0, args.gpu, runtime.slugify(args.gpu), args.arch, DeviceLimits(), capability)
+
+
+def this_gpu():
+    """The current GPU's runtime.DeviceInfo, None where torch sees none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from pairgen import runtime
+
+    return runtime.device_info(torch.cuda.current_device())
+
+
+# ---- --status ----------------------------------------------------------------------------------
+
+def status(info=None) -> int:
+    """Every tuned folder lookups read, in order, and each entry's state; then which entries apply
+    on this GPU (or on `info`, a GPU described by hand)."""
+    from pairgen import config, runtime
+    from pairgen.ops import get_op
+    from pairgen.tuned import all_databases
+
+    totals = {"stale": 0, "invalid": 0}
+    seen: dict[tuple, Path] = {}  # (gpu, op, key) -> the folder whose entry lookups use
+    for root in config.tuned_read_dirs():
+        dbs = all_databases(root)
+        print(f"\n## {root} ({folder_role(root)})\n")
+        if not dbs:
+            print("no tuned entries")
+            continue
+        print("| gpu | op | shape | strategy | µs | × eager | × compile | state |\n|---|---|---|---|---|---|---|---|")
+        for db in dbs:
+            entries = db.entries()
+            if db.problem:
+                print(f"| {db.gpu_slug} | {db.op} | – | – | – | – | – | IGNORED: {db.problem} |")
+            spec = get_op(db.op)
+            for e in entries:
+                state = runtime.entry_state(spec, e)  # "ok", "stale", or "invalid: why"
+                kind = state.split(":")[0]
+                if kind in totals:
+                    totals[kind] += 1
+                cell = _state_cell(state)
+                where = (db.gpu_slug, db.op, repr(e["key"]))
+                if where in seen:
+                    cell += f"; hidden by the entry in {seen[where]}"
+                elif kind == "ok":
+                    seen[where] = root
+                base = e.get("baselines_us", {})
+                ratio = lambda peer: f"{base[peer] / e['us']:.1f}×" if peer in base and e.get("us") else "–"  # noqa: E731
+                print(f"| {db.gpu_slug} | {db.op} | {shape_label(e.get('shape', e['key']))} | {e['strategy']} "
+                      f"| {e.get('us', '–')} | {ratio('eager')} | {ratio('compile')} | {cell} |")
+    stale, invalid = totals["stale"], totals["invalid"]
+    print(f"\n{stale} stale entr{'y' if stale == 1 else 'ies'}" + (f", {invalid} invalid" if invalid else "")
+          + ("; re-tune them with: pairgen-tune --stale" if stale or invalid else ""))
+    info = info or this_gpu()
+    if info is not None:
+        print(applies_on(info))
+    return 0
+
+
+def folder_role(root: Path) -> str:
+    from pairgen import config
+
+    if config.tuned_dir_override() is not None:
+        return "PAIRGEN_TUNED_DIR: read and written"
+    roles = []
+    if root == config.tuned_write_dir():
+        roles.append("the checkout's, written by tuning" if root == config.shipped_tuned_dir()
+                     else "the user's, written by tuning")
+    elif root == config.shipped_tuned_dir():
+        roles.append("shipped with pairgen" if not config.in_checkout() else "the checkout's, read only")
+    return ", ".join(roles) or "read"
+
+
+def applies_on(info) -> str:
+    """Which folders' entries lookups use on a GPU, per op: its own; for widths it has none for, a
+    same-architecture GPU's; else the op's default parameters (runtime.choose, per call)."""
+    from pairgen import config, runtime
+    from pairgen.ops import op_names
+    from pairgen.tuned import TunedDB
+
+    lines = [f"\non {info.name} ({info.slug}, {info.arch}):"]
+    for op in op_names():
+        own = [str(db.path) for db in (TunedDB(op, info.slug, root) for root in config.tuned_read_dirs())
+               if db.path.is_file()]
+        same = runtime._same_arch_databases(op, info)
+        parts = [f"this GPU's entries ({', '.join(own)})"] if own else []
+        if same:
+            parts.append(("for widths it has none for, " if own else "no entries of its own; ")
+                         + f"entries tuned on {', '.join(dict.fromkeys(db.gpu_slug for db in same))} "
+                         f"(same architecture, {info.arch}) apply ({', '.join(str(db.path) for db in same)})")
+        if not own and not same:
+            parts.append("no entries for this GPU or its architecture")
+        lines.append(f"  {op}: {'; '.join(parts)}; else the op's default parameters")
+    return "\n".join(lines)
+
+
+def _state_cell(state: str) -> str:
+    if state == "stale":
+        return "STALE (today's code renders another source)"
+    return "INVALID" + state[len("invalid"):] if state.startswith("invalid") else state
+
+
+# ---- --dry-run -----------------------------------------------------------------------------------
+
+def dry_run(work) -> int:
+    """Render and compile each strategy's default points and two sampled ones, per op and widths,
+    printing each strategy/width set's rows as soon as it is compiled."""
+    from pairgen import config, runtime
+
+    arch = runtime.default_arch()
+    sets = dry_run_sets(work)
+    total = sum(len(plans) for plans in sets.values())
+    workers = max(1, min(config.compile_workers(), total))
+    # Said at once: a cold compile cache takes tens of seconds, which must not look like a hang.
+    print(f"compiling {total} variants ({len(sets)} strategy/width sets) for {arch} on {workers} process(es)...",
+          flush=True)
+    print(f"| op | widths | variant | {arch} |\n|---|---|---|---|", flush=True)
+    failed = 0
+    for plans, results in compiled_sets(sets, arch, workers):
+        failed += print_set(plans, results)
+    print(f"\n{total - failed} of {total} variants rendered and compiled for {arch}")
+    return 1 if failed else 0
+
+
+def dry_run_sets(work) -> dict[tuple, list]:
+    """(op, widths, strategy) -> the distinct plans to compile. Shapes that share widths share a
+    set: the presets repeat widths with other B and N, and B and N change no kernel."""
+    import random
+
+    sets: dict[tuple, list] = {}
+    for spec, shape in work:
+        widths = spec.widths_of(shape)
+        for strategy in spec.strategies:
+            key = (spec.name, tuple(sorted(widths.items())), strategy)
+            if key in sets:
+                continue
+            # Seeded by the strategy's name: the same points every run, so the cache answers a re-run.
+            picked = spec.sample_plans(strategy, widths, 2, random.Random(strategy))
+            if not picked:
+                print(f"{spec.name} {strategy}: no feasible point for widths {widths}", flush=True)
+                continue
+            sets[key] = list({plan.label: plan for plan in picked}.values())  # a sample may equal a default
+    return sets
+
+
+def compiled_sets(sets: dict[tuple, list], arch: str, workers: int):
+    """Yield (plans, results) per set, in order, as soon as the set is compiled. Every variant is
+    queued at once, so all workers stay busy across sets; a result is a Compiled or the exception
+    that stopped its compile."""
+    from pairgen import compiler
+
+    if not sets:
+        return
+    pool = compiler.compile_pool(workers)
+    try:
+        # One variant per task: a set can be printed when its own variants are done.
+        futures = {key: [pool.submit(compiler.compile_many, [_job(plan, arch)]) for plan in plans]
+                   for key, plans in sets.items()}
+        for key, plans in sets.items():
+            yield plans, [_result(future) for future in futures[key]]
+    finally:
+        pool.shutdown(cancel_futures=True)  # on Ctrl-C, do not sit through the queued compiles
+
+
+def _job(plan, arch: str) -> tuple[str, str, str]:
+    from pairgen import codegen
+
+    rendered = codegen.render_plan(plan)
+    return rendered.source, rendered.kernel_name, arch
+
+
+def _result(future):
+    try:
+        return future.result()[0]
+    except Exception as exc:  # a toolchain error (NVRTC not loadable...) is a FAILED row, not a traceback
+        return exc
+
+
+def print_set(plans: list, results: list) -> int:
+    """Print a set's table rows (the full error of a failure on stderr); returns the failures."""
+    failed = 0
+    for plan, res in zip(plans, results):
+        ok = not isinstance(res, Exception)
+        failed += not ok
+        text = res.summary() if ok else f"FAILED: {(str(res).splitlines() or [type(res).__name__])[0]}"
+        print(f"| {plan.op} | {plan.widths} | {plan.label} | {text} |")
+        if not ok:
+            print(res, file=sys.stderr)
+    sys.stdout.flush()  # a pipe (CI, tee) is block-buffered: without this the rows all come at the end
+    return failed
+
+
+# ---- tuning ---------------------------------------------------------------------------------------
+
+def gpu_missing(what: str) -> bool:
+    """True, having said so on stderr in one line, when torch sees no CUDA GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(f"{what} needs a CUDA GPU; none is visible to torch (--dry-run, --status, and --explain with "
+          "--gpu/--arch work without one)", file=sys.stderr)
+    return True
+
+
+def stale_work(args, parser):
+    """This GPU's entries that lookups skip (stale or invalid against today's code), as (spec,
+    shape) pairs: a re-tune writes a fresh entry over each. Read in every tuned folder, the first
+    folder's entry for a key hiding the later ones' (a stale shipped entry is re-tuned into the
+    user folder, where it then comes first)."""
+    from pairgen import config, runtime
+    from pairgen.ops import get_op, op_names
+    from pairgen.tuned import TunedDB
+
+    info = runtime.device_info(0)
+    work = []
+    for op in args.op or op_names():
+        spec = get_op(op)
+        seen = set()
+        for root in config.tuned_read_dirs():
+            for e in TunedDB(op, info.slug, root).entries():
+                key = repr(e["key"])
+                if key in seen:
+                    continue
+                seen.add(key)
+                if runtime.entry_state(spec, e, info.limits) != "ok":
+                    work.append((spec, dict(e["shape"])))
+    return work
+
+
+def closing_table(results, peers) -> str:
+    head = ["op", "shape", "best variant", "best µs"] + [f"{p} µs" for p in peers] + [f"× vs {p}" for p in peers]
+    head += ["trials (evaluated / failed / pruned)", "compile s / variant", "tune s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        best = r.best
+        us = best["us"] if best else None
+        cells = [r.op, shape_label(r.shape), f"`{best['label']}`" if best else "none passed", f"{us:.1f}" if us else "–"]
+        cells += [f"{r.baselines[p]:.1f}" if p in r.baselines else "–" for p in peers]
+        cells += [f"{r.baselines[p] / us:.1f}×" if us and p in r.baselines else "–" for p in peers]
+        c = r.counts
+        cells += [f"{c.get('evaluated', 0)} / {c.get('failed', 0)} / {c.get('pruned', 0)}",
+                  f"{r.compile_s_mean:.2f}" if r.compile_s_mean else "–", f"{r.elapsed_s:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def starting_points(spec, db, shape: dict, info) -> list[tuple[str, dict]]:
+    """The entry in use for the shape's key, and the one recorded for exactly its key even if a
+    template edit made it stale (with each value of any parameter added since: spec.restarts),
+    are tried first: a re-tune after an edit that grew the space then cannot come out worse than
+    the old winner, as a re-tune once did (contact B1 N1024 on the H200: 588 us against 538
+    before, the old point never sampled)."""
+    from pairgen import runtime
+    from pairgen.spec import n_bucket
+
+    widths = spec.widths_of(shape)
+    in_use = runtime.choose(spec, "float32", widths, shape["N"], info).entry
+    points = []
+    for entry in (in_use, previous_entry(spec, db, widths, n_bucket(shape["N"]))):
+        for params in (spec.restarts(entry["strategy"], entry["params"]) if entry else []):
+            if (entry["strategy"], params) not in points:
+                points.append((entry["strategy"], params))
+    return points
+
+
+def previous_entry(spec, db, widths: dict, bucket: int) -> dict | None:
+    """The entry recorded for exactly this key in the database tuning writes, else in the first
+    other tuned folder that has one for this GPU (the shipped results, from an install)."""
+    from pairgen import config
+    from pairgen.tuned import TunedDB
+
+    found = db.previous("float32", widths, bucket)
+    for root in config.tuned_read_dirs():
+        if found is not None:
+            break
+        other = TunedDB(spec.name, db.gpu_slug, root)
+        if other.path != db.path:
+            found = other.previous("float32", widths, bucket)
+    return found
+
+
+def explain(work, info) -> int:
+    """What a module runs for each selected shape on `info`'s GPU, and where it comes from."""
+    from pairgen import config, runtime
+
+    print(f"on {info.name} ({info.slug}, {info.arch}); tuned folders, first first: "
+          + ", ".join(str(d) for d in config.tuned_read_dirs()))
+    for spec, shape in work:
+        explained = runtime.explain(spec, "float32", spec.widths_of(shape), shape["N"], info=info)
+        print(f"{shape_label(shape)}: {explained}")
+    return 0
+
+
+def tune(work, args) -> int:
+    import torch
+
+    from pairgen import compiler, config, runtime
+    from pairgen.tuning.evaluate import GpuEvaluator, tuned_entry
+    from pairgen.tuning.timing import strict_fp32
+    from pairgen.tuned import TunedDB
+    from pairgen.tuning.tuner import TuneSettings, tune_shape
+
+    if gpu_missing("tuning"):
+        return 2
+    strict_fp32()
+    peers = tuple(p for p in args.peers.split(",") if p)
+    info = runtime.device_info(torch.cuda.current_device())
+    print(f"tuning {len(work)} shape(s) on {info.name} ({info.slug}, {info.arch}), {args.trials} trials each; "
+          f"results go to {config.tuned_write_dir() / info.slug}")
+    settings = TuneSettings(trials=args.trials, time_budget_s=args.time_budget, seed=args.seed,
+                            progress=not args.no_progress)
+    results = []
+    with compiler.compile_pool() as pool:
+        for spec, shape in work:
+            db = TunedDB(spec.name, info.slug)
+            extra = starting_points(spec, db, shape, info)
+            evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers, pool)
+            result = tune_shape(spec, shape, evaluator, info.slug, settings, extra)
+            results.append(result)
+            if result.best:
+                db.upsert(tuned_entry(result, spec), arch=info.arch)
+            else:
+                print(f"{spec.name} {shape_label(shape)}: no variant passed; nothing written", file=sys.stderr)
+            for line in result.failures[:5]:
+                print(f"  failed: {line}", file=sys.stderr)
+    runtime.clear_caches()
+    table = closing_table(results, peers)
+    header = (f"{info.name}, torch {torch.__version__}, CUDA {torch.version.cuda}; fp32, TF32 off; "
+              "µs = median module call, L2 flushed.\n\n")
+    print("\n" + header + table)
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(header + table + "\n")
+    return 0 if all(r.best for r in results) else 1
+
+
+def main(argv=None) -> int:
+    parser, args = parse_args(argv)
+    if args.status:
+        return status(described_gpu(args))
+    if args.stale:
+        # Stale entries are found per GPU (its slug names the folder), so the GPU comes first.
+        if gpu_missing("re-tuning stale entries"):
+            return 2
+        work = stale_work(args, parser)
+        if not work:
+            print("nothing is stale for this GPU")
+            return 0
+        return tune(work, args)
+    work = selected_shapes(args, parser)
+    if args.explain:
+        info = described_gpu(args) or this_gpu()
+        if info is None:
+            print("--explain needs a CUDA GPU, or one described with --gpu SLUG --arch sm_XY "
+                  "(e.g. --gpu nvidia-h200 --arch sm_90); none is visible to torch", file=sys.stderr)
+            return 2
+        return explain(work, info)
+    if args.dry_run:
+        return dry_run(work)
+    return tune(work, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
