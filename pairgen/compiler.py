@@ -217,17 +217,24 @@ def _nvrtc_compile(source: str, name: str, arch: str) -> tuple[bytes, str]:
     try:
         options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in NVRTC_OPTIONS)]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        # NVRTC writes into the buffers it is given: they must be fresh, writable bytearrays. A
+        # bytes object such as b" " * size is immutable and, for sizes 0 and 1, one of CPython's
+        # shared singletons: writing the log's terminating NUL into b" " corrupted unrelated
+        # code (torch.save then wrote wrong zip records in the same process).
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log_buf = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log_buf)
-        log = log_buf.rstrip(b"\0 ").decode(errors="replace")
+        log_buf = bytearray(size)
+        if size:
+            nvrtc.nvrtcGetProgramLog(prog, log_buf)
+        log = bytes(log_buf).rstrip(b"\0 ").decode(errors="replace")
         if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(log, source, name)
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
-        _check(err, "nvrtcGetCUBIN")
+        cubin_buf = bytearray(size)
+        if size:
+            (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin_buf)
+            _check(err, "nvrtcGetCUBIN")
+        cubin = bytes(cubin_buf)
         _check_cubin(cubin, arch)
         return cubin, log
     finally:

@@ -7,6 +7,9 @@ import warnings
 from typing import Callable, NamedTuple
 
 import torch
+from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
+from torch.nn.utils import parametrize
 
 from . import runtime
 from .spec import OpSpec
@@ -34,37 +37,148 @@ class ReferenceBackward(torch.autograd.Function):
         return (None, None, *[next(grads) if t.requires_grad else None for t in inputs + params])
 
 
-_data_ptr = torch.Tensor.data_ptr
+# ---- packed weights that always follow the module's parameters -------------------------------
+#
+# The kernels read a packed copy of the parameters. A copy must never go stale, whatever the user
+# does to the module between calls:
+#   * in-place updates through autograd-visible ops (optimizer steps, `with no_grad: p.mul_()`,
+#     load_state_dict): the parameter's version counter moves;
+#   * in-place updates through `p.data` (the classic EMA `e.data.mul_(0.9).add_(p.data, ...)`): no
+#     version counter moves, so the parameters a module packs are watched: reading or assigning
+#     their `.data` bumps a process-wide epoch;
+#   * a replaced parameter or submodule (`m.mlp[0] = nn.Linear(...)`) or a parametrization
+#     (`weight_norm`): module and parameter registrations bump the same epoch, and the parameters
+#     are found again from the module by their paths.
+# A parametrized (or hook-computed, the old torch.nn.utils.weight_norm) weight is computed and
+# repacked on every call, as its forward would compute it.
+
+_EPOCH = [0]  # bumped by the watchers below; a pack made at another epoch re-resolves its parameters
+
+
+def _bump(*_args) -> None:
+    _EPOCH[0] += 1
+
+
+class WatchedParameter(nn.Parameter):
+    """An nn.Parameter whose `.data`, read or assigned, bumps the watch epoch: an in-place update
+    through `.data` moves no version counter, so it would otherwise be invisible. Packed parameters
+    are switched to this class in place (same object: optimizers and user references still hold
+    it); a pickle brings back a plain Parameter, which is watched again on first use."""
+
+    @property
+    def data(self):
+        _EPOCH[0] += 1
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        _EPOCH[0] += 1
+        torch.Tensor.data.__set__(self, value)
+
+
+def _watch(param) -> None:
+    if type(param) is nn.Parameter:  # other subclasses (DTensor parameters, ...) keep their class
+        param.__class__ = WatchedParameter
+
+
+_parameter_new = nn.Parameter.__new__
+
+
+def _new_parameter(cls, data=None, requires_grad=True):
+    """nn.Parameter(p) of a watched p makes a plain alias of it, as it does of any Parameter:
+    torch's own check accepts only Tensor and Parameter data as they are, and would reject the
+    subclass (register_parametrization, weight tying and other code wrap existing parameters)."""
+    if type(data) is WatchedParameter:
+        return torch.Tensor._make_subclass(cls, data, requires_grad)
+    return _parameter_new(cls, data, requires_grad)
+
+
+if not getattr(nn.Parameter.__new__, "_pairgen", False):
+    _new_parameter._pairgen = True
+    nn.Parameter.__new__ = staticmethod(_new_parameter)
+
+
+_module_hooks = register_module_module_registration_hook(_bump)
+_parameter_hooks = register_module_parameter_registration_hook(_bump)
 
 
 class PackedParameters:
-    """A module's parameters repacked into a kernel's layout, rebuilt only when one of them
-    changed: replaced or moved (data pointer) or updated in place (version counter).
+    """A module's parameters repacked into a kernel's layout, rebuilt only when one of them may
+    have changed (see the comment above). `paths` names each parameter as (submodule path, name),
+    e.g. ("mlp.0", "weight"); `pack(list of tensors)` builds the kernels' buffer."""
 
-    Holds the submodules' `_parameters` dicts, so a parameter replaced by assignment is seen,
-    without nn.Module.__getattr__ on the hot path (2.4 us per submodule lookup, measured)."""
-
-    def __init__(self, slots, pack: Callable[[list], torch.Tensor]):
-        self._slots = tuple((module._parameters, name) for module, name in slots)
+    def __init__(self, root: nn.Module, paths, pack: Callable[[list], torch.Tensor]):
+        self._root = root
+        self._paths = tuple(paths)
         self._pack = pack
-        self._key = None
+        self._reset()
+        self._warned = set()
+
+    def _reset(self) -> None:
+        self._epoch = None   # the watch epoch the slots were resolved at
+        self._slots = ()     # (owner dict, name) per parameter; owner None: computed every call
+        self._params = []    # the parameter objects resolved
+        self._key = None     # their versions when last packed
         self._packed = None
-        self._warned_unversioned = False
+
+    def _resolve(self) -> None:
+        slots, params = [], []
+        for path, name in self._paths:
+            sub = self._root.get_submodule(path) if path else self._root
+            param = sub._parameters.get(name)
+            if param is None or parametrize.is_parametrized(sub, name):
+                slots.append((sub, name, None))  # computed: a parametrization or a weight_norm hook
+                params.append(None)
+                self._warn_once("computed", f"pairgen: {path}.{name} is computed (a parametrization or a "
+                                "weight-norm hook), so this module's weights are repacked on every call")
+            else:
+                _watch(param)
+                slots.append((sub._parameters, name, param))
+                params.append(param)
+        self._slots, self._params = tuple(slots), params
+        self._computed = any(p is None for p in params)
+        self._key = None
+        self._epoch = _EPOCH[0]
+
+    def anchor(self) -> torch.Tensor:
+        """One parameter of the module as it is now: input validation compares dtype and device with it."""
+        if self._epoch != _EPOCH[0]:
+            self._resolve()
+        first = self._params[0]
+        return first if first is not None else self._value(self._slots[0])
 
     def parameters(self) -> list:
-        return [owner[name] for owner, name in self._slots]
+        """The tensors packed now (a computed weight as its module computes it)."""
+        if self._epoch != _EPOCH[0]:
+            self._resolve()
+        return [self._value(slot) for slot in self._slots]
+
+    @staticmethod
+    def _value(slot) -> torch.Tensor:
+        owner, name, param = slot
+        if param is not None:
+            return param
+        for hook in list(owner._forward_pre_hooks.values()):  # the old weight_norm computes in a hook
+            hook(owner, ())
+        return getattr(owner, name)
 
     def get(self) -> torch.Tensor:
-        params = self.parameters()
-        try:
-            key = [p._version for p in params]
-        except RuntimeError:  # an inference tensor (made under torch.inference_mode) has no version
-            key = self._unversioned()
+        if self._epoch != _EPOCH[0]:
+            self._resolve()
+        slots = self._slots
+        if self._computed:
+            key = None
+        elif not all(owner[name] is param for owner, name, param in slots):
+            self._resolve()  # replaced without a registration (e.g. .to() overwriting parameters)
+            return self.get()
         else:
-            key += map(_data_ptr, params)
+            try:
+                key = [param._version for _, _, param in slots]
+            except RuntimeError:  # an inference tensor (made under torch.inference_mode) has no version
+                key = self._unversioned()
         if key is None or key != self._key:
             with torch.no_grad():
-                self._packed = self._pack([p.detach() for p in params])
+                self._packed = self._pack([p.detach() for p in self.parameters()])
             self._key = key
         return self._packed
 
@@ -72,16 +186,20 @@ class PackedParameters:
         """Parameters created under torch.inference_mode (a module built or moved there) carry no
         version counter, so an in-place update cannot be seen: they are repacked on every call,
         which is correct but costs a few small kernels per call. Said once per module."""
-        if not self._warned_unversioned:
-            self._warned_unversioned = True
-            warnings.warn("pairgen: this module's parameters were created under torch.inference_mode, so "
-                          "in-place updates to them cannot be detected and its weights are repacked on every "
-                          "call; build or move the module outside inference_mode to avoid that cost",
-                          stacklevel=4)
+        self._warn_once("unversioned", "pairgen: this module's parameters were created under torch.inference_mode, "
+                        "so in-place updates to them cannot be detected and its weights are repacked on every "
+                        "call; build or move the module outside inference_mode to avoid that cost")
         return None
 
-    def __getstate__(self):  # a copy or a pickle repacks on first use
-        return {**self.__dict__, "_key": None, "_packed": None}
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(message, stacklevel=5)
+
+    def __getstate__(self):  # a copy or a pickle resolves and repacks on first use
+        state = dict(self.__dict__)
+        state.update(_epoch=None, _slots=(), _params=[], _key=None, _packed=None)
+        return state
 
 
 class HeldBuffer(NamedTuple):
@@ -207,6 +325,29 @@ def check_float_tensor(name: str, t, rank: int, param: torch.Tensor) -> None:
         raise ValueError(f"{name} is on {t.device} but the module's parameters are on {param.device}")
     if t.dtype != param.dtype:
         raise ValueError(f"{name} has dtype {t.dtype} but the module's parameters are {param.dtype}")
+
+
+def check_mask(name: str, mask, shape: tuple, device: torch.device) -> None:
+    """Every op takes the same masks: bool, integer or floating point, of the given shape, on the
+    inputs' device. An integer mask is read as mask != 0 (see as_mask)."""
+    if isinstance(mask, torch.Tensor) and mask.shape == shape and mask.device == device and not mask.dtype.is_complex:
+        return  # the common case; the checks below build the message
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.shape != shape:
+        raise ValueError(f"{name} must have shape (B, N, N) = {tuple(shape)}, got {tuple(mask.shape)}")
+    if mask.dtype.is_complex:
+        raise ValueError(f"{name} must be bool, integer or floating point, got dtype {mask.dtype}")
+    raise ValueError(f"{name} is on {mask.device} but the inputs are on {device}")
+
+
+def as_mask(mask: torch.Tensor) -> torch.Tensor:
+    """An integer mask as bool (mask != 0), so 0/1 or 0/255 masks of any integer type mean keep or
+    drop in every op, on the kernel path and the reference path alike; bool and floating-point
+    masks as they are (each op says how it reads a floating-point one)."""
+    if mask.dtype is torch.bool or mask.dtype.is_floating_point:
+        return mask
+    return mask != 0
 
 
 @contextlib.contextmanager

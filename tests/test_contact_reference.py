@@ -100,7 +100,7 @@ def test_copies_and_pickles_drop_runtime_state():
     clone = deepcopy_dropping_runtime_state(module, {"_variant_cache": {"generation": 0, (0, 7): Unpicklable()},
                                                      "_weights._packed": Unpicklable(), "_weights._key": [1, 2]})
     assert clone._weights.parameters()[0] is clone.mlp[0].weight, "the copy packs its own parameters"
-    assert clone._ln_params is clone.layer_norm._parameters
+    assert clone._weights.anchor() is clone.mlp[0].weight, "the copy validates against its own parameters"
     assert_copy_and_pickle_compute_the_reference(module, clone, (torch.randn(1, 5, 5, 16),))
 
 

@@ -27,11 +27,8 @@ class ContactHead(KernelModule, ContactHeadReference):
     def __init__(self, pair_dim: int, hidden_dim: int):
         super().__init__(pair_dim, hidden_dim)
         self.widths = {"P": int(pair_dim), "H": int(hidden_dim)}
-        ln, l1, l2, l3 = self.layer_norm, self.mlp[0], self.mlp[2], self.mlp[4]
-        slots = ((l1, "weight"), (l1, "bias"), (l2, "weight"), (l2, "bias"), (l3, "weight"), (l3, "bias"),
-                 (ln, "weight"), (ln, "bias"))
-        self._weights = PackedParameters(slots, self._pack)
-        self._ln_params = ln._parameters  # the validation's dtype and device, without __getattr__
+        paths = [(layer, name) for layer in ("mlp.0", "mlp.2", "mlp.4", "layer_norm") for name in ("weight", "bias")]
+        self._weights = PackedParameters(self, paths, self._pack)
 
     def reference_forward(self, pair_repr):
         return ContactHeadReference.forward(self, pair_repr)
@@ -42,7 +39,7 @@ class ContactHead(KernelModule, ContactHeadReference):
 
     def _validate(self, x) -> None:
         P = self.widths["P"]
-        check_float_tensor("pair_repr", x, 4, self._ln_params["weight"])
+        check_float_tensor("pair_repr", x, 4, self._weights.anchor())
         shape = x.shape
         if shape[1] != shape[2] or shape[3] != P:  # a plain if: the message is built only on failure
             raise ValueError(f"pair_repr must have shape (B, N, N, {P}), got {tuple(shape)}")

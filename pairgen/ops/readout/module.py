@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import (HeldBuffer, KernelModule, PackedParameters, check_float_tensor, contiguous_aligned,
-                        fp32_matmul, grow_held)
+from ...modules import (HeldBuffer, KernelModule, PackedParameters, check_float_tensor, check_mask,
+                        contiguous_aligned, fp32_matmul, grow_held)
 from .reference import PairReadoutReference
 from .spec import DIRECT, GEMM, READOUT, SPLIT, gemm_scratch_offsets, pair_max_scratch, row_tiles, weight_offsets
 
@@ -64,8 +64,9 @@ class PairReadout(KernelModule, PairReadoutReference):
     """Drop-in for PairReadoutReference: same constructor, submodules and state_dict.
 
     CUDA float32 inputs run the tuned kernel; CPU inputs or other dtypes run the reference.
-    `edge_mask` may be bool or floating-point: a float mask is read as `edge_mask != 0`, so 0/1
-    masks behave as the reference's bool ones (and a NaN entry counts as an edge).
+    `edge_mask` may be bool, integer or floating point, read as `edge_mask != 0`, so 0/1 masks
+    behave as the reference's bool ones (and a NaN entry counts as an edge). N = 0 returns an
+    empty (B, 0, D) on every device.
 
     Scratch of the split and direct strategies (U/V of every node, a j split's partial maxima)
     and a j split's per-tile arrival counters are held by the module, grown when a larger call
@@ -91,10 +92,8 @@ class PairReadout(KernelModule, PairReadoutReference):
     def __init__(self, node_dim: int, pair_dim: int, hidden_dim: int):
         super().__init__(node_dim, pair_dim, hidden_dim)
         self.widths = {"D": int(node_dim), "P": int(pair_dim), "H": int(hidden_dim)}
-        l1, l2, ln = self.fuse[0], self.fuse[2], self.norm
-        slots = ((l1, "weight"), (l1, "bias"), (l2, "weight"), (l2, "bias"), (ln, "weight"), (ln, "bias"))
-        self._weights = PackedParameters(slots, self._pack)
-        self._ln_params = ln._parameters  # the validation's dtype and device, without __getattr__
+        paths = [(layer, name) for layer in ("fuse.0", "fuse.2", "norm") for name in ("weight", "bias")]
+        self._weights = PackedParameters(self, paths, self._pack)
         self._w2t_at = weight_offsets(node_dim, pair_dim, hidden_dim)["w2t"]  # gemm: W2^T's place in the pack
         self._counters: HeldBuffer | None = None  # the j split's arrival counters
         self._scratch: HeldBuffer | None = None   # the split and direct strategies' scratch
@@ -103,14 +102,18 @@ class PairReadout(KernelModule, PairReadoutReference):
         return PairReadoutReference.forward(self, nodes, pair_feats, edge_mask)
 
     def forward(self, nodes, pair_feats, edge_mask):
+        """edge_mask: bool, integer or floating point, read as edge_mask != 0 (the reference's
+        ~edge_mask needs bool; the kernels read bytes)."""
         self._validate(nodes, pair_feats, edge_mask)
         if edge_mask.dtype is not torch.bool:
-            edge_mask = edge_mask != 0  # the reference's ~edge_mask needs bool; the kernels read bytes
+            edge_mask = edge_mask != 0
+        if nodes.shape[1] == 0:
+            return nodes.clone()  # no nodes: nothing to pool (the reference's max over no partners would raise)
         return self._dispatch(nodes, pair_feats, edge_mask)
 
     def _validate(self, nodes, pair_feats, edge_mask) -> None:
         D, P = self.widths["D"], self.widths["P"]
-        weight = self._ln_params["weight"]
+        weight = self._weights.anchor()
         check_float_tensor("nodes", nodes, 3, weight)
         check_float_tensor("pair_feats", pair_feats, 4, weight)
         B, N = nodes.shape[0], nodes.shape[1]
@@ -120,15 +123,7 @@ class PairReadout(KernelModule, PairReadoutReference):
         if pair_feats.shape != (B, N, N, P):
             raise ValueError(f"pair_feats must have shape (B, N, N, {P}) = {(B, N, N, P)} for nodes of shape "
                              f"{tuple(nodes.shape)}, got {tuple(pair_feats.shape)}")
-        if not isinstance(edge_mask, torch.Tensor):
-            raise ValueError(f"edge_mask must be a torch.Tensor, got {type(edge_mask).__name__}")
-        if edge_mask.dtype is not torch.bool and not edge_mask.dtype.is_floating_point:
-            raise ValueError(f"edge_mask must be bool or floating-point 0/1, got dtype {edge_mask.dtype}")
-        if edge_mask.shape != (B, N, N):
-            raise ValueError(f"edge_mask must have shape (B, N, N) = {(B, N, N)}, got {tuple(edge_mask.shape)}")
-        if edge_mask.device != nodes.device:
-            raise ValueError(f"nodes, pair_feats and edge_mask must be on one device, got {nodes.device}, "
-                             f"{pair_feats.device}, {edge_mask.device}")
+        check_mask("edge_mask", edge_mask, (B, N, N), nodes.device)
 
     def _pack(self, params: list) -> torch.Tensor:
         """[W_i^T | W_j^T] | W_p^T | b1 | W2^T | b2 | gamma | beta, at the offsets of weight_offsets()."""

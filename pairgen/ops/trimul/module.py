@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import KernelModule, PackedParameters, check_float_tensor, contiguous_aligned, fp32_matmul
+from ...modules import (KernelModule, PackedParameters, as_mask, check_float_tensor, check_mask, contiguous_aligned,
+                        fp32_matmul)
 from .reference import TriangleMultiplicationReference
 from .spec import BMM, FUSED, TRIMUL, weight_offsets
 
@@ -88,35 +89,28 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         self._outgoing = direction == "outgoing"
         self._barrier = None   # fused: (device index, the grid barrier's two ints)
         # Every parameter in state_dict order (no bias slots without bias), packed by pack_weights.
-        slots = [(getattr(self, sub), name) for sub in _PARAM_ORDER for name in ("weight", "bias")
+        paths = [(sub, name) for sub in _PARAM_ORDER for name in ("weight", "bias")
                  if getattr(self, sub)._parameters.get(name) is not None]
-        self._param_names = tuple(f"{sub}.{name}" for sub in _PARAM_ORDER for name in ("weight", "bias")
-                                  if getattr(self, sub)._parameters.get(name) is not None)
-        self._weights = PackedParameters(slots, self._pack)
-        self._ln_params = self.layer_norm_in._parameters  # the validation's dtype and device, without __getattr__
+        self._param_names = tuple(f"{sub}.{name}" for sub, name in paths)
+        self._weights = PackedParameters(self, paths, self._pack)
 
     def reference_forward(self, pair_repr, pair_mask):
         return TriangleMultiplicationReference.forward(self, pair_repr, pair_mask)
 
     def forward(self, pair_repr, pair_mask):
+        """pair_mask: bool, integer (read as != 0) or floating point (multiplied, as the reference
+        does: 0/1 keeps or drops a pair; other values scale its a and b)."""
         self._validate(pair_repr, pair_mask)
-        return self._dispatch(pair_repr, pair_mask)
+        return self._dispatch(pair_repr, as_mask(pair_mask))
 
     def _validate(self, x, mask) -> None:
         # Conditions first, messages only on failure: this runs on every call.
         P = self.widths["P"]
-        check_float_tensor("pair_repr", x, 4, self._ln_params["weight"])
+        check_float_tensor("pair_repr", x, 4, self._weights.anchor())
         shape = x.shape
         if shape[1] != shape[2] or shape[3] != P:
             raise ValueError(f"pair_repr must have shape (B, N, N, {P}), got {tuple(shape)}")
-        if not isinstance(mask, torch.Tensor):
-            raise ValueError(f"pair_mask must be a torch.Tensor, got {type(mask).__name__}")
-        if mask.shape != shape[:3]:
-            raise ValueError(f"pair_mask must have shape (B, N, N) = {tuple(shape[:3])}, got {tuple(mask.shape)}")
-        if mask.dtype.is_complex:
-            raise ValueError(f"pair_mask must be bool or a float 0/1 tensor, got dtype {mask.dtype}")
-        if mask.device != x.device:
-            raise ValueError(f"pair_mask is on {mask.device} but pair_repr is on {x.device}")
+        check_mask("pair_mask", mask, shape[:3], x.device)
 
     def uses_kernel(self, x, mask) -> bool:
         # Pair indices are 32-bit in the kernels: B*N*N >= 2^31 runs the reference.
@@ -134,7 +128,7 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         x = contiguous_aligned(pair_repr)
         mask = pair_mask
         if mask.dtype is not torch.bool and mask.dtype is not torch.float32:
-            mask = mask.to(torch.float32)  # other dtypes: the reference's .to(), off the hot path
+            mask = mask.to(torch.float32)  # float16/64 masks: the reference's .to(), off the hot path
         if not mask.is_contiguous():
             mask = mask.contiguous()
         B, N = x.shape[0], x.shape[1]
