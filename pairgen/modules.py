@@ -213,11 +213,13 @@ class HeldBuffer(NamedTuple):
     ptr: int
 
 
-def grow_held(held: HeldBuffer | None, index: int, count: int, dtype: torch.dtype, zeroed: bool) -> HeldBuffer:
-    """A HeldBuffer of at least `count` elements on device `index` replacing `held`, at least
-    twice its size, so growth is rare. Under CUDA-graph capture a zero fill is recorded, not run:
-    the new buffer is then zeroed only by the graph's replays, so it is the graph's (kept alive
-    in `retired`), and the eager calls keep the buffer they had."""
+def grow_held(held: HeldBuffer | None, index: int, count: int, dtype: torch.dtype,
+              zeroed: bool) -> tuple[HeldBuffer, int]:
+    """A buffer of at least `count` elements on device `index` for this call: (what the module
+    holds from now on, the pointer this call uses). The new buffer is at least twice the one it
+    replaces, so growth is rare. Under CUDA-graph capture a zero fill is recorded, not run: the new
+    buffer is then zeroed only by the graph's replays, so it is the graph's (kept alive in
+    `retired`, its pointer used by the captured launch), and the eager calls keep the one they had."""
     device = torch.device("cpu") if index < 0 else torch.device("cuda", index)
     if held is None or held.index != index:  # none yet, or the module moved to another device
         live, retired = None, [] if held is None else held.retired + [held.live]
@@ -228,8 +230,9 @@ def grow_held(held: HeldBuffer | None, index: int, count: int, dtype: torch.dtyp
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         if live is None:
             live = torch.empty(0, device=device, dtype=dtype)
-        return HeldBuffer(index, live, retired + [fresh], live.numel(), live.data_ptr())
-    return HeldBuffer(index, fresh, retired + ([] if live is None else [live]), fresh.numel(), fresh.data_ptr())
+        return HeldBuffer(index, live, retired + [fresh], live.numel(), live.data_ptr()), fresh.data_ptr()
+    return (HeldBuffer(index, fresh, retired + ([] if live is None else [live]), fresh.numel(), fresh.data_ptr()),
+            fresh.data_ptr())
 
 
 class KernelModule:
@@ -269,15 +272,16 @@ class KernelModule:
         first = tensors[0]
         return first.is_cuda and first.dtype is torch.float32
 
-    def variant_for(self, n: int, device: torch.device):
-        """The variant for length n on this device (None: run the reference). Cached on the
-        module: the host time of a call is what small shapes are made of."""
+    def variant_for(self, n: int, device: "torch.device | int"):
+        """The variant for length n on this device (a torch.device or a CUDA index; None: run the
+        reference). Cached on the module: the host time of a call is what small shapes are made of."""
         if self._forced_plan is not None:
             return self._forced_plan
         cache = self._variant_cache
-        if cache is None or cache["generation"] != runtime.generation():
-            cache = self._variant_cache = {"generation": runtime.generation()}
-        key = (device.index or 0, n)
+        generation = runtime.generation()
+        if cache is None or cache["generation"] != generation:
+            cache = self._variant_cache = {"generation": generation}
+        key = (device if type(device) is int else device.index or 0, n)
         variant = cache.get(key, cache)
         if variant is cache:
             if len(cache) > self.MAX_CACHED_LENGTHS:
@@ -296,7 +300,7 @@ class KernelModule:
         if not self.uses_kernel(*inputs):
             return self.reference_forward(*inputs)
         first = inputs[0]
-        variant = self.variant_for(first.shape[1], first.device)
+        variant = self.variant_for(first.shape[1], first.get_device())
         if variant is None:
             return self.reference_forward(*inputs)  # disabled, or no kernel fits these widths
         if torch.is_grad_enabled() and self._needs_grad(inputs):

@@ -5,7 +5,7 @@ torch.compile(mode="max-autotune-no-cudagraphs"), in one process and one run (ME
   pairgen-bench --op contact --shape B=1,N=256,P=128,H=128 --peers eager,compile
   pairgen-bench --dry-run        list what would be measured
 
-Writes bench.md (table), bench.json (all numbers) and bench.png (speedups, with matplotlib: the
+Writes bench.md (table), <date>-<gpu>.json (all numbers, merged per GPU and date) and bench.png (speedups, with matplotlib: the
 `bench` extra) to --out. (`python scripts/bench.py` is this command, from a checkout that is not installed.)
 """
 from __future__ import annotations
@@ -27,7 +27,9 @@ def parse_args(argv=None):
     parser.add_argument("--peers", default="eager,compile,cuequivariance",
                         help="comma-separated peers: eager, compile, and an op's own (trimul: cuequivariance, "
                              "timed where it is importable); default: all of them")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"),
+                        help="output folder: bench.md, bench.png and <date>-<gpu>.json (rows of one GPU and date, "
+                             "merged across runs; the repo keeps them in benchmarks/results/)")
     parser.add_argument("--reps", type=int, default=200, help="timed repetitions per measurement")
     parser.add_argument("--dry-run", action="store_true", help="list what would be measured, and exit")
     args = parser.parse_args(argv)
@@ -159,11 +161,24 @@ def main(argv=None) -> int:
     return 0
 
 
+def results_name(env: dict) -> str:
+    """The machine-readable results file of one GPU and date: what the README's tables cite
+    (benchmarks/results/<date>-<gpu>.json in the repo)."""
+    slug = "".join(c if c.isalnum() else "-" for c in env["gpu"].lower()).strip("-")
+    return f"{env['date']}-{slug}.json"
+
+
 def write_results(out: Path, env: dict, rows: list, peers: list) -> str:
+    """bench.md (the table), and the rows as JSON under results_name(env), merged with the rows an
+    earlier run of the same GPU and date wrote there (a later row of the same op and shape wins)."""
     text = (f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, NVRTC {env['nvrtc']}, {env['date']}; "
             f"fp32, TF32 off; {env['timing']}.\n\n" + table(rows, peers) + "\n")
     (out / "bench.md").write_text(text)
-    (out / "bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    path = out / results_name(env)
+    earlier = json.loads(path.read_text())["rows"] if path.exists() else []
+    mine = {(r["op"], json.dumps(r["shape"], sort_keys=True)) for r in rows}
+    kept = [r for r in earlier if (r["op"], json.dumps(r["shape"], sort_keys=True)) not in mine]
+    path.write_text(json.dumps({"env": env, "rows": kept + rows}, indent=1) + "\n")
     return text
 
 

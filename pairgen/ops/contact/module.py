@@ -60,14 +60,14 @@ class ContactHead(KernelModule, ContactHeadReference):
 
     def uses_kernel(self, x) -> bool:
         # The kernels index pairs with 32-bit ints; B*N*N >= 2^31 (over 1 TB at P=128) runs the reference.
-        return super().uses_kernel(x) and x.shape[0] * x.shape[1] * x.shape[1] < 2**31
+        return x.is_cuda and x.dtype is torch.float32 and x.shape[0] * x.shape[1] * x.shape[1] < 2**31
 
     def _launch(self, pair_repr, out=None, variant=None):
         x = contiguous_aligned(pair_repr)
         B, N = x.shape[0], x.shape[1]
         if out is None:
-            out = torch.empty((B, N, N), device=x.device, dtype=torch.float32)
+            out = x.new_empty((B, N, N))  # x is CUDA float32 here
         if out.numel() == 0:
             return out
-        self._run(variant or self.variant_for(N, x.device), x, out)
+        self._run(variant or self.variant_for(N, x.get_device()), x, out)
         return out

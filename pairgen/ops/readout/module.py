@@ -153,18 +153,20 @@ class PairReadout(KernelModule, PairReadoutReference):
         """At least `count` zeroed arrival counters on device `index`, for the j split's "last
         block done" (each launch leaves them zeroed)."""
         held = self._counters
-        if held is None or held.index != index or count > held.capacity:
-            held = self._counters = grow_held(held, index, max(count, self.MIN_COUNTERS), torch.int32, zeroed=True)
-        return held.ptr
+        if held is not None and held.index == index and count <= held.capacity:
+            return held.ptr
+        self._counters, ptr = grow_held(held, index, max(count, self.MIN_COUNTERS), torch.int32, zeroed=True)
+        return ptr
 
     def _split_scratch(self, index: int, floats: int) -> int:
         """At least `floats` of scratch on device `index` for a split or direct launch (U/V, the
         j split's partial maxima): held by the module, not allocated per call, since at the seed
         shape the host path is most of a call and a torch.empty was 5.3 of its 34 us (H200 host)."""
         held = self._scratch
-        if held is None or held.index != index or floats > held.capacity:
-            held = self._scratch = grow_held(held, index, floats, torch.float32, zeroed=False)
-        return held.ptr
+        if held is not None and held.index == index and floats <= held.capacity:
+            return held.ptr
+        self._scratch, ptr = grow_held(held, index, floats, torch.float32, zeroed=False)
+        return ptr
 
     def _launch(self, nodes, pair_feats, edge_mask, out=None, variant=None):
         # Rows on 16-byte boundaries: the kernels read them with float4 loads and cp.async.
@@ -174,8 +176,8 @@ class PairReadout(KernelModule, PairReadoutReference):
         edge_mask = edge_mask.contiguous()
         B, N, D = nodes.shape
         if out is None:
-            out = torch.empty((B, N, D), device=nodes.device, dtype=torch.float32)
+            out = torch.empty_like(nodes)  # nodes is contiguous CUDA float32 here
         if out.numel() == 0:
             return out
-        self._run(variant or self.variant_for(N, nodes.device), nodes, pair_feats, edge_mask, out)
+        self._run(variant or self.variant_for(N, nodes.get_device()), nodes, pair_feats, edge_mask, out)
         return out

@@ -114,7 +114,7 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
 
     def uses_kernel(self, x, mask) -> bool:
         # Pair indices are 32-bit in the kernels: B*N*N >= 2^31 runs the reference.
-        return super().uses_kernel(x) and x.shape[0] * x.shape[1] * x.shape[1] < 2**31
+        return x.is_cuda and x.dtype is torch.float32 and x.shape[0] * x.shape[1] * x.shape[1] < 2**31
 
     def _pack(self, params: list) -> torch.Tensor:
         return pack_weights(dict(zip(self._param_names, params)), self.widths["P"], self.widths["H"],
@@ -133,10 +133,10 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
             mask = mask.contiguous()
         B, N = x.shape[0], x.shape[1]
         if out is None:
-            out = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+            out = torch.empty_like(x)  # x is contiguous CUDA float32 here
         if out.numel() == 0:
             return out
-        self._run(variant or self.variant_for(N, x.device), x, mask, out)
+        self._run(variant or self.variant_for(N, x.get_device()), x, mask, out)
         return out
 
     def _barrier_ints(self, device: torch.device) -> int:
