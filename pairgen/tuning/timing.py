@@ -53,7 +53,7 @@ def time_cuda(fn: Callable[[], object], device: torch.device | None = None, reps
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     # The stream fetched once: Event.record() without one looks up the current stream each time,
-    # 11.7 us of host time per record against 3.2 with the stream given (H200 machine, run 38).
+    # 11.7 us of host time per record against 3.2 with the stream given (measured on the H200 host).
     # The end record's lookup fell inside the timed interval of every host-bound call, pairgen's
     # and the peers' alike, and both lookups lengthened each repetition's host time, which the L2
     # flush before the call must hide for the call to be timed as the GPU runs it.
