@@ -309,6 +309,17 @@ def padded_stride(width: int) -> int:
     return align(width, 32) + 4
 
 
+def flat_tile_grid(tile: int) -> GridFn:
+    """One block per tile of `tile` consecutive pairs of the flattened B*N*N; the kernel takes
+    (B, N, tiles) after its pointers."""
+
+    def grid(B, N, sms, resident, _tile=tile):
+        tiles = ceil_div(B * N * N, _tile)
+        return max(1, tiles), (B, N, tiles)
+
+    return grid
+
+
 def smem_fits(plan: Plan, limits: DeviceLimits) -> bool:
     """Every kernel of the plan within the per-block shared-memory limit."""
     return all(k.smem_bytes <= limits.max_smem_per_block for k in plan.kernels)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import sampled_plans, main_grid
-from pairgen import codegen, compiler, runtime
+from pairgen import codegen, compiler
 from pairgen.spec import DeviceLimits
 from pairgen.ops.trimul import TRI_BUDGET, TRI_KC, TRIMUL, triangle_staging, weight_offsets
 

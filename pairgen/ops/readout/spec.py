@@ -12,7 +12,7 @@ Three strategies:
 from __future__ import annotations
 
 from ...spec import (Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, ceil_div,
-                     cuda_bool, padded_stride, section_offsets, smem_fits)
+                     cuda_bool, flat_tile_grid, padded_stride, section_offsets, smem_fits)
 
 #: The pair-max kernel (split, direct): nodes, pair features, mask, weights, uv, scratch, counters,
 #: out, then B, N, row tiles.
@@ -262,16 +262,6 @@ def gemm_scratch_offsets(B: int, N: int, D: int, H: int) -> dict[str, int]:
     return offsets
 
 
-def gemm_hidden_grid(tile: int):
-    """One block per tile of consecutive pairs of the flattened B*N*N."""
-
-    def grid(B, N, sms, resident, _tile=tile):
-        tiles = ceil_div(B * N * N, _tile)
-        return max(1, tiles), (B, N, tiles)
-
-    return grid
-
-
 def _derive_gemm(params: dict, w: dict, name: str):
     """Kernels: the hidden kernel (declared first: the restrictions read its block), the node
     prologue, the pool kernel; cuBLAS runs between the hidden and the pool kernels."""
@@ -296,7 +286,7 @@ def _derive_gemm(params: dict, w: dict, name: str):
     def pool_grid(B, N, sms, resident, _nodes=params["pool_nodes"]):
         return gemm_pool_blocks(B * N, _nodes), (B, N)
 
-    return context, (Kernel(f"{name}_hidden", params["threads"], 4 * floats, HIDDEN_ARGS, gemm_hidden_grid(tile)),
+    return context, (Kernel(f"{name}_hidden", params["threads"], 4 * floats, HIDDEN_ARGS, flat_tile_grid(tile)),
                      _nodes_kernel(name, H, PROLOGUE_ROWS),
                      Kernel(f"{name}_pool", pool_threads, pool_smem, POOL_ARGS, pool_grid))
 

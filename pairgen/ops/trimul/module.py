@@ -131,7 +131,7 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
             mask = mask.to(torch.float32)  # float16/64 masks: the reference's .to(), off the hot path
         if not mask.is_contiguous():
             mask = mask.contiguous()
-        B, N = x.shape[0], x.shape[1]
+        N = x.shape[1]
         if out is None:
             out = torch.empty_like(x)  # x is contiguous CUDA float32 here
         if out.numel() == 0:

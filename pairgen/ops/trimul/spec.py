@@ -12,7 +12,8 @@ Two strategies:
 from __future__ import annotations
 
 from ...spec import (Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, ceil_div,
-                     cuda_bool, padded_stride, section_offsets, smem_fits)
+                     cuda_bool, flat_tile_grid, padded_stride, section_offsets,
+                     smem_fits)
 
 #: The projection kernel: x, mask, weights, a, b, then B, N, tiles, and whether the mask is float.
 PROJECT_ARGS = ("ptr",) * 5 + ("i32",) * 4
@@ -94,22 +95,12 @@ def _shared_context(params: dict, w: dict) -> tuple[dict, int, int]:
     return context, project_smem, output_smem
 
 
-def _tile_grid(tile: int):
-    """One block per tile of `tile` consecutive pairs of the flattened B*N*N."""
-
-    def grid(B, N, sms, resident, _tile=tile):
-        tiles = ceil_div(B * N * N, _tile)
-        return max(1, tiles), (B, N, tiles)
-
-    return grid
-
-
 def _derive_bmm(params: dict, w: dict, name: str):
     context, project_smem, output_smem = _shared_context(params, w)
     threads = params["threads"]
     context.update(output_threads=threads, output_smem=output_smem)
-    return context, (Kernel(name, threads, project_smem, PROJECT_ARGS, _tile_grid(params["p_tile"])),
-                     Kernel(f"{name}_output", threads, output_smem, OUTPUT_ARGS, _tile_grid(params["o_tile"])))
+    return context, (Kernel(name, threads, project_smem, PROJECT_ARGS, flat_tile_grid(params["p_tile"])),
+                     Kernel(f"{name}_output", threads, output_smem, OUTPUT_ARGS, flat_tile_grid(params["o_tile"])))
 
 
 def _fused_grid(p_tile: int, o_tile: int, blocks_per_sm: int, row_tiles: bool = False):
