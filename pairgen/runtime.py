@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from . import codegen, compiler, config
 from .spec import DeviceLimits, OpSpec, Plan, n_bucket
-from .tuned import TunedDB
+from .tuned import TunedDB, databases_for_arch
 
 log = logging.getLogger("pairgen")
 
@@ -182,12 +182,7 @@ def _nearest(entries: list[dict], bucket: int) -> tuple[dict | None, bool]:
 
 def _same_arch_databases(op: str, info: DeviceInfo) -> list[TunedDB]:
     """Other GPUs' databases of this GPU's arch, folder by folder in lookup order (each folder's by name)."""
-    from . import tuned
-
-    finder = getattr(tuned, "databases_for_arch", None)
-    if finder is None:
-        return []
-    return [db for root in config.tuned_read_dirs() for db in finder(op, info.arch, info.slug, root)]
+    return [db for root in config.tuned_read_dirs() for db in databases_for_arch(op, info.arch, info.slug, root)]
 
 
 def _database_groups(op: str, info: DeviceInfo) -> list[list[TunedDB]]:
