@@ -1,4 +1,4 @@
-"""Shared test data and checks: sampled search-space points, shapes, inputs (OPS.md's standard);
+"""Shared test data and checks: sampled search-space points, shapes, inputs (the standard of docs/ops.md);
 the GPU tests' compiled variants, cached float64 references and launches; copy and pickle."""
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from pairgen.ops.contact import CONTACT
 
 
 def independent_contact(x, ln_w, ln_b, w1, b1, w2, b2, w3, b3):
-    """OPS.md section 2 written out by hand in float64, with explicit loops over the pair grid."""
+    """The contact head's definition (docs/ops.md) written out by hand in float64, with explicit loops over the pair grid."""
     B, N, _, P = x.shape
     out = torch.empty(B, N, N, dtype=torch.float64)
     for b in range(B):

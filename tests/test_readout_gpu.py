@@ -55,7 +55,7 @@ def _default_variants(widths):
 
 
 def test_masks_isolated_nodes_single_edges_and_nan():
-    """OPS.md's semantics on the kernels: fully masked rows give nodes + norm.bias; a single edge
+    """The definition's semantics (docs/ops.md) on the kernels: fully masked rows give nodes + norm.bias; a single edge
     pools its own message; NaN at a valid edge makes the row NaN, at a masked edge it is ignored;
     bool and float masks agree."""
     gen = generator(31)

@@ -18,7 +18,7 @@ WIDTHS = {"D": 16, "P": 8, "H": 24}
 
 
 def independent_readout(nodes, pair, mask, w1, b1, w2, b2, gamma, beta):
-    """OPS.md section 3 written out by hand in float64, node by node."""
+    """The readout's definition (docs/ops.md) written out by hand in float64, node by node."""
     B, N, D = nodes.shape
     out = torch.empty(B, N, D, dtype=torch.float64)
     for b in range(B):

@@ -347,7 +347,7 @@ def test_cost_model():
     cost = READOUT.cost(shape)
     pairs = 16 * 128 * 128
     assert cost.flops == pytest.approx(pairs * 2 * ((2 * 256 + 64) * 512 + 512 * 256), rel=0.01)
-    assert cost.flops / 51.3e12 * 1e6 == pytest.approx(4355, rel=0.01), "MEASURE.md's floor for this shape"
+    assert cost.flops / 51.3e12 * 1e6 == pytest.approx(4355, rel=0.01), "the floor at the H200's measured fp32 rate for this shape"
     assert cost.bytes >= 4 * pairs * 64
 
 

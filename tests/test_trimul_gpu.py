@@ -37,7 +37,7 @@ CASES = sampled_cases(TRIMUL, [{**channels, **options} for channels in CHANNELS 
 # a != b (random proj_a, proj_b).
 STAGED_SHAPES = [(b, n) for b, n in ODD_SHAPES if n in (1, 7, 37)]
 SEED_FUSED = {"p_tile": 32, "p_tm": 2, "p_tn": 4, "o_tile": 16, "o_tm": 1, "threads": 256, "unroll": 4,
-              "blocks_per_sm": 1, "tri_smem": True}  # the seed's tuned point (notes/tune-11), staged
+              "blocks_per_sm": 1, "tri_smem": True}  # the seed's tuned point, staged
 
 
 def _staged_plans(widths):

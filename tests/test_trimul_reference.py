@@ -28,7 +28,7 @@ def module_for(P, H, options, seed):
 
 
 def independent_trimul(x, mask, p, outgoing, gate_normalized, bias):
-    """OPS.md section 1 written out in float64 with explicit loops over (i, j) and k, and
+    """The triangle update's definition (docs/ops.md) written out in float64 with explicit loops over (i, j) and k, and
     LayerNorm / Linear by hand: no einsum, no nn modules."""
     def ln(v, w, b):
         mean = v.mean(-1, keepdim=True)

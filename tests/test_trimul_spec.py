@@ -13,7 +13,7 @@ from pairgen.ops.trimul import TRI_BUDGET, TRI_KC, TRIMUL, triangle_staging, wei
 ARCH = "sm_90"
 DEFAULT_OPTIONS = {"outgoing": 0, "gate_normalized": 0, "bias": 1}
 OTHER_OPTIONS = {"outgoing": 1, "gate_normalized": 1, "bias": 0}
-# The fused point tuned for the seed shape before tri_smem existed (notes/tune-11-trimul-seed.md).
+# The fused point tuned for the seed shape before tri_smem existed (its tuning on the H200, 2026-11-29).
 SEED_FUSED = {"p_tile": 32, "p_tm": 2, "p_tn": 4, "o_tile": 16, "o_tm": 1, "threads": 256, "unroll": 4,
               "blocks_per_sm": 1}
 
@@ -103,7 +103,7 @@ def test_cost_model_matches_the_flop_counts_of_the_issue():
     cost = TRIMUL.cost({"B": 1, "N": 512, "P": 128, "H": 128, **DEFAULT_OPTIONS})
     projections, bmm, output = 2 * 512 ** 2 * 128 * 512, 2 * 512 ** 3 * 128, 2 * 512 ** 2 * 2 * 128 * 128
     assert cost.flops == pytest.approx(projections + bmm + output)
-    assert cost.flops / 51.3e12 * 1e6 == pytest.approx(1674, rel=0.01)  # MEASURE.md's floor
+    assert cost.flops / 51.3e12 * 1e6 == pytest.approx(1674, rel=0.01)  # the floor at the H200's measured fp32 rate
     assert cost.bytes >= 2 * 512 ** 2 * 128 * 4
 
 

@@ -1,5 +1,5 @@
 """Side-by-side timing: pairgen's module call and its CUDA-graph replay against PyTorch eager and
-torch.compile(mode="max-autotune-no-cudagraphs"), in one process and one run (MEASURE.md).
+torch.compile(mode="max-autotune-no-cudagraphs"), in one process and one run (docs/performance.md says how and why).
 
   pairgen-bench                  every op, its default shapes (seed + real)
   pairgen-bench --op contact --shape B=1,N=256,P=128,H=128 --peers eager,compile

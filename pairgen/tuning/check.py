@@ -1,4 +1,4 @@
-"""The correctness standard of OPS.md: a float64 reference on the same inputs and weights."""
+"""The correctness standard (docs/ops.md): a float64 reference on the same inputs and weights."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,7 +6,7 @@ import argparse
 from ..ops import get_op, op_names
 
 
-_SHAPE_ORDER = ("B", "N", "D", "P", "H")  # sizes, as OPS.md writes shapes; other keys are op options
+_SHAPE_ORDER = ("B", "N", "D", "P", "H")  # sizes, in the order docs/ops.md writes shapes; other keys are op options
 
 
 def parse_shape(text: str) -> dict:

@@ -1,5 +1,5 @@
 """The tuner's GPU evaluator: compile candidates in parallel, check each against the float64
-reference (OPS.md: fresh inputs, an odd shape, heavy tails, NaN-prefilled output), time it."""
+reference (docs/ops.md: fresh inputs, an odd shape, heavy tails, NaN-prefilled output), time it."""
 from __future__ import annotations
 
 import time
