@@ -3,6 +3,7 @@ length, packed weights, buffers held between calls, input validation, the autogr
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 from typing import Callable, NamedTuple
 
@@ -47,32 +48,33 @@ class ReferenceBackward(torch.autograd.Function):
 #     version counter moves, so the parameters a module packs are watched: reading or assigning
 #     their `.data` bumps a process-wide epoch;
 #   * a replaced parameter or submodule (`m.mlp[0] = nn.Linear(...)`) or a parametrization
-#     (`weight_norm`): module and parameter registrations bump the same epoch, and the parameters
-#     are found again from the module by their paths.
+#     (`weight_norm`): module and parameter registrations bump a structure epoch, and the
+#     parameters are found again from the module by their paths (repacked if they are others).
 # A parametrized (or hook-computed, the old torch.nn.utils.weight_norm) weight is computed and
 # repacked on every call, as its forward would compute it.
 
-_EPOCH = [0]  # bumped by the watchers below; a pack made at another epoch re-resolves its parameters
+_STRUCTURE_EPOCH = [0]  # module and parameter registrations: a pack made before re-resolves its parameters
+_DATA_EPOCH = [0]       # .data of a watched parameter read or assigned: a pack made before is rebuilt
 
 
-def _bump(*_args) -> None:
-    _EPOCH[0] += 1
+def _bump_structure(*_args) -> None:
+    _STRUCTURE_EPOCH[0] += 1
 
 
 class WatchedParameter(nn.Parameter):
-    """An nn.Parameter whose `.data`, read or assigned, bumps the watch epoch: an in-place update
+    """An nn.Parameter whose `.data`, read or assigned, bumps the data epoch: an in-place update
     through `.data` moves no version counter, so it would otherwise be invisible. Packed parameters
     are switched to this class in place (same object: optimizers and user references still hold
     it); a pickle brings back a plain Parameter, which is watched again on first use."""
 
     @property
     def data(self):
-        _EPOCH[0] += 1
+        _DATA_EPOCH[0] += 1
         return torch.Tensor.data.__get__(self)
 
     @data.setter
     def data(self, value):
-        _EPOCH[0] += 1
+        _DATA_EPOCH[0] += 1
         torch.Tensor.data.__set__(self, value)
 
 
@@ -98,8 +100,8 @@ if not getattr(nn.Parameter.__new__, "_pairgen", False):
     nn.Parameter.__new__ = staticmethod(_new_parameter)
 
 
-_module_hooks = register_module_module_registration_hook(_bump)
-_parameter_hooks = register_module_parameter_registration_hook(_bump)
+_module_hooks = register_module_module_registration_hook(_bump_structure)
+_parameter_hooks = register_module_parameter_registration_hook(_bump_structure)
 
 
 class PackedParameters:
@@ -115,7 +117,8 @@ class PackedParameters:
         self._warned = set()
 
     def _reset(self) -> None:
-        self._epoch = None   # the watch epoch the slots were resolved at
+        self._epoch = None   # the structure epoch the slots were resolved at
+        self._data_epoch = None  # the data epoch of the last pack
         self._slots = ()     # (owner dict, name) per parameter; owner None: computed every call
         self._params = []    # the parameter objects resolved
         self._key = None     # their versions when last packed
@@ -135,21 +138,22 @@ class PackedParameters:
                 _watch(param)
                 slots.append((sub._parameters, name, param))
                 params.append(param)
+        if len(params) != len(self._params) or not all(map(operator.is_, params, self._params)):
+            self._key = None  # other parameters than the last pack's: repack (a registration elsewhere is not)
         self._slots, self._params = tuple(slots), params
         self._computed = any(p is None for p in params)
-        self._key = None
-        self._epoch = _EPOCH[0]
+        self._epoch = _STRUCTURE_EPOCH[0]
 
     def anchor(self) -> torch.Tensor:
         """One parameter of the module as it is now: input validation compares dtype and device with it."""
-        if self._epoch != _EPOCH[0]:
+        if self._epoch != _STRUCTURE_EPOCH[0]:
             self._resolve()
         first = self._params[0]
         return first if first is not None else self._value(self._slots[0])
 
     def parameters(self) -> list:
         """The tensors packed now (a computed weight as its module computes it)."""
-        if self._epoch != _EPOCH[0]:
+        if self._epoch != _STRUCTURE_EPOCH[0]:
             self._resolve()
         return [self._value(slot) for slot in self._slots]
 
@@ -163,8 +167,10 @@ class PackedParameters:
         return getattr(owner, name)
 
     def get(self) -> torch.Tensor:
-        if self._epoch != _EPOCH[0]:
+        if self._epoch != _STRUCTURE_EPOCH[0]:
             self._resolve()
+        if self._data_epoch != _DATA_EPOCH[0]:
+            self._key, self._data_epoch = None, _DATA_EPOCH[0]  # some .data was touched: repack
         slots = self._slots
         if self._computed:
             key = None
@@ -198,7 +204,7 @@ class PackedParameters:
 
     def __getstate__(self):  # a copy or a pickle resolves and repacks on first use
         state = dict(self.__dict__)
-        state.update(_epoch=None, _slots=(), _params=[], _key=None, _packed=None)
+        state.update(_epoch=None, _data_epoch=None, _slots=(), _params=[], _key=None, _packed=None)
         return state
 
 

@@ -130,3 +130,17 @@ def test_watched_parameters_stay_the_same_objects_and_survive_copies_and_pickles
     loaded.packed_weights()
     next(loaded.parameters()).data.mul_(2.0)
     _assert_current(loaded)
+
+
+@pytest.mark.parametrize("name", op_names())
+def test_modules_made_elsewhere_do_not_repack(name):
+    """Registrations anywhere make a module look its parameters up again, but only other
+    parameters than the last pack's cost a repack: a model that builds modules as it runs must
+    not repack every call."""
+    module = _module(name)
+    first = module.packed_weights()
+    nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))  # registrations elsewhere
+    assert module.packed_weights() is first
+    _ = next(module.parameters()).data  # a .data read may be followed by a write: repacked
+    assert module.packed_weights() is not first
+    _assert_current(module)
