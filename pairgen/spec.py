@@ -123,6 +123,19 @@ class Cost:
     flops: float
 
 
+def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
+    """A package's module-level __getattr__ that imports `exports[name]` (a submodule of `package`)
+    when `name` is first read: an op package names its torch half without importing torch."""
+    import importlib
+
+    def __getattr__(name: str):
+        if name in exports:
+            return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
 def kernel_base_name(op: str, strategy: str) -> str:
     """The main kernel's name; a variant's other kernels add a suffix (`_output`, `_nodes`, ...)."""
     return f"pairgen_{op}_{strategy}"
@@ -130,8 +143,9 @@ def kernel_base_name(op: str, strategy: str) -> str:
 
 class OpSpec:
     """Data every op declares, and the behaviour that follows from it. Subclasses (in
-    pairgen/ops/<op>/spec.py) set the class attributes and cost(); the op's package binds the
-    reference module, the drop-in module and the input generator (pairgen/ops/<op>/__init__.py)."""
+    pairgen/ops/<op>/spec.py) set the class attributes and cost(); the op's package binds its torch
+    half (the reference module, the drop-in module, the input generator), loaded on first use, so
+    the spec alone serves `pairgen-tune --status` and dry runs where torch is not installed."""
 
     name: str
     width_names: tuple[str, ...]
@@ -146,16 +160,27 @@ class OpSpec:
     #: peers beyond eager and torch.compile that scripts/bench.py can time for this op
     extra_peer_names: tuple[str, ...] = ()
 
-    # Bound by the op's package (they need torch): see bind().
-    reference_class: Any = None
-    module_class: Any = None
-    _inputs: Callable | None = None
-    _peer: Callable | None = None
+    #: () -> (reference class, drop-in module class, make_inputs, extra_peer or None): see bind()
+    _load: Callable | None = None
+    _loaded: tuple | None = None
 
-    def bind(self, reference_class, module_class, make_inputs: Callable, extra_peer: Callable | None = None):
-        self.reference_class, self.module_class = reference_class, module_class
-        self._inputs, self._peer = make_inputs, extra_peer
+    def bind(self, load: Callable[[], tuple]) -> "OpSpec":
+        """Register the function that imports the op's torch half; it runs on first use."""
+        self._load, self._loaded = load, None
         return self
+
+    def _torch_half(self) -> tuple:
+        if self._loaded is None:
+            self._loaded = self._load()
+        return self._loaded
+
+    @property
+    def reference_class(self):
+        return self._torch_half()[0]
+
+    @property
+    def module_class(self):
+        return self._torch_half()[1]
 
     # ---- what a subclass provides ------------------------------------------------------------
 
@@ -258,14 +283,15 @@ class OpSpec:
         return ref.to(next(module.parameters()).device)
 
     def make_inputs(self, shape: dict, generator, distribution: str = "normal") -> tuple:
-        return self._inputs(shape, generator, distribution)
+        return self._torch_half()[2](shape, generator, distribution)
 
     def extra_peer(self, name: str, module, inputs: tuple):
         """A callable timing peer `name` on these inputs, or a string saying why there is none
         here (a library that is not installed, a shape it does not support)."""
-        if name not in self.extra_peer_names or self._peer is None:
+        peer = self._torch_half()[3]
+        if name not in self.extra_peer_names or peer is None:
             return f"{self.name} has no peer {name!r}"
-        return self._peer(name, module, inputs)
+        return peer(name, module, inputs)
 
 
 # ---- small arithmetic the specs share ----------------------------------------------------------

@@ -178,3 +178,18 @@ def test_status_says_which_entries_apply_on_a_described_gpu(tmp_path):
     assert f"## {tmp_path} (PAIRGEN_TUNED_DIR: read and written)" in result.stdout
     assert "on nvidia-h100 (nvidia-h100, sm_90):" in result.stdout
     assert "contact: no entries of its own; entries tuned on nvidia-h200 (same architecture, sm_90) apply" in result.stdout
+
+
+def test_status_and_explain_run_where_torch_is_not_installed():
+    """--status and --explain (for a described GPU) need only the specs: the op packages load
+    their torch half on first use, so a machine without torch can still read the tuned folders."""
+    blocked = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['tune.py'] + sys.argv[1:]; "
+               "runpy.run_path('scripts/tune.py', run_name='__main__')")
+    status = run("-c", blocked, "--status")
+    assert status.returncode == 0, status.stderr
+    assert "nvidia-h200 | contact" in status.stdout and "0 stale entries" in status.stdout
+    explain = run("-c", blocked, "--explain", "--op", "contact", "--shape", "B=4,N=70,P=64,H=32",
+                         "--gpu", "NVIDIA H100", "--arch", "sm_90")
+    assert explain.returncode == 0, explain.stderr
+    assert "same architecture" in explain.stdout
+    assert "torch" not in explain.stderr

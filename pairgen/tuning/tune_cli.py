@@ -73,8 +73,12 @@ def described_gpu(args):
 
 
 def this_gpu():
-    """The current GPU's runtime.DeviceInfo, None where torch sees none."""
-    import torch
+    """The current GPU's runtime.DeviceInfo; None where torch is not installed or sees no GPU
+    (--status and --dry-run run there too)."""
+    try:
+        import torch
+    except ImportError:
+        return None
 
     if not torch.cuda.is_available():
         return None

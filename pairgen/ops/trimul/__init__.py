@@ -5,13 +5,26 @@ reference.py  the reference module and its test inputs
 spec.py       strategies, search space, restrictions, defaults, plans (no torch)
 module.py     the drop-in module and the strategies' runners
 peers.py      cuEquivariance, timed beside it by scripts/bench.py
+
+Importing the package imports only the spec; the torch half loads on first use.
 """
-from .module import TriangleMultiplication, pack_weights, triangle_bmm
-from .peers import cuequivariance_peer
-from .reference import TriangleMultiplicationReference, make_inputs, random_mask
+from ...spec import lazy_exports
 from .spec import TRI_BUDGET, TRI_KC, TRIMUL, options_of, triangle_staging, weight_offsets
 
-TRIMUL.bind(TriangleMultiplicationReference, TriangleMultiplication, make_inputs, cuequivariance_peer)
+
+def _torch_half():
+    from .module import TriangleMultiplication
+    from .peers import cuequivariance_peer
+    from .reference import TriangleMultiplicationReference, make_inputs
+
+    return TriangleMultiplicationReference, TriangleMultiplication, make_inputs, cuequivariance_peer
+
+
+TRIMUL.bind(_torch_half)
+__getattr__ = lazy_exports(__name__, {
+    "TriangleMultiplication": "module", "pack_weights": "module", "triangle_bmm": "module",
+    "cuequivariance_peer": "peers",
+    "TriangleMultiplicationReference": "reference", "make_inputs": "reference", "random_mask": "reference"})
 
 __all__ = ["TRIMUL", "TRI_BUDGET", "TRI_KC", "TriangleMultiplication", "TriangleMultiplicationReference",
            "make_inputs", "options_of", "pack_weights", "random_mask", "triangle_bmm", "triangle_staging",
