@@ -121,11 +121,6 @@ def tuned_read_dirs() -> list[Path]:
     return dirs
 
 
-def tuned_dir() -> Path:
-    """The folder tuning writes (tuned_write_dir): a TunedDB's default root."""
-    return tuned_write_dir()
-
-
 def disabled() -> bool:
     return (_get("PAIRGEN_DISABLE") or "0") not in ("0", "false", "False")
 

@@ -6,10 +6,10 @@ head's seed shape the module call is host-bound: cuda.core's generic `launch` (a
 conversion, LaunchConfig, Stream objects) cost ~15 us of the 44.7 us host path per call on the
 H200 machine; this path is one foreign call.
 
-A BoundLaunch fixes grid, block and shared memory as well, for callers that launch the same
-configuration again and again (a module at one shape): on the H200 machine the driver call alone
-took 4.8 us, a LoadedKernel call 9.7 us, of which the ctypes array assignment of the arguments and
-the conversion of the seven launch dimensions were most of the difference.
+Every launch is a BoundLaunch: grid, block and shared memory fixed, converted once, for a kernel
+launched at one (B, N) again and again. On the H200 machine the driver call alone took 4.8 us, an
+unbound call that converted its seven launch dimensions and assigned its arguments into a ctypes
+array per call 9.7 us.
 """
 from __future__ import annotations
 
@@ -145,9 +145,9 @@ def _function_of(kernel):
 
 
 class LoadedKernel:
-    """One __global__ function of a compiled cubin, loaded on one device, launched on
-    torch.cuda.current_stream(). Arguments are Python ints: pointers (tensor.data_ptr()) and
-    32-bit integers (the driver reads each parameter's own size from its 8-byte slot)."""
+    """One __global__ function of a compiled cubin, loaded on one device; launched through the
+    BoundLaunch its bind() makes. Arguments are Python ints: pointers (tensor.data_ptr()) and
+    integers (the driver reads each parameter's own size from its 8-byte slot)."""
 
     def __init__(self, compiled: Compiled, device_index: int, smem_bytes: int, threads: int,
                  name: str | None = None):
@@ -161,38 +161,9 @@ class LoadedKernel:
         if smem_bytes > 48 * 1024:
             _allow_dynamic_smem(self._function, smem_bytes)
         self._driver = _get_driver()
-        self._slots = None  # the _ArgumentBlock of unbound calls
-        self.set_block(threads, smem_bytes)
-
-    def set_block(self, threads: int, smem_bytes: int) -> None:
-        """Record the block shape, and how many such blocks fit on one SM (registers included)."""
         self.threads = threads
+        # Blocks of this shape that fit on one SM (registers included): persistent grids clamp to it.
         self.resident_per_sm = self.kernel.occupancy.max_active_blocks_per_multiprocessor(threads, smem_bytes)
-
-    def _block_for(self, count: int) -> "_ArgumentBlock":
-        block = self._slots
-        if block is None or block.count != count:
-            block = self._slots = _ArgumentBlock(count)
-        return block
-
-    def __call__(self, grid: int, block: int, smem: int, *args: int) -> None:
-        arguments = self._block_for(len(args))
-        with arguments.lock:
-            arguments.write(*args)
-            code = self._driver.launch(self._handle, grid, 1, 1, block, 1, 1, smem, _raw_stream(self.device_index),
-                                       arguments.pointers, None)
-        if code:
-            self._failed(code, grid, block, smem)
-
-    def cooperative(self, grid: int, block: int, smem: int, *args: int) -> None:
-        """A launch whose blocks are all resident at once (for kernels with a grid-wide barrier)."""
-        arguments = self._block_for(len(args))
-        with arguments.lock:
-            arguments.write(*args)
-            code = self._driver.cooperative(self._handle, grid, 1, 1, block, 1, 1, smem,
-                                            _raw_stream(self.device_index), arguments.pointers)
-        if code:
-            self._failed(code, grid, block, smem)
 
     def bind(self, grid: int, block: int, smem: int, arg_count: int, mode: str = "plain",
              tail: tuple = ()) -> "BoundLaunch":

@@ -178,7 +178,7 @@ class TunedDB:
     def __init__(self, op: str, gpu_slug: str, root: Path | None = None):
         self.op = op
         self.gpu_slug = gpu_slug
-        self.path = Path(root or config.tuned_dir()) / gpu_slug / f"{op}.json"
+        self.path = Path(root or config.tuned_write_dir()) / gpu_slug / f"{op}.json"
         self.problem: str | None = None  # why the whole file was ignored by the last read, if it was
         self._skipped: list[tuple[int, str]] | None = None  # the last read's malformed entries
 
@@ -371,7 +371,7 @@ def databases_for_arch(op: str, arch: str, exclude_slug: str | None, root: Path 
     """The op's databases in other GPUs' folders whose header arch is `arch`, by folder name: a GPU
     without a folder of its own (an H100, an "H200 NVL") can use entries tuned on a GPU of the same
     compute capability. A file whose header cannot be read is left out (with its warning)."""
-    root = Path(root or config.tuned_dir())
+    root = Path(root or config.tuned_write_dir())
     if not root.is_dir():
         return []
     found = []

@@ -6,7 +6,7 @@ import torch
 from ...modules import (HeldBuffer, KernelModule, PackedParameters, check_float_tensor, check_mask,
                         contiguous_aligned, fp32_matmul, grow_held)
 from .reference import PairReadoutReference
-from .spec import DIRECT, GEMM, READOUT, SPLIT, gemm_scratch_offsets, pair_max_scratch, row_tiles, weight_offsets
+from .spec import DIRECT, GEMM, READOUT, SPLIT, gemm_scratch_offsets, pair_max_scratch, weight_offsets
 
 
 def _run_pair_max(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out, with_uv: bool) -> None:
@@ -22,7 +22,8 @@ def _run_pair_max(module: "PairReadout", variant, nodes, pair_feats, edge_mask, 
     base = module._split_scratch(device, at["total"]) if at["total"] else 0
     uv = base + 4 * at["uv"] if with_uv else 0
     partials = base + 4 * at["partials"] if j_split > 1 else 0
-    counters = module._tile_counters(device, row_tiles(B, N, variant.plan.params["tile_i"])) if j_split > 1 else 0
+    # One arrival counter per tile of rows i: the main kernel's last shape argument (B, N, row tiles).
+    counters = module._tile_counters(device, main.tail[2]) if j_split > 1 else 0
     if with_uv:
         prologue = launches[1]
         prologue(nodes.data_ptr(), weights, uv, *prologue.tail)
