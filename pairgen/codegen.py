@@ -69,7 +69,8 @@ def template_hash(op: str, strategy: str) -> str:
     return digest.hexdigest()
 
 
-def render_template(op: str, strategy: str, params: dict, widths: dict, context: dict) -> Rendered:
+def render_template(op: str, strategy: str, params: dict, widths: dict, context: dict,
+                    precision: str = "float32") -> Rendered:
     """Render with a context already derived by the op (templates only substitute and unroll)."""
     name = template_name(op, strategy)
     sha = template_hash(op, strategy)
@@ -77,6 +78,7 @@ def render_template(op: str, strategy: str, params: dict, widths: dict, context:
         f"// pairgen: template {name} (sha256 {sha[:16]}), strategy {strategy}\n"
         f"// params {json.dumps(params, sort_keys=True)}\n"
         f"// widths {json.dumps(widths, sort_keys=True)}"
+        + ("" if precision == "float32" else f"\n// precision {precision}")
     )
     kname = kernel_base_name(op, strategy)
     source = _env.get_template(name).render(header=header, kernel_name=kname, **context)
@@ -85,7 +87,7 @@ def render_template(op: str, strategy: str, params: dict, widths: dict, context:
 
 def render_plan(plan: Plan) -> Rendered:
     """A plan's source, checked against the kernels the plan declares."""
-    rendered = render_template(plan.op, plan.strategy, plan.params, plan.widths, plan.context)
+    rendered = render_template(plan.op, plan.strategy, plan.params, plan.widths, plan.context, plan.precision)
     check_contract(plan, rendered.source)
     return rendered
 

@@ -21,10 +21,12 @@ class ReferenceBackward(torch.autograd.Function):
     Gradients are therefore exactly the reference's, at the cost of one recomputation."""
 
     @staticmethod
-    def forward(ctx, module, n_inputs, *tensors):
+    def forward(ctx, module, n_inputs, variant, *tensors):
         ctx.module, ctx.n_inputs = module, n_inputs
+        # The recomputation runs under the forward's autocast, so its dtypes are the forward's.
+        ctx.autocast = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
         ctx.save_for_backward(*tensors)
-        return module._launch(*tensors[:n_inputs])
+        return module._launch(*tensors[:n_inputs], variant=variant)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -32,10 +34,11 @@ class ReferenceBackward(torch.autograd.Function):
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in tensors[: ctx.n_inputs]]
         params = list(tensors[ctx.n_inputs:])
         wanted = [t for t in inputs + params if t.requires_grad]
-        with torch.enable_grad():
+        enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast("cuda", dtype=dtype, enabled=enabled):
             out = ctx.module.reference_forward(*inputs)
         grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-        return (None, None, *[next(grads) if t.requires_grad else None for t in inputs + params])
+        return (None, None, None, *[next(grads) if t.requires_grad else None for t in inputs + params])
 
 
 # ---- packed weights that always follow the module's parameters -------------------------------
@@ -278,7 +281,12 @@ class KernelModule:
         first = tensors[0]
         return first.is_cuda and first.dtype is torch.float32
 
-    def variant_for(self, n: int, device: "torch.device | int"):
+    def kernel_precision(self, *tensors: torch.Tensor) -> str | None:
+        """The precision a kernel would compute this call in (a tuned key's dtype), or None: run
+        the reference. Exact fp32 unless the op says otherwise."""
+        return "float32" if self.uses_kernel(*tensors) else None
+
+    def variant_for(self, n: int, device: "torch.device | int", precision: str = "float32"):
         """The variant for length n on this device (a torch.device or a CUDA index; None: run the
         reference). Cached on the module: the host time of a call is what small shapes are made of."""
         if self._forced_plan is not None:
@@ -287,30 +295,32 @@ class KernelModule:
         generation = runtime.generation()
         if cache is None or cache["generation"] != generation:
             cache = self._variant_cache = {"generation": generation}
-        key = (device if type(device) is int else device.index or 0, n)
+        key = (device if type(device) is int else device.index or 0, n, precision)
         variant = cache.get(key, cache)
         if variant is cache:
             if len(cache) > self.MAX_CACHED_LENGTHS:
                 for old in [k for k in cache if k != "generation"][: self.MAX_CACHED_LENGTHS // 2]:
                     del cache[old]
-            variant = cache[key] = runtime.select(self.op, "float32", self.widths, n, key[0])
+            variant = cache[key] = runtime.select(self.op, precision, self.widths, n, key[0])
         return variant
 
-    def explain(self, n: int, device: torch.device | int | None = None) -> "runtime.Explanation":
-        """What this module runs for length n on a GPU, where that came from, its parameters and
-        its measured time (see runtime.explain)."""
+    def explain(self, n: int, device: torch.device | int | None = None,
+                precision: str = "float32") -> "runtime.Explanation":
+        """What this module runs for length n on a GPU in `precision` (a tuned key's dtype: "float32",
+        "bfloat16", ...), where that came from, its parameters and its measured time (see runtime.explain)."""
         index = device if isinstance(device, int) else (torch.device(device or "cuda").index or 0)
-        return runtime.explain(self.op, "float32", self.widths, n, index)
+        return runtime.explain(self.op, precision, self.widths, n, index)
 
     def _dispatch(self, *inputs: torch.Tensor):
-        if not self.uses_kernel(*inputs):
+        precision = self.kernel_precision(*inputs)
+        if precision is None:
             return self.reference_forward(*inputs)
         first = inputs[0]
-        variant = self.variant_for(first.shape[1], first.get_device())
+        variant = self.variant_for(first.shape[1], first.get_device(), precision)
         if variant is None:
             return self.reference_forward(*inputs)  # disabled, or no kernel fits these widths
         if torch.is_grad_enabled() and self._needs_grad(inputs):
-            return ReferenceBackward.apply(self, len(inputs), *inputs, *self.parameters())
+            return ReferenceBackward.apply(self, len(inputs), variant, *inputs, *self.parameters())
         return self._launch(*inputs, variant=variant)
 
     def _run(self, variant, *tensors) -> None:
@@ -361,22 +371,29 @@ def as_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def fp32_matmul():
-    """cuBLAS matmuls inside run in fp32 even where the caller allowed TF32; the caller's setting
-    is restored after. Through the fp32_precision API where torch has it (2.9+): there, reading the
-    legacy allow_tf32 raises once a caller has used the new API, so the legacy flag would break
-    such callers; the new API read and written this way leaves a legacy caller's flag as it was."""
+def cublas_fp32_mode(tf32: bool):
+    """cuBLAS fp32 matmuls inside run in exact fp32 (tf32=False), even where the caller allowed TF32,
+    or on TF32 tensor cores (tf32=True: the tf32 and tf32x3 precisions' GEMMs, whose operands the
+    kernels have rounded to TF32 already); the caller's setting is restored after. Through the
+    fp32_precision API where torch has it (2.9+): there, reading the legacy allow_tf32 raises once a
+    caller has used the new API, so the legacy flag would break such callers; the new API read and
+    written this way leaves a legacy caller's flag as it was."""
     matmul = torch.backends.cuda.matmul
     new_api = hasattr(matmul, "fp32_precision")
     saved = matmul.fp32_precision if new_api else matmul.allow_tf32
-    off = "ieee" if new_api else False
-    if saved != off:
-        setattr(matmul, "fp32_precision" if new_api else "allow_tf32", off)
+    wanted = ("tf32" if tf32 else "ieee") if new_api else tf32
+    if saved != wanted:
+        setattr(matmul, "fp32_precision" if new_api else "allow_tf32", wanted)
     try:
         yield
     finally:
-        if saved != off:
+        if saved != wanted:
             setattr(matmul, "fp32_precision" if new_api else "allow_tf32", saved)
+
+
+def fp32_matmul():
+    """cuBLAS fp32 matmuls inside run in exact fp32 (see cublas_fp32_mode)."""
+    return cublas_fp32_mode(False)
 
 
 def contiguous_aligned(t: torch.Tensor) -> torch.Tensor:

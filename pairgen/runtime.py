@@ -130,7 +130,7 @@ def entry_state(spec: OpSpec, entry: dict, limits: DeviceLimits = DeviceLimits()
     """"ok"; "stale" (today's code renders another source at its parameters); or "invalid: why"
     (its strategy or parameters are outside today's space, or break today's restrictions)."""
     try:
-        plan = spec.plan(entry["strategy"], entry["params"], entry["key"]["widths"])
+        plan = spec.plan(entry["strategy"], entry["params"], entry["key"]["widths"], entry["key"]["dtype"])
     except (ValueError, KeyError, TypeError) as exc:
         return f"invalid: {exc}"
     reasons = spec.infeasible(plan, limits)
@@ -214,8 +214,8 @@ def choose(spec: OpSpec, dtype: str, widths: dict, n: int, info: DeviceInfo) -> 
         how = "tuned" if exact else f"tuned (nearest N bucket {entry['key']['n_bucket']})"
         if db.gpu_slug != info.slug:
             how += f" on {db.gpu_slug} (same architecture, {info.arch})"
-        return Choice(spec.plan(entry["strategy"], entry["params"], widths), how, entry, str(db.path))
-    plan = spec.default_plan(widths, info.limits)
+        return Choice(spec.plan(entry["strategy"], entry["params"], widths, dtype), how, entry, str(db.path))
+    plan = spec.default_plan(widths, info.limits, dtype)
     return Choice(plan, "default" if plan else f"no {spec.name} kernel fits widths {widths}")
 
 

@@ -75,6 +75,7 @@ class Plan:
     widths: dict
     context: dict
     kernels: tuple[Kernel, ...]
+    precision: str = "float32"
 
     @property
     def main(self) -> Kernel:
@@ -91,10 +92,12 @@ class Plan:
     @property
     def label(self) -> str:
         inner = ", ".join(f"{k}={v}" for k, v in sorted(self.params.items()))
-        return f"{self.strategy}({inner})"
+        where = "" if self.precision == "float32" else f"[{self.precision}]"
+        return f"{self.strategy}{where}({inner})"
 
 
-#: (params, widths, base kernel name) -> (template context, the kernels launched, main first)
+#: (params, widths, base kernel name) -> (template context, the kernels launched, main first).
+#: widths holds the op's width_names as ints and "precision" (a str).
 DeriveFn = Callable[[dict, dict, str], "tuple[dict, tuple[Kernel, ...]]"]
 
 
@@ -109,6 +112,8 @@ class Strategy:
     derive: DeriveFn
     restrictions: tuple[Restriction, ...] = ()
     summary: str = ""
+    #: The precisions it computes in (tuned keys' dtype): "float32" is exact fp32, no TF32.
+    precisions: tuple[str, ...] = ("float32",)
 
 
 @dataclass(frozen=True)
@@ -193,21 +198,37 @@ class OpSpec:
 
     # ---- plans -----------------------------------------------------------------------------
 
-    def plan(self, strategy: str, params: dict, widths: dict) -> Plan:
+    def strategies_for(self, precision: str) -> list[str]:
+        """The strategies that compute in `precision`, in declaration order."""
+        return [name for name, s in self.strategies.items() if precision in s.precisions]
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """Every precision some strategy of the op computes in, "float32" first."""
+        seen = dict.fromkeys(p for s in self.strategies.values() for p in s.precisions)
+        return tuple(sorted(seen, key=lambda p: p != "float32"))
+
+    def plan(self, strategy: str, params: dict, widths: dict, precision: str = "float32") -> Plan:
         params = self.with_added_params(strategy, params)
         self.check_point(strategy, params)
+        if precision not in self.strategies[strategy].precisions:
+            raise ValueError(f"{self.name}/{strategy} does not compute in {precision!r}; "
+                             f"it does {self.strategies[strategy].precisions}")
         w = {name: int(widths[name]) for name in self.width_names}
-        context, kernels = self.strategies[strategy].derive(dict(params), w, kernel_base_name(self.name, strategy))
-        return Plan(self.name, strategy, dict(params), w, context, tuple(kernels))
+        context, kernels = self.strategies[strategy].derive(dict(params), {**w, "precision": precision},
+                                                            kernel_base_name(self.name, strategy))
+        return Plan(self.name, strategy, dict(params), w, context, tuple(kernels), precision)
 
     def infeasible(self, plan: Plan, limits: DeviceLimits) -> list[str]:
         """Reasons the plan cannot run (empty when it can)."""
         strategy = self.strategies[plan.strategy]
         return [r.reason for r in strategy.restrictions if not r.holds(plan, limits)]
 
-    def default_plan(self, widths: dict, limits: DeviceLimits) -> Plan | None:
+    def default_plan(self, widths: dict, limits: DeviceLimits, precision: str = "float32") -> Plan | None:
         for strategy, params in self.default_points:
-            plan = self.plan(strategy, params, widths)
+            if precision not in self.strategies[strategy].precisions:
+                continue
+            plan = self.plan(strategy, params, widths, precision)
             if not self.infeasible(plan, limits):
                 return plan
         return None
@@ -219,15 +240,16 @@ class OpSpec:
         for values in itertools.product(*(space[n] for n in names)):
             yield dict(zip(names, values))
 
-    def feasible_plans(self, strategy: str, widths: dict, limits: DeviceLimits) -> list[Plan]:
-        plans = (self.plan(strategy, params, widths) for params in self.points(strategy))
+    def feasible_plans(self, strategy: str, widths: dict, limits: DeviceLimits,
+                       precision: str = "float32") -> list[Plan]:
+        plans = (self.plan(strategy, params, widths, precision) for params in self.points(strategy))
         return [plan for plan in plans if not self.infeasible(plan, limits)]
 
     def sample_plans(self, strategy: str, widths: dict, k: int, rng: random.Random,
-                     limits: DeviceLimits = DeviceLimits()) -> list[Plan]:
+                     limits: DeviceLimits = DeviceLimits(), precision: str = "float32") -> list[Plan]:
         """The strategy's feasible default points, then k feasible points drawn by rng."""
-        defaults = [self.plan(s, p, widths) for s, p in self.default_points if s == strategy]
-        feasible = self.feasible_plans(strategy, widths, limits)
+        defaults = [self.plan(s, p, widths, precision) for s, p in self.default_points if s == strategy]
+        feasible = self.feasible_plans(strategy, widths, limits, precision)
         return [p for p in defaults if not self.infeasible(p, limits)] + rng.sample(feasible, min(k, len(feasible)))
 
     def widths_of(self, shape: dict) -> dict:
@@ -349,3 +371,14 @@ def flat_tile_grid(tile: int) -> GridFn:
 def smem_fits(plan: Plan, limits: DeviceLimits) -> bool:
     """Every kernel of the plan within the per-block shared-memory limit."""
     return all(k.smem_bytes <= limits.max_smem_per_block for k in plan.kernels)
+
+
+def persistent_tile_grid(tile: int) -> GridFn:
+    """As flat_tile_grid, but at most as many blocks as are resident at once: each block loops over
+    tiles, so what it stages once (weights kept in shared memory) serves all of them."""
+
+    def grid(B, N, sms, resident, _tile=tile):
+        tiles = ceil_div(B * N * N, _tile)
+        return max(1, min(tiles, max(1, resident) * sms)), (B, N, tiles)
+
+    return grid

@@ -4,9 +4,19 @@ from __future__ import annotations
 import torch
 
 from ...modules import (KernelModule, PackedParameters, as_mask, check_float_tensor, check_mask, contiguous_aligned,
-                        fp32_matmul)
+                        cublas_fp32_mode, fp32_matmul)
 from .reference import TriangleMultiplicationReference
-from .spec import BMM, FUSED, TRIMUL, weight_offsets
+from .spec import BMM, FUSED, MMA, TRIMUL, mma_weight_offsets, weight_offsets
+
+#: precision= of an fp32 module -> the tuned key's dtype its kernels compute in.
+FP32_PRECISIONS = {"ieee": "float32", "tf32x3": "tf32x3", "tf32": "tf32"}
+#: A 16-bit input dtype (the module's, or autocast's for an fp32 module) -> its precision.
+HALF_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: Precision -> the dtype of the mma kernels' operands (packed weights, a, b, the triangle sums).
+OPERAND_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "tf32": torch.float32,
+                  "tf32x3": torch.float32}
+_FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
+OPERAND_HALF = tuple(HALF_DTYPES.values())
 
 
 def triangle_bmm(ar: torch.Tensor, br: torch.Tensor, outgoing: bool, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,6 +51,52 @@ def pack_weights(params: dict[str, torch.Tensor], P: int, H: int, bias: bool) ->
     return packed
 
 
+def pack_mma_weights(params: dict[str, torch.Tensor], P: int, H: int, bias: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The parameters in the mma kernels' layout (mma_weight_offsets), as bytes: the matrices in
+    `dtype`, n-major as nn.Linear holds them (Wp's rows interleaved per channel: 4h + {0,1,2,3} =
+    proj_a, gate_a, proj_b, gate_b of channel h), the LayerNorm affines and biases in fp32. A cast
+    to a 16-bit dtype rounds to nearest, as autocast's own casts do."""
+    off = mma_weight_offsets(P, H, bias, torch.empty(0, dtype=dtype).element_size())
+    f = {name: p.detach() for name, p in params.items()}
+    matrices = {"wp": torch.stack([f[f"{n}.weight"] for n in _FOUR], dim=1).reshape(4 * H, P),
+                "wo": f["out_proj.weight"], "wg": f["out_gate.weight"]}
+    vectors = {"ln_in_g": f["layer_norm_in.weight"], "ln_in_b": f["layer_norm_in.bias"],
+               "ln_out_g": f["layer_norm_out.weight"], "ln_out_b": f["layer_norm_out.bias"]}
+    if bias:
+        vectors.update(bp=torch.stack([f[f"{n}.bias"] for n in _FOUR], dim=1).reshape(-1), bo=f["out_proj.bias"],
+                       bg=f["out_gate.bias"])
+    device = next(iter(f.values())).device
+    packed = torch.zeros(off["total"], device=device, dtype=torch.uint8)
+    for name, value in [*((n, m.to(dtype)) for n, m in matrices.items()),
+                        *((n, v.to(torch.float32)) for n, v in vectors.items())]:
+        raw = value.contiguous().reshape(-1).view(torch.uint8)
+        packed[off[name]: off[name] + raw.numel()] = raw
+    return packed
+
+
+def run_mma(module: "TriangleMultiplication", variant, x, mask, out) -> None:
+    """Projection kernel (tensor cores) -> cuBLAS bmm in the same precision -> output kernel.
+    tf32x3's a and b hold three blocks each along the contracted index (mma.cu.j2), so one TF32
+    GEMM over 3N sums hi·hi + hi·lo + lo·hi."""
+    B, N = x.shape[0], x.shape[1]
+    H, precision = module.widths["H"], variant.plan.precision
+    project, output = variant.launches(x.get_device(), B, N)
+    copies = 3 if precision == "tf32x3" else 1
+    ab = torch.empty((2, B * H, copies * N * N), device=x.device, dtype=OPERAND_DTYPES[precision])
+    w_ptr = module._mma_weights(precision).get().data_ptr()
+    x_ptr, x_is_f32 = x.data_ptr(), int(x.dtype is torch.float32)
+    project(x_ptr, mask.data_ptr(), w_ptr, ab[0].data_ptr(), ab[1].data_ptr(), *project.tail,
+            int(mask.dtype is torch.float32), x_is_f32)
+    shape = (B * H, N, copies * N) if module._outgoing else (B * H, copies * N, N)
+    ar, br = ab[0].view(shape), ab[1].view(shape)
+    if precision in HALF_DTYPES.values():
+        z = triangle_bmm(ar, br, module._outgoing)  # fp32 accumulation, output in the operands' dtype
+    else:
+        with cublas_fp32_mode(tf32=True):
+            z = triangle_bmm(ar, br, module._outgoing)
+    output(x_ptr, z.data_ptr(), w_ptr, out.data_ptr(), *output.tail, x_is_f32)
+
+
 def run_bmm(module: "TriangleMultiplication", variant, x, mask, out) -> None:
     """Projection kernel -> cuBLAS bmm (fp32: no TF32 even where the caller allowed it) -> output kernel."""
     B, N = x.shape[0], x.shape[1]
@@ -71,19 +127,24 @@ _PARAM_ORDER = ("layer_norm_in", "proj_a", "gate_a", "proj_b", "gate_b", "layer_
 class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
     """Drop-in for TriangleMultiplicationReference: same constructor, submodules and state_dict.
 
-    CUDA float32 input runs the tuned kernels; CPU input or other dtypes run the reference.
+    CUDA input runs the tuned kernels: float32 in `precision` ("ieee", the default: exact fp32 on
+    FMA units; "tf32x3": fp32-accurate on tensor cores; "tf32": TF32-accurate, for callers who
+    opted into TF32), bfloat16 and float16 on tensor cores with fp32 accumulation and fp32
+    LayerNorm statistics, and float32 under torch.autocast("cuda") in the autocast dtype (the
+    weights cast once per parameter version). CPU input and other dtypes run the reference.
     Scratch for a and b comes from torch's stream-aware caching allocator on every call. The fused
     strategy's grid-barrier ints are owned by the module and left zeroed by every launch: two
     launches of the SAME module on different streams at once would share them.
     """
 
     op = TRIMUL
-    runners = {BMM.name: run_bmm, FUSED.name: run_fused}
-    _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_barrier",)
+    runners = {BMM.name: run_bmm, FUSED.name: run_fused, MMA.name: run_mma}
+    _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_barrier", "_mma_packs")
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "incoming", gate_on: str = "input",
-                 bias: bool = True):
+                 bias: bool = True, precision: str = "ieee"):
         super().__init__(pair_dim, hidden_dim, direction=direction, gate_on=gate_on, bias=bias)
+        self.precision = precision
         self.widths = {"P": int(pair_dim), "H": int(hidden_dim), "outgoing": int(direction == "outgoing"),
                        "gate_normalized": int(gate_on == "normalized"), "bias": int(bias)}
         self._outgoing = direction == "outgoing"
@@ -93,6 +154,49 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
                  if getattr(self, sub)._parameters.get(name) is not None]
         self._param_names = tuple(f"{sub}.{name}" for sub, name in paths)
         self._weights = PackedParameters(self, paths, self._pack)
+        self._paths = paths
+        self._mma_packs = None  # operand dtype -> PackedParameters for the mma kernels
+
+    @property
+    def precision(self) -> str:
+        """What an fp32 call computes in: "ieee" (exact fp32), "tf32x3" or "tf32" (docs/ops.md)."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        if value not in FP32_PRECISIONS:
+            raise ValueError(f"precision must be one of {tuple(FP32_PRECISIONS)}, got {value!r}")
+        self._precision = value
+
+    def extra_repr(self) -> str:
+        return "" if self._precision == "ieee" else f"precision={self._precision!r}"
+
+    def kernel_precision(self, x, mask) -> str | None:
+        """float32 in the module's precision, or autocast's dtype under torch.autocast("cuda");
+        bfloat16/float16 in their own; None (the reference) on CPU, for other dtypes, for a 16-bit
+        input under an autocast of the other 16-bit dtype, and past 2^31 pairs (32-bit indices)."""
+        if not x.is_cuda or x.shape[0] * x.shape[1] * x.shape[1] >= 2**31:
+            return None
+        autocast = torch.is_autocast_enabled("cuda")
+        if x.dtype is torch.float32:
+            return HALF_DTYPES.get(torch.get_autocast_dtype("cuda")) if autocast else FP32_PRECISIONS[self._precision]
+        precision = HALF_DTYPES.get(x.dtype)
+        if autocast and torch.get_autocast_dtype("cuda") is not x.dtype:
+            return None
+        return precision
+
+    def _mma_weights(self, precision: str) -> PackedParameters:
+        """The mma kernels' packed weights in this precision's operand dtype, rebuilt only after a
+        parameter changed (an fp32 module under autocast casts them once per parameter version)."""
+        dtype = OPERAND_DTYPES[precision]
+        packs = self._mma_packs
+        if packs is None:
+            packs = self._mma_packs = {}
+        pack = packs.get(dtype)
+        if pack is None:
+            pack = packs[dtype] = PackedParameters(self, self._paths, lambda params, d=dtype: pack_mma_weights(
+                dict(zip(self._param_names, params)), self.widths["P"], self.widths["H"], bool(self.widths["bias"]), d))
+        return pack
 
     def reference_forward(self, pair_repr, pair_mask):
         return TriangleMultiplicationReference.forward(self, pair_repr, pair_mask)
@@ -113,8 +217,7 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         check_mask("pair_mask", mask, shape[:3], x.device)
 
     def uses_kernel(self, x, mask) -> bool:
-        # Pair indices are 32-bit in the kernels: B*N*N >= 2^31 runs the reference.
-        return x.is_cuda and x.dtype is torch.float32 and x.shape[0] * x.shape[1] * x.shape[1] < 2**31
+        return self.kernel_precision(x, mask) is not None
 
     def _pack(self, params: list) -> torch.Tensor:
         return pack_weights(dict(zip(self._param_names, params)), self.widths["P"], self.widths["H"],
@@ -132,11 +235,17 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         if not mask.is_contiguous():
             mask = mask.contiguous()
         N = x.shape[1]
+        if variant is None:
+            variant = self.variant_for(N, x.get_device(), self.kernel_precision(x, mask))
         if out is None:
-            out = torch.empty_like(x)  # x is contiguous CUDA float32 here
+            # x is contiguous CUDA here; the 16-bit precisions answer in their dtype (under autocast too)
+            half = HALF_DTYPES.get(x.dtype)
+            wanted = variant.plan.precision
+            out = torch.empty_like(x) if half == wanted or (half is None and wanted not in OPERAND_HALF) \
+                else torch.empty(x.shape, device=x.device, dtype=OPERAND_DTYPES[wanted])
         if out.numel() == 0:
             return out
-        self._run(variant or self.variant_for(N, x.get_device()), x, mask, out)
+        self._run(variant, x, mask, out)
         return out
 
     def _barrier_ints(self, device: torch.device) -> int:

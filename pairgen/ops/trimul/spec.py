@@ -1,6 +1,6 @@
 """The triangle update's spec: strategies, search spaces, restrictions, defaults, plans.
 
-Two strategies:
+Three strategies:
   bmm    a projection kernel writes a, b in (B*H, N, N) layout, cuBLAS bmm forms the triangle sums
          (the transposes that the direction needs are cuBLAS flags, no copies), an output kernel
          reads the bmm result in place. Right for every N; the GEMMs dominate at N >= 256.
@@ -8,11 +8,15 @@ Two strategies:
          where three launches and a cuBLAS call cost more than the work. Its triangle sums read a
          and b from global memory per (pair, channel) (tri_smem=False), or stage them in shared
          memory per row tile (tri_smem=True); both in templates/trimul/_triangle.cuh.j2.
+  mma    the bmm strategy's three steps on tensor cores, for the other precisions: bf16, fp16
+         (modules in those dtypes, and fp32 modules under autocast), tf32 and tf32x3 (fp32 modules
+         with precision="tf32" / "tf32x3"). Projection and output kernels run mma.sync
+         (templates/common/mma.cuh.j2); the contraction is cuBLAS in the same precision.
 """
 from __future__ import annotations
 
 from ...spec import (Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, ceil_div,
-                     cuda_bool, flat_tile_grid, padded_stride, section_offsets,
+                     cuda_bool, flat_tile_grid, padded_stride, persistent_tile_grid, section_offsets,
                      smem_fits)
 
 #: The projection kernel: x, mask, weights, a, b, then B, N, tiles, and whether the mask is float.
@@ -188,6 +192,104 @@ FUSED = Strategy(
 )
 
 
+# ---- tensor cores (mma) -------------------------------------------------------------------------
+
+#: Precision (a tuned key's dtype) -> the template's MMA_KIND (templates/common/mma.cuh.j2).
+MMA_KINDS = {"bfloat16": 0, "float16": 1, "tf32": 2, "tf32x3": 3}
+#: The precisions whose operands are 16-bit (else fp32, rounded to TF32 in the kernels).
+HALF_PRECISIONS = ("bfloat16", "float16")
+MMA_PROJECT_ARGS = ("ptr",) * 5 + ("i32",) * 5   # x, mask, w, a, b; B, N, tiles, mask is float, x is fp32
+MMA_OUTPUT_ARGS = ("ptr",) * 4 + ("i32",) * 4    # x, z, w, out; B, N, tiles, x is fp32
+
+
+def element_bytes(precision: str) -> int:
+    return 2 if precision in HALF_PRECISIONS else 4
+
+
+def mma_weight_offsets(P: int, H: int, bias: bool, elem_bytes: int) -> dict[str, int]:
+    """Byte offsets of the mma kernels' packed weights (shared with templates/trimul/mma.cu.j2),
+    each section 16-byte aligned: the matrices n-major (nn.Linear's own layout) in the operand
+    type, Wp's rows interleaved per channel (4h + {0,1,2,3} = proj_a, gate_a, proj_b, gate_b), the
+    vectors fp32; bias sections are empty without bias."""
+    nb = 1 if bias else 0
+    sizes = [("wp", 4 * H * P * elem_bytes), ("wo", P * H * elem_bytes), ("wg", P * P * elem_bytes),
+             ("ln_in_g", 4 * P), ("ln_in_b", 4 * P), ("bp", nb * 16 * H), ("ln_out_g", 4 * H), ("ln_out_b", 4 * H),
+             ("bo", nb * 4 * P), ("bg", nb * 4 * P)]
+    offsets, at = {}, 0
+    for name, size in sizes:
+        offsets[name] = at
+        at = align(at + size, 16)
+    offsets["total"] = at
+    return offsets
+
+
+def mma_row_bytes(width: int, elem_bytes: int) -> int:
+    """Shared row stride of a `width`-element operand row (mma.cuh.j2's MmaRow): k padded to the
+    32-byte k-step, then to == 16 (mod 128) bytes."""
+    return align(align(width * elem_bytes, 32), 128) + 16
+
+
+def _mma_kernel_shape(params: dict, prefix: str, columns: int) -> dict:
+    """Threads, fragments per warp and staged weight rows of one mma kernel."""
+    warps_m, warps_n, wn = params[f"{prefix}_warps_m"], params[f"{prefix}_warps_n"], params[f"{prefix}_wn"]
+    tile = params[f"{prefix}_tile"]
+    mt = tile // (16 * warps_m) if tile % (16 * warps_m) == 0 else 0
+    chunk = columns if params[f"{prefix}_resident"] else warps_n * wn
+    return {"threads": 32 * warps_m * warps_n, "mt": mt, "nt": wn // 8, "chunk": chunk,
+            "pass_cols": warps_n * wn, "columns": columns}
+
+
+def _derive_mma(params: dict, w: dict, name: str):
+    P, H, precision = w["P"], w["H"], w["precision"]
+    eb = element_bytes(precision)
+    x_row, z_row = mma_row_bytes(P, eb), mma_row_bytes(H, eb)
+    proj, outp = _mma_kernel_shape(params, "p", 4 * H), _mma_kernel_shape(params, "o", P)
+    context = {"P": P, "H": H, "outgoing": cuda_bool(w["outgoing"]), "gate_normalized": cuda_bool(w["gate_normalized"]),
+               "bias": cuda_bool(w["bias"]), "mma_kind": MMA_KINDS[precision],
+               "off": mma_weight_offsets(P, H, bool(w["bias"]), eb),
+               "p_tile": params["p_tile"], "p_warps_m": params["p_warps_m"], "p_warps_n": params["p_warps_n"],
+               "p_wn": params["p_wn"], "p_resident": cuda_bool(params["p_resident"]),
+               "o_tile": params["o_tile"], "o_warps_m": params["o_warps_m"], "o_warps_n": params["o_warps_n"],
+               "o_wn": params["o_wn"], "o_resident": cuda_bool(params["o_resident"]),
+               "mma_shapes": {"p": proj, "o": outp}}
+    project_smem = (proj["chunk"] + params["p_tile"]) * x_row
+    output_smem = (outp["chunk"] + params["o_tile"]) * (z_row + x_row) + params["o_tile"] * (H + 1) * 4
+    return context, (Kernel(name, proj["threads"], project_smem, MMA_PROJECT_ARGS, persistent_tile_grid(params["p_tile"])),
+                     Kernel(f"{name}_output", outp["threads"], output_smem, MMA_OUTPUT_ARGS,
+                            persistent_tile_grid(params["o_tile"])))
+
+
+def _mma_layouts_ok(plan: Plan, limits: DeviceLimits) -> bool:
+    """Whole 16-row fragments per warp, and passes of warps_n * wn columns that tile the columns."""
+    return all(k["mt"] >= 1 and k["columns"] % k["pass_cols"] == 0 and k["threads"] <= 1024
+               for k in plan.context["mma_shapes"].values())
+
+
+def _mma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
+    """At most 128 fp32 accumulators per thread (the output kernel holds two products')."""
+    p, o = plan.context["mma_shapes"]["p"], plan.context["mma_shapes"]["o"]
+    return 4 * p["mt"] * p["nt"] <= 128 and 8 * o["mt"] * o["nt"] <= 128
+
+
+MMA = Strategy(
+    name="mma",
+    summary="tensor cores: mma.sync projection kernel -> cuBLAS bmm in the same precision -> mma.sync output kernel",
+    # Per kernel: the row tile, the warp grid (warps_m x warps_n), each warp's columns per pass (wn,
+    # 8-column fragments in pairs), and whether a block keeps all of its weights in shared memory
+    # for every tile it takes (resident; persistent blocks) or stages one pass's columns per tile.
+    space={"p_tile": (64, 128, 256), "p_warps_m": (1, 2, 4), "p_warps_n": (1, 2, 4), "p_wn": (16, 32, 64),
+           "p_resident": (True, False),
+           "o_tile": (32, 64, 128), "o_warps_m": (1, 2, 4), "o_warps_n": (1, 2, 4), "o_wn": (16, 32, 64),
+           "o_resident": (True, False)},
+    derive=_derive_mma,
+    restrictions=(Restriction("tiles must split into 16-row fragments per warp and passes must tile the columns",
+                              _mma_layouts_ok),
+                  Restriction("at most 128 accumulators per thread", _mma_accumulators_fit),
+                  Restriction("shared memory exceeds the per-block limit", smem_fits)),
+    precisions=tuple(MMA_KINDS),
+)
+
+
 def options_of(widths: dict) -> dict:
     """Constructor options from the 0/1 entries of a widths dict (absent: the defaults)."""
     return {"direction": "outgoing" if widths.get("outgoing", 0) else "incoming",
@@ -202,7 +304,7 @@ class TrimulSpec(OpSpec):
     name = "trimul"
     # The options are compile-time and part of the tuned key, as 0/1 next to the widths.
     width_names = ("P", "H", "outgoing", "gate_normalized", "bias")
-    strategies = {s.name: s for s in (BMM, FUSED)}
+    strategies = {s.name: s for s in (BMM, FUSED, MMA)}
     default_points = (
         # P a multiple of 64, H of 32 (the real models): 128-column chunks of 4H, 8x8 micro-tiles.
         ("bmm", {"p_tile": 128, "p_tm": 8, "p_tn": 8, "p_weights_smem": False, "o_tile": 64, "o_tm": 4, "o_tn": 4,
@@ -211,6 +313,14 @@ class TrimulSpec(OpSpec):
         # output tiles keep P = H = 248 within shared memory).
         ("bmm", {"p_tile": 64, "p_tm": 4, "p_tn": 4, "p_weights_smem": False, "o_tile": 64, "o_tm": 1, "o_tn": 4,
                  "o_weights_smem": False, "threads": 128, "unroll": 4, "min_blocks": 1}),
+        # Tensor cores: weights resident in shared memory where they fit (bf16/fp16 at P = H = 128),
+        # else staged per pass; 64x32 warp tiles in the projection, 32x32 in the output.
+        ("mma", {"p_tile": 128, "p_warps_m": 2, "p_warps_n": 4, "p_wn": 32, "p_resident": True,
+                 "o_tile": 64, "o_warps_m": 2, "o_warps_n": 2, "o_wn": 32, "o_resident": True}),
+        ("mma", {"p_tile": 128, "p_warps_m": 2, "p_warps_n": 4, "p_wn": 32, "p_resident": False,
+                 "o_tile": 64, "o_warps_m": 2, "o_warps_n": 2, "o_wn": 32, "o_resident": False}),
+        ("mma", {"p_tile": 64, "p_warps_m": 2, "p_warps_n": 2, "p_wn": 16, "p_resident": False,
+                 "o_tile": 32, "o_warps_m": 2, "o_warps_n": 1, "o_wn": 16, "o_resident": False}),
     )
     presets = {
         "seed": ({"B": 2, "N": 32, "P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1},),
@@ -218,7 +328,10 @@ class TrimulSpec(OpSpec):
                       for b, n in ((1, 128), (1, 256), (1, 512), (2, 768)))
                 + ({"B": 1, "N": 256, "P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 1},),
     }
-    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5)}
+    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5), "tf32x3": Tolerance(max_abs=1e-4, rel_l2=1e-5),
+                 "tf32": Tolerance(max_abs=float("inf"), rel_l2=5e-3),
+                 "bfloat16": Tolerance(max_abs=float("inf"), rel_l2=1e-2),
+                 "float16": Tolerance(max_abs=float("inf"), rel_l2=1e-2)}
     width_defaults = {"outgoing": 0, "gate_normalized": 0, "bias": 1}  # the reference's defaults
     extra_peer_names = ("cuequivariance",)
 
