@@ -84,9 +84,11 @@ def run_mma(module: "TriangleMultiplication", variant, x, mask, out) -> None:
     copies = 3 if precision == "tf32x3" else 1
     ab = torch.empty((2, B * H, copies * N * N), device=x.device, dtype=OPERAND_DTYPES[precision])
     w_ptr = module._mma_weights(precision).get().data_ptr()
-    x_ptr, x_is_f32 = x.data_ptr(), int(x.dtype is torch.float32)
+    if x.dtype is not ab.dtype:
+        x = x.to(ab.dtype)  # an fp32 input under autocast: the kernels read x in the operand type
+    x_ptr = x.data_ptr()
     project(x_ptr, mask.data_ptr(), w_ptr, ab[0].data_ptr(), ab[1].data_ptr(), *project.tail,
-            int(mask.dtype is torch.float32), x_is_f32)
+            int(mask.dtype is torch.float32))
     shape = (B * H, N, copies * N) if module._outgoing else (B * H, copies * N, N)
     ar, br = ab[0].view(shape), ab[1].view(shape)
     if precision in HALF_DTYPES.values():
@@ -94,7 +96,7 @@ def run_mma(module: "TriangleMultiplication", variant, x, mask, out) -> None:
     else:
         with cublas_fp32_mode(tf32=True):
             z = triangle_bmm(ar, br, module._outgoing)
-    output(x_ptr, z.data_ptr(), w_ptr, out.data_ptr(), *output.tail, x_is_f32)
+    output(x_ptr, z.data_ptr(), w_ptr, out.data_ptr(), *output.tail)
 
 
 def run_bmm(module: "TriangleMultiplication", variant, x, mask, out) -> None:

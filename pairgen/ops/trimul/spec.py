@@ -198,8 +198,8 @@ FUSED = Strategy(
 MMA_KINDS = {"bfloat16": 0, "float16": 1, "tf32": 2, "tf32x3": 3}
 #: The precisions whose operands are 16-bit (else fp32, rounded to TF32 in the kernels).
 HALF_PRECISIONS = ("bfloat16", "float16")
-MMA_PROJECT_ARGS = ("ptr",) * 5 + ("i32",) * 5   # x, mask, w, a, b; B, N, tiles, mask is float, x is fp32
-MMA_OUTPUT_ARGS = ("ptr",) * 4 + ("i32",) * 4    # x, z, w, out; B, N, tiles, x is fp32
+MMA_PROJECT_ARGS = ("ptr",) * 5 + ("i32",) * 4   # x, mask, w, a, b; B, N, tiles, mask is float
+MMA_OUTPUT_ARGS = ("ptr",) * 4 + ("i32",) * 3    # x, z, w, out; B, N, tiles
 
 
 def element_bytes(precision: str) -> int:
@@ -252,8 +252,11 @@ def _derive_mma(params: dict, w: dict, name: str):
                "o_tile": params["o_tile"], "o_warps_m": params["o_warps_m"], "o_warps_n": params["o_warps_n"],
                "o_wn": params["o_wn"], "o_resident": cuda_bool(params["o_resident"]),
                "mma_shapes": {"p": proj, "o": outp}}
-    project_smem = (proj["chunk"] + params["p_tile"]) * x_row
-    output_smem = (outp["chunk"] + params["o_tile"]) * (z_row + x_row) + params["o_tile"] * (H + 1) * 4
+    # weight rows, and two x tiles (the next one is fetched while this one computes)
+    project_smem = (proj["chunk"] + 2 * params["p_tile"]) * x_row
+    # weight rows, layer_norm_out(z) as operands, two x tiles, the raw z in fp32 (rows of H + 1)
+    output_smem = (outp["chunk"] * (z_row + x_row) + params["o_tile"] * (z_row + 2 * x_row)
+                   + params["o_tile"] * (H + 1) * 4)
     return context, (Kernel(name, proj["threads"], project_smem, MMA_PROJECT_ARGS, persistent_tile_grid(params["p_tile"])),
                      Kernel(f"{name}_output", outp["threads"], output_smem, MMA_OUTPUT_ARGS,
                             persistent_tile_grid(params["o_tile"])))
@@ -263,6 +266,11 @@ def _mma_layouts_ok(plan: Plan, limits: DeviceLimits) -> bool:
     """Whole 16-row fragments per warp, and passes of warps_n * wn columns that tile the columns."""
     return all(k["mt"] >= 1 and k["columns"] % k["pass_cols"] == 0 and k["threads"] <= 1024
                for k in plan.context["mma_shapes"].values())
+
+
+def _output_rows_split(plan: Plan, limits: DeviceLimits) -> bool:
+    """The output kernel's threads split evenly over its tile's rows (its triangle-sum prefetch)."""
+    return plan.context["mma_shapes"]["o"]["threads"] % plan.params["o_tile"] == 0
 
 
 def _mma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
@@ -285,6 +293,7 @@ MMA = Strategy(
     restrictions=(Restriction("tiles must split into 16-row fragments per warp and passes must tile the columns",
                               _mma_layouts_ok),
                   Restriction("at most 128 accumulators per thread", _mma_accumulators_fit),
+                  Restriction("the output kernel's threads must be a multiple of its tile", _output_rows_split),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
     precisions=tuple(MMA_KINDS),
 )
@@ -314,13 +323,14 @@ class TrimulSpec(OpSpec):
         ("bmm", {"p_tile": 64, "p_tm": 4, "p_tn": 4, "p_weights_smem": False, "o_tile": 64, "o_tm": 1, "o_tn": 4,
                  "o_weights_smem": False, "threads": 128, "unroll": 4, "min_blocks": 1}),
         # Tensor cores: weights resident in shared memory where they fit (bf16/fp16 at P = H = 128),
-        # else staged per pass; 64x32 warp tiles in the projection, 32x32 in the output.
+        # else staged per pass; 8 warps per kernel, 64x32 warp tiles in the projection, 32x32 in
+        # the output (a block per SM: enough warps to keep loads in flight).
         ("mma", {"p_tile": 128, "p_warps_m": 2, "p_warps_n": 4, "p_wn": 32, "p_resident": True,
-                 "o_tile": 64, "o_warps_m": 2, "o_warps_n": 2, "o_wn": 32, "o_resident": True}),
+                 "o_tile": 64, "o_warps_m": 2, "o_warps_n": 4, "o_wn": 32, "o_resident": True}),
         ("mma", {"p_tile": 128, "p_warps_m": 2, "p_warps_n": 4, "p_wn": 32, "p_resident": False,
-                 "o_tile": 64, "o_warps_m": 2, "o_warps_n": 2, "o_wn": 32, "o_resident": False}),
+                 "o_tile": 64, "o_warps_m": 2, "o_warps_n": 4, "o_wn": 32, "o_resident": False}),
         ("mma", {"p_tile": 64, "p_warps_m": 2, "p_warps_n": 2, "p_wn": 16, "p_resident": False,
-                 "o_tile": 32, "o_warps_m": 2, "o_warps_n": 1, "o_wn": 16, "o_resident": False}),
+                 "o_tile": 32, "o_warps_m": 2, "o_warps_n": 2, "o_wn": 16, "o_resident": False}),
     )
     presets = {
         "seed": ({"B": 2, "N": 32, "P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1},),
