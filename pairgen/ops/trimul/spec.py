@@ -252,11 +252,14 @@ def _derive_mma(params: dict, w: dict, name: str):
                "o_tile": params["o_tile"], "o_warps_m": params["o_warps_m"], "o_warps_n": params["o_warps_n"],
                "o_wn": params["o_wn"], "o_resident": cuda_bool(params["o_resident"]),
                "mma_shapes": {"p": proj, "o": outp}}
-    # weight rows, and two x tiles (the next one is fetched while this one computes)
-    project_smem = (proj["chunk"] + 2 * params["p_tile"]) * x_row
+    # weight rows, two x tiles (the next one is fetched while this one computes), and per warp the
+    # staging block of its a, b (4 * nt channel rows of mt * 16 + 8 elements)
+    staging = (proj["threads"] // 32) * 4 * proj["nt"] * (proj["mt"] * 16 + 8) * eb
+    project_smem = (proj["chunk"] + 2 * params["p_tile"]) * x_row + staging
     # weight rows, layer_norm_out(z) as operands, two x tiles, the raw z in fp32 (rows of H + 1)
     output_smem = (outp["chunk"] * (z_row + x_row) + params["o_tile"] * (z_row + 2 * x_row)
                    + params["o_tile"] * (H + 1) * 4)
+    context.update(p_smem=project_smem, o_smem=output_smem)  # the template asserts its own sums equal these
     return context, (Kernel(name, proj["threads"], project_smem, MMA_PROJECT_ARGS, persistent_tile_grid(params["p_tile"])),
                      Kernel(f"{name}_output", outp["threads"], output_smem, MMA_OUTPUT_ARGS,
                             persistent_tile_grid(params["o_tile"])))
@@ -331,6 +334,9 @@ class TrimulSpec(OpSpec):
                  "o_tile": 64, "o_warps_m": 2, "o_warps_n": 4, "o_wn": 32, "o_resident": False}),
         ("mma", {"p_tile": 64, "p_warps_m": 2, "p_warps_n": 2, "p_wn": 16, "p_resident": False,
                  "o_tile": 32, "o_warps_m": 2, "o_warps_n": 2, "o_wn": 16, "o_resident": False}),
+        # Any P, H multiples of 16 and 8: 16-column passes.
+        ("mma", {"p_tile": 64, "p_warps_m": 2, "p_warps_n": 1, "p_wn": 16, "p_resident": False,
+                 "o_tile": 32, "o_warps_m": 2, "o_warps_n": 1, "o_wn": 16, "o_resident": False}),
     )
     presets = {
         "seed": ({"B": 2, "N": 32, "P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1},),
