@@ -164,6 +164,8 @@ class OpSpec:
     added_params: dict[str, dict] = {}
     #: peers beyond eager and torch.compile that scripts/bench.py can time for this op
     extra_peer_names: tuple[str, ...] = ()
+    #: The precision plans are made in where a caller names none (the view's, in a PrecisionView).
+    precision: str | None = None
 
     #: () -> (reference class, drop-in module class, make_inputs, extra_peer or None): see bind()
     _load: Callable | None = None
@@ -208,9 +210,22 @@ class OpSpec:
         seen = dict.fromkeys(p for s in self.strategies.values() for p in s.precisions)
         return tuple(sorted(seen, key=lambda p: p != "float32"))
 
-    def plan(self, strategy: str, params: dict, widths: dict, precision: str = "float32") -> Plan:
+    def at(self, precision: str) -> "PrecisionView":
+        """The op seen in one precision: what tuning, dry runs and benches of that precision use."""
+        if precision not in self.precisions:
+            raise ValueError(f"{self.name} has no kernels in {precision!r}; it has {self.precisions}")
+        return PrecisionView(self, precision)
+
+    def _precision_of(self, strategy: str, precision: str | None) -> str:
+        """A named precision, else the spec's own (a view's), else the strategy's first."""
+        if precision is None:
+            precision = self.precision or self.strategies[strategy].precisions[0]
+        return precision
+
+    def plan(self, strategy: str, params: dict, widths: dict, precision: str | None = None) -> Plan:
         params = self.with_added_params(strategy, params)
         self.check_point(strategy, params)
+        precision = self._precision_of(strategy, precision)
         if precision not in self.strategies[strategy].precisions:
             raise ValueError(f"{self.name}/{strategy} does not compute in {precision!r}; "
                              f"it does {self.strategies[strategy].precisions}")
@@ -224,7 +239,8 @@ class OpSpec:
         strategy = self.strategies[plan.strategy]
         return [r.reason for r in strategy.restrictions if not r.holds(plan, limits)]
 
-    def default_plan(self, widths: dict, limits: DeviceLimits, precision: str = "float32") -> Plan | None:
+    def default_plan(self, widths: dict, limits: DeviceLimits, precision: str | None = None) -> Plan | None:
+        precision = precision or self.precision or "float32"
         for strategy, params in self.default_points:
             if precision not in self.strategies[strategy].precisions:
                 continue
@@ -241,12 +257,12 @@ class OpSpec:
             yield dict(zip(names, values))
 
     def feasible_plans(self, strategy: str, widths: dict, limits: DeviceLimits,
-                       precision: str = "float32") -> list[Plan]:
+                       precision: str | None = None) -> list[Plan]:
         plans = (self.plan(strategy, params, widths, precision) for params in self.points(strategy))
         return [plan for plan in plans if not self.infeasible(plan, limits)]
 
     def sample_plans(self, strategy: str, widths: dict, k: int, rng: random.Random,
-                     limits: DeviceLimits = DeviceLimits(), precision: str = "float32") -> list[Plan]:
+                     limits: DeviceLimits = DeviceLimits(), precision: str | None = None) -> list[Plan]:
         """The strategy's feasible default points, then k feasible points drawn by rng."""
         defaults = [self.plan(s, p, widths, precision) for s, p in self.default_points if s == strategy]
         feasible = self.feasible_plans(strategy, widths, limits, precision)
@@ -314,6 +330,37 @@ class OpSpec:
         if name not in self.extra_peer_names or peer is None:
             return f"{self.name} has no peer {name!r}"
         return peer(name, module, inputs)
+
+
+class PrecisionView:
+    """An op's spec in one precision (a tuned key's dtype): its strategies and default points are
+    those that compute in it, and its plans are made in it; everything else is the op's. The tuner,
+    the dry runs and the bench work on views, so none of them names a precision twice."""
+
+    def __init__(self, spec: OpSpec, precision: str):
+        self._spec, self.precision = spec, precision
+        self.strategies = {n: s for n, s in spec.strategies.items() if precision in s.precisions}
+        self.default_points = tuple((s, p) for s, p in spec.default_points if s in self.strategies)
+
+    def __getattr__(self, name: str):
+        return getattr(self._spec, name)
+
+    @property
+    def base(self) -> OpSpec:
+        return self._spec
+
+    def plan(self, strategy: str, params: dict, widths: dict, precision: str | None = None) -> Plan:
+        return self._spec.plan(strategy, params, widths, precision or self.precision)
+
+    def default_plan(self, widths: dict, limits: DeviceLimits, precision: str | None = None) -> Plan | None:
+        return self._spec.default_plan(widths, limits, precision or self.precision)
+
+    def feasible_plans(self, strategy: str, widths: dict, limits: DeviceLimits, precision: str | None = None):
+        return self._spec.feasible_plans(strategy, widths, limits, precision or self.precision)
+
+    def sample_plans(self, strategy: str, widths: dict, k: int, rng: random.Random,
+                     limits: DeviceLimits = DeviceLimits(), precision: str | None = None) -> list[Plan]:
+        return self._spec.sample_plans(strategy, widths, k, rng, limits, precision or self.precision)
 
 
 # ---- small arithmetic the specs share ----------------------------------------------------------

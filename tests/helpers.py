@@ -12,6 +12,7 @@ import torch
 
 from pairgen import codegen, compiler, runtime
 from pairgen.tuning.check import compare, reference64
+from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
 from pairgen.spec import DeviceLimits
 from pairgen.tuned import TunedDB
 
@@ -80,15 +81,17 @@ def compiled_variant(variants: dict, plan):
 _reference_cases: dict = {}
 
 
-def reference_case(spec, widths: dict, batch: int, n: int, seed: int) -> tuple:
+def reference_case(spec, widths: dict, batch: int, n: int, seed: int, precision: str = "float32") -> tuple:
     """(module with random weights, inputs, their float64 reference), on the GPU and cached per
-    op, widths, shape and seed; normal inputs for an even seed, cauchy for an odd one."""
-    key = (spec.name, tuple(sorted(widths.items())), batch, n, seed)
+    op, widths, shape, seed and precision (bfloat16/float16: module and inputs in that dtype, the
+    reference on the same rounded values; tf32x3/tf32: the module's precision=); normal inputs for
+    an even seed, cauchy for an odd one."""
+    key = (spec.name, tuple(sorted(widths.items())), batch, n, seed, precision)
     if key not in _reference_cases:
         gen = generator(seed)
-        module = spec.make_module(widths, gen).cuda()
+        module = module_in_precision(spec, widths, gen, precision, "cuda")
         inputs = spec.make_inputs({"B": batch, "N": n, **widths}, gen, "cauchy" if seed % 2 else "normal")
-        inputs = tuple(t.cuda() for t in inputs)
+        inputs = inputs_in_precision(inputs, precision, "cuda")
         _reference_cases[key] = (module, inputs, reference64(module, inputs))
     return _reference_cases[key]
 
@@ -96,7 +99,7 @@ def reference_case(spec, widths: dict, batch: int, n: int, seed: int) -> tuple:
 def run_variant(module, inputs: tuple, variant, shape) -> torch.Tensor:
     """The module's kernel launched with this variant into a NaN-prefilled output of `shape`
     (the op's output shape: the float64 reference's), synchronized."""
-    out = torch.full(tuple(shape), float("nan"), device="cuda")
+    out = torch.full(tuple(shape), float("nan"), device="cuda", dtype=inputs[0].dtype)
     with torch.no_grad():
         module._launch(*inputs, out=out, variant=variant)
     torch.cuda.synchronize()
@@ -108,12 +111,12 @@ def assert_variant_matches_float64(spec, plan, variant, shapes, skip=None, also=
     """The variant against the float64 reference of reference_case(spec, plan.widths, B, N, seed=k)
     for the k-th (B, N) of shapes, but those skip(B, N) passes over; every failing shape is reported
     at once. also(module, inputs, variant, k) returns further failures (strings) of op-specific checks."""
-    tol = spec.tolerance["float32"]
+    tol = spec.tolerance[plan.precision]
     failures = []
     for k, (batch, n) in enumerate(shapes):
         if skip is not None and skip(batch, n):
             continue
-        module, inputs, ref = reference_case(spec, plan.widths, batch, n, seed=k)
+        module, inputs, ref = reference_case(spec, plan.widths, batch, n, seed=k, precision=plan.precision)
         result = compare(run_variant(module, inputs, variant, ref.shape), ref, tol)
         if not result.ok:
             failures.append(f"B={batch} N={n}: {result}")
@@ -169,10 +172,10 @@ def check_tuned_entries(spec) -> None:
     if not entries:
         pytest.skip(f"no tuned {spec.name} entries for {info.slug} in {db.path}")
     for entry in entries:
-        widths = spec.widths_of(entry["shape"])
-        variant = runtime.build_variant(spec.plan(entry["strategy"], entry["params"], widths))
-        module, inputs, ref = reference_case(spec, widths, 1, 37, seed=21)
-        result = compare(run_variant(module, inputs, variant, ref.shape), ref, spec.tolerance["float32"])
+        widths, precision = spec.widths_of(entry["shape"]), entry["key"]["dtype"]
+        variant = runtime.build_variant(spec.plan(entry["strategy"], entry["params"], widths, precision))
+        module, inputs, ref = reference_case(spec, widths, 1, 37, seed=21, precision=precision)
+        result = compare(run_variant(module, inputs, variant, ref.shape), ref, spec.tolerance[precision])
         assert result.ok, f"tuned {entry['strategy']} {entry['params']}: {result}"
 
 

@@ -37,62 +37,81 @@ def parse_args(argv=None):
 
 
 def measure(spec, shape, peers, reps):
+    """One row: pairgen's call, graph replay and host time, each peer's time, and every output's
+    error against the float64 reference (pairgen's is also checked against the op's tolerance for
+    the precision). Peers run in the module's dtype."""
     import torch
 
     from pairgen import runtime
     from pairgen.tuning.check import compare, reference64
+    from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision, reference_in_precision
     from pairgen.tuning.timing import floor_us, host_us_per_call, time_cuda, time_graph_replay
 
     device = torch.device("cuda", torch.cuda.current_device())
+    precision = spec.precision or "float32"
     gen = torch.Generator().manual_seed(0)
     widths = spec.widths_of(shape)
-    module = spec.make_module(widths, gen).to(device)
-    inputs = tuple(t.to(device) for t in spec.make_inputs(shape, gen))
-    eager = spec.make_reference(module)
-    row = {"op": spec.name, "shape": shape}
+    module = module_in_precision(spec, widths, gen, precision, device)
+    inputs = inputs_in_precision(spec.make_inputs(shape, gen), precision, device)
+    eager = reference_in_precision(spec, module)
+    row = {"op": spec.name, "shape": shape, "precision": precision}
     with torch.inference_mode():
+        expected = reference64(module, inputs)
         out = module(*inputs)
-        check = compare(out, reference64(module, inputs), spec.tolerance["float32"])
-        variant = module.variant_for(shape["N"], device)
+        check = compare(out, expected, spec.tolerance[precision])
+        row["rel_l2"] = check.rel_l2
+        variant = module.variant_for(shape["N"], device, module.kernel_precision(*inputs))
         row["variant"] = variant.plan.label if variant else "reference (no kernel)"
         row["check"] = str(check)
         call = lambda: module(*inputs)  # noqa: E731
         row["call_us"] = time_cuda(call, device, reps=reps).median_us
         row["graph_us"] = time_graph_replay(call, device, reps=reps).median_us
         row["host_us"] = host_us_per_call(call)
+        timed = {}
         if "eager" in peers:
-            row["eager_us"] = time_cuda(lambda: eager(*inputs), device, reps=reps).median_us
+            timed["eager"] = lambda: eager(*inputs)
         if "compile" in peers:
             compiled = torch.compile(eager, mode="max-autotune-no-cudagraphs")
             start = time.perf_counter()
             compiled(*inputs)
             row["compile_build_s"] = time.perf_counter() - start
-            row["compile_us"] = time_cuda(lambda: compiled(*inputs), device, reps=reps).median_us
+            timed["compile"] = lambda: compiled(*inputs)
         for name in peers:
             if name in spec.extra_peer_names:
                 peer = spec.extra_peer(name, module, inputs)
                 if isinstance(peer, str):
                     row.setdefault("unavailable", {})[name] = peer
                 else:
-                    peer()
-                    row[f"{name}_us"] = time_cuda(peer, device, reps=reps).median_us
+                    timed[name] = peer
+        for name, fn in timed.items():
+            try:
+                row[f"{name}_rel_l2"] = compare(fn(), expected, spec.tolerance[precision]).rel_l2
+            except Exception as exc:  # a peer that does not take this shape or dtype
+                row.setdefault("unavailable", {})[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                continue
+            row[f"{name}_us"] = time_cuda(fn, device, reps=reps).median_us
         row["call_again_us"] = time_cuda(call, device, reps=reps).median_us  # the spread between two runs
-    row["floor_us"] = floor_us(spec.cost(shape), runtime.device_info(device.index).slug)
+    row["floor_us"] = floor_us(spec.cost(shape), runtime.device_info(device.index).slug, precision)
     return row
 
 
 def table(rows, peers) -> str:
-    head = ["op", "shape", "pairgen variant", "call µs (2 runs)", "graph µs", "overhead µs", "host µs/call"]
+    head = ["op", "shape", "precision", "pairgen variant", "call µs (2 runs)", "graph µs", "overhead µs",
+            "host µs/call"]
     head += [f"{p} µs" for p in peers] + [f"× vs {p}" for p in peers] + ["floor µs", "call / floor", "check"]
+    head += ["rel L2 vs float64: pairgen / " + " / ".join(peers)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["op"], shape_label(r["shape"]), f"`{r['variant']}`", f"{r['call_us']:.1f} / {r['call_again_us']:.1f}",
+        cells = [r["op"], shape_label(r["shape"]), r.get("precision", "float32"), f"`{r['variant']}`",
+                 f"{r['call_us']:.1f} / {r['call_again_us']:.1f}",
                  f"{r['graph_us']:.1f}", f"{r['call_us'] - r['graph_us']:.1f}", f"{r['host_us']:.1f}"]
         cells += [f"{r[p + '_us']:.1f}" if p + "_us" in r else "–" for p in peers]
         cells += [f"{r[p + '_us'] / r['call_us']:.1f}×" if p + "_us" in r else "–" for p in peers]
         floor = r.get("floor_us")
         cells += [f"{floor:.1f}" if floor else "–", f"{r['call_us'] / floor:.1f}" if floor else "–",
                   "ok" if r["check"].startswith("ok") else r["check"]]
+        errors = [r.get("rel_l2")] + [r.get(f"{p}_rel_l2") for p in peers]
+        cells.append(" / ".join(f"{e:.1e}" if e is not None else "–" for e in errors))
         lines.append("| " + " | ".join(cells) + " |")
     notes = {f"{name}: {why}" for r in rows for name, why in r.get("unavailable", {}).items()}
     return "\n".join(lines + [""] + [f"- not measured: {note}" for note in sorted(notes)])
@@ -152,7 +171,7 @@ def main(argv=None) -> int:
     for spec, shape in work:
         rows.append(measure(spec, shape, peers, args.reps))
         r = rows[-1]
-        print(f"{spec.name} {shape_label(shape)}: call {r['call_us']:.1f} µs, graph {r['graph_us']:.1f} µs, "
+        print(f"{spec.name} {shape_label(shape)} {r['precision']}: call {r['call_us']:.1f} µs, graph {r['graph_us']:.1f} µs, "
               + ", ".join(f"{p} {r[p + '_us']:.1f} µs" for p in peers if p + "_us" in r), flush=True)
         text = write_results(args.out, env, rows, peers)  # after every shape: a cut-short run keeps its rows
     if peers:
@@ -172,12 +191,15 @@ def write_results(out: Path, env: dict, rows: list, peers: list) -> str:
     """bench.md (the table), and the rows as JSON under results_name(env), merged with the rows an
     earlier run of the same GPU and date wrote there (a later row of the same op and shape wins)."""
     text = (f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, NVRTC {env['nvrtc']}, {env['date']}; "
-            f"fp32, TF32 off; {env['timing']}.\n\n" + table(rows, peers) + "\n")
+            f"TF32 off in float32 rows; peers in each row's dtype; {env['timing']}.\n\n" + table(rows, peers) + "\n")
     (out / "bench.md").write_text(text)
     path = out / results_name(env)
     earlier = json.loads(path.read_text())["rows"] if path.exists() else []
-    mine = {(r["op"], json.dumps(r["shape"], sort_keys=True)) for r in rows}
-    kept = [r for r in earlier if (r["op"], json.dumps(r["shape"], sort_keys=True)) not in mine]
+    def key(r):
+        return r["op"], json.dumps(r["shape"], sort_keys=True), r.get("precision", "float32")
+
+    mine = {key(r) for r in rows}
+    kept = [r for r in earlier if key(r) not in mine]
     path.write_text(json.dumps({"env": env, "rows": kept + rows}, indent=1) + "\n")
     return text
 

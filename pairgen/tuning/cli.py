@@ -6,7 +6,9 @@ import argparse
 from ..ops import get_op, op_names
 
 
-_SHAPE_ORDER = ("B", "N", "D", "P", "H")  # sizes, in the order docs/ops.md writes shapes; other keys are op options
+_SHAPE_ORDER = ("B", "N", "D", "P", "H")
+#: The precisions a tuned entry can be keyed by ("float32" is exact fp32).
+PRECISIONS = ("float32", "bfloat16", "float16", "tf32x3", "tf32")  # sizes, in the order docs/ops.md writes shapes; other keys are op options
 
 
 def parse_shape(text: str) -> dict:
@@ -29,17 +31,31 @@ def add_selection_args(parser: argparse.ArgumentParser) -> None:
                         help="op to work on (repeatable; default: every op)")
     parser.add_argument("--shape", type=parse_shape, action="append", default=[],
                         help="a shape such as B=4,N=64,P=64,H=32 (repeatable; needs exactly one --op)")
-    parser.add_argument("--preset", choices=("seed", "real", "all"), default="all",
-                        help="the op's default shapes to use when no --shape is given (default: all)")
+    parser.add_argument("--preset", choices=("seed", "real", "models", "all"), default="all",
+                        help="the op's default shapes to use when no --shape is given (default: all, i.e. seed and "
+                             "real; models: the options the AlphaFold 3 family runs, where an op has them)")
+    parser.add_argument("--precision", action="append", choices=PRECISIONS,
+                        help="what the kernels compute in (repeatable; default float32, exact): bfloat16 and "
+                             "float16 (modules in those dtypes, and autocast), tf32x3 and tf32 (fp32 modules' "
+                             "precision=); ops without kernels in a precision are skipped")
 
 
 def selected_shapes(args, parser: argparse.ArgumentParser) -> list[tuple]:
-    """(OpSpec, shape) pairs from --op/--shape/--preset."""
-    ops = [get_op(name) for name in (args.op or op_names())]
+    """(op spec in a precision, shape) pairs from --op/--shape/--preset/--precision. An op named
+    with --op must have kernels in every --precision; unnamed ops without them are left out."""
+    precisions = args.precision or ["float32"]
+    if args.op:
+        for name in args.op:
+            missing = [p for p in precisions if p not in get_op(name).precisions]
+            if missing:
+                parser.error(f"{name} has no kernels in {', '.join(missing)}; it has {', '.join(get_op(name).precisions)}")
+    ops = [get_op(name).at(p) for p in precisions for name in (args.op or op_names()) if p in get_op(name).precisions]
+    if not ops:
+        parser.error(f"no op has kernels in {', '.join(precisions)}")
     if args.shape:
-        if len(ops) != 1:
+        if not args.op or len(args.op) != 1:
             parser.error("--shape needs exactly one --op")
-        spec = ops[0]
+        spec = ops[0]  # the specs of one op in each precision share their widths
         need = {"B", "N", *spec.width_names}
         shapes = [{**spec.width_defaults, **shape} for shape in args.shape]
         for shape in shapes:
@@ -47,9 +63,9 @@ def selected_shapes(args, parser: argparse.ArgumentParser) -> list[tuple]:
                 optional = f" ({', '.join(f'{k}={v}' for k, v in spec.width_defaults.items())} by default)" \
                     if spec.width_defaults else ""
                 parser.error(f"--shape for {spec.name} needs exactly {sorted(need)}{optional}, got {sorted(shape)}")
-        return [(spec, shape) for shape in shapes]
+        return [(spec, shape) for spec in ops for shape in shapes]
     presets = ("seed", "real") if args.preset == "all" else (args.preset,)
-    return [(spec, dict(shape)) for spec in ops for p in presets for shape in spec.presets[p]]
+    return [(spec, dict(shape)) for spec in ops for p in presets for shape in spec.presets.get(p, ())]
 
 
 def shape_label(shape: dict) -> str:

@@ -12,28 +12,54 @@ from ..spec import OpSpec, Plan
 from .timing import time_cuda
 
 
+#: Precisions whose modules hold their parameters (and take their inputs) in a 16-bit dtype.
+HALF_PRECISIONS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def module_in_precision(spec: OpSpec, widths: dict, generator, precision: str, device) -> torch.nn.Module:
+    """A module with random weights that computes in `precision`: a bfloat16/float16 module, or a
+    float32 module with precision= (tf32x3, tf32; float32 is the default "ieee")."""
+    module = spec.make_module(widths, generator).to(device)
+    if precision in HALF_PRECISIONS:
+        return module.to(HALF_PRECISIONS[precision])
+    if precision != "float32":
+        module.precision = precision
+    return module
+
+
+def inputs_in_precision(tensors: tuple, precision: str, device) -> tuple:
+    """Inputs on the device, floating-point ones in the module's dtype (float masks too, as a
+    caller in that dtype would pass them)."""
+    dtype = HALF_PRECISIONS.get(precision)
+    return tuple(t.to(device, dtype=dtype) if dtype is not None and t.dtype.is_floating_point else t.to(device)
+                 for t in tensors)
+
+
+def reference_in_precision(spec: OpSpec, module) -> torch.nn.Module:
+    """The plain reference on the module's weights, in the module's dtype (the eager peer)."""
+    return spec.make_reference(module).to(next(module.parameters()).dtype)
+
+
 class GpuEvaluator:
     def __init__(self, spec: OpSpec, shape: dict, device_index: int = 0, seed: int = 0,
                  peers: tuple[str, ...] = ("eager", "compile"), pool=None):
         self.spec, self.shape, self.peers, self.pool = spec, dict(shape), peers, pool
+        self.precision = spec.precision or "float32"
         self.device = torch.device("cuda", device_index)
         info = runtime.device_info(device_index)
         self.limits, self.arch = info.limits, info.arch
         gen = torch.Generator().manual_seed(seed)
         widths = spec.widths_of(shape)
-        self.module = spec.make_module(widths, gen).to(self.device)
-        self.inputs = self._to_device(spec.make_inputs(shape, gen, "normal"))
+        self.module = module_in_precision(spec, widths, gen, self.precision, self.device)
+        self.inputs = inputs_in_precision(spec.make_inputs(shape, gen, "normal"), self.precision, self.device)
         odd = {**shape, "B": 3 if shape["B"] * shape["N"] ** 2 < 1 << 20 else 1, "N": 37}
-        odd_inputs = self._to_device(spec.make_inputs(odd, gen, "cauchy"))
+        odd_inputs = inputs_in_precision(spec.make_inputs(odd, gen, "cauchy"), self.precision, self.device)
         self.cases = [(self.inputs, reference64(self.module, self.inputs)),
                       (odd_inputs, reference64(self.module, odd_inputs))]
-        self.tolerance = spec.tolerance["float32"]
-
-    def _to_device(self, tensors: tuple) -> tuple:
-        return tuple(t.to(self.device) for t in tensors)
+        self.tolerance = spec.tolerance[self.precision]
 
     def baselines(self) -> dict[str, float]:
-        reference = self.spec.make_reference(self.module)
+        reference = reference_in_precision(self.spec, self.module)
         out = {}
         with torch.inference_mode():
             if "eager" in self.peers:
@@ -52,7 +78,7 @@ class GpuEvaluator:
 
     def check(self, variant) -> None:
         for inputs, ref in self.cases:
-            out = torch.full(ref.shape, float("nan"), device=self.device, dtype=torch.float32)
+            out = torch.full(ref.shape, float("nan"), device=self.device, dtype=inputs[0].dtype)
             with torch.inference_mode():
                 self.module._launch(*inputs, out=out, variant=variant)
             torch.cuda.synchronize(self.device)
@@ -72,7 +98,7 @@ class GpuEvaluator:
             self.module.force_variant(None)
 
 
-def tuned_entry(result, spec: OpSpec, dtype: str = "float32") -> dict:
+def tuned_entry(result, spec: OpSpec, dtype: str | None = None) -> dict:
     """The tuned/ record of a finished tuning run."""
     import cuda.core
 
@@ -82,6 +108,7 @@ def tuned_entry(result, spec: OpSpec, dtype: str = "float32") -> dict:
     from ..tuned import make_key
 
     best = result.best
+    dtype = dtype or spec.precision or "float32"
     widths = spec.widths_of(result.shape)
     return {
         "key": make_key(dtype, widths, n_bucket(result.shape["N"])),
@@ -90,7 +117,7 @@ def tuned_entry(result, spec: OpSpec, dtype: str = "float32") -> dict:
         "params": best["params"],
         "template_sha256": codegen.template_hash(spec.name, best["strategy"]),
         # What makes the entry stale: today's code rendering another source at these parameters.
-        "source_sha256": codegen.render_plan(spec.plan(best["strategy"], best["params"], widths)).source_sha256,
+        "source_sha256": codegen.render_plan(spec.plan(best["strategy"], best["params"], widths, dtype)).source_sha256,
         "us": round(best["us"], 2),
         "baselines_us": {k: round(v, 2) for k, v in result.baselines.items()},
         "trials": result.counts,

@@ -10,7 +10,13 @@ import torch
 
 # Measured on an NVIDIA H200, torch 2.11.0+cu130 (8192^3 fp32 matmul with TF32 off; a device-to-device
 # copy, bytes read + written): the floors in reports use these.
-CEILINGS = {"nvidia-h200": {"copy_bytes_per_s": 4.27e12, "fp32_flops_per_s": 51.3e12}}
+#: Measured on the GPU (copy, and dense matmuls at 8192³ in each precision).
+CEILINGS = {"nvidia-h200": {"copy_bytes_per_s": 4.27e12, "fp32_flops_per_s": 51.3e12, "tf32_flops_per_s": 411e12,
+                            "bf16_flops_per_s": 793e12}}
+#: Precision -> (the rate it computes at, its multiplies per product, its bytes per fp32 element).
+_PRECISION_RATES = {"float32": ("fp32_flops_per_s", 1, 1.0), "tf32": ("tf32_flops_per_s", 1, 1.0),
+                    "tf32x3": ("tf32_flops_per_s", 3, 1.0), "bfloat16": ("bf16_flops_per_s", 1, 0.5),
+                    "float16": ("bf16_flops_per_s", 1, 0.5)}
 
 _flush_buffers: dict[int, torch.Tensor] = {}
 
@@ -105,12 +111,14 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
     return 1e6 * elapsed / calls
 
 
-def floor_us(cost, gpu_slug: str) -> float | None:
-    """The larger of bytes over copy bandwidth and FLOPs over the fp32 rate, in us."""
+def floor_us(cost, gpu_slug: str, precision: str = "float32") -> float | None:
+    """The larger of bytes over copy bandwidth and FLOPs over the precision's matmul rate, in us
+    (cost is counted in fp32: 16-bit precisions move half its bytes; tf32x3 does three products)."""
     ceil = CEILINGS.get(gpu_slug)
     if ceil is None:
         return None
-    return 1e6 * max(cost.bytes / ceil["copy_bytes_per_s"], cost.flops / ceil["fp32_flops_per_s"])
+    rate, products, byte_scale = _PRECISION_RATES[precision]
+    return 1e6 * max(byte_scale * cost.bytes / ceil["copy_bytes_per_s"], products * cost.flops / ceil[rate])
 
 
 def strict_fp32() -> None:

@@ -300,8 +300,8 @@ def stale_work(args, parser):
                 if key in seen:
                     continue
                 seen.add(key)
-                if runtime.entry_state(spec, e, info.limits) != "ok":
-                    work.append((spec, dict(e["shape"])))
+                if runtime.entry_state(spec, e, info.limits) != "ok" and e["key"]["dtype"] in spec.precisions:
+                    work.append((spec.at(e["key"]["dtype"]), dict(e["shape"])))
     return work
 
 
@@ -332,7 +332,7 @@ def starting_points(spec, db, shape: dict, info) -> list[tuple[str, dict]]:
     from pairgen.spec import n_bucket
 
     widths = spec.widths_of(shape)
-    in_use = runtime.choose(spec, "float32", widths, shape["N"], info).entry
+    in_use = runtime.choose(spec, spec.precision, widths, shape["N"], info).entry
     points = []
     for entry in (in_use, previous_entry(spec, db, widths, n_bucket(shape["N"]))):
         for params in (spec.restarts(entry["strategy"], entry["params"]) if entry else []):
@@ -347,13 +347,13 @@ def previous_entry(spec, db, widths: dict, bucket: int) -> dict | None:
     from pairgen import config
     from pairgen.tuned import TunedDB
 
-    found = db.previous("float32", widths, bucket)
+    found = db.previous(spec.precision, widths, bucket)
     for root in config.tuned_read_dirs():
         if found is not None:
             break
         other = TunedDB(spec.name, db.gpu_slug, root)
         if other.path != db.path:
-            found = other.previous("float32", widths, bucket)
+            found = other.previous(spec.precision, widths, bucket)
     return found
 
 
@@ -364,7 +364,7 @@ def explain(work, info) -> int:
     print(f"on {info.name} ({info.slug}, {info.arch}); tuned folders, first first: "
           + ", ".join(str(d) for d in config.tuned_read_dirs()))
     for spec, shape in work:
-        explained = runtime.explain(spec, "float32", spec.widths_of(shape), shape["N"], info=info)
+        explained = runtime.explain(spec, spec.precision, spec.widths_of(shape), shape["N"], info=info)
         print(f"{shape_label(shape)}: {explained}")
     return 0
 
@@ -393,7 +393,7 @@ def tune(work, args) -> int:
             db = TunedDB(spec.name, info.slug)
             extra = starting_points(spec, db, shape, info)
             evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers, pool)
-            result = tune_shape(spec, shape, evaluator, info.slug, settings, extra)
+            result = tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=spec.precision)
             results.append(result)
             if result.best:
                 db.upsert(tuned_entry(result, spec), arch=info.arch)
@@ -403,7 +403,8 @@ def tune(work, args) -> int:
                 print(f"  failed: {line}", file=sys.stderr)
     runtime.clear_caches()
     table = closing_table(results, peers)
-    header = (f"{info.name}, torch {torch.__version__}, CUDA {torch.version.cuda}; fp32, TF32 off; "
+    header = (f"{info.name}, torch {torch.__version__}, CUDA {torch.version.cuda}; fp32 with TF32 off unless a "
+              "variant names its precision ([bfloat16], [tf32x3], ...; the peers then run in that dtype); "
               "µs = median module call, L2 flushed.\n\n")
     print("\n" + header + table)
     if args.report:

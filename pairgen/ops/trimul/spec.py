@@ -343,6 +343,11 @@ class TrimulSpec(OpSpec):
         "real": tuple({"B": b, "N": n, "P": 128, "H": 128, "outgoing": 0, "gate_normalized": 0, "bias": 1}
                       for b, n in ((1, 128), (1, 256), (1, 512), (2, 768)))
                 + ({"B": 1, "N": 256, "P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 1},),
+        # The form AlphaFold 3, Boltz, Protenix and OpenFold 3 run: both directions, the output gate
+        # on the normalised input, no biases.
+        "models": tuple({"B": b, "N": n, "P": 128, "H": 128, "outgoing": o, "gate_normalized": 1, "bias": 0}
+                        for b, n in ((1, 256), (1, 512)) for o in (1, 0))
+                  + ({"B": 2, "N": 768, "P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0},),
     }
     tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5), "tf32x3": Tolerance(max_abs=1e-4, rel_l2=1e-5),
                  "tf32": Tolerance(max_abs=float("inf"), rel_l2=5e-3),

@@ -1,0 +1,106 @@
+"""GPU: the triangle update's tensor-core strategy against the float64 reference in every precision
+(bfloat16, float16: module and inputs in that dtype; tf32x3 at the fp32 standard; tf32), over
+sampled points, every option set and odd shapes with heavy tails, empty rows and NaN-prefilled
+outputs; fp32 modules under autocast; the packed weights following the parameters."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from helpers import (ODD_SHAPES, assert_variant_matches_float64, compile_plans, compiled_variant, generator,
+                     sampled_plans)
+from pairgen.ops.trimul import TRIMUL
+from pairgen.spec import DeviceLimits
+from pairgen.ops.trimul.spec import MMA_KINDS
+from pairgen.tuning.check import compare, reference64
+
+pytestmark = pytest.mark.gpu
+OPTION_SETS = [{"outgoing": o, "gate_normalized": g, "bias": b} for o, g, b in itertools.product((0, 1), (0, 1), (1, 0))]
+SHAPES = [(b, n) for b, n in ODD_SHAPES if n <= 64]
+#: cuEquivariance's bf16 triangle update against the float64 fp32 reference (H200, N = 128-512):
+#: an fp32 module under autocast must do no worse.
+AUTOCAST_BOUND = 2.65e-2
+
+
+def _cases():
+    cases = []
+    for precision in MMA_KINDS:
+        view = TRIMUL.at(precision)
+        for widths in ({"P": 64, "H": 32, **OPTION_SETS[0]}, {"P": 128, "H": 128, **OPTION_SETS[-1]}):
+            for plan in sampled_plans(view, "mma", widths, 2, seed=11):
+                cases.append(pytest.param(plan, id=f"{precision}-P{widths['P']}-{plan.label}"))
+        for k, options in enumerate(OPTION_SETS):  # every option set at the default point
+            widths = {"P": 48, "H": 24, **options}
+            cases.append(pytest.param(view.default_plan(widths, DeviceLimits()),
+                                      id=f"{precision}-P48-opts{k}"))
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def variants():
+    return compile_plans([c.values[0] for c in CASES])
+
+
+@pytest.mark.parametrize("plan", CASES)
+def test_mma_variant_matches_float64_reference(plan, variants):
+    assert_variant_matches_float64(TRIMUL, plan, compiled_variant(variants, plan), SHAPES)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("options", [OPTION_SETS[0], OPTION_SETS[-1]])
+def test_fp32_module_under_autocast(dtype, options):
+    """Output dtype as the reference's under the same autocast; error against the float64 fp32
+    reference within cuEquivariance's bf16 error; a parameter update reaches the next call."""
+    widths = {"P": 128, "H": 128, **options}
+    gen = generator(5)
+    module = TRIMUL.make_module(widths, gen).cuda()
+    reference = TRIMUL.make_reference(module)
+    x, mask = (t.cuda() for t in TRIMUL.make_inputs({"B": 1, "N": 128, **widths}, gen))
+    expected = reference64(module, (x, mask))
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        out, ref_out = module(x, mask), reference(x, mask)
+    assert out.dtype == ref_out.dtype == dtype
+    result = compare(out, expected, TRIMUL.tolerance["float32"])
+    assert result.rel_l2 <= AUTOCAST_BOUND, str(result)
+    assert module.kernel_precision(x, mask) == "float32"  # outside autocast: exact fp32 again
+    with torch.no_grad():
+        module.out_proj.weight.mul_(2.0)  # an optimizer-style in-place update
+        with torch.autocast("cuda", dtype=dtype):
+            again = module(x, mask)
+    assert compare(again, reference64(module, (x, mask)), TRIMUL.tolerance["float32"]).rel_l2 <= AUTOCAST_BOUND
+
+
+def test_half_modules_choose_the_mma_kernels_and_answer_in_their_dtype():
+    widths = {"P": 64, "H": 32, **OPTION_SETS[0]}
+    for precision, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        gen = generator(7)
+        module = TRIMUL.make_module(widths, gen).cuda().to(dtype)
+        x, mask = TRIMUL.make_inputs({"B": 3, "N": 37, **widths}, gen)
+        x, mask = x.cuda().to(dtype), mask.cuda()
+        assert module.kernel_precision(x, mask) == precision
+        assert module.variant_for(37, x.device, precision).plan.strategy == "mma"
+        with torch.no_grad():
+            out = module(x, mask)
+        assert out.dtype == dtype
+        assert compare(out, reference64(module, (x, mask)), TRIMUL.tolerance[precision]).ok
+
+
+def test_tf32x3_module_meets_the_fp32_standard_with_tf32_allowed_elsewhere():
+    widths = {"P": 128, "H": 128, **OPTION_SETS[-1]}
+    gen = generator(9)
+    module = TRIMUL.make_module(widths, gen).cuda()
+    module.precision = "tf32x3"
+    x, mask = (t.cuda() for t in TRIMUL.make_inputs({"B": 1, "N": 123, **widths}, gen, "cauchy"))
+    saved = torch.backends.cuda.matmul.fp32_precision
+    try:
+        with torch.no_grad():
+            out = module(x, mask)
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
+    assert torch.backends.cuda.matmul.fp32_precision == saved, "the caller's setting is restored"
+    assert compare(out, reference64(module, (x, mask)), TRIMUL.tolerance["tf32x3"]).ok
