@@ -216,7 +216,8 @@ def choose(spec: OpSpec, dtype: str, widths: dict, n: int, info: DeviceInfo) -> 
             how += f" on {db.gpu_slug} (same architecture, {info.arch})"
         return Choice(spec.plan(entry["strategy"], entry["params"], widths, dtype), how, entry, str(db.path))
     plan = spec.default_plan(widths, info.limits, dtype)
-    return Choice(plan, "default" if plan else f"no {spec.name} kernel fits widths {widths}")
+    in_dtype = "" if dtype == "float32" else f" in {dtype}"
+    return Choice(plan, "default" if plan else f"no {spec.name} kernel{in_dtype} fits widths {widths}")
 
 
 _selected: dict[tuple, Variant | None] = {}
@@ -282,7 +283,8 @@ _variants: dict[tuple, Variant] = {}
 
 
 def _by_plan(plan: Plan, arch: str) -> Variant:
-    key = (plan.op, plan.strategy, tuple(sorted(plan.params.items())), tuple(sorted(plan.widths.items())), arch)
+    key = (plan.op, plan.strategy, plan.precision, tuple(sorted(plan.params.items())),
+           tuple(sorted(plan.widths.items())), arch)
     if key not in _variants:
         _variants[key] = build_variant(plan, arch)
     return _variants[key]

@@ -184,3 +184,14 @@ def test_cli_precision_selects_views_and_skips_ops_without_kernels():
     parser, args = _parse(["--op", "contact", "--precision", "bfloat16"])
     with pytest.raises(SystemExit):
         selected_shapes(args, parser)
+
+
+def test_one_point_in_two_precisions_builds_two_variants():
+    """The variant cache is keyed by precision too: a float16 call once ran the bfloat16 kernels
+    built for the same point, and answered in bfloat16."""
+    from pairgen import runtime
+
+    bf16 = TRIMUL.default_plan(SEED, DeviceLimits(), "bfloat16")
+    fp16 = TRIMUL.plan("mma", bf16.params, SEED, "float16")
+    assert runtime._by_plan(bf16, "sm_90").plan.precision == "bfloat16"
+    assert runtime._by_plan(fp16, "sm_90").plan.precision == "float16"

@@ -104,11 +104,12 @@ def status(info=None) -> int:
         if not dbs:
             print("no tuned entries")
             continue
-        print("| gpu | op | shape | strategy | µs | × eager | × compile | state |\n|---|---|---|---|---|---|---|---|")
+        print("| gpu | op | shape | precision | strategy | µs | × eager | × compile | state |\n"
+              "|---|---|---|---|---|---|---|---|---|")
         for db in dbs:
             entries = db.entries()
             if db.problem:
-                print(f"| {db.gpu_slug} | {db.op} | – | – | – | – | – | IGNORED: {db.problem} |")
+                print(f"| {db.gpu_slug} | {db.op} | – | – | – | – | – | – | IGNORED: {db.problem} |")
             spec = get_op(db.op)
             for e in entries:
                 state = runtime.entry_state(spec, e)  # "ok", "stale", or "invalid: why"
@@ -123,7 +124,8 @@ def status(info=None) -> int:
                     seen[where] = root
                 base = e.get("baselines_us", {})
                 ratio = lambda peer: f"{base[peer] / e['us']:.1f}×" if peer in base and e.get("us") else "–"  # noqa: E731
-                print(f"| {db.gpu_slug} | {db.op} | {shape_label(e.get('shape', e['key']))} | {e['strategy']} "
+                print(f"| {db.gpu_slug} | {db.op} | {shape_label(e.get('shape', e['key']))} | {e['key']['dtype']} "
+                      f"| {e['strategy']} "
                       f"| {e.get('us', '–')} | {ratio('eager')} | {ratio('compile')} | {cell} |")
     stale, invalid = totals["stale"], totals["invalid"]
     print(f"\n{stale} stale entr{'y' if stale == 1 else 'ies'}" + (f", {invalid} invalid" if invalid else "")
@@ -332,7 +334,7 @@ def starting_points(spec, db, shape: dict, info) -> list[tuple[str, dict]]:
     from pairgen.spec import n_bucket
 
     widths = spec.widths_of(shape)
-    in_use = runtime.choose(spec, spec.precision, widths, shape["N"], info).entry
+    in_use = runtime.choose(spec, spec.precision or "float32", widths, shape["N"], info).entry
     points = []
     for entry in (in_use, previous_entry(spec, db, widths, n_bucket(shape["N"]))):
         for params in (spec.restarts(entry["strategy"], entry["params"]) if entry else []):
@@ -347,13 +349,13 @@ def previous_entry(spec, db, widths: dict, bucket: int) -> dict | None:
     from pairgen import config
     from pairgen.tuned import TunedDB
 
-    found = db.previous(spec.precision, widths, bucket)
+    found = db.previous(spec.precision or "float32", widths, bucket)
     for root in config.tuned_read_dirs():
         if found is not None:
             break
         other = TunedDB(spec.name, db.gpu_slug, root)
         if other.path != db.path:
-            found = other.previous(spec.precision, widths, bucket)
+            found = other.previous(spec.precision or "float32", widths, bucket)
     return found
 
 
@@ -364,7 +366,7 @@ def explain(work, info) -> int:
     print(f"on {info.name} ({info.slug}, {info.arch}); tuned folders, first first: "
           + ", ".join(str(d) for d in config.tuned_read_dirs()))
     for spec, shape in work:
-        explained = runtime.explain(spec, spec.precision, spec.widths_of(shape), shape["N"], info=info)
+        explained = runtime.explain(spec, spec.precision or "float32", spec.widths_of(shape), shape["N"], info=info)
         print(f"{shape_label(shape)}: {explained}")
     return 0
 
@@ -393,7 +395,7 @@ def tune(work, args) -> int:
             db = TunedDB(spec.name, info.slug)
             extra = starting_points(spec, db, shape, info)
             evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers, pool)
-            result = tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=spec.precision)
+            result = tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=spec.precision or "float32")
             results.append(result)
             if result.best:
                 db.upsert(tuned_entry(result, spec), arch=info.arch)

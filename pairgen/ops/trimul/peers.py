@@ -4,9 +4,14 @@ from __future__ import annotations
 import torch
 
 
+#: A float32 module's precision= -> cuEquivariance's for its fp32 inputs.
+_FP32_MODES = {"ieee": "ieee", "tf32x3": "tf32x3", "tf32": "tf32"}
+
+
 def cuequivariance_peer(name: str, module, inputs: tuple):
-    """cuEquivariance's fused triangle update in its fp32 mode (precision="ieee"), on the
-    module's weights. It gates the output on the normalised input, so it computes this
+    """cuEquivariance's fused triangle update on the module's weights and inputs, in their dtype:
+    a bfloat16/float16 module's in its own low-precision path (its fast one), a float32 module's in
+    the mode of the module's precision= ("ieee" by default, "tf32x3", "tf32"). It gates the output on the normalised input, so it computes this
     module's function for gate_on="normalized"; for gate_on="input" it is timed as the
     nearest equivalent (same shapes and work). A string says why it cannot run here."""
     try:
@@ -31,5 +36,5 @@ def cuequivariance_peer(name: str, module, inputs: tuple):
     weights = {k: (v.detach() if v is not None else None) for k, v in weights.items()}
     direction = "outgoing" if m.widths["outgoing"] else "incoming"
     float_mask = mask.to(x.dtype)
-    return lambda: triangle_multiplicative_update(x, direction, mask=float_mask, eps=1e-5,
-                                                  precision="ieee", **weights)
+    mode = {"precision": _FP32_MODES[m.precision]} if x.dtype is torch.float32 else {}
+    return lambda: triangle_multiplicative_update(x, direction, mask=float_mask, eps=1e-5, **mode, **weights)
