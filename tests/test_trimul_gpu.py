@@ -14,6 +14,7 @@ from helpers import (ODD_SHAPES, assert_gradients_match_the_reference, assert_gr
                      run_under_graph_capture, run_variant, sampled_cases)
 from pairgen import runtime
 from pairgen.tuning.check import compare, reference64
+from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
 from pairgen.spec import DeviceLimits
 from pairgen.ops.trimul import TRIMUL, random_mask
 
@@ -119,16 +120,20 @@ def test_module_forward_default_choice_noncontiguous_and_empty_rows(options):
 
 
 def test_runs_on_the_current_stream_and_under_graph_capture():
-    for strategy in TRIMUL.strategies:
-        gen = generator(12)
-        widths = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}
-        module = TRIMUL.make_module(widths, gen).cuda()
-        plan = TRIMUL.feasible_plans(strategy, widths, runtime.device_info(0).limits)[0]
-        module.force_variant(runtime.build_variant(plan))
-        inputs = tuple(t.cuda() for t in TRIMUL.make_inputs({"B": 3, "N": 37, **widths}, gen))
-        ref = reference64(module, inputs)
-        out = run_under_graph_capture(module, inputs, replays=2)  # the fused barrier is left ready for the next launch
-        assert compare(out, ref, TOL).ok, strategy
+    """Every strategy, in a precision it computes in (mma: bfloat16, its module and inputs too)."""
+    for precision in ("float32", "bfloat16"):
+        for strategy in TRIMUL.at(precision).strategies:
+            if precision == "bfloat16" and strategy != "mma":
+                continue
+            gen = generator(12)
+            widths = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}
+            module = module_in_precision(TRIMUL, widths, gen, precision, "cuda")
+            plan = TRIMUL.feasible_plans(strategy, widths, runtime.device_info(0).limits, precision)[0]
+            module.force_variant(runtime.build_variant(plan))
+            inputs = inputs_in_precision(TRIMUL.make_inputs({"B": 3, "N": 37, **widths}, gen), precision, "cuda")
+            ref = reference64(module, inputs)
+            out = run_under_graph_capture(module, inputs, replays=2)  # the fused barrier is left ready for the next launch
+            assert compare(out, ref, TRIMUL.tolerance[precision]).ok, strategy
 
 
 def test_fused_barrier_survives_many_launches_of_changing_sizes():

@@ -31,10 +31,11 @@ def _cases():
         for widths in ({"P": 64, "H": 32, **OPTION_SETS[0]}, {"P": 128, "H": 128, **OPTION_SETS[-1]}):
             for plan in sampled_plans(view, "mma", widths, 2, seed=11):
                 cases.append(pytest.param(plan, id=f"{precision}-P{widths['P']}-{plan.label}"))
-        for k, options in enumerate(OPTION_SETS):  # every option set at the default point
+        for k, options in enumerate(OPTION_SETS):  # every option set at the mma default point
             widths = {"P": 48, "H": 24, **options}
-            cases.append(pytest.param(view.default_plan(widths, DeviceLimits()),
-                                      id=f"{precision}-P48-opts{k}"))
+            plan = next(p for p in (view.plan(s, params, widths) for s, params in view.default_points if s == "mma")
+                        if not TRIMUL.infeasible(p, DeviceLimits()))
+            cases.append(pytest.param(plan, id=f"{precision}-P48-opts{k}"))
     return cases
 
 

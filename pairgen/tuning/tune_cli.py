@@ -334,9 +334,15 @@ def starting_points(spec, db, shape: dict, info) -> list[tuple[str, dict]]:
     from pairgen.spec import n_bucket
 
     widths = spec.widths_of(shape)
-    in_use = runtime.choose(spec, spec.precision or "float32", widths, shape["N"], info).entry
+    precision = spec.precision or "float32"
+    in_use = runtime.choose(spec, precision, widths, shape["N"], info).entry
+    entries = [in_use, previous_entry(spec, db, widths, n_bucket(shape["N"]))]
+    if precision != "float32":  # exact fp32 winners, where the precision may run them (tf32x3, tf32)
+        exact = runtime.choose(spec.base if hasattr(spec, "base") else spec, "float32", widths, shape["N"], info).entry
+        if exact is not None and exact["strategy"] in spec.strategies:
+            entries.append(exact)
     points = []
-    for entry in (in_use, previous_entry(spec, db, widths, n_bucket(shape["N"]))):
+    for entry in entries:
         for params in (spec.restarts(entry["strategy"], entry["params"]) if entry else []):
             if (entry["strategy"], params) not in points:
                 points.append((entry["strategy"], params))

@@ -178,6 +178,8 @@ BMM = Strategy(
            "threads": (128, 256), "unroll": (4,), "min_blocks": (1, 2)},
     derive=_derive_bmm,
     restrictions=_COMMON,
+    # Exact fp32 keeps tf32x3's and tf32's promises too: where it is faster (small N), they run it.
+    precisions=("float32", "tf32x3", "tf32"),
 )
 
 FUSED = Strategy(
@@ -189,6 +191,7 @@ FUSED = Strategy(
            "threads": (128, 256), "unroll": (2, 4), "blocks_per_sm": (1, 2), "tri_smem": (False, True)},
     derive=_derive_fused,
     restrictions=_COMMON + (Restriction("persistent blocks must be co-resident on an SM", _persistent_blocks_fit),),
+    precisions=("float32", "tf32x3", "tf32"),
 )
 
 
