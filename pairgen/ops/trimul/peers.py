@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 
 
-#: A float32 module's precision= -> cuEquivariance's for its fp32 inputs.
-_FP32_MODES = {"ieee": "ieee", "tf32x3": "tf32x3", "tf32": "tf32"}
+#: A float32 module's precision= -> cuEquivariance's mode for its fp32 inputs. Its 0.13 modes are
+#: None/default, ieee, bfloat16, mxfp8: no 3xTF32, so tf32x3 (fp32-accurate) is compared with its
+#: ieee mode, the one of the same accuracy; tf32 with its default (TF32 where PyTorch allows it).
+_FP32_MODES = {"ieee": "ieee", "tf32x3": "ieee", "tf32": None}
 
 
 def cuequivariance_peer(name: str, module, inputs: tuple):
@@ -36,5 +38,5 @@ def cuequivariance_peer(name: str, module, inputs: tuple):
     weights = {k: (v.detach() if v is not None else None) for k, v in weights.items()}
     direction = "outgoing" if m.widths["outgoing"] else "incoming"
     float_mask = mask.to(x.dtype)
-    mode = {"precision": _FP32_MODES[m.precision]} if x.dtype is torch.float32 else {}
+    mode = {"precision": _FP32_MODES[m.precision]} if x.dtype is torch.float32 and _FP32_MODES[m.precision] else {}
     return lambda: triangle_multiplicative_update(x, direction, mask=float_mask, eps=1e-5, **mode, **weights)
