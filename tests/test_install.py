@@ -269,7 +269,7 @@ def test_the_installed_commands_run_outside_the_checkout(venv, tmp_path):
     assert "rendered and compiled for sm_90" in out and "FAILED" not in out
     out = run("pairgen-tune", "--status")
     assert f"## {user} (the user's, written by tuning)" in out and f"## {package / '_tuned'} (shipped with pairgen)" in out
-    assert "| nvidia-h200 | contact |" in out and "| ci-gpu | contact | B1 N64 P64 H32 | thread_per_pair |" in out
+    assert "| nvidia-h200 | contact |" in out and "| ci-gpu | contact | B1 N64 P64 H32 | float32 | thread_per_pair |" in out
     out = run("pairgen-tune", "--explain", "--op", "contact", "--shape", "B=2,N=60,P=64,H=32",
               "--gpu", "ci-gpu-nvl", "--arch", "sm_90")
     assert "from tuned on ci-gpu (same architecture, sm_90), measured 10.0 us when tuned" in out
