@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
 from torch.nn.utils import parametrize
 
-from . import runtime
+from . import library, runtime
 from .spec import OpSpec
 
 
@@ -255,6 +255,7 @@ class KernelModule:
     op: OpSpec
     runners: dict[str, Callable] = {}
     _forced_plan = None  # set by the tuner and the tests to run one specific variant
+    _reference_only = False  # set while pairgen.library runs the reference on weights it was given
     _variant_cache: dict | None = None  # (device index, N) -> variant, valid for one runtime generation
     #: Lengths remembered per module: a server meeting every protein's own N must not grow
     #: without bound; past this many the oldest half is forgotten (re-selecting costs a lookup).
@@ -262,7 +263,13 @@ class KernelModule:
 
     # Loaded kernels and packed weights belong to this process and device: a copy or a pickle
     # (an EMA copy of the model, torch.save) starts without them and rebuilds them on first use.
-    _RUNTIME_STATE = ("_variant_cache", "_forced_plan")
+    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_handle")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The int that names this module to its torch.library operator (pairgen/library.py),
+        # registered here and not while torch.compile traces: a tracer does not keep side effects.
+        self._handle = library.register(self)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -270,6 +277,10 @@ class KernelModule:
             if name in state:
                 state[name] = None
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._handle = library.register(self)  # a copy is another module, with its own handle
 
     def force_variant(self, variant) -> None:
         """Run `variant` (a runtime.Variant) instead of the tuned choice; None restores it."""
@@ -312,6 +323,10 @@ class KernelModule:
         return runtime.explain(self.op, precision, self.widths, n, index)
 
     def _dispatch(self, *inputs: torch.Tensor):
+        if torch.compiler.is_compiling():  # torch.compile sees one operator (pairgen/library.py)
+            return library.compiled_call(self, self.op.name, inputs)
+        if self._reference_only:  # the operators' functional path: the reference on swapped-in weights
+            return self.reference_forward(*inputs)
         precision = self.kernel_precision(*inputs)
         if precision is None:
             return self.reference_forward(*inputs)
