@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 __all__ = ["ContactHead", "ContactHeadReference", "PairReadout", "PairReadoutReference", "TriangleMultiplication",
-           "TriangleMultiplicationReference", "__version__"]
+           "TriangleMultiplicationReference", "__version__", "triangle_multiplicative_update"]
 
 #: public name -> the op package that defines it
 _EXPORTS = {"ContactHead": "contact", "ContactHeadReference": "contact",
@@ -13,6 +13,10 @@ _EXPORTS = {"ContactHead": "contact", "ContactHeadReference": "contact",
 
 def __getattr__(name):
     # Lazy, so that compile workers (which import pairgen.compiler) do not import torch.
+    if name == "triangle_multiplicative_update":
+        from .functional import triangle_multiplicative_update
+
+        return triangle_multiplicative_update
     if name in _EXPORTS:
         from .ops import get_op
 

@@ -1,0 +1,175 @@
+"""`pairgen.triangle_multiplicative_update`: the triangle update as a function, with the arguments
+of cuEquivariance's function of that name, so a model that calls it can call pairgen by changing
+the import.
+
+Its form is the one AlphaFold 3, Boltz and Protenix use: LayerNorm, then fused input projections
+`p_in` and `g_in` of width 2H (the first H channels are a, the last H are b), a = p·sigmoid(g)·mask,
+the triangle sums, LayerNorm, `p_out`, and the output gated by `g_out` of the normalised input.
+That is `TriangleMultiplication(P, H, direction, gate_on="normalized")` with proj_a = p_in[:H],
+proj_b = p_in[H:], gate_a = g_in[:H], gate_b = g_in[H:], out_proj = p_out, out_gate = g_out.
+
+How a call runs:
+- without gradients (inference), on a module built once per set of weights and kept (up to
+  MAX_MODULES): its parameters share the caller's weight tensors' memory (no copy); a weight
+  updated in place (its version moves) or replaced builds a fresh one. CUDA input runs the tuned
+  kernels, CPU input the reference.
+- with gradients wanted (an input or a weight requires grad, grad mode on): the reference
+  computation in PyTorch on the caller's tensors, so gradients reach them.
+- eps other than 1e-5 (the kernels' LayerNorm epsilon): the PyTorch computation.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+#: Weight sets whose modules are kept (least recently used first out).
+MAX_MODULES = 16
+KERNEL_EPS = 1e-5
+#: cuEquivariance's `precision` -> pairgen's for fp32 inputs (None: exact fp32, pairgen's default).
+_PRECISIONS = {None: "ieee", "default": "ieee", "none": "ieee", "ieee": "ieee", "tf32x3": "tf32x3", "tf32": "tf32"}
+_WEIGHT_NAMES = ("norm_in_weight", "norm_in_bias", "p_in_weight", "p_in_bias", "g_in_weight", "g_in_bias",
+                 "norm_out_weight", "norm_out_bias", "p_out_weight", "p_out_bias", "g_out_weight", "g_out_bias")
+
+_modules: OrderedDict = OrderedDict()
+
+
+def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing", mask: torch.Tensor | None = None,
+                                   norm_in_weight=None, norm_in_bias=None, p_in_weight=None, p_in_bias=None,
+                                   g_in_weight=None, g_in_bias=None, norm_out_weight=None, norm_out_bias=None,
+                                   p_out_weight=None, p_out_bias=None, g_out_weight=None, g_out_bias=None,
+                                   eps: float = 1e-5, precision: str | None = None) -> torch.Tensor:
+    """x: (B, N, N, P) or (N, N, P); mask: (B, N, N) or (N, N), bool, integer or float, or None (every
+    pair kept); p_in_weight, g_in_weight: (2H, P); p_out_weight: (P, H); g_out_weight: (P, P);
+    LayerNorm weights default to ones and biases to zeros; the Linear biases are optional.
+    precision: None (exact fp32 for fp32 input), "ieee", "tf32x3" or "tf32" (pairgen's precisions;
+    bf16/fp16 inputs compute in their own dtype). Returns the update, shaped like x."""
+    weights = dict(zip(_WEIGHT_NAMES, (norm_in_weight, norm_in_bias, p_in_weight, p_in_bias, g_in_weight, g_in_bias,
+                                       norm_out_weight, norm_out_bias, p_out_weight, p_out_bias, g_out_weight,
+                                       g_out_bias)))
+    _check(x, direction, mask, weights, precision)
+    batched = x.dim() == 4
+    if not batched:
+        x = x.unsqueeze(0)
+        mask = mask.unsqueeze(0) if mask is not None else None
+    weights = _complete(weights, x)
+    tensors = [x, *(w for w in weights.values() if w is not None)] + ([mask] if mask is not None else [])
+    if eps != KERNEL_EPS or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        out = reference(x, direction, mask, weights, eps)
+    else:
+        if mask is None:
+            mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
+        out = _module_for(weights, direction, _PRECISIONS[precision], x)(x, mask)
+    return out if batched else out.squeeze(0)
+
+
+def reference(x, direction: str, mask, weights: dict, eps: float = 1e-5) -> torch.Tensor:
+    """The definition, in PyTorch (differentiable in every tensor): the path for gradients."""
+    P = x.shape[-1]
+    H = weights["p_in_weight"].shape[0] // 2
+    xn = F.layer_norm(x, (P,), weights["norm_in_weight"], weights["norm_in_bias"], eps)
+    ab = F.linear(xn, weights["p_in_weight"], weights["p_in_bias"]) * torch.sigmoid(
+        F.linear(xn, weights["g_in_weight"], weights["g_in_bias"]))
+    if mask is not None:
+        ab = ab * mask.unsqueeze(-1).to(ab.dtype)
+    a, b = ab[..., :H], ab[..., H:]
+    z = torch.einsum("bikh,bjkh->bijh", a, b) if direction == "outgoing" else torch.einsum("bkih,bkjh->bijh", a, b)
+    z = F.layer_norm(z, (H,), weights["norm_out_weight"], weights["norm_out_bias"], eps)
+    return F.linear(z, weights["p_out_weight"], weights["p_out_bias"]) * torch.sigmoid(
+        F.linear(xn, weights["g_out_weight"], weights["g_out_bias"]))
+
+
+def _check(x, direction, mask, weights: dict, precision) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4) or not x.is_floating_point():
+        raise ValueError("x must be a floating-point tensor of shape (B, N, N, P) or (N, N, P), got "
+                         + (f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
+    if direction not in ("outgoing", "incoming"):
+        raise ValueError(f"direction must be 'outgoing' or 'incoming', got {direction!r}")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(p for p in _PRECISIONS if p)} or None, got {precision!r} "
+                         "(bf16/fp16 inputs compute in their own dtype)")
+    P = x.shape[-1]
+    missing = [n for n in ("p_in_weight", "g_in_weight", "p_out_weight", "g_out_weight") if weights[n] is None]
+    if missing:
+        raise ValueError(f"pairgen's triangle_multiplicative_update needs the projection weights; missing: {missing}")
+    two_h = weights["p_in_weight"].shape[0]
+    expected = {"p_in_weight": (two_h, P), "g_in_weight": (two_h, P), "p_out_weight": (P, two_h // 2),
+                "g_out_weight": (P, P), "norm_in_weight": (P,), "norm_in_bias": (P,), "p_in_bias": (two_h,),
+                "g_in_bias": (two_h,), "norm_out_weight": (two_h // 2,), "norm_out_bias": (two_h // 2,),
+                "p_out_bias": (P,), "g_out_bias": (P,)}
+    for name, shape in expected.items():
+        w = weights[name]
+        if w is not None and tuple(w.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} for x with P={P} and p_in_weight's 2H={two_h}, "
+                             f"got {tuple(w.shape)}")
+    if two_h % 2:
+        raise ValueError(f"p_in_weight's rows must be 2H (a's H, then b's), got {two_h}")
+    if mask is not None and tuple(mask.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"mask must have shape {tuple(x.shape[:-1])}, got {tuple(mask.shape)}")
+
+
+def _complete(weights: dict, x) -> dict:
+    """LayerNorm weights and biases that were not given, as the identity affine (ones, zeros)."""
+    P, H = x.shape[-1], weights["p_in_weight"].shape[0] // 2
+    like = weights["p_in_weight"]
+    full = dict(weights)
+    for name, size, fill in (("norm_in_weight", P, 1.0), ("norm_in_bias", P, 0.0), ("norm_out_weight", H, 1.0),
+                             ("norm_out_bias", H, 0.0)):
+        if full[name] is None:
+            full[name] = torch.full((size,), fill, dtype=like.dtype, device=like.device)
+    return full
+
+
+def _key(weights: dict, direction: str, precision: str, x) -> tuple:
+    """Identity, memory and version of every weight: an in-place update or another tensor is
+    another key, so a kept module never serves stale weights."""
+    parts = tuple((id(w), w.data_ptr(), w._version) if w is not None else None for w in weights.values())
+    return direction, precision, x.dtype, x.device, parts
+
+
+def _module_for(weights: dict, direction: str, precision: str, x):
+    key = _key(weights, direction, precision, x)
+    module = _modules.get(key)
+    if module is not None:
+        _modules.move_to_end(key)
+        return module
+    module = _build(weights, direction, precision, x)
+    _modules[key] = module
+    while len(_modules) > MAX_MODULES:
+        _modules.popitem(last=False)
+    return module
+
+
+def _build(weights: dict, direction: str, precision: str, x):
+    """A TriangleMultiplication whose parameters are views of the caller's weights (no copy)."""
+    from .ops.trimul import TriangleMultiplication
+
+    P, H = x.shape[-1], weights["p_in_weight"].shape[0] // 2
+    bias = any(weights[n] is not None for n in ("p_in_bias", "g_in_bias", "p_out_bias", "g_out_bias"))
+    like = weights["p_in_weight"]
+    with torch.device("meta"):  # no random initialisation: every parameter is replaced below
+        module = TriangleMultiplication(P, H, direction=direction, gate_on="normalized", bias=bias, precision=precision)
+
+    def shared(t, shape=None):
+        if t is None:  # a bias the caller left out while giving others: zeros keep its function
+            t = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        return torch.nn.Parameter(t.detach(), requires_grad=False)
+
+    rows = {"a": slice(0, H), "b": slice(H, 2 * H)}
+    params = {"layer_norm_in.weight": weights["norm_in_weight"], "layer_norm_in.bias": weights["norm_in_bias"],
+              "layer_norm_out.weight": weights["norm_out_weight"], "layer_norm_out.bias": weights["norm_out_bias"],
+              "out_proj.weight": weights["p_out_weight"], "out_gate.weight": weights["g_out_weight"]}
+    for half, rs in rows.items():
+        params[f"proj_{half}.weight"] = weights["p_in_weight"][rs]
+        params[f"gate_{half}.weight"] = weights["g_in_weight"][rs]
+        if bias:
+            params[f"proj_{half}.bias"] = weights["p_in_bias"][rs] if weights["p_in_bias"] is not None else None
+            params[f"gate_{half}.bias"] = weights["g_in_bias"][rs] if weights["g_in_bias"] is not None else None
+    if bias:
+        params["out_proj.bias"], params["out_gate.bias"] = weights["p_out_bias"], weights["g_out_bias"]
+    for path, value in params.items():
+        sub, name = path.rsplit(".", 1)
+        owner = module.get_submodule(sub)
+        setattr(owner, name, shared(value, getattr(owner, name).shape))
+    return module

@@ -1,0 +1,121 @@
+"""pairgen.triangle_multiplicative_update (cuEquivariance's arguments) on the CPU, against a copy of
+the computation written from Boltz's public TriangleMultiplicationOutgoing/Incoming forward (its
+PyTorch path): both directions, with and without biases, masks of every kind and none, unbatched
+input, other eps; gradients reach the caller's weights; in-place weight updates are seen; bad
+arguments say what is wrong."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pairgen
+from pairgen import functional
+
+P, H = 24, 16
+
+
+def boltz_form(x, direction, mask, w, eps=1e-5):
+    """Boltz's forward, written out: norm_in, p_in * sigmoid(g_in), mask, chunk(2) into a and b, the
+    einsum of the direction, p_out(norm_out(.)) * sigmoid(g_out(normalised input))."""
+    x = torch.nn.functional.layer_norm(x, (x.shape[-1],), w["norm_in_weight"], w["norm_in_bias"], eps)
+    x_in = x
+    x = torch.nn.functional.linear(x, w["p_in_weight"], w.get("p_in_bias")) * torch.nn.functional.linear(
+        x, w["g_in_weight"], w.get("g_in_bias")).sigmoid()
+    x = x * mask.unsqueeze(-1)
+    a, b = torch.chunk(x.float(), 2, dim=-1)
+    eq = "bikd,bjkd->bijd" if direction == "outgoing" else "bkid,bkjd->bijd"
+    x = torch.einsum(eq, a, b)
+    x = torch.nn.functional.layer_norm(x, (x.shape[-1],), w["norm_out_weight"], w["norm_out_bias"], eps)
+    return torch.nn.functional.linear(x, w["p_out_weight"], w.get("p_out_bias")) * torch.nn.functional.linear(
+        x_in, w["g_out_weight"], w.get("g_out_bias")).sigmoid()
+
+
+def weights(gen, bias: bool, dtype=torch.float32):
+    w = {"norm_in_weight": 1 + 0.1 * torch.randn(P, generator=gen), "norm_in_bias": 0.1 * torch.randn(P, generator=gen),
+         "p_in_weight": torch.randn(2 * H, P, generator=gen) / P ** 0.5,
+         "g_in_weight": torch.randn(2 * H, P, generator=gen) / P ** 0.5,
+         "norm_out_weight": 1 + 0.1 * torch.randn(H, generator=gen), "norm_out_bias": 0.1 * torch.randn(H, generator=gen),
+         "p_out_weight": torch.randn(P, H, generator=gen) / H ** 0.5, "g_out_weight": torch.randn(P, P, generator=gen) / P ** 0.5}
+    if bias:
+        w.update(p_in_bias=torch.randn(2 * H, generator=gen), g_in_bias=torch.randn(2 * H, generator=gen),
+                 p_out_bias=torch.randn(P, generator=gen), g_out_bias=torch.randn(P, generator=gen))
+    return {k: v.to(dtype) for k, v in w.items()}
+
+
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+def test_matches_the_boltz_form(direction, bias, mask_kind):
+    gen = torch.Generator().manual_seed(1)
+    w = weights(gen, bias)
+    x = torch.randn(2, 7, 7, P, generator=gen)
+    keep = torch.rand(2, 7, 7, generator=gen) > 0.3
+    keep[:, 2] = False  # an empty row
+    mask = {"bool": keep, "float": keep.float(), "none": None}[mask_kind]
+    with torch.no_grad():
+        out = pairgen.triangle_multiplicative_update(x, direction, mask, **w)
+        expected = boltz_form(x, direction, keep.float() if mask is not None else torch.ones(2, 7, 7), w)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unbatched_input_other_eps_and_defaults_for_the_layer_norms():
+    gen = torch.Generator().manual_seed(2)
+    w = weights(gen, bias=False)
+    x, mask = torch.randn(5, 5, P, generator=gen), torch.ones(5, 5)
+    out = pairgen.triangle_multiplicative_update(x, "incoming", mask, **w, eps=1e-3)
+    torch.testing.assert_close(out, boltz_form(x[None], "incoming", mask[None], w, eps=1e-3)[0], rtol=1e-5, atol=1e-5)
+    plain = {k: v for k, v in w.items() if not k.startswith("norm")}
+    ones = {"norm_in_weight": torch.ones(P), "norm_in_bias": torch.zeros(P), "norm_out_weight": torch.ones(H),
+            "norm_out_bias": torch.zeros(H)}
+    with torch.no_grad():
+        torch.testing.assert_close(pairgen.triangle_multiplicative_update(x, "outgoing", None, **plain),
+                                   boltz_form(x[None], "outgoing", torch.ones(1, 5, 5), {**plain, **ones})[0])
+
+
+def test_gradients_reach_the_callers_weights_and_input():
+    gen = torch.Generator().manual_seed(3)
+    w = {k: v.requires_grad_() for k, v in weights(gen, bias=True).items()}
+    x = torch.randn(1, 6, 6, P, generator=gen, requires_grad=True)
+    mask = torch.rand(1, 6, 6, generator=gen) > 0.2
+    g = torch.randn(1, 6, 6, P, generator=gen)
+    (pairgen.triangle_multiplicative_update(x, "outgoing", mask, **w) * g).sum().backward()
+    ours = [x.grad] + [w[k].grad for k in sorted(w)]
+    x.grad = None
+    for v in w.values():
+        v.grad = None
+    (boltz_form(x, "outgoing", mask.float(), w) * g).sum().backward()
+    for a, b in zip(ours, [x.grad] + [w[k].grad for k in sorted(w)]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_kept_modules_follow_in_place_updates_and_share_memory():
+    gen = torch.Generator().manual_seed(4)
+    w = weights(gen, bias=False)
+    x, mask = torch.randn(1, 5, 5, P, generator=gen), torch.ones(1, 5, 5, dtype=torch.bool)
+    functional._modules.clear()
+    with torch.no_grad():
+        first = pairgen.triangle_multiplicative_update(x, "outgoing", mask, **w)
+        again = pairgen.triangle_multiplicative_update(x, "outgoing", mask, **w)
+        assert len(functional._modules) == 1 and torch.equal(first, again)
+        module = next(iter(functional._modules.values()))
+        assert module.proj_b.weight.data_ptr() == w["p_in_weight"][H:].data_ptr(), "a view, not a copy"
+        w["p_out_weight"].mul_(2.0)  # an optimizer-style update between calls
+        updated = pairgen.triangle_multiplicative_update(x, "outgoing", mask, **w)
+    torch.testing.assert_close(updated, boltz_form(x, "outgoing", mask.float(), w), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(updated, first)
+
+
+def test_bad_arguments_say_what_is_wrong():
+    gen = torch.Generator().manual_seed(5)
+    w = weights(gen, bias=False)
+    x = torch.randn(1, 4, 4, P, generator=gen)
+    with pytest.raises(ValueError, match="direction must be"):
+        pairgen.triangle_multiplicative_update(x, "sideways", None, **w)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        pairgen.triangle_multiplicative_update(x, "outgoing", None, **w, precision="mxfp8")
+    with pytest.raises(ValueError, match="missing: \\['g_out_weight'\\]"):
+        pairgen.triangle_multiplicative_update(x, "outgoing", None, **{**w, "g_out_weight": None})
+    with pytest.raises(ValueError, match="p_out_weight must have shape"):
+        pairgen.triangle_multiplicative_update(x, "outgoing", None, **{**w, "p_out_weight": torch.zeros(P, H + 1)})
+    with pytest.raises(ValueError, match="mask must have shape"):
+        pairgen.triangle_multiplicative_update(x, "outgoing", torch.ones(1, 4, 5), **w)

@@ -1,0 +1,48 @@
+"""GPU: pairgen.triangle_multiplicative_update runs the kernels and matches the float64 reference
+(fp32 at the fp32 standard, bf16 at the bf16 one) and, where it is importable, cuEquivariance's
+function of the same name on the same arguments."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pairgen
+from pairgen import functional
+from pairgen.ops.trimul import TRIMUL
+from pairgen.tuning.check import compare
+from test_functional import P, H, weights  # noqa: F401 (P, H: the widths the weights have)
+
+pytestmark = pytest.mark.gpu
+
+
+def _float64(x, direction, mask, w):
+    w64 = {k: v.double() for k, v in w.items()}
+    return functional.reference(x.double(), direction, mask.double(), w64)
+
+
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")])
+def test_kernels_match_float64(direction, dtype, precision):
+    gen = torch.Generator().manual_seed(6)
+    w = {k: v.cuda().to(dtype) for k, v in weights(gen, bias=False).items()}
+    x = torch.randn(2, 37, 37, P, generator=gen).cuda().to(dtype)
+    mask = (torch.rand(2, 37, 37, generator=gen) > 0.2).cuda()
+    functional._modules.clear()
+    with torch.no_grad():
+        out = pairgen.triangle_multiplicative_update(x, direction, mask, **w)
+    module = next(iter(functional._modules.values()))
+    assert module.variant_for(37, x.device, precision) is not None, "a kernel, not the reference"
+    assert out.dtype == dtype
+    assert compare(out, _float64(x, direction, mask, w), TRIMUL.tolerance[precision]).ok
+
+
+def test_matches_cuequivariance_where_importable():
+    cueq = pytest.importorskip("cuequivariance_torch")
+    gen = torch.Generator().manual_seed(7)
+    w = {k: v.cuda() for k, v in weights(gen, bias=False).items()}
+    x = torch.randn(1, 64, 64, P, generator=gen).cuda()
+    mask = (torch.rand(1, 64, 64, generator=gen) > 0.2).float().cuda()
+    with torch.no_grad():
+        ours = pairgen.triangle_multiplicative_update(x, "outgoing", mask, **w)
+        theirs = cueq.triangle_multiplicative_update(x, "outgoing", mask, **w, precision="ieee")
+    assert compare(ours, theirs.double(), TRIMUL.tolerance["float32"]).ok
