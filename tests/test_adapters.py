@@ -1,0 +1,121 @@
+"""pairgen.adapt on the CPU against copies of the public modules written from their source (the
+projects are not installed here): OpenFold's TriangleMultiplicationOutgoing/Incoming (AlphaFold 2
+form, biases, parameters shared) and Boltz's (AlphaFold 3 form, fused p_in/g_in, no biases, weights
+copied), both directions, masks with empty rows; what adapt refuses."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pairgen
+
+
+class OpenFoldForm(nn.Module):
+    """OpenFold's TriangleMultiplicativeUpdate, re-written: LayerNorm in; a, b = p(z)·sigmoid(g(z))·mask;
+    outgoing sums a[i,k]·b[j,k] over k, incoming a[k,i]·b[k,j]; LayerNorm out, linear_z; times
+    sigmoid(linear_g(z)) of the normalised input."""
+
+    def __init__(self, c_z, c_hidden, _outgoing=True):
+        super().__init__()
+        self._outgoing = _outgoing
+        for name in ("linear_a_p", "linear_a_g", "linear_b_p", "linear_b_g"):
+            setattr(self, name, nn.Linear(c_z, c_hidden))
+        self.linear_g, self.linear_z = nn.Linear(c_z, c_z), nn.Linear(c_hidden, c_z)
+        self.layer_norm_in, self.layer_norm_out = nn.LayerNorm(c_z), nn.LayerNorm(c_hidden)
+
+    def forward(self, z, mask=None):
+        mask = (z.new_ones(z.shape[:-1]) if mask is None else mask).unsqueeze(-1)
+        z = self.layer_norm_in(z)
+        a = self.linear_a_p(z) * torch.sigmoid(self.linear_a_g(z)) * mask
+        b = self.linear_b_p(z) * torch.sigmoid(self.linear_b_g(z)) * mask
+        if self._outgoing:
+            x = torch.einsum("...ikc,...jkc->...ijc", a, b)
+        else:
+            x = torch.einsum("...kic,...kjc->...ijc", a, b)
+        return self.linear_z(self.layer_norm_out(x)) * torch.sigmoid(self.linear_g(z))
+
+
+class BoltzTriangleMultiplicationIncoming(nn.Module):
+    """Boltz's module (AlphaFold 3 form), re-written: fused p_in/g_in of 2·dim rows without bias, the
+    first half a, the second b; output gated by g_out of the normalised input."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.norm_in, self.norm_out = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.p_in, self.g_in = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
+        self.p_out, self.g_out = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, mask):
+        x = self.norm_in(x)
+        x_in = x
+        x = self.p_in(x) * self.g_in(x).sigmoid() * mask.unsqueeze(-1)
+        a, b = torch.chunk(x, 2, dim=-1)
+        x = torch.einsum("bkid,bkjd->bijd", a, b)
+        return self.p_out(self.norm_out(x)) * self.g_out(x_in).sigmoid()
+
+
+class BoltzTriangleMultiplicationOutgoing(BoltzTriangleMultiplicationIncoming):
+    def forward(self, x, mask):
+        x = self.norm_in(x)
+        x_in = x
+        x = self.p_in(x) * self.g_in(x).sigmoid() * mask.unsqueeze(-1)
+        a, b = torch.chunk(x, 2, dim=-1)
+        x = torch.einsum("bikd,bjkd->bijd", a, b)
+        return self.p_out(self.norm_out(x)) * self.g_out(x_in).sigmoid()
+
+
+def _randomize(module: nn.Module, seed: int) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    return module
+
+
+def _inputs(P: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 9, 9, P, generator=gen)
+    mask = (torch.rand(2, 9, 9, generator=gen) > 0.25).float()
+    mask[:, 3] = 0.0
+    return x, mask
+
+
+@pytest.mark.parametrize("outgoing", [True, False])
+def test_openfold_form_is_adapted_with_shared_parameters(outgoing):
+    source = _randomize(OpenFoldForm(24, 16, _outgoing=outgoing), 1)
+    adapted = pairgen.adapt(source)
+    assert isinstance(adapted, pairgen.TriangleMultiplication)
+    assert adapted.direction == ("outgoing" if outgoing else "incoming") and adapted.gate_on == "normalized"
+    assert adapted.proj_b.weight is source.linear_b_p.weight and adapted.out_gate.bias is source.linear_g.bias
+    x, mask = _inputs(24, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(x, mask), source(x, mask), rtol=1e-5, atol=1e-5)
+        source.linear_z.weight.mul_(0.5)  # shared: the adapted module sees the update
+        torch.testing.assert_close(adapted(x, mask), source(x, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [BoltzTriangleMultiplicationOutgoing, BoltzTriangleMultiplicationIncoming])
+def test_boltz_form_is_adapted_with_copied_weights(cls):
+    source = _randomize(cls(16), 3)
+    adapted = pairgen.adapt(source)
+    assert adapted.direction == ("outgoing" if "Outgoing" in cls.__name__ else "incoming")
+    assert not adapted.widths["bias"] and adapted.widths["H"] == 16
+    assert adapted.proj_b.weight.data_ptr() != source.p_in.weight.data_ptr(), "copied"
+    x, mask = _inputs(16, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(x, mask), source(x, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_what_adapt_refuses():
+    with pytest.raises(ValueError, match="does not recognise Linear"):
+        pairgen.adapt(nn.Linear(4, 4))
+    odd = OpenFoldForm(8, 8)
+    odd.layer_norm_in.eps = 1e-3
+    with pytest.raises(ValueError, match="eps"):
+        pairgen.adapt(odd)
+    nameless = BoltzTriangleMultiplicationOutgoing(8)
+    nameless.__class__ = type("Trimul", (BoltzTriangleMultiplicationOutgoing,), {})
+    with pytest.raises(ValueError, match="pass direction="):
+        pairgen.adapt(nameless)
+    assert pairgen.adapt(nameless, direction="incoming").direction == "incoming"

@@ -1,0 +1,29 @@
+"""GPU: modules adapted from the OpenFold and Boltz forms run pairgen's kernels and match the
+source module in fp32 (fp32 standard, against float64 of the source) and bf16 (bf16 standard)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pairgen
+from pairgen.ops.trimul import TRIMUL
+from pairgen.tuning.check import compare
+from test_adapters import BoltzTriangleMultiplicationOutgoing, OpenFoldForm, _inputs, _randomize
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("make", [lambda: OpenFoldForm(64, 32, _outgoing=False),
+                                  lambda: BoltzTriangleMultiplicationOutgoing(64)], ids=["openfold", "boltz"])
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")])
+def test_adapted_modules_run_kernels_and_match_the_source(make, dtype, precision):
+    source = _randomize(make(), 5).cuda().to(dtype)
+    adapted = pairgen.adapt(source)
+    x, mask = (t.cuda() for t in _inputs(64, 6))
+    x = x.to(dtype)
+    assert adapted.variant_for(9, x.device, precision) is not None, "a kernel, not the reference"
+    with torch.no_grad():
+        out = adapted(x, mask)
+        expected = source.double()(x.double(), mask.double())
+    assert out.dtype == dtype
+    assert compare(out, expected, TRIMUL.tolerance[precision]).ok
