@@ -294,7 +294,10 @@ class KernelModule:
 
     def kernel_precision(self, *tensors: torch.Tensor) -> str | None:
         """The precision a kernel would compute this call in (a tuned key's dtype), or None: run
-        the reference. Exact fp32 unless the op says otherwise."""
+        the reference. Exact fp32 unless the op says otherwise; under torch.autocast the reference
+        (an op with low-precision kernels overrides this), whose dtypes autocast decides."""
+        if torch.is_autocast_enabled("cuda"):
+            return None
         return "float32" if self.uses_kernel(*tensors) else None
 
     def variant_for(self, n: int, device: "torch.device | int", precision: str = "float32"):
