@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 __all__ = ["ContactHead", "ContactHeadReference", "PairReadout", "PairReadoutReference", "TriangleMultiplication",
-           "TriangleMultiplicationReference", "__version__", "adapt", "triangle_multiplicative_update"]
+           "TriangleMultiplicationReference", "__version__", "adapt", "patch", "triangle_multiplicative_update", "unpatch"]
 
 #: public name -> the op package that defines it
 _EXPORTS = {"ContactHead": "contact", "ContactHeadReference": "contact",
@@ -17,10 +17,10 @@ def __getattr__(name):
         from .functional import triangle_multiplicative_update
 
         return triangle_multiplicative_update
-    if name == "adapt":
-        from .adapters import adapt
+    if name in ("adapt", "patch", "unpatch"):
+        from . import adapters
 
-        return adapt
+        return getattr(adapters, name)
     if name in _EXPORTS:
         from .ops import get_op
 

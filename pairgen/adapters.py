@@ -113,3 +113,116 @@ def _from_af3(source: nn.Module, direction: str):
     if bias:
         values["out_proj.bias"], values["out_gate.bias"] = bias_of(s.p_out), bias_of(s.g_out)
     return _assign(_empty_module(P, H, direction, bias), values)
+
+
+# ---- patching a model in place ------------------------------------------------------------------
+
+class _Patched(nn.Module):
+    """Stands in for a source module inside a model: it holds the source's own children and
+    parameters (the same dictionaries), so the model's state_dict keys, checkpoints, `.to()` and
+    optimizers see exactly what they saw before; the forward runs pairgen. The source itself is
+    kept (unregistered) for `unpatch` and for the call options pairgen does not implement."""
+
+    form = ""
+
+    def __init__(self, source: nn.Module, direction: str):
+        super().__init__()
+        self._parameters, self._buffers, self._modules = source._parameters, source._buffers, source._modules
+        self.__dict__["source"] = source
+        self.direction = direction
+
+    def extra_repr(self) -> str:
+        return f"pairgen stand-in for {type(self.source).__name__} ({self.form} form, {self.direction})"
+
+
+class PatchedOpenFold(_Patched):
+    """An OpenFold-form module's forward on pairgen's kernels, through `adapt` (parameters
+    shared; rebuilt when the model's parameters are replaced by other objects). Leading dimensions
+    beyond one batch (templates) are flattened into it. `_add_with_inplace` and unknown options
+    call the source's own forward."""
+
+    form = "OpenFold"
+
+    def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, **options):
+        if _add_with_inplace or options:
+            return self.source(z, mask, inplace_safe=inplace_safe, _add_with_inplace=_add_with_inplace, **options)
+        module = self._pairgen_module()
+        if mask is None:
+            mask = z.new_ones(z.shape[:-1])
+        lead, (n1, n2, c) = z.shape[:-3], z.shape[-3:]
+        out = module(z.reshape(-1, n1, n2, c), mask.reshape(-1, n1, n2))
+        return out.reshape(*lead, n1, n2, c)
+
+    def _pairgen_module(self):
+        held = tuple(id(p) for p in self.source.parameters())
+        cached = self.__dict__.get("_pairgen")
+        if cached is None or cached[0] != held:
+            cached = self.__dict__["_pairgen"] = (held, _from_openfold(self.source, self.direction))
+        return cached[1]
+
+
+class PatchedAF3(_Patched):
+    """An AlphaFold 3 / Boltz-form module's forward as `pairgen.triangle_multiplicative_update` on
+    the model's live parameters (views, no copies: never stale). Extra positional and keyword
+    options (Boltz's `use_kernels`) are accepted and ignored: pairgen is the kernel."""
+
+    form = "AlphaFold 3 / Boltz"
+
+    def forward(self, x, mask=None, *unused, **unused_options):
+        from .functional import triangle_multiplicative_update
+
+        s = self.source
+        return triangle_multiplicative_update(
+            x, self.direction, mask, norm_in_weight=s.norm_in.weight, norm_in_bias=s.norm_in.bias,
+            p_in_weight=s.p_in.weight, p_in_bias=s.p_in.bias, g_in_weight=s.g_in.weight, g_in_bias=s.g_in.bias,
+            norm_out_weight=s.norm_out.weight, norm_out_bias=s.norm_out.bias, p_out_weight=s.p_out.weight,
+            p_out_bias=s.p_out.bias, g_out_weight=s.g_out.weight, g_out_bias=s.g_out.bias, eps=s.norm_in.eps)
+
+
+def _stand_in_for(module: nn.Module):
+    """(the stand-in class, direction) for a module pairgen can stand in for; a string says why not."""
+    if isinstance(module, _Patched):
+        return "already patched"
+    form = PatchedOpenFold if all(hasattr(module, n) for n in _OPENFOLD) else \
+        PatchedAF3 if all(hasattr(module, n) for n in _AF3) else None
+    if form is None:
+        return None
+    try:
+        direction = _direction_of(module)
+        _check_eps(*((module.layer_norm_in, module.layer_norm_out) if form is PatchedOpenFold
+                     else (module.norm_in, module.norm_out)))
+    except ValueError as exc:
+        return str(exc)
+    return form, direction
+
+
+def patch(model: nn.Module) -> list[str]:
+    """Replace, in place, every triangle-update module of `model` that pairgen recognises (the forms
+    `adapt` takes) by a stand-in that runs pairgen and keeps the model's parameters, state_dict keys
+    and call signature. Returns one line per module found: what was swapped, or why not."""
+    if not isinstance(_stand_in_for(model) or "", str):
+        raise ValueError("patch(model) swaps the modules inside a model; for one module use pairgen.adapt")
+    report = []
+    for name, module in list(model.named_modules())[1:]:  # [0] is the model itself
+        found = _stand_in_for(module)
+        if found is None or found == "already patched":
+            continue
+        if isinstance(found, str):
+            report.append(f"{name} ({type(module).__name__}): not swapped: {found}")
+            continue
+        stand_in, direction = found
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, stand_in(module, direction))
+        report.append(f"{name} ({type(module).__name__}): swapped for pairgen ({stand_in.form} form, {direction})")
+    return report
+
+
+def unpatch(model: nn.Module) -> int:
+    """Put back every module `patch` replaced; returns how many."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, _Patched):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, module.source)
+            count += 1
+    return count

@@ -116,3 +116,54 @@ def test_what_adapt_refuses():
     with pytest.raises(ValueError, match="pass direction="):
         pairgen.adapt(nameless)
     assert pairgen.adapt(nameless, direction="incoming").direction == "incoming"
+
+
+class Trunk(nn.Module):
+    """A model holding both forms, nested, as a user's trunk would."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.ModuleDict({"tri_out": BoltzTriangleMultiplicationOutgoing(16),
+                                                    "tri_in": BoltzTriangleMultiplicationIncoming(16)})])
+        self.openfold_out = OpenFoldForm(16, 8, _outgoing=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x, mask):
+        for block in self.blocks:
+            x = x + block["tri_out"](x, mask)
+            x = x + block["tri_in"](x, mask)
+        x = x + self.openfold_out(x, mask)
+        return self.head(x).squeeze(-1)
+
+
+def test_patch_swaps_in_place_and_keeps_parameters_keys_and_results(tmp_path):
+    model = _randomize(Trunk(), 7)
+    x, mask = _inputs(16, 8)
+    with torch.no_grad():
+        before = model(x, mask)
+    keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
+    report = pairgen.patch(model)
+    assert report == ["blocks.0.tri_out (BoltzTriangleMultiplicationOutgoing): swapped for pairgen (AlphaFold 3 / Boltz form, outgoing)",
+                      "blocks.0.tri_in (BoltzTriangleMultiplicationIncoming): swapped for pairgen (AlphaFold 3 / Boltz form, incoming)",
+                      "openfold_out (OpenFoldForm): swapped for pairgen (OpenFold form, outgoing)"]
+    assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+    assert pairgen.patch(model) == [], "patching twice changes nothing"
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, mask), before, rtol=1e-5, atol=1e-5)
+    # Gradients reach the model's own parameters; a checkpoint round trip works.
+    model(x, mask).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x, mask), before, rtol=1e-5, atol=1e-5)
+    assert pairgen.unpatch(model) == 3 and isinstance(model.openfold_out, OpenFoldForm)
+
+
+def test_patch_reports_what_it_cannot_swap_and_refuses_a_lone_module():
+    model = Trunk()
+    model.openfold_out.layer_norm_out.eps = 1e-6
+    report = pairgen.patch(model)
+    assert report[-1].startswith("openfold_out (OpenFoldForm): not swapped: pairgen's kernels use LayerNorm eps")
+    with pytest.raises(ValueError, match="pairgen.adapt"):
+        pairgen.patch(OpenFoldForm(8, 8))

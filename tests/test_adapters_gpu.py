@@ -27,3 +27,16 @@ def test_adapted_modules_run_kernels_and_match_the_source(make, dtype, precision
         expected = source.double()(x.double(), mask.double())
     assert out.dtype == dtype
     assert compare(out, expected, TRIMUL.tolerance[precision]).ok
+
+
+def test_patched_model_runs_kernels_and_matches_itself_before():
+    from test_adapters import Trunk
+
+    model = _randomize(Trunk(), 9).cuda()
+    x, mask = (t.cuda() for t in _inputs(16, 10))
+    with torch.no_grad():
+        before = model.double()(x.double(), mask.double())
+        model.float()
+        pairgen.patch(model)
+        after = model(x, mask)
+    assert compare(after, before, TRIMUL.tolerance["float32"]).ok
