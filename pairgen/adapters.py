@@ -138,20 +138,24 @@ class _Patched(nn.Module):
 class PatchedOpenFold(_Patched):
     """An OpenFold-form module's forward on pairgen's kernels, through `adapt` (parameters
     shared; rebuilt when the model's parameters are replaced by other objects). Leading dimensions
-    beyond one batch (templates) are flattened into it. `_add_with_inplace` and unknown options
+    beyond one batch (templates) are flattened into it. OpenFold 3's kernel choices
+    (`use_cueq_triangle_kernels`, `use_triton_triangle_kernels`, `_inplace_chunk_size`) are
+    accepted and ignored: pairgen is the kernel. With `inplace_safe` and `_add_with_inplace` both
+    set, OpenFold returns z + update written into z, and so does this; options it does not know
     call the source's own forward."""
 
     form = "OpenFold"
+    _IGNORED = ("use_cueq_triangle_kernels", "use_triton_triangle_kernels", "_inplace_chunk_size")
 
     def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, **options):
-        if _add_with_inplace or options:
+        if any(name not in self._IGNORED for name in options):
             return self.source(z, mask, inplace_safe=inplace_safe, _add_with_inplace=_add_with_inplace, **options)
         module = self._pairgen_module()
         if mask is None:
             mask = z.new_ones(z.shape[:-1])
         lead, (n1, n2, c) = z.shape[:-3], z.shape[-3:]
-        out = module(z.reshape(-1, n1, n2, c), mask.reshape(-1, n1, n2))
-        return out.reshape(*lead, n1, n2, c)
+        update = module(z.reshape(-1, n1, n2, c), mask.reshape(-1, n1, n2)).reshape(*lead, n1, n2, c)
+        return z.add_(update) if inplace_safe and _add_with_inplace else update
 
     def _pairgen_module(self):
         held = tuple(id(p) for p in self.source.parameters())
