@@ -252,10 +252,16 @@ class _Progress:
 
 def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, settings: TuneSettings,
                extra_points: list[tuple[str, dict]] = (), storage_dir: Path | None = None,
-               dtype: str = "float32") -> TuneResult:
+               dtype: str = "float32", shared: bool = False) -> TuneResult:
+    """Tune one shape to `settings.trials` distinct evaluated points. shared: other processes (one
+    per GPU, or per host) run the same study at the same time: points are claimed before they are
+    timed (PointClaims, beside the journal), every worker counts the others' verdicts, and all stop
+    when the study holds the target (a worker's batch in flight may add a few more)."""
     widths = spec.widths_of(shape)
     limits = evaluator.limits
-    study = open_study(study_name(gpu_slug, spec.name, dtype, widths, n_bucket(shape["N"])), settings.seed, storage_dir)
+    name = study_name(gpu_slug, spec.name, dtype, widths, n_bucket(shape["N"]))
+    study = open_study(name, settings.seed, storage_dir)
+    claims = PointClaims((storage_dir or config.cache_dir() / "studies") / f"{name}.claims") if shared else None
     enqueue_first(study, spec, widths, limits, list(extra_points))
     seen, retry = past_outcomes(study)
     if retry:
@@ -269,11 +275,12 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     progress = _Progress(target, f"{spec.name} {' '.join(f'{k}{v}' for k, v in shape.items())}",
                          settings.progress, baselines.get("eager"))
     search = _Search(study, spec, widths, evaluator, seen, points, target, progress, random.Random(settings.seed),
-                     asks_left=20 * max(1, settings.trials))  # sampling repeats or infeasible points cannot loop forever
+                     asks_left=20 * max(1, settings.trials),  # sampling repeats or infeasible points cannot loop forever
+                     claims=claims)
     batch_size = settings.batch or config.compile_workers()
     search.show_progress()
     try:
-        while len(seen) < target and search.asks_left > 0:
+        while _refresh(seen, study, shared) < target and search.asks_left > 0:
             if settings.time_budget_s is not None and time.perf_counter() - start > settings.time_budget_s:
                 log.warning("time budget of %.0f s reached after %d trials", settings.time_budget_s, len(seen))
                 break
@@ -287,6 +294,13 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     compile_s_mean = sum(search.compile_times) / len(search.compile_times) if search.compile_times else None
     return TuneResult(spec.name, dict(shape), _best(study, spec, widths), baselines, counts, compile_s_mean,
                       time.perf_counter() - start, search.failures)
+
+
+def _refresh(seen: dict, study, shared: bool) -> int:
+    """How many points have a verdict; with other workers on the study, theirs included."""
+    if shared:
+        seen.update(past_outcomes(study)[0])
+    return len(seen)
 
 
 def _best(study, spec: OpSpec, widths: dict) -> dict | None:
@@ -356,18 +370,83 @@ def _run_one(evaluator: Evaluator, variant, compile_times: list[float]) -> Outco
         return Outcome(None, f"{type(exc).__name__}: {exc}", isinstance(exc, ENVIRONMENT_ERRORS))
 
 
+class PointClaims:
+    """Which worker evaluates a point when several processes (GPUs, hosts) share a study: one file
+    per point, created with O_EXCL (atomic, also on NFS), naming its host, process and trial. A
+    claim whose process is gone (this host) or older than `stale_after_s` (another host) is taken
+    over: its worker died, so the point is tried again, and that worker's trial is failed as an
+    environment failure (a later run retries such points first). The sampler proposes points, the
+    claims keep any of them from being timed twice."""
+
+    def __init__(self, directory: Path, stale_after_s: float = 3600.0):
+        self.directory, self.stale_after_s = Path(directory), stale_after_s
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.host = os.uname().nodename
+
+    def _path(self, point: str) -> Path:
+        return self.directory / (hashlib.sha256(point.encode()).hexdigest()[:32] + ".claim")
+
+    def claim(self, point: str, trial_number: int) -> tuple[bool, int | None]:
+        """(claimed, the trial number of a dead worker's claim that was taken over, else None)."""
+        path = self._path(point)
+        record = json.dumps({"host": self.host, "pid": os.getpid(), "trial": trial_number, "time": time.time()})
+        taken_over = None
+        for _ in range(2):  # a second try after removing a dead worker's claim
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                taken_over = self._stale(path)
+                if taken_over is None:
+                    return False, None
+                path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as handle:
+                handle.write(record)
+            return True, taken_over
+        return False, None  # another worker took the dead one's claim first
+
+    def release(self, point: str) -> None:
+        """Give a point back (an environment failure): another worker or a later run may try it."""
+        self._path(point).unlink(missing_ok=True)
+
+    def finish(self, point: str) -> None:
+        """The point has its verdict in the study: the claim stands for good, even after this worker
+        exits (a finished worker's claim must not look like a dead one's)."""
+        path = self._path(point)
+        _write_atomic(path, json.dumps({"host": self.host, "pid": os.getpid(), "done": True}).encode())
+
+    def _stale(self, path: Path) -> int | None:
+        """The trial number of a claim whose worker is gone, else None."""
+        try:
+            owner = json.loads(path.read_text())
+        except (OSError, ValueError):  # being written right now, or removed meanwhile: not stale
+            return None
+        if owner.get("done"):
+            return None
+        if owner.get("host") == self.host:
+            try:
+                os.kill(int(owner["pid"]), 0)
+                return None
+            except ProcessLookupError:
+                return int(owner.get("trial", -1))
+            except PermissionError:  # alive, another user's
+                return None
+        return int(owner.get("trial", -1)) if time.time() - owner.get("time", 0) > self.stale_after_s else None
+
+
 class _Search:
     """One tune_shape call's asking and telling: what is known per point (`seen`, shared with the
     caller), the trials asked and not yet told, the counts."""
 
     def __init__(self, study, spec: OpSpec, widths: dict, evaluator: Evaluator, seen: dict[str, Outcome],
                  points: list[tuple[str, dict]], target: int, progress: _Progress, rng: random.Random,
-                 asks_left: int):
+                 asks_left: int, claims: PointClaims | None = None):
         self.study, self.spec, self.widths, self.evaluator = study, spec, widths, evaluator
+        self.claims = claims
         self.seen, self.points, self.target, self.progress, self.rng = seen, points, target, progress, rng
         self.asks_left = asks_left
         self.running: dict[int, object] = {}  # trial number -> trial asked and not yet told
-        self.counts = {"pruned": 0, "failed": 0, "env_failed": 0, "repeated": 0}
+        self.counts = {"pruned": 0, "failed": 0, "env_failed": 0, "repeated": 0, "taken": 0}
         self.compile_times: list[float] = []
         self.failures: list[str] = []
 
@@ -396,10 +475,25 @@ class _Search:
                 self._tell_outcome(trial, self.seen.get(point, Outcome(None, "repeated within a batch")))
                 self.counts["repeated"] += 1
                 _enqueue_unseen(self.study, self.points, set(self.seen) | in_batch, self.rng)
+            elif self.claims is not None and not self._claim(trial, point):
+                trial.set_user_attr("taken", True)  # another worker has it: no verdict here
+                self._tell(trial, state=TrialState.PRUNED)
+                self.counts["taken"] += 1
             else:
                 in_batch.add(point)
                 batch.append((trial, plan, point))
         return batch
+
+    def _claim(self, trial, point: str) -> bool:
+        from optuna.trial import TrialState
+
+        claimed, dead_trial = self.claims.claim(point, trial.number)
+        if dead_trial is not None and dead_trial >= 0:
+            try:  # the dead worker's trial: failed, so the sampler stops counting it as running
+                self.study.tell(dead_trial, state=TrialState.FAIL)
+            except Exception as exc:  # already told (it finished after all), or gone
+                log.info("trial %d of a dead worker: %s", dead_trial, exc)
+        return claimed
 
     def run_batch(self, batch: list[tuple[object, Plan, str]]) -> None:
         """Compile the batch in parallel, then check and time each variant, one at a time."""
@@ -442,6 +536,8 @@ class _Search:
     def _record(self, plan: Plan, point: str, outcome: Outcome) -> None:
         # In this run an env-failed point counts as seen too: the same machine would fail it again.
         self.seen[point] = outcome
+        if self.claims is not None:
+            (self.claims.release if outcome.env_failure else self.claims.finish)(point)
         if outcome.value is None:
             self.counts["failed"] += 1
             self.counts["env_failed"] += outcome.env_failure
