@@ -88,3 +88,15 @@ def test_a_finished_points_claim_outlives_its_worker(tmp_path):
     done = {"host": os.uname().nodename, "pid": _dead_pid(), "done": True}
     claims._path("p").write_text(json.dumps(done))
     assert claims.claim("p", 1) == (False, None)
+
+
+def test_a_study_in_an_optuna_storage_url(tmp_path):
+    """--storage: any Optuna storage (here SQLite; PostgreSQL is how several hosts share)."""
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    settings = TuneSettings(trials=6, batch=3, progress=False)
+    result = tune_shape(CONTACT, SHAPE, FakeEvaluator(), "fake-gpu", settings, storage_dir=tmp_path, storage_url=url,
+                        shared=True)
+    assert result.counts["evaluated"] == 6
+    study = open_study(study_name("fake-gpu", "contact", "float32", WIDTHS, 64), 0, None, url)
+    assert len(past_outcomes(study)[0]) == 6 and study.user_attrs["baselines"]["eager"] == 200.0
+    assert not list(tmp_path.glob("*.journal")), "nothing written to a journal file"

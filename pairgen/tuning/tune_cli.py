@@ -16,6 +16,8 @@ to <repo>/tuned when run from a checkout, or to PAIRGEN_TUNED_DIR when it is set
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -32,6 +34,13 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="sampler and input seed")
     parser.add_argument("--report", type=Path, help="also write the closing table (markdown) here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--devices", metavar="all|0,1,...",
+                        help="tune on these GPUs at once: one worker process per GPU, all sharing each shape's "
+                             "study (default: the current GPU alone)")
+    parser.add_argument("--storage", metavar="URL",
+                        help="an Optuna storage for the studies, e.g. postgresql://user@host/db: workers on several "
+                             "hosts that name the same URL share each study (default: a journal file per study "
+                             "under PAIRGEN_CACHE_DIR)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--status", action="store_true", help="list tuned entries and whether they are stale")
     mode.add_argument("--stale", action="store_true", help="re-tune this GPU's stale entries")
@@ -51,6 +60,8 @@ def parse_args(argv=None):
         parser.error(f"--arch {args.arch!r} is not a GPU target such as sm_80, sm_90 or sm_100")
     if args.gpu is not None and not (args.explain or args.status):
         parser.error("--gpu and --arch describe a GPU for --explain and --status only")
+    if args.devices is not None and args.devices != "all" and not re.fullmatch(r"\d+(,\d+)*", args.devices):
+        parser.error(f"--devices takes 'all' or GPU indices such as 0,1; got {args.devices!r}")
     return parser, args
 
 
@@ -395,16 +406,29 @@ def tune(work, args) -> int:
           f"results go to {config.tuned_write_dir() / info.slug}")
     settings = TuneSettings(trials=args.trials, time_budget_s=args.time_budget, seed=args.seed,
                             progress=not args.no_progress)
+    devices = _devices(args.devices, torch.cuda.device_count(), info.index)
+    if len(devices) > 1:
+        names = {torch.cuda.get_device_name(d) for d in devices}
+        if len(names) > 1:
+            print(f"--devices {args.devices}: the GPUs differ ({', '.join(sorted(names))}); a study is one GPU "
+                  "model's: tune each model separately", file=sys.stderr)
+            return 2
+        print(f"{len(devices)} workers, one per GPU ({', '.join(map(str, devices))}), share each shape's study")
     results = []
     with compiler.compile_pool() as pool:
         for spec, shape in work:
             db = TunedDB(spec.name, info.slug)
             extra = starting_points(spec, db, shape, info)
-            evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers, pool)
-            result = tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=spec.precision or "float32")
+            dtype = spec.precision or "float32"
+            if len(devices) > 1:
+                result = _tune_on_devices(spec, shape, devices, extra, settings, peers, info.slug, args.storage)
+            else:
+                evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers, pool)
+                result = tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=dtype,
+                                    storage_url=args.storage)
             results.append(result)
             if result.best:
-                db.upsert(tuned_entry(result, spec), arch=info.arch)
+                db.upsert(tuned_entry(result, spec), arch=info.arch)  # once per shape, by this process
             else:
                 print(f"{spec.name} {shape_label(shape)}: no variant passed; nothing written", file=sys.stderr)
             for line in result.failures[:5]:
@@ -419,6 +443,83 @@ def tune(work, args) -> int:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(header + table + "\n")
     return 0 if all(r.best for r in results) else 1
+
+
+def _devices(text: str | None, count: int, current: int) -> list[int]:
+    """--devices as GPU indices (none given: the current GPU alone)."""
+    if text is None:
+        return [current]
+    wanted = list(range(count)) if text == "all" else [int(d) for d in text.split(",")]
+    missing = [d for d in wanted if d >= count]
+    if missing:
+        raise SystemExit(f"--devices {text}: no GPU {missing} (this machine has {count})")
+    return list(dict.fromkeys(wanted))
+
+
+def _device_worker(job: dict) -> None:
+    """One GPU's worker on a shared study (a spawned process: it imports torch itself)."""
+    import torch
+
+    from pairgen.ops import get_op
+    from pairgen.tuning.evaluate import GpuEvaluator
+    from pairgen.tuning.timing import strict_fp32
+    from pairgen.tuning.tuner import TuneSettings, tune_shape
+
+    strict_fp32()
+    os.environ["PAIRGEN_COMPILE_WORKERS"] = str(job["compile_workers"])  # the CPUs are shared by the workers
+    torch.cuda.set_device(job["device"])
+    spec = get_op(job["op"]).at(job["precision"])
+    settings = TuneSettings(**{**job["settings"], "progress": False})
+    evaluator = GpuEvaluator(spec, job["shape"], job["device"], settings.seed, tuple(job["peers"]))
+    result = tune_shape(spec, job["shape"], evaluator, job["slug"], settings, job["extra"], dtype=job["precision"],
+                        shared=True, storage_url=job["storage"])
+    for line in result.failures[:5]:
+        print(f"  GPU {job['device']} failed: {line}", file=sys.stderr)
+
+
+def _tune_on_devices(spec, shape, devices, extra, settings, peers, slug, storage_url):
+    """One worker process per GPU on the shape's study; this process shows their joint progress and
+    reads the result back once they are done (results do not depend on the number of workers)."""
+    import dataclasses
+    import multiprocessing
+    import time
+
+    from pairgen.tuning.tuner import open_study, past_outcomes, result_from_study, study_name
+    from pairgen.spec import n_bucket
+
+    dtype = spec.precision or "float32"
+    base = {"op": spec.name, "precision": dtype, "shape": dict(shape), "slug": slug, "extra": list(extra),
+            "storage": storage_url, "compile_workers": max(1, (os.cpu_count() or 1) // len(devices))}
+    ctx = multiprocessing.get_context("spawn")
+    workers = []
+    for k, device in enumerate(devices):
+        job = {**base, "device": device, "peers": list(peers) if k == 0 else [],  # peers timed once
+               "settings": {**dataclasses.asdict(settings), "seed": settings.seed + k}}  # distinct samplers
+        workers.append(ctx.Process(target=_device_worker, args=(job,)))
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    name = study_name(slug, spec.name, dtype, spec.widths_of(shape), n_bucket(shape["N"]))
+    bar = None
+    if settings.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=settings.trials, desc=f"{spec.name} {shape_label(shape)} on {len(devices)} GPUs", unit="trial")
+    while any(w.is_alive() for w in workers):
+        time.sleep(1.0)
+        if bar is not None:
+            try:
+                bar.n = min(settings.trials, len(past_outcomes(open_study(name, settings.seed, None, storage_url))[0]))
+                bar.refresh()
+            except Exception:  # the study may not exist yet
+                pass
+    if bar is not None:
+        bar.close()
+    dead = [d for d, w in zip(devices, workers) if w.exitcode != 0]
+    if dead:
+        print(f"workers on GPU(s) {dead} stopped with an error; their claimed points are retried by the next run",
+              file=sys.stderr)
+    return result_from_study(spec, shape, slug, dtype, settings.seed, time.perf_counter() - start, None, storage_url)
 
 
 def main(argv=None) -> int:

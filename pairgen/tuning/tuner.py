@@ -164,14 +164,17 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def open_study(name: str, seed: int, storage_dir: Path | None = None):
+def open_study(name: str, seed: int, storage_dir: Path | None = None, storage_url: str | None = None):
+    """The study `name`: in its journal file under storage_dir (default: the cache directory), or in
+    the Optuna storage at storage_url (e.g. postgresql://...: how workers on several hosts share)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage_dir = storage_dir or config.cache_dir() / "studies"
     sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=16)
-    return optuna.create_study(study_name=name, storage=_storage(storage_dir / f"{name}.journal"),
-                               sampler=sampler, direction="minimize", load_if_exists=True)
+    storage = storage_url or _storage(storage_dir / f"{name}.journal")
+    return optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
+                               load_if_exists=True)
 
 
 def _point_key(strategy: str, params: dict) -> str:
@@ -252,7 +255,7 @@ class _Progress:
 
 def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, settings: TuneSettings,
                extra_points: list[tuple[str, dict]] = (), storage_dir: Path | None = None,
-               dtype: str = "float32", shared: bool = False) -> TuneResult:
+               dtype: str = "float32", shared: bool = False, storage_url: str | None = None) -> TuneResult:
     """Tune one shape to `settings.trials` distinct evaluated points. shared: other processes (one
     per GPU, or per host) run the same study at the same time: points are claimed before they are
     timed (PointClaims, beside the journal), every worker counts the others' verdicts, and all stop
@@ -260,7 +263,7 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     widths = spec.widths_of(shape)
     limits = evaluator.limits
     name = study_name(gpu_slug, spec.name, dtype, widths, n_bucket(shape["N"]))
-    study = open_study(name, settings.seed, storage_dir)
+    study = open_study(name, settings.seed, storage_dir, storage_url)
     claims = PointClaims((storage_dir or config.cache_dir() / "studies") / f"{name}.claims") if shared else None
     enqueue_first(study, spec, widths, limits, list(extra_points))
     seen, retry = past_outcomes(study)
@@ -268,6 +271,8 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
         log.info("%d point(s) failed only for environment reasons in an earlier run; trying them again first", len(retry))
         enqueue_points(study, retry)
     baselines = evaluator.baselines()
+    if baselines:  # for whoever reads the study's result (a parent of shared workers)
+        study.set_user_attr("baselines", baselines)
     start = time.perf_counter()  # the time budget is the search's: baselines (torch.compile) are outside it
 
     points = feasible_points(spec, widths, limits)
@@ -294,6 +299,18 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     compile_s_mean = sum(search.compile_times) / len(search.compile_times) if search.compile_times else None
     return TuneResult(spec.name, dict(shape), _best(study, spec, widths), baselines, counts, compile_s_mean,
                       time.perf_counter() - start, search.failures)
+
+
+def result_from_study(spec: OpSpec, shape: dict, gpu_slug: str, dtype: str, seed: int, elapsed_s: float,
+                      storage_dir: Path | None = None, storage_url: str | None = None) -> TuneResult:
+    """What shared workers tuned, read back from their study (by the process that writes the entry)."""
+    widths = spec.widths_of(shape)
+    study = open_study(study_name(gpu_slug, spec.name, dtype, widths, n_bucket(shape["N"])), seed, storage_dir,
+                       storage_url)
+    verdicts, _ = past_outcomes(study)
+    failed = sum(1 for o in verdicts.values() if o.value is None)
+    return TuneResult(spec.name, dict(shape), _best(study, spec, widths), study.user_attrs.get("baselines", {}),
+                      {"evaluated": len(verdicts), "failed": failed}, None, elapsed_s)
 
 
 def _refresh(seen: dict, study, shared: bool) -> int:
