@@ -7,6 +7,7 @@ Recognised by their parameter names (the projects' own classes, or anything laid
 | --- | --- | --- | --- | --- |
 | AlphaFold 2 / OpenFold | `linear_a_p`, `linear_a_g`, `linear_b_p`, `linear_b_g`, `linear_g`, `linear_z`, `layer_norm_in`, `layer_norm_out` | on the normalised input | as the source has them | shared: the pairgen module holds the source's own `Parameter` objects (training either trains both) |
 | AlphaFold 3 / Boltz | `norm_in`, `p_in`, `g_in` (fused, 2H rows: a's H, then b's), `norm_out`, `p_out`, `g_out` | on the normalised input | as the source has them | copied: pairgen keeps a and b apart, so the fused rows are split into new tensors |
+| alphafold3-pytorch | its `PreLayerNorm` wrapper (`norm`) around `TriangleMultiplication` (`fn`: `left_right_proj` = Linear(P, 4H) + GLU, `out_gate`, `to_out_norm`, `to_out`); needs P = H, as that module itself does | on the normalised input | none | copied (the GLU's rows are split); the incoming direction's "left" is pairgen's b |
 
 The direction comes from the source (`_outgoing`, else its class name containing "Outgoing" or
 "Incoming"), or from `direction=`. The LayerNorms must use eps 1e-5 (the kernels').
@@ -19,6 +20,7 @@ from torch import nn
 _OPENFOLD = ("linear_a_p", "linear_a_g", "linear_b_p", "linear_b_g", "linear_g", "linear_z", "layer_norm_in",
              "layer_norm_out")
 _AF3 = ("norm_in", "p_in", "g_in", "norm_out", "p_out", "g_out")
+_AF3_PYTORCH = ("left_right_proj", "out_gate", "to_out_norm", "to_out", "mix_einsum_eq")
 _KERNEL_EPS = 1e-5
 
 
@@ -29,8 +31,11 @@ def adapt(source: nn.Module, direction: str | None = None):
         return _from_openfold(source, direction or _direction_of(source))
     if all(hasattr(source, name) for name in _AF3):
         return _from_af3(source, direction or _direction_of(source))
+    if _is_af3_pytorch(source):
+        return _from_af3_pytorch(source)
     raise ValueError(f"pairgen.adapt does not recognise {type(source).__name__}: expected the parameters of the "
-                     f"OpenFold form {_OPENFOLD} or of the AlphaFold 3 / Boltz form {_AF3}")
+                     f"OpenFold form {_OPENFOLD}, of the AlphaFold 3 / Boltz form {_AF3}, or alphafold3-pytorch's "
+                     f"PreLayerNorm(norm, fn) around a module with {_AF3_PYTORCH}")
 
 
 def _direction_of(source: nn.Module) -> str:
@@ -115,6 +120,42 @@ def _from_af3(source: nn.Module, direction: str):
     return _assign(_empty_module(P, H, direction, bias), values)
 
 
+def _is_af3_pytorch(source: nn.Module) -> bool:
+    fn = getattr(source, "fn", None)
+    return isinstance(getattr(source, "norm", None), nn.LayerNorm) and fn is not None and \
+        all(hasattr(fn, name) for name in _AF3_PYTORCH)
+
+
+def _af3_pytorch_direction(fn: nn.Module) -> str:
+    """From its einsum: '... i k d, ... j k d' (outgoing) or '... k j d, ... k i d' (incoming)."""
+    inputs = fn.mix_einsum_eq.replace(" ", "").split("->")[0].split(",")
+    return "outgoing" if inputs[0].endswith("ikd") else "incoming"
+
+
+def _from_af3_pytorch(source: nn.Module):
+    fn, norm = source.fn, source.norm
+    _check_eps(norm, fn.to_out_norm)
+    w = fn.left_right_proj[0].weight.detach()  # (4H, P): GLU values (left, right), then their gates
+    H, P = w.shape[0] // 4, w.shape[1]
+    if fn.out_gate.weight.shape != (P, P):
+        raise ValueError(f"alphafold3-pytorch's TriangleMultiplication gates its output in width dim_hidden={H}; it "
+                         f"runs only with dim_hidden == dim (got dim={P}), and so does pairgen's adaptation")
+    direction = _af3_pytorch_direction(fn)
+    left = {"proj": w[0:H], "gate": w[2 * H:3 * H]}
+    right = {"proj": w[H:2 * H], "gate": w[3 * H:4 * H]}
+    # outgoing sums left[i,k]·right[j,k]: a = left; incoming sums left[k,j]·right[k,i]: a = right.
+    a, b = (left, right) if direction == "outgoing" else (right, left)
+    values = {"layer_norm_in.weight": norm.weight.detach().clone(), "layer_norm_in.bias": norm.bias.detach().clone(),
+              "layer_norm_out.weight": fn.to_out_norm.weight.detach().clone(),
+              "layer_norm_out.bias": fn.to_out_norm.bias.detach().clone(),
+              "out_proj.weight": fn.to_out[0].weight.detach().clone(),
+              "out_gate.weight": fn.out_gate.weight.detach().clone()}
+    for half, rows in (("a", a), ("b", b)):
+        values[f"proj_{half}.weight"] = rows["proj"].clone()
+        values[f"gate_{half}.weight"] = rows["gate"].clone()
+    return _assign(_empty_module(P, H, direction, bias=False), values)
+
+
 # ---- patching a model in place ------------------------------------------------------------------
 
 class _Patched(nn.Module):
@@ -183,10 +224,40 @@ class PatchedAF3(_Patched):
             p_out_bias=s.p_out.bias, g_out_weight=s.g_out.weight, g_out_bias=s.g_out.bias, eps=s.norm_in.eps)
 
 
+class PatchedAF3Pytorch(_Patched):
+    """alphafold3-pytorch's PreLayerNorm(TriangleMultiplication) on pairgen's kernels, through
+    `adapt` (copies, rebuilt when a parameter is replaced or updated in place). Its per-token mask
+    becomes the pair mask it implies. With gradients wanted, dropout active, or other options, the
+    source's own forward runs (the copies take no gradients)."""
+
+    form = "alphafold3-pytorch"
+
+    def forward(self, x, mask=None, **options):
+        dropout = getattr(self.source.fn.to_out[-1], "p", 0.0) if len(self.source.fn.to_out) > 1 else 0.0
+        wants_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        if options or wants_grad or (self.training and dropout > 0):
+            return self.source(x, mask=mask, **options) if mask is not None else self.source(x, **options)
+        held = tuple((id(p), p._version) for p in self.source.parameters())
+        cached = self.__dict__.get("_pairgen")
+        if cached is None or cached[0] != held:
+            cached = self.__dict__["_pairgen"] = (held, _from_af3_pytorch(self.source))
+        n = x.shape[-2]
+        pair = (mask[..., :, None] & mask[..., None, :]) if mask is not None else x.new_ones(x.shape[:-1], dtype=torch.bool)
+        lead = x.shape[:-3]
+        out = cached[1](x.reshape(-1, n, n, x.shape[-1]), pair.reshape(-1, n, n))
+        return out.reshape(*lead, n, n, x.shape[-1])
+
+
 def _stand_in_for(module: nn.Module):
     """(the stand-in class, direction) for a module pairgen can stand in for; a string says why not."""
     if isinstance(module, _Patched):
         return "already patched"
+    if _is_af3_pytorch(module):
+        try:
+            _check_eps(module.norm, module.fn.to_out_norm)
+        except ValueError as exc:
+            return str(exc)
+        return PatchedAF3Pytorch, _af3_pytorch_direction(module.fn)
     form = PatchedOpenFold if all(hasattr(module, n) for n in _OPENFOLD) else \
         PatchedAF3 if all(hasattr(module, n) for n in _AF3) else None
     if form is None:

@@ -167,3 +167,65 @@ def test_patch_reports_what_it_cannot_swap_and_refuses_a_lone_module():
     assert report[-1].startswith("openfold_out (OpenFoldForm): not swapped: pairgen's kernels use LayerNorm eps")
     with pytest.raises(ValueError, match="pairgen.adapt"):
         pairgen.patch(OpenFoldForm(8, 8))
+
+
+class AF3PytorchTrimul(nn.Module):
+    """alphafold3-pytorch's TriangleMultiplication, re-written from its public source (the package
+    needs ~40 other packages to import): one Linear(P, 4H) into a GLU gives left and right, masked;
+    outgoing sums left[i,k]·right[j,k], incoming left[k,j]·right[k,i]; LayerNorm, to_out, times
+    sigmoid(out_gate(x)) of its input (normalised by the wrapper below)."""
+
+    def __init__(self, dim, mix):
+        super().__init__()
+        self.left_right_proj = nn.Sequential(nn.Linear(dim, 4 * dim, bias=False), nn.GLU(dim=-1))
+        self.out_gate = nn.Linear(dim, dim, bias=False)
+        self.mix_einsum_eq = "... i k d, ... j k d -> ... i j d" if mix == "outgoing" else "... k j d, ... k i d -> ... i j d"
+        self.to_out_norm = nn.LayerNorm(dim)
+        self.to_out = nn.Sequential(nn.Linear(dim, dim, bias=False), nn.Dropout(0.0))
+
+    def forward(self, x, mask):
+        left, right = self.left_right_proj(x).chunk(2, dim=-1)
+        pair = (mask[..., :, None] & mask[..., None, :])[..., None]
+        left, right = left * pair, right * pair
+        out = torch.einsum(self.mix_einsum_eq.replace(" ", ""), left, right)
+        return self.to_out(self.to_out_norm(out)) * self.out_gate(x).sigmoid()
+
+
+class PreLayerNorm(nn.Module):
+    def __init__(self, fn, dim):
+        super().__init__()
+        self.fn, self.norm = fn, nn.LayerNorm(dim)
+
+    def forward(self, x, **kwargs):
+        return self.fn(self.norm(x), **kwargs)
+
+
+@pytest.mark.parametrize("mix", ["outgoing", "incoming"])
+def test_alphafold3_pytorch_form(mix):
+    source = _randomize(PreLayerNorm(AF3PytorchTrimul(16, mix), 16), 11)
+    adapted = pairgen.adapt(source)
+    assert adapted.direction == mix and not adapted.widths["bias"]
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 9, 9, 16, generator=gen)
+    tokens = torch.rand(2, 9, generator=gen) > 0.2
+    pair_mask = tokens[:, :, None] & tokens[:, None, :]
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(x, pair_mask), source(x, mask=tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_patch_takes_the_alphafold3_pytorch_form_with_its_token_mask():
+    model = nn.ModuleDict({"tri_out": PreLayerNorm(AF3PytorchTrimul(16, "outgoing"), 16),
+                           "tri_in": PreLayerNorm(AF3PytorchTrimul(16, "incoming"), 16)})
+    _randomize(model, 13)
+    gen = torch.Generator().manual_seed(14)
+    x, tokens = torch.randn(2, 7, 7, 16, generator=gen), torch.rand(2, 7, generator=gen) > 0.2
+    with torch.no_grad():
+        before = [model[k](x, mask=tokens) for k in ("tri_out", "tri_in")]
+        report = pairgen.patch(model)
+        assert [line.split(": ")[1] for line in report] == ["swapped for pairgen (alphafold3-pytorch form, outgoing)",
+                                                            "swapped for pairgen (alphafold3-pytorch form, incoming)"]
+        for k, expected in zip(("tri_out", "tri_in"), before):
+            torch.testing.assert_close(model[k](x, mask=tokens), expected, rtol=1e-5, atol=1e-5)
+        model["tri_out"].source.fn.to_out[0].weight.mul_(3.0)  # an update reaches the stand-in's copies
+        torch.testing.assert_close(model["tri_out"](x, mask=tokens), model["tri_out"].source(x, mask=tokens),
+                                   rtol=1e-5, atol=1e-5)
