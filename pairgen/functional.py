@@ -124,8 +124,17 @@ def _complete(weights: dict, x) -> dict:
 def _key(weights: dict, direction: str, precision: str, x) -> tuple:
     """Identity, memory and version of every weight: an in-place update or another tensor is
     another key, so a kept module never serves stale weights."""
-    parts = tuple((id(w), w.data_ptr(), w._version) if w is not None else None for w in weights.values())
+    parts = tuple((id(w), w.data_ptr(), _version_of(w)) if w is not None else None for w in weights.values())
     return direction, precision, x.dtype, x.device, parts
+
+
+def _version_of(t: torch.Tensor) -> int:
+    """The tensor's version counter; an inference tensor has none (-1: only its identity and memory
+    key the kept module, so an in-place update made under inference_mode is not seen)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 def _module_for(weights: dict, direction: str, precision: str, x):

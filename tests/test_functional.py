@@ -119,3 +119,12 @@ def test_bad_arguments_say_what_is_wrong():
         pairgen.triangle_multiplicative_update(x, "outgoing", None, **{**w, "p_out_weight": torch.zeros(P, H + 1)})
     with pytest.raises(ValueError, match="mask must have shape"):
         pairgen.triangle_multiplicative_update(x, "outgoing", torch.ones(1, 4, 5), **w)
+
+
+def test_weights_made_under_inference_mode_are_accepted():
+    with torch.inference_mode():
+        gen = torch.Generator().manual_seed(6)
+        w = weights(gen, bias=False)
+        x = torch.randn(1, 5, 5, P, generator=gen)
+        out = pairgen.triangle_multiplicative_update(x, "outgoing", None, **w)
+        torch.testing.assert_close(out, boltz_form(x, "outgoing", torch.ones(1, 5, 5), w), rtol=1e-5, atol=1e-5)

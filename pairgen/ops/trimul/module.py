@@ -16,7 +16,10 @@ HALF_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 OPERAND_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "tf32": torch.float32,
                   "tf32x3": torch.float32}
 _FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
-OPERAND_HALF = tuple(HALF_DTYPES.values())
+#: Precision -> the output's dtype: the 16-bit precisions answer in their dtype (under autocast
+#: too, as the reference does), the fp32 ones in fp32.
+OUTPUT_DTYPES = {"float32": torch.float32, "tf32x3": torch.float32, "tf32": torch.float32,
+                 "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def triangle_bmm(ar: torch.Tensor, br: torch.Tensor, outgoing: bool, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -242,11 +245,8 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         if variant is None:
             variant = self.variant_for(N, x.get_device(), self.kernel_precision(x, mask))
         if out is None:
-            # x is contiguous CUDA here; the 16-bit precisions answer in their dtype (under autocast too)
-            half = HALF_DTYPES.get(x.dtype)
-            wanted = variant.plan.precision
-            out = torch.empty_like(x) if half == wanted or (half is None and wanted not in OPERAND_HALF) \
-                else torch.empty(x.shape, device=x.device, dtype=OPERAND_DTYPES[wanted])
+            dtype = OUTPUT_DTYPES[variant.plan.precision]  # x is contiguous CUDA here
+            out = torch.empty_like(x) if x.dtype is dtype else torch.empty(x.shape, device=x.device, dtype=dtype)
         if out.numel() == 0:
             return out
         self._run(variant, x, mask, out)
