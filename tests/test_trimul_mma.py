@@ -199,3 +199,11 @@ def test_one_point_in_two_precisions_builds_two_variants():
     fp16 = TRIMUL.plan("mma", bf16.params, SEED, "float16")
     assert runtime._by_plan(bf16, "sm_90").plan.precision == "bfloat16"
     assert runtime._by_plan(fp16, "sm_90").plan.precision == "float16"
+
+
+def test_every_precision_has_an_output_dtype_and_an_operand_dtype():
+    from pairgen.ops.trimul.module import OPERAND_DTYPES, OUTPUT_DTYPES
+
+    assert set(OUTPUT_DTYPES) == set(TRIMUL.precisions)
+    assert set(OPERAND_DTYPES) == set(MMA_KINDS)
+    assert OUTPUT_DTYPES["bfloat16"] is torch.bfloat16 and OUTPUT_DTYPES["tf32x3"] is torch.float32
