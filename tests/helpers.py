@@ -70,6 +70,16 @@ def compile_plans(plans) -> dict:
             for plan, rend, res in zip(plans, rendered, results)}
 
 
+def compiled_cases(cases: list):
+    """A module-scoped fixture: compile_plans over the plans of pytest params `cases`."""
+
+    @pytest.fixture(scope="module")
+    def variants():
+        return compile_plans([c.values[0] for c in cases])
+
+    return variants
+
+
 def compiled_variant(variants: dict, plan):
     """The plan's variant from compile_plans, raising its compilation error if it had one."""
     variant = variants[id(plan)]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import (ODD_SHAPES, REAL_WIDTHS, SEED_WIDTHS, assert_gradients_match_the_reference,
-                     assert_variant_matches_float64, check_tuned_entries, compile_plans, compiled_variant, generator,
+                     assert_variant_matches_float64, check_tuned_entries, compiled_cases, compiled_variant, generator,
                      run_under_graph_capture, sampled_cases)
 from pairgen.tuning.check import compare, reference64
 from pairgen.spec import DeviceLimits
@@ -51,10 +51,7 @@ def grouped_layernorm_cases() -> list:
 CASES = sampled_cases(CONTACT, WIDTHS, POINTS_PER_STRATEGY) + staged_cases() + grouped_layernorm_cases()
 
 
-@pytest.fixture(scope="module")
-def variants():
-    """Every sampled variant, compiled in parallel once."""
-    return compile_plans([c.values[0] for c in CASES])
+variants = compiled_cases(CASES)  # every sampled variant, compiled in parallel once
 
 
 @pytest.mark.parametrize("plan", CASES)

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from helpers import (ODD_SHAPES, assert_variant_matches_float64, compile_plans, compiled_variant, generator,
+from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases, compiled_variant, generator,
                      sampled_plans)
 from pairgen.ops.trimul import TRIMUL
 from pairgen.spec import DeviceLimits
@@ -40,11 +40,7 @@ def _cases():
 
 
 CASES = _cases()
-
-
-@pytest.fixture(scope="module")
-def variants():
-    return compile_plans([c.values[0] for c in CASES])
+variants = compiled_cases(CASES)
 
 
 @pytest.mark.parametrize("plan", CASES)
