@@ -17,11 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .functional import KERNEL_EPS, af3_parameters, assign_parameters, empty_trimul, triangle_multiplicative_update
+
 _OPENFOLD = ("linear_a_p", "linear_a_g", "linear_b_p", "linear_b_g", "linear_g", "linear_z", "layer_norm_in",
              "layer_norm_out")
 _AF3 = ("norm_in", "p_in", "g_in", "norm_out", "p_out", "g_out")
 _AF3_PYTORCH = ("left_right_proj", "out_gate", "to_out_norm", "to_out", "mix_einsum_eq")
-_KERNEL_EPS = 1e-5
 
 
 def adapt(source: nn.Module, direction: str | None = None):
@@ -51,25 +52,8 @@ def _direction_of(source: nn.Module) -> str:
 
 def _check_eps(*norms: nn.LayerNorm) -> None:
     for norm in norms:
-        if abs(norm.eps - _KERNEL_EPS) > 1e-12:
-            raise ValueError(f"pairgen's kernels use LayerNorm eps {_KERNEL_EPS}; the source's is {norm.eps}")
-
-
-def _empty_module(P: int, H: int, direction: str, bias: bool):
-    """A TriangleMultiplication with no storage (every parameter is assigned next)."""
-    from .ops.trimul import TriangleMultiplication
-
-    with torch.device("meta"):
-        return TriangleMultiplication(P, H, direction=direction, gate_on="normalized", bias=bias)
-
-
-def _assign(module: nn.Module, values: dict) -> nn.Module:
-    """Parameters by dotted path; a Parameter is taken as it is (shared), a tensor is wrapped."""
-    for path, value in values.items():
-        sub, name = path.rsplit(".", 1)
-        param = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=True)
-        setattr(module.get_submodule(sub), name, param)
-    return module
+        if abs(norm.eps - KERNEL_EPS) > 1e-12:
+            raise ValueError(f"pairgen's kernels use LayerNorm eps {KERNEL_EPS}; the source's is {norm.eps}")
 
 
 def _from_openfold(source: nn.Module, direction: str):
@@ -88,36 +72,20 @@ def _from_openfold(source: nn.Module, direction: str):
         values[f"{ours}.weight"] = linear.weight
         if all(biases):
             values[f"{ours}.bias"] = linear.bias
-    return _assign(_empty_module(P, H, direction, all(biases)), values)
+    return assign_parameters(empty_trimul(P, H, direction, all(biases)), values)
 
 
 def _from_af3(source: nn.Module, direction: str):
     s = source
     _check_eps(s.norm_in, s.norm_out)
     two_h, P = s.p_in.weight.shape
-    H = two_h // 2
-    linears = (s.p_in, s.g_in, s.p_out, s.g_out)
-    bias = any(linear.bias is not None for linear in linears)
-
-    def copy(t, rows=slice(None)):
-        return t.detach()[rows].clone()
-
-    def bias_of(linear, rows=slice(None)):
-        return copy(linear.bias, rows) if linear.bias is not None else \
-            torch.zeros(linear.weight.shape[0], dtype=linear.weight.dtype, device=linear.weight.device)[rows]
-
-    values = {"layer_norm_in.weight": copy(s.norm_in.weight), "layer_norm_in.bias": copy(s.norm_in.bias),
-              "layer_norm_out.weight": copy(s.norm_out.weight), "layer_norm_out.bias": copy(s.norm_out.bias),
-              "out_proj.weight": copy(s.p_out.weight), "out_gate.weight": copy(s.g_out.weight)}
-    for half, rows in (("a", slice(0, H)), ("b", slice(H, two_h))):
-        values[f"proj_{half}.weight"] = copy(s.p_in.weight, rows)
-        values[f"gate_{half}.weight"] = copy(s.g_in.weight, rows)
-        if bias:
-            values[f"proj_{half}.bias"] = bias_of(s.p_in, rows)
-            values[f"gate_{half}.bias"] = bias_of(s.g_in, rows)
-    if bias:
-        values["out_proj.bias"], values["out_gate.bias"] = bias_of(s.p_out), bias_of(s.g_out)
-    return _assign(_empty_module(P, H, direction, bias), values)
+    bias = any(linear.bias is not None for linear in (s.p_in, s.g_in, s.p_out, s.g_out))
+    w = {"norm_in_weight": s.norm_in.weight, "norm_in_bias": s.norm_in.bias, "norm_out_weight": s.norm_out.weight,
+         "norm_out_bias": s.norm_out.bias}
+    for name in ("p_in", "g_in", "p_out", "g_out"):
+        w[f"{name}_weight"], w[f"{name}_bias"] = getattr(s, name).weight, getattr(s, name).bias
+    values = af3_parameters(w, bias, lambda t: nn.Parameter(t.detach().clone()))
+    return assign_parameters(empty_trimul(P, two_h // 2, direction, bias), values)
 
 
 def _is_af3_pytorch(source: nn.Module) -> bool:
@@ -153,7 +121,7 @@ def _from_af3_pytorch(source: nn.Module):
     for half, rows in (("a", a), ("b", b)):
         values[f"proj_{half}.weight"] = rows["proj"].clone()
         values[f"gate_{half}.weight"] = rows["gate"].clone()
-    return _assign(_empty_module(P, H, direction, bias=False), values)
+    return assign_parameters(empty_trimul(P, H, direction, bias=False), values)
 
 
 # ---- patching a model in place ------------------------------------------------------------------
@@ -175,6 +143,19 @@ class _Patched(nn.Module):
     def extra_repr(self) -> str:
         return f"pairgen stand-in for {type(self.source).__name__} ({self.form} form, {self.direction})"
 
+    def _kept(self, key: tuple, build):
+        """The pairgen module built from the source, built again when `key` (what it depends on) moves."""
+        cached = self.__dict__.get("_pairgen")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_pairgen"] = (key, build(self.source))
+        return cached[1]
+
+
+def _run_flat(module, x, pair_mask):
+    """The pairgen module on x (..., N, N, P) with its leading dimensions flattened into one batch."""
+    lead, (n1, n2, c) = x.shape[:-3], x.shape[-3:]
+    return module(x.reshape(-1, n1, n2, c), pair_mask.reshape(-1, n1, n2)).reshape(*lead, n1, n2, c)
+
 
 class PatchedOpenFold(_Patched):
     """An OpenFold-form module's forward on pairgen's kernels, through `adapt` (parameters
@@ -191,19 +172,11 @@ class PatchedOpenFold(_Patched):
     def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, **options):
         if any(name not in self._IGNORED for name in options):
             return self.source(z, mask, inplace_safe=inplace_safe, _add_with_inplace=_add_with_inplace, **options)
-        module = self._pairgen_module()
-        if mask is None:
-            mask = z.new_ones(z.shape[:-1])
-        lead, (n1, n2, c) = z.shape[:-3], z.shape[-3:]
-        update = module(z.reshape(-1, n1, n2, c), mask.reshape(-1, n1, n2)).reshape(*lead, n1, n2, c)
+        # shared parameters: only their replacement by other objects needs a new module
+        module = self._kept(tuple(id(p) for p in self.source.parameters()),
+                            lambda source: _from_openfold(source, self.direction))
+        update = _run_flat(module, z, mask if mask is not None else z.new_ones(z.shape[:-1]))
         return z.add_(update) if inplace_safe and _add_with_inplace else update
-
-    def _pairgen_module(self):
-        held = tuple(id(p) for p in self.source.parameters())
-        cached = self.__dict__.get("_pairgen")
-        if cached is None or cached[0] != held:
-            cached = self.__dict__["_pairgen"] = (held, _from_openfold(self.source, self.direction))
-        return cached[1]
 
 
 class PatchedAF3(_Patched):
@@ -214,8 +187,6 @@ class PatchedAF3(_Patched):
     form = "AlphaFold 3 / Boltz"
 
     def forward(self, x, mask=None, *unused, **unused_options):
-        from .functional import triangle_multiplicative_update
-
         s = self.source
         return triangle_multiplicative_update(
             x, self.direction, mask, norm_in_weight=s.norm_in.weight, norm_in_bias=s.norm_in.bias,
@@ -237,15 +208,10 @@ class PatchedAF3Pytorch(_Patched):
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
         if options or wants_grad or (self.training and dropout > 0):
             return self.source(x, mask=mask, **options) if mask is not None else self.source(x, **options)
-        held = tuple((id(p), p._version) for p in self.source.parameters())
-        cached = self.__dict__.get("_pairgen")
-        if cached is None or cached[0] != held:
-            cached = self.__dict__["_pairgen"] = (held, _from_af3_pytorch(self.source))
-        n = x.shape[-2]
+        # copies: an in-place update (a version) needs a new module too
+        module = self._kept(tuple((id(p), p._version) for p in self.source.parameters()), _from_af3_pytorch)
         pair = (mask[..., :, None] & mask[..., None, :]) if mask is not None else x.new_ones(x.shape[:-1], dtype=torch.bool)
-        lead = x.shape[:-3]
-        out = cached[1](x.reshape(-1, n, n, x.shape[-1]), pair.reshape(-1, n, n))
-        return out.reshape(*lead, n, n, x.shape[-1])
+        return _run_flat(module, x, pair)
 
 
 def _stand_in_for(module: nn.Module):

@@ -152,33 +152,53 @@ def _module_for(weights: dict, direction: str, precision: str, x):
 
 def _build(weights: dict, direction: str, precision: str, x):
     """A TriangleMultiplication whose parameters are views of the caller's weights (no copy)."""
-    from .ops.trimul import TriangleMultiplication
-
     P, H = x.shape[-1], weights["p_in_weight"].shape[0] // 2
     bias = any(weights[n] is not None for n in ("p_in_bias", "g_in_bias", "p_out_bias", "g_out_bias"))
-    like = weights["p_in_weight"]
-    with torch.device("meta"):  # no random initialisation: every parameter is replaced below
-        module = TriangleMultiplication(P, H, direction=direction, gate_on="normalized", bias=bias, precision=precision)
+    values = af3_parameters(weights, bias, lambda t: torch.nn.Parameter(t.detach(), requires_grad=False))
+    return assign_parameters(empty_trimul(P, H, direction, bias, precision), values)
 
-    def shared(t, shape=None):
-        if t is None:  # a bias the caller left out while giving others: zeros keep its function
-            t = torch.zeros(shape, dtype=like.dtype, device=like.device)
-        return torch.nn.Parameter(t.detach(), requires_grad=False)
 
-    rows = {"a": slice(0, H), "b": slice(H, 2 * H)}
-    params = {"layer_norm_in.weight": weights["norm_in_weight"], "layer_norm_in.bias": weights["norm_in_bias"],
-              "layer_norm_out.weight": weights["norm_out_weight"], "layer_norm_out.bias": weights["norm_out_bias"],
-              "out_proj.weight": weights["p_out_weight"], "out_gate.weight": weights["g_out_weight"]}
-    for half, rs in rows.items():
-        params[f"proj_{half}.weight"] = weights["p_in_weight"][rs]
-        params[f"gate_{half}.weight"] = weights["g_in_weight"][rs]
-        if bias:
-            params[f"proj_{half}.bias"] = weights["p_in_bias"][rs] if weights["p_in_bias"] is not None else None
-            params[f"gate_{half}.bias"] = weights["g_in_bias"][rs] if weights["g_in_bias"] is not None else None
-    if bias:
-        params["out_proj.bias"], params["out_gate.bias"] = weights["p_out_bias"], weights["g_out_bias"]
-    for path, value in params.items():
+def empty_trimul(P: int, H: int, direction: str, bias: bool, precision: str = "ieee"):
+    """A TriangleMultiplication (gate on the normalised input) with no storage: every parameter is
+    assigned next (assign_parameters), so nothing is initialised at random."""
+    from .ops.trimul import TriangleMultiplication
+
+    with torch.device("meta"):
+        return TriangleMultiplication(P, H, direction=direction, gate_on="normalized", bias=bias, precision=precision)
+
+
+def assign_parameters(module: torch.nn.Module, values: dict) -> torch.nn.Module:
+    """Parameters by dotted path; a Parameter is taken as it is (shared), a tensor is wrapped."""
+    for path, value in values.items():
         sub, name = path.rsplit(".", 1)
-        owner = module.get_submodule(sub)
-        setattr(owner, name, shared(value, getattr(owner, name).shape))
+        param = value if isinstance(value, torch.nn.Parameter) else torch.nn.Parameter(value, requires_grad=True)
+        setattr(module.get_submodule(sub), name, param)
     return module
+
+
+def af3_parameters(w: dict, bias: bool, take) -> dict:
+    """A TriangleMultiplication's parameters (dotted paths) from the AlphaFold 3 / cuEquivariance
+    layout `w` (norm_in_weight, norm_in_bias, p_in_weight with 2H rows: a's, then b's, p_in_bias,
+    g_in_*, norm_out_*, p_out_*, g_out_*), each through take(tensor) -> Parameter (a copy, or a
+    view that shares memory). With bias, a bias left out while others are given is zeros."""
+    H = w["p_in_weight"].shape[0] // 2
+    like = w["p_in_weight"]
+
+    def bias_of(name: str, rows=slice(None)):
+        t = w[name]
+        if t is None:
+            t = torch.zeros(w[name.replace("_bias", "_weight")].shape[0], dtype=like.dtype, device=like.device)
+        return t[rows]
+
+    values = {"layer_norm_in.weight": w["norm_in_weight"], "layer_norm_in.bias": w["norm_in_bias"],
+              "layer_norm_out.weight": w["norm_out_weight"], "layer_norm_out.bias": w["norm_out_bias"],
+              "out_proj.weight": w["p_out_weight"], "out_gate.weight": w["g_out_weight"]}
+    for half, rows in (("a", slice(0, H)), ("b", slice(H, 2 * H))):
+        values[f"proj_{half}.weight"] = w["p_in_weight"][rows]
+        values[f"gate_{half}.weight"] = w["g_in_weight"][rows]
+        if bias:
+            values[f"proj_{half}.bias"] = bias_of("p_in_bias", rows)
+            values[f"gate_{half}.bias"] = bias_of("g_in_bias", rows)
+    if bias:
+        values["out_proj.bias"], values["out_gate.bias"] = bias_of("p_out_bias"), bias_of("g_out_bias")
+    return {path: take(t) for path, t in values.items()}

@@ -23,9 +23,6 @@ import torch
 
 _MODULES: dict[int, weakref.ref] = {}
 
-#: op name -> (the output's shape and dtype from the inputs and the module): the fake implementation.
-_OUTPUT_OF = {}
-
 
 def register(module) -> int:
     """The module's handle (its id), remembered until the module is collected."""
@@ -101,7 +98,7 @@ def _backward(inputs: list[torch.Tensor], weights: list[torch.Tensor], grad: tor
 
 
 def _register(op: str, output_of) -> None:
-    _OUTPUT_OF[op] = output_of
+    """The op's two operators; output_of(inputs, weights) -> the output's (shape, dtype), for the fake."""
     forward = torch.library.custom_op(f"pairgen::{op}", _forward, mutates_args=())
     backward = torch.library.custom_op(f"pairgen::{op}_backward", _backward, mutates_args=())
 
@@ -131,7 +128,7 @@ def _register(op: str, output_of) -> None:
 
 
 def _same_as_first(inputs, weights):
-    """trimul: (B, N, N, P) in the input's dtype."""
+    """The first input's shape and dtype: trimul's (B, N, N, P), the readout's nodes (B, N, D)."""
     return inputs[0].shape, inputs[0].dtype
 
 
@@ -142,7 +139,7 @@ def _contact_output(inputs, weights):
 
 _register("trimul", _same_as_first)
 _register("contact", _contact_output)
-_register("readout", _same_as_first)  # (B, N, D) like the nodes
+_register("readout", _same_as_first)
 
 
 def compiled_call(module, op: str, inputs: tuple) -> torch.Tensor:

@@ -16,6 +16,10 @@ from . import library, runtime
 from .spec import OpSpec
 
 
+#: The precisions whose modules hold their parameters, and take their inputs, in a 16-bit dtype.
+HALF_PRECISION_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class ReferenceBackward(torch.autograd.Function):
     """Forward through the kernel; backward by recomputing the reference under autograd.
     Gradients are therefore exactly the reference's, at the cost of one recomputation."""

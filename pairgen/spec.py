@@ -240,7 +240,7 @@ class OpSpec:
         return [r.reason for r in strategy.restrictions if not r.holds(plan, limits)]
 
     def default_plan(self, widths: dict, limits: DeviceLimits, precision: str | None = None) -> Plan | None:
-        precision = precision or self.precision or "float32"
+        precision = precision or precision_of(self)
         for strategy, params in self.default_points:
             if precision not in self.strategies[strategy].precisions:
                 continue
@@ -330,6 +330,12 @@ class OpSpec:
         if name not in self.extra_peer_names or peer is None:
             return f"{self.name} has no peer {name!r}"
         return peer(name, module, inputs)
+
+
+def precision_of(spec) -> str:
+    """The precision an op spec or a PrecisionView tunes, benches and keys entries in: the view's,
+    else exact fp32 (an OpSpec's `precision` is None: its plans take each strategy's first)."""
+    return spec.precision or "float32"
 
 
 class PrecisionView:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ..ops import get_op, op_names
+from ..spec import precision_of
 from .cli import add_selection_args, selected_shapes, shape_label
 
 
@@ -48,7 +49,7 @@ def measure(spec, shape, peers, reps):
     from pairgen.tuning.timing import floor_us, host_us_per_call, time_cuda, time_graph_replay
 
     device = torch.device("cuda", torch.cuda.current_device())
-    precision = spec.precision or "float32"
+    precision = precision_of(spec)
     gen = torch.Generator().manual_seed(0)
     widths = spec.widths_of(shape)
     module = module_in_precision(spec, widths, gen, precision, device)

@@ -7,21 +7,18 @@ import time
 import torch
 
 from .. import codegen, compiler, runtime
+from ..modules import HALF_PRECISION_DTYPES
 from .check import CheckFailed, compare, reference64
-from ..spec import OpSpec, Plan
+from ..spec import OpSpec, Plan, precision_of
 from .timing import time_cuda
-
-
-#: Precisions whose modules hold their parameters (and take their inputs) in a 16-bit dtype.
-HALF_PRECISIONS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def module_in_precision(spec: OpSpec, widths: dict, generator, precision: str, device) -> torch.nn.Module:
     """A module with random weights that computes in `precision`: a bfloat16/float16 module, or a
     float32 module with precision= (tf32x3, tf32; float32 is the default "ieee")."""
     module = spec.make_module(widths, generator).to(device)
-    if precision in HALF_PRECISIONS:
-        return module.to(HALF_PRECISIONS[precision])
+    if precision in HALF_PRECISION_DTYPES:
+        return module.to(HALF_PRECISION_DTYPES[precision])
     if precision != "float32":
         module.precision = precision
     return module
@@ -30,7 +27,7 @@ def module_in_precision(spec: OpSpec, widths: dict, generator, precision: str, d
 def inputs_in_precision(tensors: tuple, precision: str, device) -> tuple:
     """Inputs on the device, floating-point ones in the module's dtype (float masks too, as a
     caller in that dtype would pass them)."""
-    dtype = HALF_PRECISIONS.get(precision)
+    dtype = HALF_PRECISION_DTYPES.get(precision)
     return tuple(t.to(device, dtype=dtype) if dtype is not None and t.dtype.is_floating_point else t.to(device)
                  for t in tensors)
 
@@ -44,7 +41,7 @@ class GpuEvaluator:
     def __init__(self, spec: OpSpec, shape: dict, device_index: int = 0, seed: int = 0,
                  peers: tuple[str, ...] = ("eager", "compile"), pool=None):
         self.spec, self.shape, self.peers, self.pool = spec, dict(shape), peers, pool
-        self.precision = spec.precision or "float32"
+        self.precision = precision_of(spec)
         self.device = torch.device("cuda", device_index)
         info = runtime.device_info(device_index)
         self.limits, self.arch = info.limits, info.arch
@@ -108,7 +105,7 @@ def tuned_entry(result, spec: OpSpec, dtype: str | None = None) -> dict:
     from ..tuned import make_key
 
     best = result.best
-    dtype = dtype or spec.precision or "float32"
+    dtype = dtype or precision_of(spec)
     widths = spec.widths_of(result.shape)
     return {
         "key": make_key(dtype, widths, n_bucket(result.shape["N"])),

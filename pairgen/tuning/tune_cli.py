@@ -21,6 +21,7 @@ import re
 import sys
 from pathlib import Path
 
+from ..spec import precision_of
 from .cli import add_selection_args, selected_shapes, shape_label
 
 
@@ -345,11 +346,11 @@ def starting_points(spec, db, shape: dict, info) -> list[tuple[str, dict]]:
     from pairgen.spec import n_bucket
 
     widths = spec.widths_of(shape)
-    precision = spec.precision or "float32"
+    precision = precision_of(spec)
     in_use = runtime.choose(spec, precision, widths, shape["N"], info).entry
     entries = [in_use, previous_entry(spec, db, widths, n_bucket(shape["N"]))]
     if precision != "float32":  # exact fp32 winners, where the precision may run them (tf32x3, tf32)
-        exact = runtime.choose(spec.base if hasattr(spec, "base") else spec, "float32", widths, shape["N"], info).entry
+        exact = runtime.choose(spec, "float32", widths, shape["N"], info).entry
         if exact is not None and exact["strategy"] in spec.strategies:
             entries.append(exact)
     points = []
@@ -366,13 +367,13 @@ def previous_entry(spec, db, widths: dict, bucket: int) -> dict | None:
     from pairgen import config
     from pairgen.tuned import TunedDB
 
-    found = db.previous(spec.precision or "float32", widths, bucket)
+    found = db.previous(precision_of(spec), widths, bucket)
     for root in config.tuned_read_dirs():
         if found is not None:
             break
         other = TunedDB(spec.name, db.gpu_slug, root)
         if other.path != db.path:
-            found = other.previous(spec.precision or "float32", widths, bucket)
+            found = other.previous(precision_of(spec), widths, bucket)
     return found
 
 
@@ -383,7 +384,7 @@ def explain(work, info) -> int:
     print(f"on {info.name} ({info.slug}, {info.arch}); tuned folders, first first: "
           + ", ".join(str(d) for d in config.tuned_read_dirs()))
     for spec, shape in work:
-        explained = runtime.explain(spec, spec.precision or "float32", spec.widths_of(shape), shape["N"], info=info)
+        explained = runtime.explain(spec, precision_of(spec), spec.widths_of(shape), shape["N"], info=info)
         print(f"{shape_label(shape)}: {explained}")
     return 0
 
@@ -419,7 +420,7 @@ def tune(work, args) -> int:
         for spec, shape in work:
             db = TunedDB(spec.name, info.slug)
             extra = starting_points(spec, db, shape, info)
-            dtype = spec.precision or "float32"
+            dtype = precision_of(spec)
             if len(devices) > 1:
                 result = _tune_on_devices(spec, shape, devices, extra, settings, peers, info.slug, args.storage)
             else:
@@ -487,7 +488,7 @@ def _tune_on_devices(spec, shape, devices, extra, settings, peers, slug, storage
     from pairgen.tuning.tuner import open_study, past_outcomes, result_from_study, study_name
     from pairgen.spec import n_bucket
 
-    dtype = spec.precision or "float32"
+    dtype = precision_of(spec)
     base = {"op": spec.name, "precision": dtype, "shape": dict(shape), "slug": slug, "extra": list(extra),
             "storage": storage_url, "compile_workers": max(1, (os.cpu_count() or 1) // len(devices))}
     ctx = multiprocessing.get_context("spawn")

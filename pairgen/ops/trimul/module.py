@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import (KernelModule, PackedParameters, as_mask, check_float_tensor, check_mask, contiguous_aligned,
-                        cublas_fp32_mode, fp32_matmul)
+from ...modules import (HALF_PRECISION_DTYPES, KernelModule, PackedParameters, as_mask, check_float_tensor,
+                        check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul)
 from .reference import TriangleMultiplicationReference
 from .spec import BMM, FUSED, MMA, TRIMUL, mma_weight_offsets, weight_offsets
 
 #: precision= of an fp32 module -> the tuned key's dtype its kernels compute in.
 FP32_PRECISIONS = {"ieee": "float32", "tf32x3": "tf32x3", "tf32": "tf32"}
 #: A 16-bit input dtype (the module's, or autocast's for an fp32 module) -> its precision.
-HALF_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+HALF_DTYPES = {dtype: name for name, dtype in HALF_PRECISION_DTYPES.items()}
 #: Precision -> the dtype of the mma kernels' operands (packed weights, a, b, the triangle sums).
 OPERAND_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "tf32": torch.float32,
                   "tf32x3": torch.float32}
