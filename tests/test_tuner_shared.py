@@ -50,7 +50,9 @@ def test_workers_share_a_study_without_losing_or_doubling_a_point(tmp_path):
     study = open_study(study_name("fake-gpu", "contact", "float32", WIDTHS, 64), 0, tmp_path)
     verdicts, _ = past_outcomes(study)
     assert set(verdicts) == set(attempted), "every attempted point has its verdict in the study, and only those"
-    assert len(verdicts) >= 30
+    # Workers ask only for points no one has taken, so the study ends at the target; two workers
+    # counting at the same moment can each ask for the last few (at most a batch each beyond it).
+    assert 30 <= len(verdicts) <= 30 + 2 * 4
     assert sum(1 for log in logs if log.exists() and log.read_text()) >= 2, "the work was shared"
 
 

@@ -393,7 +393,7 @@ def tune(work, args) -> int:
     import torch
 
     from pairgen import compiler, config, runtime
-    from pairgen.tuning.evaluate import GpuEvaluator, tuned_entry
+    from pairgen.tuning.evaluate import GpuEvaluator
     from pairgen.tuning.timing import strict_fp32
     from pairgen.tuned import TunedDB
     from pairgen.tuning.tuner import TuneSettings, tune_shape
@@ -415,25 +415,19 @@ def tune(work, args) -> int:
                   "model's: tune each model separately", file=sys.stderr)
             return 2
         print(f"{len(devices)} workers, one per GPU ({', '.join(map(str, devices))}), share each shape's study")
-    results = []
-    with compiler.compile_pool() as pool:
-        for spec, shape in work:
-            db = TunedDB(spec.name, info.slug)
-            extra = starting_points(spec, db, shape, info)
-            dtype = precision_of(spec)
-            if len(devices) > 1:
-                result = _tune_on_devices(spec, shape, devices, extra, settings, peers, info.slug, args.storage)
-            else:
+    jobs = [(spec, shape, starting_points(spec, TunedDB(spec.name, info.slug), shape, info)) for spec, shape in work]
+    if len(devices) > 1:
+        results = _tune_on_devices(jobs, devices, settings, peers, info.slug, args.storage)
+        for (spec, _, _), result in zip(jobs, results):
+            _record(spec, result, info)  # once per shape, by this process alone
+    else:
+        results = []
+        with compiler.compile_pool() as pool:
+            for spec, shape, extra in jobs:
                 evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers, pool)
-                result = tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=dtype,
-                                    storage_url=args.storage)
-            results.append(result)
-            if result.best:
-                db.upsert(tuned_entry(result, spec), arch=info.arch)  # once per shape, by this process
-            else:
-                print(f"{spec.name} {shape_label(shape)}: no variant passed; nothing written", file=sys.stderr)
-            for line in result.failures[:5]:
-                print(f"  failed: {line}", file=sys.stderr)
+                results.append(tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=precision_of(spec),
+                                          storage_url=args.storage))
+                _record(spec, results[-1], info)  # as each shape finishes: an interrupted run keeps them
     runtime.clear_caches()
     table = closing_table(results, peers)
     header = (f"{info.name}, torch {torch.__version__}, CUDA {torch.version.cuda}; fp32 with TF32 off unless a "
@@ -444,6 +438,19 @@ def tune(work, args) -> int:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(header + table + "\n")
     return 0 if all(r.best for r in results) else 1
+
+
+def _record(spec, result, info) -> None:
+    """Write a shape's winner to the tuned database (or say why there is none)."""
+    from pairgen.tuned import TunedDB
+    from pairgen.tuning.evaluate import tuned_entry
+
+    if result.best:
+        TunedDB(spec.name, info.slug).upsert(tuned_entry(result, spec), arch=info.arch)
+    else:
+        print(f"{spec.name} {shape_label(result.shape)}: no variant passed; nothing written", file=sys.stderr)
+    for line in result.failures[:5]:
+        print(f"  failed: {line}", file=sys.stderr)
 
 
 def _devices(text: str | None, count: int, current: int) -> list[int]:
@@ -458,9 +465,12 @@ def _devices(text: str | None, count: int, current: int) -> list[int]:
 
 
 def _device_worker(job: dict) -> None:
-    """One GPU's worker on a shared study (a spawned process: it imports torch itself)."""
+    """One GPU's worker (a spawned process: it imports torch itself). It takes every shape in turn,
+    on the shape's study shared with the other workers, and moves to the next shape as soon as the
+    study's points are all claimed: no worker waits for another between shapes."""
     import torch
 
+    from pairgen import compiler
     from pairgen.ops import get_op
     from pairgen.tuning.evaluate import GpuEvaluator
     from pairgen.tuning.timing import strict_fp32
@@ -469,58 +479,79 @@ def _device_worker(job: dict) -> None:
     strict_fp32()
     os.environ["PAIRGEN_COMPILE_WORKERS"] = str(job["compile_workers"])  # the CPUs are shared by the workers
     torch.cuda.set_device(job["device"])
-    spec = get_op(job["op"]).at(job["precision"])
     settings = TuneSettings(**{**job["settings"], "progress": False})
-    evaluator = GpuEvaluator(spec, job["shape"], job["device"], settings.seed, tuple(job["peers"]))
-    result = tune_shape(spec, job["shape"], evaluator, job["slug"], settings, job["extra"], dtype=job["precision"],
-                        shared=True, storage_url=job["storage"])
-    for line in result.failures[:5]:
-        print(f"  GPU {job['device']} failed: {line}", file=sys.stderr)
+    with compiler.compile_pool(job["compile_workers"]) as pool:
+        for task in job["tasks"]:
+            spec = get_op(task["op"]).at(task["precision"])
+            evaluator = GpuEvaluator(spec, task["shape"], job["device"], settings.seed, tuple(job["peers"]), pool)
+            result = tune_shape(spec, task["shape"], evaluator, job["slug"], settings, task["extra"],
+                                dtype=task["precision"], shared=True, storage_url=job["storage"])
+            for line in result.failures[:5]:
+                print(f"  GPU {job['device']} failed: {line}", file=sys.stderr)
 
 
-def _tune_on_devices(spec, shape, devices, extra, settings, peers, slug, storage_url):
-    """One worker process per GPU on the shape's study; this process shows their joint progress and
-    reads the result back once they are done (results do not depend on the number of workers)."""
+def _tune_on_devices(jobs, devices, settings, peers, slug, storage_url) -> list:
+    """One worker process per GPU, each taking every shape in turn on the shape's shared study;
+    this process shows their joint progress and reads each result back from its study once they
+    are done (results do not depend on the number of workers)."""
     import dataclasses
     import multiprocessing
-    import time
 
-    from pairgen.tuning.tuner import open_study, past_outcomes, result_from_study, study_name
     from pairgen.spec import n_bucket
+    from pairgen.tuning.tuner import result_from_study, study_name
 
-    dtype = precision_of(spec)
-    base = {"op": spec.name, "precision": dtype, "shape": dict(shape), "slug": slug, "extra": list(extra),
-            "storage": storage_url, "compile_workers": max(1, (os.cpu_count() or 1) // len(devices))}
+    tasks = [{"op": spec.name, "precision": precision_of(spec), "shape": dict(shape), "extra": list(extra)}
+             for spec, shape, extra in jobs]
+    names = [study_name(slug, spec.name, precision_of(spec), spec.widths_of(shape), n_bucket(shape["N"]))
+             for spec, shape, _ in jobs]
+    compile_workers = max(1, (os.cpu_count() or 1) // len(devices))
     ctx = multiprocessing.get_context("spawn")
     workers = []
     for k, device in enumerate(devices):
-        job = {**base, "device": device, "peers": list(peers) if k == 0 else [],  # peers timed once
+        job = {"tasks": tasks, "device": device, "slug": slug, "storage": storage_url,
+               "compile_workers": compile_workers,
+               "peers": list(peers) if k == 0 else [],  # the peers are timed once, by the first worker
                "settings": {**dataclasses.asdict(settings), "seed": settings.seed + k}}  # distinct samplers
         workers.append(ctx.Process(target=_device_worker, args=(job,)))
-    start = time.perf_counter()
     for w in workers:
         w.start()
-    name = study_name(slug, spec.name, dtype, spec.widths_of(shape), n_bucket(shape["N"]))
-    bar = None
-    if settings.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=settings.trials, desc=f"{spec.name} {shape_label(shape)} on {len(devices)} GPUs", unit="trial")
-    while any(w.is_alive() for w in workers):
-        time.sleep(1.0)
-        if bar is not None:
-            try:
-                bar.n = min(settings.trials, len(past_outcomes(open_study(name, settings.seed, None, storage_url))[0]))
-                bar.refresh()
-            except Exception:  # the study may not exist yet
-                pass
-    if bar is not None:
-        bar.close()
+    _watch(workers, names, settings, len(devices), storage_url)
     dead = [d for d, w in zip(devices, workers) if w.exitcode != 0]
     if dead:
         print(f"workers on GPU(s) {dead} stopped with an error; their claimed points are retried by the next run",
               file=sys.stderr)
-    return result_from_study(spec, shape, slug, dtype, settings.seed, time.perf_counter() - start, None, storage_url)
+    return [result_from_study(spec, shape, slug, precision_of(spec), settings.seed, storage_url=storage_url)
+            for spec, shape, _ in jobs]
+
+
+def _watch(workers, names: list[str], settings, n_devices: int, storage_url: str | None) -> None:
+    """Wait for the workers, with one progress bar over every shape's study (verdicts so far)."""
+    import time
+
+    from pairgen.tuning.tuner import open_study, past_outcomes
+
+    bar = None
+    if settings.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=settings.trials * len(names), desc=f"{len(names)} shape(s) on {n_devices} GPUs", unit="trial")
+    done = [0] * len(names)
+    while any(w.is_alive() for w in workers):
+        time.sleep(2.0)
+        if bar is None:
+            continue
+        for i, name in enumerate(names):
+            if done[i] >= settings.trials:
+                continue
+            try:
+                study = open_study(name, settings.seed, None, storage_url)
+                done[i] = min(settings.trials, len(past_outcomes(study)[0]))
+            except Exception:  # the study may not exist yet
+                pass
+        bar.n = sum(done)
+        bar.refresh()
+    if bar is not None:
+        bar.close()
 
 
 def main(argv=None) -> int:

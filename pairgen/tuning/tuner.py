@@ -258,8 +258,9 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
                dtype: str = "float32", shared: bool = False, storage_url: str | None = None) -> TuneResult:
     """Tune one shape to `settings.trials` distinct evaluated points. shared: other processes (one
     per GPU, or per host) run the same study at the same time: points are claimed before they are
-    timed (PointClaims, beside the journal), every worker counts the others' verdicts, and all stop
-    when the study holds the target (a worker's batch in flight may add a few more)."""
+    timed (PointClaims, beside the journal), every worker counts the others' verdicts, and each
+    asks only for the points not yet taken (with a verdict, or claimed by a live worker), and leaves
+    once all are: the study ends at the target, and a worker moves on without waiting for the others."""
     widths = spec.widths_of(shape)
     limits = evaluator.limits
     name = study_name(gpu_slug, spec.name, dtype, widths, n_bucket(shape["N"]))
@@ -285,11 +286,11 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     batch_size = settings.batch or config.compile_workers()
     search.show_progress()
     try:
-        while _refresh(seen, study, shared) < target and search.asks_left > 0:
+        while (left := target - _taken(seen, study, claims)) > 0 and search.asks_left > 0:
             if settings.time_budget_s is not None and time.perf_counter() - start > settings.time_budget_s:
                 log.warning("time budget of %.0f s reached after %d trials", settings.time_budget_s, len(seen))
                 break
-            search.run_batch(search.ask_batch(min(batch_size, target - len(seen))))
+            search.run_batch(search.ask_batch(min(batch_size, left)))
     except BaseException as exc:  # Ctrl-C, a compile pool that broke, a toolchain that would not load
         search.abandon_running(exc)
         raise
@@ -301,23 +302,29 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
                       time.perf_counter() - start, search.failures)
 
 
-def result_from_study(spec: OpSpec, shape: dict, gpu_slug: str, dtype: str, seed: int, elapsed_s: float,
+def result_from_study(spec: OpSpec, shape: dict, gpu_slug: str, dtype: str, seed: int,
                       storage_dir: Path | None = None, storage_url: str | None = None) -> TuneResult:
-    """What shared workers tuned, read back from their study (by the process that writes the entry)."""
+    """What shared workers tuned, read back from their study (by the process that writes the entry).
+    Its time is the span of the study's trials: from the first start to the last finish."""
     widths = spec.widths_of(shape)
     study = open_study(study_name(gpu_slug, spec.name, dtype, widths, n_bucket(shape["N"])), seed, storage_dir,
                        storage_url)
     verdicts, _ = past_outcomes(study)
     failed = sum(1 for o in verdicts.values() if o.value is None)
+    starts = [t.datetime_start for t in study.get_trials(deepcopy=False) if t.datetime_start]
+    ends = [t.datetime_complete for t in study.get_trials(deepcopy=False) if t.datetime_complete]
+    elapsed_s = (max(ends) - min(starts)).total_seconds() if starts and ends else 0.0
     return TuneResult(spec.name, dict(shape), _best(study, spec, widths), study.user_attrs.get("baselines", {}),
                       {"evaluated": len(verdicts), "failed": failed}, None, elapsed_s)
 
 
-def _refresh(seen: dict, study, shared: bool) -> int:
-    """How many points have a verdict; with other workers on the study, theirs included."""
-    if shared:
-        seen.update(past_outcomes(study)[0])
-    return len(seen)
+def _taken(seen: dict, study, claims: "PointClaims | None") -> int:
+    """How many points have a verdict, or (with other workers on the study) are being timed by a
+    live worker: a worker asks only for the rest, and leaves once every point is taken."""
+    if claims is None:
+        return len(seen)
+    seen.update(past_outcomes(study)[0])
+    return max(len(seen), claims.live_count())
 
 
 def _best(study, spec: OpSpec, widths: dict) -> dict | None:
@@ -431,6 +438,10 @@ class PointClaims:
         exits (a finished worker's claim must not look like a dead one's)."""
         path = self._path(point)
         _write_atomic(path, json.dumps({"host": self.host, "pid": os.getpid(), "done": True}).encode())
+
+    def live_count(self) -> int:
+        """Claims that stand: finished, or held by a worker that is alive."""
+        return sum(1 for path in self.directory.glob("*.claim") if self._stale(path) is None)
 
     def _stale(self, path: Path) -> int | None:
         """The trial number of a claim whose worker is gone, else None."""
