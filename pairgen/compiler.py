@@ -12,7 +12,7 @@ import re
 import tempfile
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from multiprocessing import get_context
@@ -279,6 +279,12 @@ def compile_pool(workers: int | None = None) -> ProcessPoolExecutor:
     """A process pool for compile_many. Workers are spawned, not forked: the parent may hold a
     CUDA context, and a forked child must not touch it."""
     return ProcessPoolExecutor(max_workers=workers or config.compile_workers(), mp_context=get_context("spawn"))
+
+
+def start_compile(job: tuple[str, str, str], pool: ProcessPoolExecutor) -> Future:
+    """One (source, kernel_name, arch) job started on the pool; its future gives the Compiled or
+    the CompileError (a broken pool raises from it)."""
+    return pool.submit(_compile_job, job)
 
 
 def compile_many(jobs: list[tuple[str, str, str]], pool: ProcessPoolExecutor | None = None) -> list[Compiled | CompileError]:

@@ -30,7 +30,7 @@ def boltz_form(x, direction, mask, w, eps=1e-5):
         x_in, w["g_out_weight"], w.get("g_out_bias")).sigmoid()
 
 
-def weights(gen, bias: bool, dtype=torch.float32):
+def weights(gen, bias: bool, dtype=torch.float32, P=P, H=H):
     w = {"norm_in_weight": 1 + 0.1 * torch.randn(P, generator=gen), "norm_in_bias": 0.1 * torch.randn(P, generator=gen),
          "p_in_weight": torch.randn(2 * H, P, generator=gen) / P ** 0.5,
          "g_in_weight": torch.randn(2 * H, P, generator=gen) / P ** 0.5,

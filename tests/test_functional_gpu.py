@@ -12,6 +12,9 @@ from pairgen.ops.trimul import TRIMUL
 from pairgen.tuning.check import compare
 from test_functional import P, H, weights  # noqa: F401 (P, H: the widths the weights have)
 
+#: Widths the 16-bit kernels take (their tiles need P and H in multiples of 16).
+KERNEL_WIDTHS = {"P": 32, "H": 16}
+
 pytestmark = pytest.mark.gpu
 
 
@@ -24,8 +27,8 @@ def _float64(x, direction, mask, w):
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")])
 def test_kernels_match_float64(direction, dtype, precision):
     gen = torch.Generator().manual_seed(6)
-    w = {k: v.cuda().to(dtype) for k, v in weights(gen, bias=False).items()}
-    x = torch.randn(2, 37, 37, P, generator=gen).cuda().to(dtype)
+    w = {k: v.cuda().to(dtype) for k, v in weights(gen, bias=False, **KERNEL_WIDTHS).items()}
+    x = torch.randn(2, 37, 37, KERNEL_WIDTHS["P"], generator=gen).cuda().to(dtype)
     mask = (torch.rand(2, 37, 37, generator=gen) > 0.2).cuda()
     functional._modules.clear()
     with torch.no_grad():

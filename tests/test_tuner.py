@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import optuna
@@ -193,3 +194,44 @@ def test_a_template_edit_starts_a_new_study(monkeypatch):
     monkeypatch.setattr(codegen, "template_hash", lambda op, s: "edited" if s == "tiled" else real_hash(op, s))
     after = study_name("fake-gpu", "contact", "float32", WIDTHS, 64)
     assert before != after and before.rsplit("-t", 1)[0] == after.rsplit("-t", 1)[0]
+
+
+class BackgroundEvaluator(FakeEvaluator):
+    """Compiles in background threads (as GpuEvaluator does on its process pool), slowly; records
+    when each compile finished and each evaluation started."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.pool, self.events = pool, []
+
+    def start_compiles(self, plans):
+        def compile_one(plan):
+            time.sleep(0.02)
+            self.events.append(("compiled", _point_key(plan.strategy, plan.params)))
+            return self.compile([plan])[0]
+
+        futures = [self.pool.submit(compile_one, p) for p in plans]
+        return [f.result for f in futures]
+
+    def evaluate(self, plan):
+        self.events.append(("timed", _point_key(plan.strategy, plan.params)))
+        time.sleep(0.01)
+        return super().evaluate(plan)
+
+
+def test_points_are_timed_while_later_ones_compile(tmp_path):
+    """The GPU does not wait for a whole batch to compile, nor the compiler for the GPU: the first
+    point is timed before the last of the first window has compiled; no point is timed twice, none
+    before its compile finished, and the study stops at the trial count."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        ev = BackgroundEvaluator(pool)
+        result = tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(16), storage_dir=tmp_path)
+    assert result.counts["evaluated"] == 16
+    timed = [p for kind, p in ev.events if kind == "timed"]
+    assert len(timed) == len(set(timed)), "a point was timed twice"
+    order = {(kind, p): k for k, (kind, p) in enumerate(ev.events)}
+    assert all(order[("compiled", p)] < order[("timed", p)] for p in timed), "timed before its compile finished"
+    compiled = [p for kind, p in ev.events if kind == "compiled"]
+    assert order[("timed", timed[0])] < order[("compiled", compiled[3])], "the first point waited for the window"

@@ -73,6 +73,21 @@ class GpuEvaluator:
         return [res if isinstance(res, Exception) else runtime.Variant(p, r, res)
                 for p, r, res in zip(plans, rendered, results)]
 
+    def start_compiles(self, plans: list[Plan]) -> list:
+        """The plans' compiles started on the pool (rendered here: rendering is quick), each as a
+        call that waits for its variant or compile error; without a pool, compiled now."""
+        if self.pool is None:
+            return [lambda variant=variant: variant for variant in self.compile(plans)]
+        rendered = [codegen.render_plan(p) for p in plans]
+        futures = [compiler.start_compile((r.source, r.kernel_name, self.arch), self.pool) for r in rendered]
+
+        def waiter(plan, render, future):
+            def wait():
+                result = future.result()
+                return result if isinstance(result, Exception) else runtime.Variant(plan, render, result)
+            return wait
+        return [waiter(p, r, f) for p, r, f in zip(plans, rendered, futures)]
+
     def check(self, variant) -> None:
         for inputs, ref in self.cases:
             out = torch.full(ref.shape, float("nan"), device=self.device, dtype=inputs[0].dtype)

@@ -422,7 +422,7 @@ def tune(work, args) -> int:
             _record(spec, result, info)  # once per shape, by this process alone
     else:
         results = []
-        with compiler.compile_pool() as pool:
+        with compiler.compile_pool(_compile_share(1)) as pool:
             for spec, shape, extra in jobs:
                 evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers, pool)
                 results.append(tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=precision_of(spec),
@@ -438,6 +438,15 @@ def tune(work, args) -> int:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(header + table + "\n")
     return 0 if all(r.best for r in results) else 1
+
+
+def _compile_share(workers: int) -> int:
+    """Compile processes per tuning worker: the CPUs split among the workers, less one core for the
+    worker itself, which times kernels while the next ones compile (a host starved of its core
+    would lengthen the host-bound calls of small shapes)."""
+    from pairgen import config
+
+    return max(1, config.compile_workers() // workers - 1)
 
 
 def _record(spec, result, info) -> None:
@@ -504,7 +513,7 @@ def _tune_on_devices(jobs, devices, settings, peers, slug, storage_url) -> list:
              for spec, shape, extra in jobs]
     names = [study_name(slug, spec.name, precision_of(spec), spec.widths_of(shape), n_bucket(shape["N"]))
              for spec, shape, _ in jobs]
-    compile_workers = max(1, (os.cpu_count() or 1) // len(devices))
+    compile_workers = _compile_share(len(devices))
     ctx = multiprocessing.get_context("spawn")
     workers = []
     for k, device in enumerate(devices):

@@ -1,9 +1,9 @@
 """The Optuna search: one study per (GPU, op, dtype, widths, N bucket), in journal storage, so an
 interrupted run resumes and processes on several GPUs can share a study.
 
-Control flow (tested on the CPU with a fake evaluator): ask a batch of trials; prune points that
-break a restriction before anything is compiled; compile the rest in parallel; check and time
-them one at a time on the GPU; tell. Failures are recorded with their reason and never cached.
+Control flow (tested on the CPU with a fake evaluator): ask for trials; prune points that break a
+restriction before anything is compiled; compile the rest in parallel, in the background; check
+and time each on the GPU as its compile finishes, one at a time; tell; ask for the next. Failures are recorded with their reason and never cached.
 
 A failed trial is a verdict on its point (never tried again in this study) unless the failure came
 from the machine rather than the point (a compile over the budget, NVRTC not loadable, a compile
@@ -20,10 +20,11 @@ import random
 import shutil
 import tempfile
 import time
+from collections import deque
 from concurrent.futures import BrokenExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 from .. import config
 from ..spec import DeviceLimits, OpSpec, Plan, n_bucket
@@ -45,7 +46,7 @@ class Evaluator(Protocol):
 class TuneSettings:
     trials: int = 64                 # distinct points checked and timed (pruned points not counted)
     time_budget_s: float | None = None
-    batch: int | None = None         # trials compiled together (default: compile workers)
+    batch: int | None = None         # points compiling at once (default: compile workers)
     seed: int = 0
     progress: bool = True
 
@@ -283,14 +284,20 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     search = _Search(study, spec, widths, evaluator, seen, points, target, progress, random.Random(settings.seed),
                      asks_left=20 * max(1, settings.trials),  # sampling repeats or infeasible points cannot loop forever
                      claims=claims)
-    batch_size = settings.batch or config.compile_workers()
+    window = settings.batch or config.compile_workers()
+
+    warned = []
+
+    def time_is_up() -> bool:
+        if settings.time_budget_s is None or time.perf_counter() - start <= settings.time_budget_s:
+            return False
+        if not warned:
+            warned.append(log.warning("time budget of %.0f s reached after %d trials", settings.time_budget_s, len(seen)))
+        return True
+
     search.show_progress()
     try:
-        while (left := target - _taken(seen, study, claims)) > 0 and search.asks_left > 0:
-            if settings.time_budget_s is not None and time.perf_counter() - start > settings.time_budget_s:
-                log.warning("time budget of %.0f s reached after %d trials", settings.time_budget_s, len(seen))
-                break
-            search.run_batch(search.ask_batch(min(batch_size, left)))
+        search.run(lambda in_flight: target - _taken(seen, study, claims, in_flight), window, time_is_up)
     except BaseException as exc:  # Ctrl-C, a compile pool that broke, a toolchain that would not load
         search.abandon_running(exc)
         raise
@@ -318,11 +325,12 @@ def result_from_study(spec: OpSpec, shape: dict, gpu_slug: str, dtype: str, seed
                       {"evaluated": len(verdicts), "failed": failed}, None, elapsed_s)
 
 
-def _taken(seen: dict, study, claims: "PointClaims | None") -> int:
-    """How many points have a verdict, or (with other workers on the study) are being timed by a
-    live worker: a worker asks only for the rest, and leaves once every point is taken."""
+def _taken(seen: dict, study, claims: "PointClaims | None", in_flight: int) -> int:
+    """How many points have a verdict or are being compiled and timed (`in_flight` by this worker;
+    with other workers on the study, by any live worker: a claim is made before the compile). A
+    worker asks only for the rest, and leaves once every point is taken."""
     if claims is None:
-        return len(seen)
+        return len(seen) + in_flight
     seen.update(past_outcomes(study)[0])
     return max(len(seen), claims.live_count())
 
@@ -366,7 +374,7 @@ def past_outcomes(study) -> tuple[dict[str, Outcome], list[str]]:
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
         point = t.user_attrs.get("point")
         # A repeat was answered from memory: the trial it repeated holds the verdict (a repeat
-        # within a batch was told before the original was timed, and would read as a failure).
+        # of a point in flight was told before the original was timed, and would read as a failure).
         if point is None or t.user_attrs.get("repeat"):
             continue
         if t.user_attrs.get("env_failure"):
@@ -375,6 +383,17 @@ def past_outcomes(study) -> tuple[dict[str, Outcome], list[str]]:
             seen[point] = Outcome(t.value, t.user_attrs.get("fail_reason", ""))
     retry = list(dict.fromkeys(p for p in env_failed if p not in seen))
     return seen, retry
+
+
+def _start_compiles(evaluator: Evaluator, plans: list[Plan]) -> list[Callable[[], object]]:
+    """Compiles started in the background where the evaluator can (start_compiles), else done now;
+    each as a call that waits for its variant (or its compile error)."""
+    if not plans:
+        return []
+    start = getattr(evaluator, "start_compiles", None)
+    if start is not None:
+        return start(plans)
+    return [lambda variant=variant: variant for variant in evaluator.compile(plans)]
 
 
 def _run_one(evaluator: Evaluator, variant, compile_times: list[float]) -> Outcome:
@@ -474,6 +493,7 @@ class _Search:
         self.seen, self.points, self.target, self.progress, self.rng = seen, points, target, progress, rng
         self.asks_left = asks_left
         self.running: dict[int, object] = {}  # trial number -> trial asked and not yet told
+        self.in_flight: set[str] = set()  # points asked for and compiling or waiting to be timed
         self.counts = {"pruned": 0, "failed": 0, "env_failed": 0, "repeated": 0, "taken": 0}
         self.compile_times: list[float] = []
         self.failures: list[str] = []
@@ -484,7 +504,6 @@ class _Search:
         from optuna.trial import TrialState
 
         batch: list[tuple[object, Plan, str]] = []
-        in_batch: set[str] = set()
         while len(batch) < size and self.asks_left > 0:
             self.asks_left -= 1
             trial = self.study.ask()
@@ -498,17 +517,18 @@ class _Search:
                 trial.set_user_attr("pruned_reason", "; ".join(reasons))
                 self._tell(trial, state=TrialState.PRUNED)
                 self.counts["pruned"] += 1
-            elif point in self.seen or point in in_batch:
+            elif point in self.seen or point in self.in_flight:
                 trial.set_user_attr("repeat", True)
-                self._tell_outcome(trial, self.seen.get(point, Outcome(None, "repeated within a batch")))
+                self._tell_outcome(trial, self.seen.get(point, Outcome(None, "repeated while in flight")))
                 self.counts["repeated"] += 1
-                _enqueue_unseen(self.study, self.points, set(self.seen) | in_batch, self.rng)
+                _enqueue_unseen(self.study, self.points, set(self.seen) | self.in_flight, self.rng)
             elif self.claims is not None and not self._claim(trial, point):
                 trial.set_user_attr("taken", True)  # another worker has it: no verdict here
                 self._tell(trial, state=TrialState.PRUNED)
                 self.counts["taken"] += 1
+                break  # the others may have taken every point left: the caller counts again
             else:
-                in_batch.add(point)
+                self.in_flight.add(point)
                 batch.append((trial, plan, point))
         return batch
 
@@ -523,11 +543,24 @@ class _Search:
                 log.info("trial %d of a dead worker: %s", dead_trial, exc)
         return claimed
 
-    def run_batch(self, batch: list[tuple[object, Plan, str]]) -> None:
-        """Compile the batch in parallel, then check and time each variant, one at a time."""
-        compiled = self.evaluator.compile([plan for _, plan, _ in batch]) if batch else []
-        for (trial, plan, point), variant in zip(batch, compiled):
-            outcome = _run_one(self.evaluator, variant, self.compile_times)
+    def run(self, points_left: Callable[[int], int], window: int, time_is_up: Callable[[], bool]) -> None:
+        """Keep up to `window` points compiling, and check and time each (on the GPU, one at a
+        time, oldest first) as soon as its compile is done, asking for the next point as one
+        finishes. The CPUs compile while the GPU times: with compiles in batches, each waited for
+        the other, and the compile of a batch did not get shorter with more GPUs on the study.
+        points_left(in flight): how many points are still to be asked for."""
+        pending: deque[tuple[tuple[object, Plan, str], Callable[[], object]]] = deque()
+        while True:
+            room = min(window - len(pending), points_left(len(pending)))
+            if room > 0 and self.asks_left > 0 and not time_is_up():
+                batch = self.ask_batch(room)
+                pending.extend(zip(batch, _start_compiles(self.evaluator, [plan for _, plan, _ in batch])))
+                if len(batch) < room:
+                    continue  # stopped at a point another worker took (or out of asks): count again
+            if not pending:
+                return
+            (trial, plan, point), variant = pending.popleft()
+            outcome = _run_one(self.evaluator, variant(), self.compile_times)
             self._tell_outcome(trial, outcome)
             self._record(plan, point, outcome)
 
@@ -564,6 +597,7 @@ class _Search:
     def _record(self, plan: Plan, point: str, outcome: Outcome) -> None:
         # In this run an env-failed point counts as seen too: the same machine would fail it again.
         self.seen[point] = outcome
+        self.in_flight.discard(point)
         if self.claims is not None:
             (self.claims.release if outcome.env_failure else self.claims.finish)(point)
         if outcome.value is None:
