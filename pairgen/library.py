@@ -52,6 +52,21 @@ def _reference_only(module):
         module._reference_only = saved
 
 
+@contextlib.contextmanager
+def state_per_call(module):
+    """The module's packed weights and scratch made for this call and dropped after it. Inside a
+    compiled graph, state the module kept between calls would come from a CUDA graph's memory pool
+    and outlive the graph's call (mode="reduce-overhead" refuses that), and a graph replay would
+    read the state of the recording: packed weights from before an optimizer step."""
+    saved = module.__dict__.get("_state_per_call", False)
+    module._state_per_call = True
+    try:
+        yield
+    finally:
+        module._state_per_call = saved
+        module.__dict__.pop("_call_buffers", None)
+
+
 def _is_own(module, weights: list) -> bool:
     own = list(module.parameters())
     return len(own) == len(weights) and all(a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
@@ -69,7 +84,8 @@ def _forward(inputs: list[torch.Tensor], weights: list[torch.Tensor], handle: in
     module = module_of(handle)
     with torch.no_grad():
         if inputs[0].is_cuda and _is_own(module, weights):
-            return module(*inputs).contiguous()
+            with state_per_call(module):
+                return module(*inputs).contiguous()
         return _functional_reference(module, inputs, weights).contiguous()
 
 

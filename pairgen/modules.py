@@ -174,6 +174,8 @@ class PackedParameters:
         return getattr(owner, name)
 
     def get(self) -> torch.Tensor:
+        if self._root.__dict__.get("_state_per_call"):
+            return self.fresh()
         if self._epoch != _STRUCTURE_EPOCH[0]:
             self._resolve()
         if self._data_epoch != _DATA_EPOCH[0]:
@@ -194,6 +196,16 @@ class PackedParameters:
                 self._packed = self._pack([p.detach() for p in self.parameters()])
             self._key = key
         return self._packed
+
+    def fresh(self) -> torch.Tensor:
+        """A pack for this call alone, kept nowhere. Inside a compiled graph (the operators of
+        pairgen/library.py), a pack the module kept would be allocated from a CUDA graph's memory
+        pool and outlive the graph's call (which torch.compile's CUDA graphs refuse), and a replay
+        would read the pack of the recording, not the parameters as an optimizer step left them."""
+        if self._epoch != _STRUCTURE_EPOCH[0]:
+            self._resolve()
+        with torch.no_grad():
+            return self._pack([p.detach() for p in self.parameters()])
 
     def _unversioned(self) -> None:
         """Parameters created under torch.inference_mode (a module built or moved there) carry no
@@ -285,6 +297,14 @@ class KernelModule:
     def __setstate__(self, state):
         super().__setstate__(state)
         self._handle = library.register(self)  # a copy is another module, with its own handle
+
+    def _call_buffer(self, index: int, count: int, dtype: torch.dtype, zeroed: bool) -> int:
+        """A buffer for one operator call (library.state_per_call): kept until that call ends, so
+        no later allocation of the call reuses it before its kernel is enqueued, then dropped."""
+        device = torch.device("cpu") if index < 0 else torch.device("cuda", index)
+        buffer = (torch.zeros if zeroed else torch.empty)(count, device=device, dtype=dtype)
+        self.__dict__.setdefault("_call_buffers", []).append(buffer)
+        return buffer.data_ptr()
 
     def force_variant(self, variant) -> None:
         """Run `variant` (a runtime.Variant) instead of the tuned choice; None restores it."""

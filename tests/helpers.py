@@ -50,6 +50,25 @@ def assert_gradients_match_the_reference(module, inputs: tuple) -> None:
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
 
 
+def gradient_errors64(call, module, inputs: tuple, g: torch.Tensor) -> dict[str, float]:
+    """Relative L2 error, per floating input and parameter, of the gradients `call` (the module, or
+    a compiled form of it) gives for the loss (out * g).sum(), against float64 autograd of the
+    reference on the same weights, inputs and upstream gradient (the gradient standard)."""
+    module.zero_grad(set_to_none=True)
+    leaves = [t.clone().requires_grad_() if t.dtype.is_floating_point else t for t in inputs]
+    (call(*leaves) * g).sum().backward()
+    reference = module.op.make_reference(module).double()
+    leaves64 = [t.detach().double().requires_grad_() if t.dtype.is_floating_point else t for t in inputs]
+    (reference(*leaves64) * g.double()).sum().backward()
+    named = [(f"input {k}", a.grad, b.grad) for k, (a, b) in enumerate(zip(leaves, leaves64)) if a.dtype.is_floating_point]
+    named += [(name, p.grad, q.grad) for (name, p), q in zip(module.named_parameters(), reference.parameters())]
+    errors = {}
+    for name, grad, grad64 in named:
+        assert grad is not None, f"no gradient for {name}"
+        errors[name] = ((grad.double() - grad64).norm() / grad64.norm().clamp_min(1e-300)).item()
+    return errors
+
+
 def sampled_cases(spec, widths_list, k: int, label=None) -> list:
     """pytest params of k sampled plans of every strategy for each widths dict, with ids
     "<label(widths)>-<plan.label>" (label defaults to P..H.. from the widths)."""

@@ -9,6 +9,7 @@ import torch
 from pairgen import library
 from pairgen.ops import get_op
 from pairgen.tuning.check import compare, reference64
+from helpers import gradient_errors64
 
 pytestmark = pytest.mark.gpu
 WIDTHS = {"trimul": {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1},
@@ -72,14 +73,13 @@ def test_reduce_overhead_mode_and_a_bf16_module():
     assert compare(out.clone(), reference64(module, inputs), spec.tolerance["bfloat16"]).ok
 
 
-def test_compiled_training_step_gradients_match_eager():
+def test_compiled_training_step_gradients_meet_the_standard():
+    """A training step through torch.compile: every gradient (input and parameters) within the fp32
+    gradient standard (relative L2 2e-5 against float64 autograd), as the eager module's are."""
     spec, module, (x, mask) = _case("trimul", 21)
     compiled = torch.compile(module, fullgraph=True)
-    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    g = torch.randn_like(x)
-    (compiled(x1, mask) * g).sum().backward()
-    compiled_grads = [x1.grad] + [p.grad.clone() for p in module.parameters()]
-    module.zero_grad()
-    (module(x2, mask) * g).sum().backward()
-    for a, b in zip(compiled_grads, [x2.grad] + [p.grad for p in module.parameters()]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).cuda()
+    for call in (compiled, module):
+        errors = gradient_errors64(call, module, (x, mask), g)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= 2e-5, f"{'compiled' if call is compiled else 'eager'}: gradient of {worst}: {errors}"

@@ -155,6 +155,8 @@ class PairReadout(KernelModule, PairReadoutReference):
     def _tile_counters(self, index: int, count: int) -> int:
         """At least `count` zeroed arrival counters on device `index`, for the j split's "last
         block done" (each launch leaves them zeroed)."""
+        if self.__dict__.get("_state_per_call"):
+            return self._call_buffer(index, count, torch.int32, zeroed=True)
         held = self._counters
         if held is not None and held.index == index and count <= held.capacity:
             return held.ptr
@@ -165,6 +167,8 @@ class PairReadout(KernelModule, PairReadoutReference):
         """At least `floats` of scratch on device `index` for a split or direct launch (U/V, the
         j split's partial maxima): held by the module, not allocated per call, since at the seed
         shape the host path is most of a call and a torch.empty was 5.3 of its 34 us (H200 host)."""
+        if self.__dict__.get("_state_per_call"):
+            return self._call_buffer(index, floats, torch.float32, zeroed=False)
         held = self._scratch
         if held is not None and held.index == index and floats <= held.capacity:
             return held.ptr
