@@ -43,13 +43,18 @@ def module_of(handle: int):
 
 
 @contextlib.contextmanager
-def _reference_only(module):
-    saved = module.__dict__.get("_reference_only", False)
-    module._reference_only = True
+def _module_flag(module, name: str):
+    """Set a flag on the module for the duration of a call (restored after: calls may nest)."""
+    saved = module.__dict__.get(name, False)
+    setattr(module, name, True)
     try:
         yield
     finally:
-        module._reference_only = saved
+        setattr(module, name, saved)
+
+
+def _reference_only(module):
+    return _module_flag(module, "_reference_only")
 
 
 @contextlib.contextmanager
@@ -58,12 +63,10 @@ def state_per_call(module):
     compiled graph, state the module kept between calls would come from a CUDA graph's memory pool
     and outlive the graph's call (mode="reduce-overhead" refuses that), and a graph replay would
     read the state of the recording: packed weights from before an optimizer step."""
-    saved = module.__dict__.get("_state_per_call", False)
-    module._state_per_call = True
     try:
-        yield
+        with _module_flag(module, "_state_per_call"):
+            yield
     finally:
-        module._state_per_call = saved
         module.__dict__.pop("_call_buffers", None)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
 from torch.nn.utils import parametrize
 
-from . import library, runtime
+from . import first_use, library, runtime
 from .spec import OpSpec
 
 
@@ -326,7 +326,13 @@ class KernelModule:
 
     def variant_for(self, n: int, device: "torch.device | int", precision: str = "float32"):
         """The variant for length n on this device (a torch.device or a CUDA index; None: run the
-        reference). Cached on the module: the host time of a call is what small shapes are made of."""
+        reference). A default variant whose first-use check has not run yet is returned as is."""
+        choice = self._choice_for(n, device, precision)
+        return choice.winner if type(choice) is first_use.Pending else choice
+
+    def _choice_for(self, n: int, device: "torch.device | int", precision: str):
+        """variant_for, or a first_use.Pending. Cached on the module: the host time of a call is
+        what small shapes are made of."""
         if self._forced_plan is not None:
             return self._forced_plan
         cache = self._variant_cache
@@ -358,12 +364,24 @@ class KernelModule:
         if precision is None:
             return self.reference_forward(*inputs)
         first = inputs[0]
-        variant = self.variant_for(first.shape[1], first.get_device(), precision)
+        variant = self._choice_for(first.shape[1], first.get_device(), precision)
+        if type(variant) is first_use.Pending:
+            variant = self._first_use(variant, inputs, precision)
         if variant is None:
             return self.reference_forward(*inputs)  # disabled, or no kernel fits these widths
         if torch.is_grad_enabled() and self._needs_grad(inputs):
             return ReferenceBackward.apply(self, len(inputs), variant, *inputs, *self.parameters())
         return self._launch(*inputs, variant=variant)
+
+    def _first_use(self, pending: "first_use.Pending", inputs: tuple, precision: str):
+        """Settle a default variant against the reference on this call's inputs (first_use.py),
+        then remember the winner in this module's cache (a variant, or None: the reference)."""
+        first = inputs[0]
+        winner = pending.settle(lambda: self._launch(*inputs, variant=pending.variant),
+                                lambda: self.reference_forward(*inputs), first.device)
+        if pending.settled:
+            self._variant_cache[(first.get_device(), first.shape[1], precision)] = winner
+        return winner
 
     def _run(self, variant, *tensors) -> None:
         """The variant's strategy runs it on prepared tensors (inputs..., out)."""

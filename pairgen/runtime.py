@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
-from . import codegen, compiler, config
+from . import codegen, compiler, config, first_use
 from .spec import DeviceLimits, OpSpec, Plan, n_bucket
 from .tuned import TunedDB, databases_for_arch
 
@@ -150,6 +150,10 @@ class Choice:
     source: str  # "tuned", "tuned (nearest N bucket ...)", "... on <gpu> (same architecture)", "default", or why none
     entry: dict | None = None
     database: str | None = None  # the file the entry came from
+    #: The default variant's source hash while it has no first-use verdict (see first_use.py).
+    unchecked_source: str | None = None
+    #: No plan because a first-use check found the reference faster: said once, in the log.
+    expected_reference: bool = False
 
 
 def _usable(spec: OpSpec, db: TunedDB, dtype: str, widths: dict, limits: DeviceLimits) -> list[dict]:
@@ -216,16 +220,33 @@ def choose(spec: OpSpec, dtype: str, widths: dict, n: int, info: DeviceInfo) -> 
             how += f" on {db.gpu_slug} (same architecture, {info.arch})"
         return Choice(spec.plan(entry["strategy"], entry["params"], widths, dtype), how, entry, str(db.path))
     plan = spec.default_plan(widths, info.limits, dtype)
-    in_dtype = "" if dtype == "float32" else f" in {dtype}"
-    return Choice(plan, "default" if plan else f"no {spec.name} kernel{in_dtype} fits widths {widths}")
+    if plan is None:
+        in_dtype = "" if dtype == "float32" else f" in {dtype}"
+        return Choice(None, f"no {spec.name} kernel{in_dtype} fits widths {widths}")
+    return _default_choice(spec, plan, dtype, widths, bucket, info)
+
+
+def _default_choice(spec: OpSpec, plan: Plan, dtype: str, widths: dict, bucket: int, info: DeviceInfo) -> Choice:
+    """The default variant, or the reference where a first-use check found it faster."""
+    source = codegen.render_plan(plan).source_sha256
+    verdict = first_use.stored_verdict(spec.name, info.slug, dtype, widths, bucket, source)
+    if verdict is None:
+        return Choice(plan, "default", unchecked_source=source)
+    timing = (f"{verdict['kernel_us']} µs against the PyTorch reference's {verdict['reference_us']} µs at first use, "
+              f"{first_use.verdict_path(spec.name, info.slug)}")
+    if verdict["winner"] == "reference":
+        return Choice(None, f"the PyTorch reference: the default {plan.label} was slower ({timing})",
+                      expected_reference=True)
+    return Choice(plan, f"default (faster than the reference: {timing})")
 
 
 _selected: dict[tuple, Variant | None] = {}
 
 
-def select(spec: OpSpec, dtype: str, widths: dict, n: int, device_index: int) -> Variant | None:
-    """The variant a module runs for length n (None: no kernel, run the reference). Keyed by the
-    N bucket: every length of a bucket runs the same variant."""
+def select(spec: OpSpec, dtype: str, widths: dict, n: int, device_index: int) -> "Variant | first_use.Pending | None":
+    """The variant a module runs for length n (None: no kernel, run the reference; a
+    first_use.Pending: the default variant, to be timed against the reference at its first call).
+    Keyed by the N bucket: every length of a bucket runs the same variant."""
     key = (spec.name, device_index, dtype, tuple(sorted(widths.items())), n_bucket(n))
     if key in _selected:
         return _selected[key]
@@ -238,6 +259,11 @@ def select(spec: OpSpec, dtype: str, widths: dict, n: int, device_index: int) ->
     if choice.plan is not None:
         variant = _by_plan(choice.plan, info.arch)
         log.info("pairgen %s N=%d: %s from %s", spec.name, n, choice.plan.label, choice.source)
+        if choice.unchecked_source is not None and config.first_use_check():
+            variant = first_use.Pending(variant, spec.name, info.slug, dtype, widths, n_bucket(n),
+                                        choice.unchecked_source)
+    elif choice.expected_reference:
+        log.info("pairgen %s N=%d: %s", spec.name, n, choice.source)
     else:
         warnings.warn(f"pairgen: {choice.source}; running the PyTorch reference")
     _selected[key] = variant

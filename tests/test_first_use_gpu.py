@@ -1,0 +1,70 @@
+"""GPU: the first call of a module at widths nobody tuned times the default kernel against the
+reference, runs the faster, and records the verdict, which a later process reads instead of
+timing again; where the reference is faster, the module runs the reference."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import generator
+from pairgen import first_use, runtime
+from pairgen.ops.contact import CONTACT
+from pairgen.tuning.check import compare, reference64
+
+pytestmark = pytest.mark.gpu
+WIDTHS = {"P": 48, "H": 16}  # nobody tuned these
+
+
+@pytest.fixture
+def checked(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(tmp_path))
+    monkeypatch.setenv("PAIRGEN_FIRST_USE_CHECK", "1")
+    runtime.clear_caches()
+    yield tmp_path / runtime.device_info(0).slug / "first-use" / "contact.json"
+    runtime.clear_caches()
+
+
+def _case(seed: int):
+    gen = generator(seed)
+    module = CONTACT.make_module(WIDTHS, gen).cuda()
+    (x,) = (t.cuda() for t in CONTACT.make_inputs({"B": 2, "N": 45, **WIDTHS}, gen))
+    return module, x
+
+
+def _count_launches(module) -> list:
+    launches, run = [], module._run
+    module._run = lambda *args: launches.append(1) or run(*args)
+    return launches
+
+
+def test_the_first_call_times_the_default_and_a_later_process_reads_the_verdict(checked, monkeypatch):
+    module, x = _case(3)
+    with torch.no_grad():
+        out = module(x)
+    assert compare(out, reference64(module, (x,)), CONTACT.tolerance["float32"]).ok
+    (verdict,) = json.loads(checked.read_text())["verdicts"]
+    assert verdict["kernel_us"] > 0 and verdict["reference_us"] > 0
+    assert verdict["winner"] == ("kernel" if verdict["kernel_us"] <= verdict["reference_us"] else "reference")
+    runtime.clear_caches()  # as a new process would start
+    monkeypatch.setattr(first_use, "measure", lambda *a: pytest.fail("timed again despite the verdict"))
+    other, _ = _case(4)
+    launches = _count_launches(other)
+    with torch.no_grad():
+        out = other(x)
+    assert (len(launches) == 1) == (verdict["winner"] == "kernel")
+    assert compare(out, reference64(other, (x,)), CONTACT.tolerance["float32"]).ok
+
+
+def test_a_default_slower_than_the_reference_gives_way_to_it(checked, monkeypatch):
+    monkeypatch.setattr(first_use, "measure", lambda kernel, reference, device: (100.0, 1.0))
+    module, x = _case(5)
+    launches = _count_launches(module)
+    with torch.no_grad(), pytest.warns(UserWarning, match="slower than the PyTorch reference"):
+        module(x)
+    launches.clear()
+    with torch.no_grad():
+        out = module(x)
+    assert launches == [], "the kernel ran after losing its check"
+    assert torch.equal(out, module.reference_forward(x))
