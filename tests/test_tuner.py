@@ -11,7 +11,7 @@ import pytest
 from pairgen.spec import DeviceLimits
 from pairgen.ops.contact import CONTACT
 from pairgen.compiler import CompileError
-from pairgen.tuning.tuner import TuneSettings, _point_key, feasible_count, study_name, tune_shape
+from pairgen.tuning.tuner import TuneSettings, _point_key, feasible_count, open_study, study_name, tune_shape
 
 SHAPE = {"B": 4, "N": 64, "P": 64, "H": 32}
 WIDTHS = {"P": 64, "H": 32}
@@ -47,7 +47,8 @@ class FakeEvaluator:
 
 
 def _settings(trials, **kw):
-    return TuneSettings(trials=trials, batch=4, progress=False, **kw)
+    """The search alone (no finalists re-timed, unless a test asks), so each point is timed once."""
+    return TuneSettings(trials=trials, batch=4, progress=False, **{"finalists": 0, **kw})
 
 
 def test_tunes_to_the_trial_count_and_returns_the_best_seen(tmp_path):
@@ -235,3 +236,24 @@ def test_points_are_timed_while_later_ones_compile(tmp_path):
     assert all(order[("compiled", p)] < order[("timed", p)] for p in timed), "timed before its compile finished"
     compiled = [p for kind, p in ev.events if kind == "compiled"]
     assert order[("timed", timed[0])] < order[("compiled", compiled[3])], "the first point waited for the window"
+
+
+class LuckyFirstEvaluator(FakeEvaluator):
+    """The first point timed is measured 100 µs faster than it is, once (a lucky timing)."""
+
+    def evaluate(self, plan):
+        value = super().evaluate(plan)
+        return value - 100.0 if len(self.evaluated) == 1 else value
+
+
+def test_the_finalists_are_timed_again_and_a_lucky_timing_does_not_win(tmp_path):
+    ev = LuckyFirstEvaluator()
+    result = tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(12, finalists=3), storage_dir=tmp_path)
+    lucky = ev.evaluated[0]
+    study = open_study(study_name("fake-gpu", "contact", "float32", WIDTHS, 64), 0, tmp_path)
+    retimed = study.user_attrs["retimed"]
+    assert len(retimed) == 3 and lucky in retimed, "the lucky point is a finalist"
+    true_cost = {p: FakeEvaluator.cost(CONTACT.plan(*json.loads(p), WIDTHS)) for p in retimed}
+    assert retimed == true_cost, "each finalist's median is its true cost, the lucky timing outvoted"
+    assert result.best["us"] == min(true_cost.values()) and result.best["us"] > 0
+    assert ev.evaluated.count(lucky) == 1 + 5, "timed once by the search, five times as a finalist"

@@ -32,7 +32,7 @@ class LoggingEvaluator(FakeEvaluator):
 
 
 def _worker(storage: str, log_path: str, trials: int, seed: int) -> None:
-    settings = TuneSettings(trials=trials, batch=4, progress=False, seed=seed)
+    settings = TuneSettings(trials=trials, batch=4, progress=False, seed=seed, finalists=0)  # as --devices workers
     tune_shape(CONTACT, SHAPE, LoggingEvaluator(log_path), "fake-gpu", settings, storage_dir=Path(storage), shared=True)
 
 

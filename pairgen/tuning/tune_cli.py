@@ -425,8 +425,9 @@ def tune(work, args) -> int:
         with compiler.compile_pool(_compile_share(1)) as pool:
             for spec, shape, extra in jobs:
                 evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers, pool)
+                # With --storage, other hosts may work on the same studies: claim points first.
                 results.append(tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=precision_of(spec),
-                                          storage_url=args.storage))
+                                          shared=args.storage is not None, storage_url=args.storage))
                 _record(spec, results[-1], info)  # as each shape finishes: an interrupted run keeps them
     runtime.clear_caches()
     table = closing_table(results, peers)
@@ -520,7 +521,8 @@ def _tune_on_devices(jobs, devices, settings, peers, slug, storage_url) -> list:
         job = {"tasks": tasks, "device": device, "slug": slug, "storage": storage_url,
                "compile_workers": compile_workers,
                "peers": list(peers) if k == 0 else [],  # the peers are timed once, by the first worker
-               "settings": {**dataclasses.asdict(settings), "seed": settings.seed + k}}  # distinct samplers
+               # Distinct samplers; the finalists are re-timed here, once every worker is done.
+               "settings": {**dataclasses.asdict(settings), "seed": settings.seed + k, "finalists": 0}}
         workers.append(ctx.Process(target=_device_worker, args=(job,)))
     for w in workers:
         w.start()
@@ -529,8 +531,28 @@ def _tune_on_devices(jobs, devices, settings, peers, slug, storage_url) -> list:
     if dead:
         print(f"workers on GPU(s) {dead} stopped with an error; their claimed points are retried by the next run",
               file=sys.stderr)
+    _retime_on(devices[0], jobs, settings, slug, storage_url)
     return [result_from_study(spec, shape, slug, precision_of(spec), settings.seed, storage_url=storage_url)
             for spec, shape, _ in jobs]
+
+
+def _retime_on(device: int, jobs, settings, slug: str, storage_url: str | None) -> None:
+    """The finalists of every shape's study timed again on one GPU (tuner.retime_finalists), as a
+    single-GPU run does at the end of each shape."""
+    from pairgen import compiler
+    from pairgen.spec import n_bucket
+    from pairgen.tuning.evaluate import GpuEvaluator
+    from pairgen.tuning.tuner import open_study, retime_finalists, study_name
+
+    if settings.finalists < 2:
+        return
+    with compiler.compile_pool(settings.finalists) as pool:
+        for spec, shape, _ in jobs:
+            widths = spec.widths_of(shape)
+            study = open_study(study_name(slug, spec.name, precision_of(spec), widths, n_bucket(shape["N"])),
+                               settings.seed, None, storage_url)
+            evaluator = GpuEvaluator(spec, shape, device, settings.seed, (), pool)
+            retime_finalists(study, spec, widths, evaluator, settings)
 
 
 def _watch(workers, names: list[str], settings, n_devices: int, storage_url: str | None) -> None:
