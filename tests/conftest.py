@@ -26,3 +26,15 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     # and write verdicts to the user's folder. tests/test_first_use*.py turn it on themselves.
     if not os.environ.get("PAIRGEN_FIRST_USE_CHECK"):
         monkeypatch.setenv("PAIRGEN_FIRST_USE_CHECK", "0")
+
+
+@pytest.fixture
+def first_use_folder(tmp_path, monkeypatch):
+    """The first-use check on, its verdicts (and every tuned lookup) in a fresh folder."""
+    from pairgen import runtime
+
+    monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(tmp_path))
+    monkeypatch.setenv("PAIRGEN_FIRST_USE_CHECK", "1")
+    runtime.clear_caches()
+    yield tmp_path
+    runtime.clear_caches()

@@ -19,12 +19,8 @@ WIDTHS = {"P": 48, "H": 16}  # nobody tuned these
 
 
 @pytest.fixture
-def folder(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(tmp_path))
-    monkeypatch.setenv("PAIRGEN_FIRST_USE_CHECK", "1")
-    runtime.clear_caches()
-    yield tmp_path
-    runtime.clear_caches()
+def folder(first_use_folder):
+    return first_use_folder
 
 
 def _choose(n=100):

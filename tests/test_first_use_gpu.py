@@ -18,12 +18,9 @@ WIDTHS = {"P": 48, "H": 16}  # nobody tuned these
 
 
 @pytest.fixture
-def checked(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(tmp_path))
-    monkeypatch.setenv("PAIRGEN_FIRST_USE_CHECK", "1")
-    runtime.clear_caches()
-    yield tmp_path / runtime.device_info(0).slug / "first-use" / "contact.json"
-    runtime.clear_caches()
+def checked(first_use_folder):
+    """The verdict file the checks write."""
+    return first_use_folder / runtime.device_info(0).slug / "first-use" / "contact.json"
 
 
 def _case(seed: int):
