@@ -95,8 +95,15 @@ def _forward(inputs: list[torch.Tensor], weights: list[torch.Tensor], handle: in
 def _backward(inputs: list[torch.Tensor], weights: list[torch.Tensor], grad: torch.Tensor,
               handle: int) -> list[torch.Tensor]:
     """Gradients for every floating-point input and every weight, in order (an empty tensor for
-    an input that has none: a bool mask)."""
+    an input that has none: a bool mask): the module's closed form where it has one on the GPU
+    (KernelModule.analytic_gradients), else the reference's through torch.func.vjp."""
     module = module_of(handle)
+    if inputs[0].is_cuda and not torch.is_autocast_enabled("cuda"):
+        closed_form = module.analytic_gradients(list(inputs), list(weights), grad)
+        if closed_form is not None and all(g is not None for t, g in zip(inputs, closed_form) if t.is_floating_point()):
+            n = len(inputs)
+            return [g.contiguous() if t.is_floating_point() else t.new_empty(0) for t, g in zip(inputs, closed_form)] \
+                + [g.contiguous() for g in closed_form[n:]]
     floats = [k for k, t in enumerate(inputs) if t.is_floating_point()]
 
     def reference(float_inputs, ws):

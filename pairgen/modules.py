@@ -21,8 +21,9 @@ HALF_PRECISION_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ReferenceBackward(torch.autograd.Function):
-    """Forward through the kernel; backward by recomputing the reference under autograd.
-    Gradients are therefore exactly the reference's, at the cost of one recomputation."""
+    """Forward through the kernel; backward through the module's closed-form gradients where it
+    has them for this call (`analytic_gradients`), else by recomputing the reference under
+    autograd (the reference's own gradients, at the cost of one recomputation)."""
 
     @staticmethod
     def forward(ctx, module, n_inputs, variant, *tensors):
@@ -39,6 +40,9 @@ class ReferenceBackward(torch.autograd.Function):
         params = list(tensors[ctx.n_inputs:])
         wanted = [t for t in inputs + params if t.requires_grad]
         enabled, dtype = ctx.autocast
+        analytic = None if enabled else ctx.module.analytic_gradients(inputs, params, grad_out)
+        if analytic is not None:
+            return (None, None, None, *[g if t.requires_grad else None for t, g in zip(inputs + params, analytic)])
         with torch.enable_grad(), torch.autocast("cuda", dtype=dtype, enabled=enabled):
             out = ctx.module.reference_forward(*inputs)
         grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
@@ -382,6 +386,12 @@ class KernelModule:
         if pending.settled:
             self._variant_cache[(first.get_device(), first.shape[1], precision)] = winner
         return winner
+
+    def analytic_gradients(self, inputs: list, params: list, grad_out: torch.Tensor) -> list | None:
+        """Gradients of every input and parameter, in order (None for those that get none), in
+        closed form; None where the op has no closed form for this call (the reference is then
+        recomputed under autograd). Outside autocast only."""
+        return None
 
     def _run(self, variant, *tensors) -> None:
         """The variant's strategy runs it on prepared tensors (inputs..., out)."""

@@ -5,6 +5,7 @@ import torch
 
 from ...modules import (HALF_PRECISION_DTYPES, KernelModule, PackedParameters, as_mask, check_float_tensor,
                         check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul)
+from . import backward
 from .reference import TriangleMultiplicationReference
 from .spec import BMM, FUSED, MMA, TRIMUL, mma_weight_offsets, weight_offsets
 
@@ -203,6 +204,16 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
                 dict(zip(self._param_names, params)), self.widths["P"], self.widths["H"], bool(self.widths["bias"]), d))
         return pack
 
+    def analytic_gradients(self, inputs: list, params: list, grad_out) -> list | None:
+        """Closed-form gradients (backward.py) for fp32 calls: every fp32 precision gets exact fp32
+        gradients. A floating mask that wants its own gradient recomputes the reference."""
+        x, mask = inputs
+        if x.dtype is not torch.float32 or mask.requires_grad:
+            return None
+        names = [name for name, _ in self.named_parameters()]
+        grads = backward.gradients(self, x, mask, dict(zip(names, params)), grad_out)
+        return [grads["input"], None, *(grads[name] for name in names)]
+
     def reference_forward(self, pair_repr, pair_mask):
         return TriangleMultiplicationReference.forward(self, pair_repr, pair_mask)
 
@@ -255,6 +266,8 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
     def _barrier_ints(self, device: torch.device) -> int:
         """The grid barrier's ints on this device, zeroed once: each launch leaves them zeroed."""
         index = device.index or 0
+        if self.__dict__.get("_state_per_call"):  # inside an operator call (library.state_per_call)
+            return self._call_buffer(index, 2, torch.int32, zeroed=True)
         held = self._barrier
         if held is None or held[0] != index:
             held = self._barrier = (index, torch.zeros(2, device=device, dtype=torch.int32))

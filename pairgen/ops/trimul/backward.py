@@ -1,0 +1,131 @@
+"""The triangle update's gradients in closed form, for fp32 modules (exact fp32: cuBLAS with TF32
+off, whatever the process allows).
+
+The forward kernels keep no intermediates, so the backward recomputes what it needs from the
+input and the weights (the input LayerNorm, the four projections and gates, the triangle sums, the
+output LayerNorm, the output projection and gate) and then applies the chain rule by hand. Compared
+with recomputing the reference under autograd, nothing is kept between the forward and the backward
+but the input and mask (the autograd graph of the reference saves about a dozen tensors of the
+pair's size), and each product of the backward is one large matrix product:
+
+  out = o * s,  o = LN_out(z) Wo^T + bo,  s = sigmoid(gate_in Wg^T + bg)
+  z[b,:,:,h] = A_h B_h^T (outgoing) or A_h^T B_h (incoming), A = pa * sigmoid(ga) * mask, B alike
+  [pa ga pb gb] = LN_in(x) W4^T + b4
+
+Names follow the formulas: d<name> is the gradient of the loss with respect to <name>.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...modules import fp32_matmul
+
+#: The four input projections, in the order their rows are stacked into W4.
+_FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
+
+
+def _layer_norm_parts(t: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t normalised over the last dim, 1/std): what the LayerNorm backward reuses."""
+    centred = t - t.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
+    return centred * rstd, rstd
+
+
+def _layer_norm_backward(d_hat: torch.Tensor, t_hat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """d(loss)/d(t) from d(loss)/d(t_hat), t_hat = (t - mean) * rstd over the last dim."""
+    return rstd * (d_hat - d_hat.mean(-1, keepdim=True) - t_hat * (d_hat * t_hat).mean(-1, keepdim=True))
+
+
+def _channels_first(t: torch.Tensor, B: int, N: int, H: int) -> torch.Tensor:
+    """(B*N*N, H) -> (B*H, N, N): one N x N matrix per (batch, channel) for batched products."""
+    return t.view(B, N, N, H).permute(0, 3, 1, 2).reshape(B * H, N, N)
+
+
+def _channels_last(t: torch.Tensor, B: int, N: int, H: int) -> torch.Tensor:
+    """(B*H, N, N) -> (B*N*N, H)."""
+    return t.view(B, H, N, N).permute(0, 2, 3, 1).reshape(B * N * N, H)
+
+
+def gradients(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor],
+              grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
+    ("layer_norm_in.weight", ..., "out_gate.bias"), given d(loss)/d(out) = grad_out."""
+    with torch.no_grad(), fp32_matmul():
+        return _gradients(module, x, mask, params, grad_out)
+
+
+def _gradients(module, x, mask, w, grad_out):
+    B, N, _, P = x.shape
+    H = w["proj_a.weight"].shape[0]
+    bias = "proj_a.bias" in w
+    outgoing = module.direction == "outgoing"
+    rows = x.reshape(-1, P)
+
+    # ---- the forward again, keeping what the backward reads ----
+    x_hat, rstd_in = _layer_norm_parts(rows, module.layer_norm_in.eps)
+    xn = x_hat * w["layer_norm_in.weight"] + w["layer_norm_in.bias"]
+    w4 = torch.cat([w[f"{name}.weight"] for name in _FOUR])  # (4H, P)
+    proj = torch.addmm(torch.cat([w[f"{name}.bias"] for name in _FOUR]), xn, w4.t()) if bias else xn @ w4.t()
+    pa, ga, pb, gb = proj.split(H, dim=-1)
+    sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
+    keep = mask.reshape(-1, 1).to(x.dtype)
+    a_cf = _channels_first(pa * sa * keep, B, N, H)
+    b_cf = _channels_first(pb * sb * keep, B, N, H)
+    z_cf = torch.bmm(a_cf, b_cf.transpose(1, 2)) if outgoing else torch.bmm(a_cf.transpose(1, 2), b_cf)
+    z_hat, rstd_out = _layer_norm_parts(_channels_last(z_cf, B, N, H), module.layer_norm_out.eps)
+    del z_cf
+    zn = z_hat * w["layer_norm_out.weight"] + w["layer_norm_out.bias"]
+    o = torch.addmm(w["out_proj.bias"], zn, w["out_proj.weight"].t()) if bias else zn @ w["out_proj.weight"].t()
+    gate_in = xn if module.gate_on == "normalized" else rows
+    s = torch.sigmoid(torch.addmm(w["out_gate.bias"], gate_in, w["out_gate.weight"].t()) if bias
+                      else gate_in @ w["out_gate.weight"].t())
+
+    # ---- output gate and projection ----
+    g = grad_out.reshape(-1, P)
+    d_o = g * s
+    d_gate = g * o * s * (1 - s)
+    del o, s
+    grads = {"out_proj.weight": d_o.t() @ zn, "out_gate.weight": d_gate.t() @ gate_in}
+    if bias:
+        grads["out_proj.bias"], grads["out_gate.bias"] = d_o.sum(0), d_gate.sum(0)
+    d_zn = d_o @ w["out_proj.weight"]
+    del d_o, zn
+    grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = (d_zn * z_hat).sum(0), d_zn.sum(0)
+    d_z = _layer_norm_backward(d_zn * w["layer_norm_out.weight"], z_hat, rstd_out)
+    del d_zn, z_hat
+
+    # ---- the triangle sums: dA_h, dB_h from dZ_h ----
+    dz_cf = _channels_first(d_z, B, N, H)
+    del d_z
+    if outgoing:  # Z = A B^T
+        da_cf, db_cf = torch.bmm(dz_cf, b_cf), torch.bmm(dz_cf.transpose(1, 2), a_cf)
+    else:         # Z = A^T B
+        da_cf, db_cf = torch.bmm(b_cf, dz_cf.transpose(1, 2)), torch.bmm(a_cf, dz_cf)
+    del dz_cf, a_cf, b_cf
+    d_a = _channels_last(da_cf, B, N, H) * keep
+    d_b = _channels_last(db_cf, B, N, H) * keep
+    del da_cf, db_cf
+
+    # ---- gates and input projections ----
+    d_proj = torch.cat([d_a * sa, d_a * pa * sa * (1 - sa), d_b * sb, d_b * pb * sb * (1 - sb)], dim=-1)
+    del d_a, d_b, proj, pa, ga, pb, gb, sa, sb
+    d_w4 = d_proj.t() @ xn
+    for k, name in enumerate(_FOUR):
+        grads[f"{name}.weight"] = d_w4[k * H:(k + 1) * H]
+    if bias:
+        d_b4 = d_proj.sum(0)
+        for k, name in enumerate(_FOUR):
+            grads[f"{name}.bias"] = d_b4[k * H:(k + 1) * H]
+    d_xn = d_proj @ w4
+    del d_proj
+    d_gate_in = d_gate @ w["out_gate.weight"]
+    if module.gate_on == "normalized":
+        d_xn += d_gate_in
+
+    # ---- input LayerNorm ----
+    grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = (d_xn * x_hat).sum(0), d_xn.sum(0)
+    d_x = _layer_norm_backward(d_xn * w["layer_norm_in.weight"], x_hat, rstd_in)
+    if module.gate_on != "normalized":
+        d_x += d_gate_in
+    grads["input"] = d_x.view(B, N, N, P)
+    return grads
