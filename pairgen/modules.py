@@ -40,7 +40,7 @@ class ReferenceBackward(torch.autograd.Function):
         params = list(tensors[ctx.n_inputs:])
         wanted = [t for t in inputs + params if t.requires_grad]
         enabled, dtype = ctx.autocast
-        analytic = None if enabled else ctx.module.analytic_gradients(inputs, params, grad_out)
+        analytic = ctx.module.analytic_gradients(inputs, params, grad_out, autocast=enabled)
         if analytic is not None:
             return (None, None, None, *[g if t.requires_grad else None for t, g in zip(inputs + params, analytic)])
         with torch.enable_grad(), torch.autocast("cuda", dtype=dtype, enabled=enabled):
@@ -387,10 +387,11 @@ class KernelModule:
             self._variant_cache[(first.get_device(), first.shape[1], precision)] = winner
         return winner
 
-    def analytic_gradients(self, inputs: list, params: list, grad_out: torch.Tensor) -> list | None:
+    def analytic_gradients(self, inputs: list, params: list, grad_out: torch.Tensor,
+                           autocast: bool = False) -> list | None:
         """Gradients of every input and parameter, in order (None for those that get none), in
         closed form; None where the op has no closed form for this call (the reference is then
-        recomputed under autograd). Outside autocast only."""
+        recomputed under autograd). autocast: the forward ran under torch.autocast."""
         return None
 
     def _run(self, variant, *tensors) -> None:

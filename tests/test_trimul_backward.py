@@ -60,4 +60,31 @@ def test_a_mask_that_wants_its_own_gradient_recomputes_the_reference():
     x, mask = TRIMUL.make_inputs({"B": 1, "N": 5, **widths}, gen)
     params = [p.detach() for p in module.parameters()]
     assert module.analytic_gradients([x, mask.float().requires_grad_()], params, torch.ones_like(x)) is None
-    assert module.analytic_gradients([x.bfloat16(), mask], params, torch.ones_like(x)) is None
+    assert module.analytic_gradients([x.double(), mask], params, torch.ones_like(x)) is None  # a float64 call
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_modules_meet_the_16_bit_standard(dtype):
+    """A 16-bit module's gradients come back in its dtype, within max(2e-2, 1.5x the error of the
+    reference's own autograd in that dtype) of float64 autograd (the gradient standard)."""
+    widths = {"P": 32, "H": 16, "outgoing": 0, "gate_normalized": 1, "bias": 1}
+    gen = generator(40)
+    module = TRIMUL.make_module(widths, gen).to(dtype)
+    x, mask = TRIMUL.make_inputs({"B": 2, "N": 21, **widths}, gen)
+    x = x.to(dtype)
+    grad_out = torch.randn(x.shape, generator=gen).to(dtype)
+    names = [name for name, _ in module.named_parameters()]
+    ours = module.analytic_gradients([x, mask], [p.detach() for p in module.parameters()], grad_out)
+    assert ours[0].dtype is dtype and all(g.dtype is dtype for g in ours[2:])
+
+    def autograd(reference, x_in, g):
+        x_in = x_in.clone().requires_grad_()
+        (reference(x_in, mask) * g).sum().backward()
+        return [x_in.grad] + [p.grad for p in reference.parameters()]
+
+    exact = autograd(TRIMUL.make_reference(module).double(), x.double(), grad_out.double())
+    same_dtype = autograd(TRIMUL.make_reference(module).to(dtype), x, grad_out)
+    for name, g, g16, e in zip(["input", *names], [ours[0], *ours[2:]], same_dtype, exact):
+        ours_err = ((g.double() - e).norm() / e.norm()).item()
+        reference_err = ((g16.double() - e).norm() / e.norm()).item()
+        assert ours_err <= max(2e-2, 1.5 * reference_err), f"{name}: {ours_err} (the {dtype} reference: {reference_err})"

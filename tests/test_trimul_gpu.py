@@ -212,3 +212,36 @@ def test_tf32_allowed_by_the_caller_does_not_reach_the_bmm():
 
 def test_tuned_entries_load_and_run():
     check_tuned_entries(TRIMUL)
+
+
+@pytest.mark.parametrize("mode", ["bfloat16", "float16", "autocast"])
+def test_16_bit_gradients_meet_the_16_bit_standard(mode):
+    """A 16-bit module (or an fp32 one under bf16 autocast): the mma forward, then the closed-form
+    backward with TF32 products, within max(2e-2, 1.5x the error of the reference's own autograd
+    in that dtype) of float64 autograd, for the input and every parameter."""
+    gen = generator(17)
+    widths = {"P": 64, "H": 32, "outgoing": 1, "gate_normalized": 1, "bias": 1}
+    dtype = torch.float32 if mode == "autocast" else getattr(torch, mode)
+    module = TRIMUL.make_module(widths, gen).cuda().to(dtype)
+    x, mask = (t.cuda() for t in TRIMUL.make_inputs({"B": 2, "N": 37, **widths}, gen))
+    x = x.to(dtype)
+    g = torch.randn(x.shape, generator=gen).cuda().double()
+
+    def grads_of(net, x_in, autocast: bool):
+        leaf = x_in.clone().requires_grad_()
+        net.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = net(leaf, mask)
+        (out.double() * g).sum().backward()
+        return [leaf.grad] + [p.grad for p in net.parameters()]
+
+    autocast = mode == "autocast"
+    ours = grads_of(module, x, autocast)
+    same_dtype = grads_of(TRIMUL.make_reference(module).cuda().to(dtype), x, autocast)
+    exact = grads_of(TRIMUL.make_reference(module).cuda().double(), x.double(), False)
+    names = ["input"] + [name for name, _ in module.named_parameters()]
+    for name, ours_g, ref_g, e in zip(names, ours, same_dtype, exact):
+        assert torch.isfinite(ours_g).all(), name
+        ours_err = ((ours_g.double() - e).norm() / e.norm()).item()
+        ref_err = ((ref_g.double() - e).norm() / e.norm()).item()
+        assert ours_err <= max(2e-2, 1.5 * ref_err), f"{mode} {name}: {ours_err} (reference {ref_err})"

@@ -1,5 +1,5 @@
-"""The triangle update's gradients in closed form, for fp32 modules (exact fp32: cuBLAS with TF32
-off, whatever the process allows).
+"""The triangle update's gradients in closed form, computed in fp32: exact fp32 (cuBLAS with TF32
+off, whatever the process allows) for fp32 modules; TF32 products for 16-bit modules and autocast.
 
 The forward kernels keep no intermediates, so the backward recomputes what it needs from the
 input and the weights (the input LayerNorm, the four projections and gates, the triangle sums, the
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import fp32_matmul
+from ...modules import cublas_fp32_mode
 
 #: The four input projections, in the order their rows are stacked into W4.
 _FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
@@ -47,11 +47,19 @@ def _channels_last(t: torch.Tensor, B: int, N: int, H: int) -> torch.Tensor:
 
 
 def gradients(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor],
-              grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
+              grad_out: torch.Tensor, tf32: bool = False) -> dict[str, torch.Tensor]:
     """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
-    ("layer_norm_in.weight", ..., "out_gate.bias"), given d(loss)/d(out) = grad_out."""
-    with torch.no_grad(), fp32_matmul():
-        return _gradients(module, x, mask, params, grad_out)
+    ("layer_norm_in.weight", ..., "out_gate.bias"), given d(loss)/d(out) = grad_out; each in the
+    dtype of what it is the gradient of. Computed in fp32; tf32=True lets the products use TF32
+    (for 16-bit and autocast calls, whose gradient standard TF32's 10-bit mantissa meets with room
+    to spare: a bf16 product keeps 7), else exact fp32."""
+    as32 = {name: p.float() for name, p in params.items()}
+    with torch.no_grad(), cublas_fp32_mode(tf32):
+        grads = _gradients(module, x.float(), mask, as32, grad_out.float())
+    grads["input"] = grads["input"].to(x.dtype)
+    for name, p in params.items():
+        grads[name] = grads[name].to(p.dtype)
+    return grads
 
 
 def _gradients(module, x, mask, w, grad_out):

@@ -204,14 +204,16 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
                 dict(zip(self._param_names, params)), self.widths["P"], self.widths["H"], bool(self.widths["bias"]), d))
         return pack
 
-    def analytic_gradients(self, inputs: list, params: list, grad_out) -> list | None:
-        """Closed-form gradients (backward.py) for fp32 calls: every fp32 precision gets exact fp32
-        gradients. A floating mask that wants its own gradient recomputes the reference."""
+    def analytic_gradients(self, inputs: list, params: list, grad_out, autocast: bool = False) -> list | None:
+        """Closed-form gradients (backward.py): exact fp32 for an fp32 call in any fp32 precision;
+        fp32 with TF32 products for a 16-bit module or under autocast. A floating mask that wants
+        its own gradient recomputes the reference."""
         x, mask = inputs
-        if x.dtype is not torch.float32 or mask.requires_grad:
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or mask.requires_grad:
             return None
         names = [name for name, _ in self.named_parameters()]
-        grads = backward.gradients(self, x, mask, dict(zip(names, params)), grad_out)
+        grads = backward.gradients(self, x, mask, dict(zip(names, params)), grad_out,
+                                   tf32=autocast or x.dtype is not torch.float32)
         return [grads["input"], None, *(grads[name] for name in names)]
 
     def reference_forward(self, pair_repr, pair_mask):
