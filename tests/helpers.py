@@ -69,6 +69,24 @@ def gradient_errors64(call, module, inputs: tuple, g: torch.Tensor) -> dict[str,
     return errors
 
 
+def closed_form_errors(module, inputs: tuple, grad_out: torch.Tensor) -> dict[str, float]:
+    """Relative L2 error of each gradient of module.analytic_gradients (the input's, the first of
+    `inputs`, and every parameter's) against float64 autograd of the reference on the same
+    weights, inputs (float masks too) and upstream gradient."""
+    names = [name for name, _ in module.named_parameters()]
+    ours = module.analytic_gradients(list(inputs), [p.detach() for p in module.parameters()], grad_out)
+    assert ours is not None, "no closed form for this call"
+    assert all(g is None for g in ours[1:len(inputs)]), "a gradient for a mask"
+    reference = module.op.make_reference(module).double()
+    x64 = inputs[0].double().requires_grad_()
+    rest = [t.double() if t.is_floating_point() else t for t in inputs[1:]]
+    (reference(x64, *rest) * grad_out.double()).sum().backward()
+    expected = [x64.grad] + [p.grad for p in reference.parameters()]
+    got = [ours[0], *ours[len(inputs):]]
+    assert len(got) == len(expected) == 1 + len(names)
+    return {name: ((g.double() - e).norm() / e.norm()).item() for name, g, e in zip(["input", *names], got, expected)}
+
+
 def sampled_cases(spec, widths_list, k: int, label=None) -> list:
     """pytest params of k sampled plans of every strategy for each widths dict, with ids
     "<label(widths)>-<plan.label>" (label defaults to P..H.. from the widths)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import generator
+from helpers import closed_form_errors, generator
 from pairgen.ops.trimul import TRIMUL
 
 STANDARD = 2e-5
@@ -18,22 +18,7 @@ def _errors(widths: dict, B: int, N: int, seed: int, distribution: str = "normal
     gen = generator(seed)
     module = TRIMUL.make_module(widths, gen)
     x, mask = TRIMUL.make_inputs({"B": B, "N": N, **widths}, gen, distribution)
-    if float_mask:
-        mask = mask.float()
-    grad_out = torch.randn(x.shape, generator=gen)
-    names = [name for name, _ in module.named_parameters()]
-    params = [p.detach() for p in module.parameters()]
-    ours = module.analytic_gradients([x, mask], params, grad_out)
-    assert ours is not None and ours[1] is None, "no gradient for the mask"
-    reference = TRIMUL.make_reference(module).double()
-    x64 = x.double().requires_grad_()
-    mask64 = mask.double() if float_mask else mask
-    (reference(x64, mask64) * grad_out.double()).sum().backward()
-    expected = [x64.grad] + [p.grad for p in reference.parameters()]
-    got = [ours[0]] + ours[2:]
-    assert len(got) == len(expected) == 1 + len(names)
-    return {name: ((g.double() - e).norm() / e.norm()).item()
-            for name, g, e in zip(["input", *names], got, expected)}
+    return closed_form_errors(module, (x, mask.float() if float_mask else mask), torch.randn(x.shape, generator=gen))
 
 
 @pytest.mark.parametrize("outgoing", [0, 1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...modules import KernelModule, PackedParameters, check_float_tensor, contiguous_aligned
+from . import backward
 from .reference import ContactHeadReference
 from .spec import CONTACT, SYMMETRIC_TILED, THREAD_PER_PAIR, TILED, weight_offsets
 
@@ -29,6 +30,17 @@ class ContactHead(KernelModule, ContactHeadReference):
         self.widths = {"P": int(pair_dim), "H": int(hidden_dim)}
         paths = [(layer, name) for layer in ("mlp.0", "mlp.2", "mlp.4", "layer_norm") for name in ("weight", "bias")]
         self._weights = PackedParameters(self, paths, self._pack)
+
+    def analytic_gradients(self, inputs: list, params: list, grad_out, autocast: bool = False) -> list | None:
+        """Closed-form gradients (backward.py): exact fp32 for an fp32 call; fp32 with TF32
+        products under autocast or for a 16-bit module (whose forward is the reference's)."""
+        (x,) = inputs
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        names = [name for name, _ in self.named_parameters()]
+        grads = backward.gradients(self, x, dict(zip(names, params)), grad_out,
+                                   tf32=autocast or x.dtype is not torch.float32)
+        return [grads["input"], *(grads[name] for name in names)]
 
     def reference_forward(self, pair_repr):
         return ContactHeadReference.forward(self, pair_repr)

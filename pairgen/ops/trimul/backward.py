@@ -18,22 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import cublas_fp32_mode
+from ..closed_form import gradients_in_fp32, layer_norm_backward, layer_norm_parts, linear
 
 #: The four input projections, in the order their rows are stacked into W4.
 _FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
-
-
-def _layer_norm_parts(t: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t normalised over the last dim, 1/std): what the LayerNorm backward reuses."""
-    centred = t - t.mean(-1, keepdim=True)
-    rstd = torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
-    return centred * rstd, rstd
-
-
-def _layer_norm_backward(d_hat: torch.Tensor, t_hat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """d(loss)/d(t) from d(loss)/d(t_hat), t_hat = (t - mean) * rstd over the last dim."""
-    return rstd * (d_hat - d_hat.mean(-1, keepdim=True) - t_hat * (d_hat * t_hat).mean(-1, keepdim=True))
 
 
 def _channels_first(t: torch.Tensor, B: int, N: int, H: int) -> torch.Tensor:
@@ -49,17 +37,9 @@ def _channels_last(t: torch.Tensor, B: int, N: int, H: int) -> torch.Tensor:
 def gradients(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor],
               grad_out: torch.Tensor, tf32: bool = False) -> dict[str, torch.Tensor]:
     """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
-    ("layer_norm_in.weight", ..., "out_gate.bias"), given d(loss)/d(out) = grad_out; each in the
-    dtype of what it is the gradient of. Computed in fp32; tf32=True lets the products use TF32
-    (for 16-bit and autocast calls, whose gradient standard TF32's 10-bit mantissa meets with room
-    to spare: a bf16 product keeps 7), else exact fp32."""
-    as32 = {name: p.float() for name, p in params.items()}
-    with torch.no_grad(), cublas_fp32_mode(tf32):
-        grads = _gradients(module, x.float(), mask, as32, grad_out.float())
-    grads["input"] = grads["input"].to(x.dtype)
-    for name, p in params.items():
-        grads[name] = grads[name].to(p.dtype)
-    return grads
+    ("layer_norm_in.weight", ..., "out_gate.bias"), given d(loss)/d(out) = grad_out; in fp32, with
+    TF32 products when tf32 (closed_form.gradients_in_fp32)."""
+    return gradients_in_fp32(lambda x32, w, g: _gradients(module, x32, mask, w, g), x, params, grad_out, tf32)
 
 
 def _gradients(module, x, mask, w, grad_out):
@@ -70,23 +50,22 @@ def _gradients(module, x, mask, w, grad_out):
     rows = x.reshape(-1, P)
 
     # ---- the forward again, keeping what the backward reads ----
-    x_hat, rstd_in = _layer_norm_parts(rows, module.layer_norm_in.eps)
+    x_hat, rstd_in = layer_norm_parts(rows, module.layer_norm_in.eps)
     xn = x_hat * w["layer_norm_in.weight"] + w["layer_norm_in.bias"]
     w4 = torch.cat([w[f"{name}.weight"] for name in _FOUR])  # (4H, P)
-    proj = torch.addmm(torch.cat([w[f"{name}.bias"] for name in _FOUR]), xn, w4.t()) if bias else xn @ w4.t()
+    proj = linear(xn, w4, torch.cat([w[f"{name}.bias"] for name in _FOUR]) if bias else None)
     pa, ga, pb, gb = proj.split(H, dim=-1)
     sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
     keep = mask.reshape(-1, 1).to(x.dtype)
     a_cf = _channels_first(pa * sa * keep, B, N, H)
     b_cf = _channels_first(pb * sb * keep, B, N, H)
     z_cf = torch.bmm(a_cf, b_cf.transpose(1, 2)) if outgoing else torch.bmm(a_cf.transpose(1, 2), b_cf)
-    z_hat, rstd_out = _layer_norm_parts(_channels_last(z_cf, B, N, H), module.layer_norm_out.eps)
+    z_hat, rstd_out = layer_norm_parts(_channels_last(z_cf, B, N, H), module.layer_norm_out.eps)
     del z_cf
     zn = z_hat * w["layer_norm_out.weight"] + w["layer_norm_out.bias"]
-    o = torch.addmm(w["out_proj.bias"], zn, w["out_proj.weight"].t()) if bias else zn @ w["out_proj.weight"].t()
+    o = linear(zn, w["out_proj.weight"], w.get("out_proj.bias"))
     gate_in = xn if module.gate_on == "normalized" else rows
-    s = torch.sigmoid(torch.addmm(w["out_gate.bias"], gate_in, w["out_gate.weight"].t()) if bias
-                      else gate_in @ w["out_gate.weight"].t())
+    s = torch.sigmoid(linear(gate_in, w["out_gate.weight"], w.get("out_gate.bias")))
 
     # ---- output gate and projection ----
     g = grad_out.reshape(-1, P)
@@ -99,7 +78,7 @@ def _gradients(module, x, mask, w, grad_out):
     d_zn = d_o @ w["out_proj.weight"]
     del d_o, zn
     grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = (d_zn * z_hat).sum(0), d_zn.sum(0)
-    d_z = _layer_norm_backward(d_zn * w["layer_norm_out.weight"], z_hat, rstd_out)
+    d_z = layer_norm_backward(d_zn * w["layer_norm_out.weight"], z_hat, rstd_out)
     del d_zn, z_hat
 
     # ---- the triangle sums: dA_h, dB_h from dZ_h ----
@@ -132,7 +111,7 @@ def _gradients(module, x, mask, w, grad_out):
 
     # ---- input LayerNorm ----
     grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = (d_xn * x_hat).sum(0), d_xn.sum(0)
-    d_x = _layer_norm_backward(d_xn * w["layer_norm_in.weight"], x_hat, rstd_in)
+    d_x = layer_norm_backward(d_xn * w["layer_norm_in.weight"], x_hat, rstd_in)
     if module.gate_on != "normalized":
         d_x += d_gate_in
     grads["input"] = d_x.view(B, N, N, P)

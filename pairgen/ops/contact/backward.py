@@ -1,0 +1,61 @@
+"""The contact head's gradients in closed form, computed in fp32 (closed_form.gradients_in_fp32).
+
+  xn = LN(x) per pair,  s = (xn + xn^T) / 2 over (i, j),
+  h1 = relu(s W1^T + b1),  h2 = relu(h1 W2^T + b2),  out = sigmoid(h2 W3^T + b3)
+
+The backward recomputes xn, s, h1, h2 and out from the input and weights (nothing is kept from the
+forward but the input), then applies the chain rule: three products back through the MLP, the
+symmetrisation's transpose, the LayerNorm. d<name> is the gradient of the loss with respect to
+<name>.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..closed_form import gradients_in_fp32, layer_norm_backward, layer_norm_parts, linear
+
+
+def gradients(module, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out: torch.Tensor,
+              tf32: bool = False) -> dict[str, torch.Tensor]:
+    """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
+    ("layer_norm.weight", ..., "mlp.4.bias"), given d(loss)/d(out) = grad_out."""
+    return gradients_in_fp32(lambda x32, w, g: _gradients(module, x32, w, g), x, params, grad_out, tf32)
+
+
+def _transpose_pairs(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
+    """(B*N*N, C) rows of pairs (i, j) -> the rows of pairs (j, i)."""
+    C = t.shape[-1]
+    return t.view(B, N, N, C).transpose(1, 2).reshape(B * N * N, C)
+
+
+def _gradients(module, x, w, grad_out):
+    B, N, _, P = x.shape
+    rows = x.reshape(-1, P)
+
+    # ---- the forward again ----
+    x_hat, rstd = layer_norm_parts(rows, module.layer_norm.eps)
+    xn = x_hat * w["layer_norm.weight"] + w["layer_norm.bias"]
+    s = (xn + _transpose_pairs(xn, B, N)) / 2.0
+    del xn
+    h1 = torch.relu(linear(s, w["mlp.0.weight"], w["mlp.0.bias"]))
+    h2 = torch.relu(linear(h1, w["mlp.2.weight"], w["mlp.2.bias"]))
+    out = torch.sigmoid(linear(h2, w["mlp.4.weight"], w["mlp.4.bias"]))  # (M, 1)
+
+    # ---- back through the MLP ----
+    d_y = grad_out.reshape(-1, 1) * out * (1 - out)
+    grads = {"mlp.4.weight": d_y.t() @ h2, "mlp.4.bias": d_y.sum(0)}
+    d_h2 = (d_y @ w["mlp.4.weight"]) * (h2 > 0)
+    del d_y, h2
+    grads["mlp.2.weight"], grads["mlp.2.bias"] = d_h2.t() @ h1, d_h2.sum(0)
+    d_h1 = (d_h2 @ w["mlp.2.weight"]) * (h1 > 0)
+    del d_h2, h1
+    grads["mlp.0.weight"], grads["mlp.0.bias"] = d_h1.t() @ s, d_h1.sum(0)
+    d_s = d_h1 @ w["mlp.0.weight"]
+    del d_h1, s
+
+    # ---- the symmetrisation and the LayerNorm ----
+    d_xn = (d_s + _transpose_pairs(d_s, B, N)) / 2.0
+    del d_s
+    grads["layer_norm.weight"], grads["layer_norm.bias"] = (d_xn * x_hat).sum(0), d_xn.sum(0)
+    grads["input"] = layer_norm_backward(d_xn * w["layer_norm.weight"], x_hat, rstd).view(B, N, N, P)
+    return grads

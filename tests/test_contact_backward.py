@@ -1,0 +1,43 @@
+"""The contact head's closed-form gradients (pairgen/ops/contact/backward.py) against float64
+autograd of the reference, on the CPU: odd sizes, heavy tails, the fp32 gradient standard
+(relative L2 <= 2e-5 per tensor); a 16-bit module within the 16-bit standard."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import closed_form_errors, generator
+from pairgen.ops.contact import CONTACT
+
+
+@pytest.mark.parametrize("widths,B,N,distribution", [({"P": 24, "H": 16}, 2, 13, "normal"),
+                                                     ({"P": 64, "H": 32}, 1, 21, "cauchy")])
+def test_closed_form_gradients_meet_the_fp32_standard(widths, B, N, distribution):
+    gen = generator(50 + N)
+    module = CONTACT.make_module(widths, gen)
+    (x,) = CONTACT.make_inputs({"B": B, "N": N, **widths}, gen, distribution)
+    errors = closed_form_errors(module, (x,), torch.randn((B, N, N), generator=gen))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 2e-5, f"gradient of {worst}: {errors}"
+
+
+def test_a_16_bit_module_meets_the_16_bit_standard():
+    gen = generator(60)
+    widths = {"P": 32, "H": 16}
+    module = CONTACT.make_module(widths, gen).bfloat16()
+    (x,) = CONTACT.make_inputs({"B": 2, "N": 17, **widths}, gen)
+    x, g = x.bfloat16(), torch.randn((2, 17, 17), generator=gen).bfloat16()
+    ours = module.analytic_gradients([x], [p.detach() for p in module.parameters()], g)
+    assert all(t.dtype is torch.bfloat16 for t in ours)
+    reference = CONTACT.make_reference(module)
+
+    def grads(net, x_in, g_in):
+        leaf = x_in.clone().requires_grad_()
+        (net(leaf) * g_in).sum().backward()
+        return [leaf.grad] + [p.grad for p in net.parameters()]
+
+    exact = grads(reference.double(), x.double(), g.double())
+    same_dtype = grads(CONTACT.make_reference(module).bfloat16(), x, g)
+    for k, (mine, theirs, e) in enumerate(zip(ours, same_dtype, exact)):
+        err, ref_err = ((mine.double() - e).norm() / e.norm()).item(), ((theirs.double() - e).norm() / e.norm()).item()
+        assert err <= max(2e-2, 1.5 * ref_err), f"gradient {k}: {err} (the bf16 reference: {ref_err})"
