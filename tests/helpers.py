@@ -30,26 +30,6 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def assert_gradients_match_the_reference(module, inputs: tuple) -> None:
-    """The backward recomputes the reference (ReferenceBackward), so for the same upstream
-    gradient the module's gradients must be the fp32 reference's own. The loss is linear in the
-    output, (out * g).sum() with a fixed random g: the upstream gradient is then g for both, and
-    the comparison checks the backward's wiring (which inputs and parameters get which gradient)
-    without the forward's rounding differences, which the forward tests cover against float64."""
-    leaves = [t.clone().requires_grad_() if t.dtype.is_floating_point else t for t in inputs]
-    out = module(*leaves)
-    g = torch.randn(out.shape, generator=generator(99)).to(out.device)
-    (out * g).sum().backward()
-    reference = module.op.make_reference(module)
-    ref_leaves = [t.clone().requires_grad_() if t.dtype.is_floating_point else t for t in inputs]
-    (reference(*ref_leaves) * g).sum().backward()
-    named = [(f"input {k}", a.grad, b.grad) for k, (a, b) in enumerate(zip(leaves, ref_leaves)) if a.dtype.is_floating_point]
-    named += [(name, p.grad, q.grad) for (name, p), q in zip(module.named_parameters(), reference.parameters())]
-    for name, grad, ref_grad in named:
-        assert grad is not None, f"no gradient for {name}"
-        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
-
-
 def gradient_errors64(call, module, inputs: tuple, g: torch.Tensor) -> dict[str, float]:
     """Relative L2 error, per floating input and parameter, of the gradients `call` (the module, or
     a compiled form of it) gives for the loss (out * g).sum(), against float64 autograd of the
@@ -70,21 +50,19 @@ def gradient_errors64(call, module, inputs: tuple, g: torch.Tensor) -> dict[str,
 
 
 def closed_form_errors(module, inputs: tuple, grad_out: torch.Tensor) -> dict[str, float]:
-    """Relative L2 error of each gradient of module.analytic_gradients (the input's, the first of
-    `inputs`, and every parameter's) against float64 autograd of the reference on the same
-    weights, inputs (float masks too) and upstream gradient."""
+    """Relative L2 error of each gradient module.analytic_gradients gives (inputs it has one for:
+    "input 0", ...; every parameter by name) against float64 autograd of the reference on the same
+    weights, inputs and upstream gradient."""
     names = [name for name, _ in module.named_parameters()]
     ours = module.analytic_gradients(list(inputs), [p.detach() for p in module.parameters()], grad_out)
-    assert ours is not None, "no closed form for this call"
-    assert all(g is None for g in ours[1:len(inputs)]), "a gradient for a mask"
+    assert ours is not None and ours[0] is not None, "no closed form for this call"
+    assert len(ours) == len(inputs) + len(names)
     reference = module.op.make_reference(module).double()
-    x64 = inputs[0].double().requires_grad_()
-    rest = [t.double() if t.is_floating_point() else t for t in inputs[1:]]
-    (reference(x64, *rest) * grad_out.double()).sum().backward()
-    expected = [x64.grad] + [p.grad for p in reference.parameters()]
-    got = [ours[0], *ours[len(inputs):]]
-    assert len(got) == len(expected) == 1 + len(names)
-    return {name: ((g.double() - e).norm() / e.norm()).item() for name, g, e in zip(["input", *names], got, expected)}
+    leaves = [t.double().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    (reference(*leaves) * grad_out.double()).sum().backward()
+    pairs = [(f"input {k}", g, leaf.grad) for k, (g, leaf) in enumerate(zip(ours, leaves)) if g is not None]
+    pairs += [(name, g, p.grad) for name, g, p in zip(names, ours[len(inputs):], reference.parameters())]
+    return {name: ((g.double() - e).norm() / e.norm()).item() for name, g, e in pairs}
 
 
 def sampled_cases(spec, widths_list, k: int, label=None) -> list:

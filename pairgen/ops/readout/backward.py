@@ -1,0 +1,91 @@
+"""The pair readout's gradients in closed form, computed in fp32 (closed_form.gradients_in_fp32).
+
+  pre_ij = nodes_i Wi^T + nodes_j Wj^T + pair_ij Wp^T + b1   (W1 = [Wi | Wj | Wp] by columns)
+  m_ij = silu(pre_ij) W2^T + b2
+  pooled_i = max over j with edge_ij of m_ij (0 for a node with no edge)
+  out_i = nodes_i + LN(pooled_i)
+
+The backward recomputes pre, m and pooled from the inputs and weights (nothing is kept from the
+forward but its inputs). The max passes each channel's gradient to the partners that reach it,
+shared equally among ties as torch.amax's backward does; an isolated node's pooled row is the
+constant 0, so its gradient stops there (its LayerNorm affine still gets one). Node i's first
+layer term is computed once per node and broadcast over j: its gradient is a sum over j (and
+node j's over i). d<name> is the gradient of the loss with respect to <name>.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..closed_form import gradients_in_fp32, layer_norm_backward, layer_norm_parts
+
+
+def gradients(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: torch.Tensor,
+              params: dict[str, torch.Tensor], grad_out: torch.Tensor, tf32: bool = False) -> dict[str, torch.Tensor]:
+    """d(loss)/d(nodes) as "input", d(loss)/d(pair_feats) as "pair_feats", and d(loss)/d(parameter)
+    for every name of `params` ("fuse.0.weight", ..., "norm.bias"), given d(loss)/d(out)."""
+    pair_dtype = pair_feats.dtype
+    grads = gradients_in_fp32(lambda n32, w, g: _gradients(module, n32, pair_feats.float(), edge_mask, w, g),
+                              nodes, params, grad_out, tf32)
+    grads["pair_feats"] = grads["pair_feats"].to(pair_dtype)
+    return grads
+
+
+def _gradients(module, nodes, pair, edge_mask, w, grad_out):
+    B, N, D = nodes.shape
+    P = pair.shape[-1]
+    w1 = w["fuse.0.weight"]
+    wi, wj, wp = w1[:, :D], w1[:, D:2 * D], w1[:, 2 * D:]
+    H = w1.shape[0]
+
+    # ---- the forward again ----
+    u = nodes @ wi.t()                       # (B, N, H): node i's term
+    v = nodes @ wj.t()                       # (B, N, H): node j's term
+    pre = (pair.reshape(-1, P) @ wp.t()).view(B, N, N, H)
+    pre += u.unsqueeze(2) + v.unsqueeze(1) + w["fuse.0.bias"]
+    act = F.silu(pre)
+    m = (act.view(-1, H) @ w["fuse.2.weight"].t() + w["fuse.2.bias"]).view(B, N, N, D)
+    edge = edge_mask.unsqueeze(-1)
+    masked = m.masked_fill(~edge, float("-inf"))
+    pooled = masked.amax(dim=2)              # (B, N, D)
+    isolated = ~edge_mask.any(dim=2)
+    pooled = pooled.masked_fill(isolated.unsqueeze(-1), 0.0)
+    p_hat, rstd = layer_norm_parts(pooled, module.norm.eps)
+
+    # ---- LayerNorm and the residual ----
+    g = grad_out
+    grads = {"norm.weight": (g * p_hat).sum((0, 1)), "norm.bias": g.sum((0, 1))}
+    d_pooled = layer_norm_backward(g * w["norm.weight"], p_hat, rstd)
+    d_pooled = d_pooled.masked_fill(isolated.unsqueeze(-1), 0.0)
+
+    # ---- the max over partners: to the winners, ties sharing ----
+    winners = (masked == pooled.unsqueeze(2)) & edge
+    del masked, m
+    share = winners / winners.sum(dim=2, keepdim=True).clamp_min(1)
+    d_m = (share * d_pooled.unsqueeze(2)).view(-1, D)
+    del share, winners
+
+    # ---- the second layer and the SiLU ----
+    act_rows = act.view(-1, H)
+    grads["fuse.2.weight"], grads["fuse.2.bias"] = d_m.t() @ act_rows, d_m.sum(0)
+    d_act = d_m @ w["fuse.2.weight"]
+    del d_m, act, act_rows
+    sig = torch.sigmoid(pre.view(-1, H))
+    d_pre = d_act * sig * (1 + pre.view(-1, H) * (1 - sig))
+    del d_act, sig, pre
+
+    # ---- the first layer: pair rows, then each node's sums over its partners ----
+    pair_rows = pair.reshape(-1, P)
+    d_wp = d_pre.t() @ pair_rows
+    grads["pair_feats"] = (d_pre @ wp).view(B, N, N, P)
+    d_pre4 = d_pre.view(B, N, N, H)
+    d_u = d_pre4.sum(dim=2)                  # (B, N, H): node i over its partners j
+    d_v = d_pre4.sum(dim=1)                  # (B, N, H): node j over the i that read it
+    grads["fuse.0.bias"] = d_pre.sum(0)
+    del d_pre, d_pre4
+    node_rows = nodes.reshape(-1, D)
+    d_wi = d_u.reshape(-1, H).t() @ node_rows
+    d_wj = d_v.reshape(-1, H).t() @ node_rows
+    grads["fuse.0.weight"] = torch.cat([d_wi, d_wj, d_wp], dim=1)
+    grads["input"] = g + d_u @ wi + d_v @ wj
+    return grads
