@@ -49,6 +49,22 @@ def gradient_errors64(call, module, inputs: tuple, g: torch.Tensor) -> dict[str,
     return errors
 
 
+def assert_closed_form_meets_the_standard(module, inputs: tuple, grad_out: torch.Tensor, bound: float = 2e-5) -> None:
+    """A training step through the module (kernel forward) takes the closed-form backward, not a
+    recomputation of the reference, and every gradient is within `bound` (relative L2) of float64
+    autograd: the fp32 gradient standard by default."""
+    used = []
+    closed_form = module.analytic_gradients
+    module.analytic_gradients = lambda *args, **kw: used.append(1) or closed_form(*args, **kw)
+    try:
+        errors = gradient_errors64(module, module, inputs, grad_out)
+    finally:
+        del module.analytic_gradients
+    assert used == [1], "the closed form, not a recomputation of the reference"
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= bound, f"gradient of {worst}: {errors}"
+
+
 def closed_form_errors(module, inputs: tuple, grad_out: torch.Tensor) -> dict[str, float]:
     """Relative L2 error of each gradient module.analytic_gradients gives (inputs it has one for:
     "input 0", ...; every parameter by name) against float64 autograd of the reference on the same

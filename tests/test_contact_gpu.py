@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (ODD_SHAPES, REAL_WIDTHS, SEED_WIDTHS, gradient_errors64,
+from helpers import (ODD_SHAPES, REAL_WIDTHS, SEED_WIDTHS, assert_closed_form_meets_the_standard,
                      assert_variant_matches_float64, check_tuned_entries, compiled_cases, compiled_variant, generator,
                      run_under_graph_capture, sampled_cases)
 from pairgen.tuning.check import compare, reference64
@@ -99,13 +99,7 @@ def test_gradients_meet_the_standard():
     module = CONTACT.make_module(SEED_WIDTHS, gen).cuda()
     (x,) = (t.cuda() for t in CONTACT.make_inputs({"B": 2, "N": 37, **SEED_WIDTHS}, gen, "cauchy"))
     g = torch.randn(2, 37, 37, generator=gen).cuda()
-    used = []
-    closed_form = module.analytic_gradients
-    module.analytic_gradients = lambda *args, **kw: used.append(1) or closed_form(*args, **kw)
-    errors = gradient_errors64(module, module, (x,), g)
-    assert used == [1], "the closed form, not a recomputation of the reference"
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= 2e-5, f"gradient of {worst}: {errors}"
+    assert_closed_form_meets_the_standard(module, (x,), g)
 
 
 def test_weights_updated_in_place_are_repacked():

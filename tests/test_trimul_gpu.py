@@ -11,7 +11,7 @@ import torch
 
 from helpers import (ODD_SHAPES, assert_graph_survives_larger_calls,
                      assert_variant_matches_float64, check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
-                     gradient_errors64, run_under_graph_capture, run_variant, sampled_cases)
+                     assert_closed_form_meets_the_standard, run_under_graph_capture, run_variant, sampled_cases)
 from pairgen import runtime
 from pairgen.tuning.check import compare, reference64
 from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
@@ -172,13 +172,7 @@ def test_gradients_meet_the_standard(outgoing, gate_normalized, bias):
     module = TRIMUL.make_module(widths, gen).cuda()
     inputs = tuple(t.cuda() for t in TRIMUL.make_inputs({"B": 2, "N": 37, **widths}, gen, "cauchy"))
     g = torch.randn(inputs[0].shape, generator=gen).cuda()
-    analytic = []
-    closed_form = module.analytic_gradients
-    module.analytic_gradients = lambda *args, **kw: analytic.append(1) or closed_form(*args, **kw)
-    errors = gradient_errors64(module, module, inputs, g)
-    assert analytic == [1], "the closed form, not a recomputation of the reference"
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= 2e-5, f"gradient of {worst}: {errors}"
+    assert_closed_form_meets_the_standard(module, inputs, g)
 
 
 def test_weights_updated_in_place_are_repacked():
