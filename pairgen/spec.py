@@ -323,13 +323,14 @@ class OpSpec:
     def make_inputs(self, shape: dict, generator, distribution: str = "normal") -> tuple:
         return self._torch_half()[2](shape, generator, distribution)
 
-    def extra_peer(self, name: str, module, inputs: tuple):
+    def extra_peer(self, name: str, module, inputs: tuple, train: bool = False):
         """A callable timing peer `name` on these inputs, or a string saying why there is none
-        here (a library that is not installed, a shape it does not support)."""
+        here (a library that is not installed, a shape it does not support). train: the peer's
+        weights want gradients (a backward through it computes them, as the module's does)."""
         peer = self._torch_half()[3]
         if name not in self.extra_peer_names or peer is None:
             return f"{self.name} has no peer {name!r}"
-        return peer(name, module, inputs)
+        return peer(name, module, inputs, train=train)
 
 
 def precision_of(spec) -> str:

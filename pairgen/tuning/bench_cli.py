@@ -3,6 +3,7 @@ torch.compile(mode="max-autotune-no-cudagraphs"), in one process and one run (do
 
   pairgen-bench                  every op, its default shapes (seed + real)
   pairgen-bench --op contact --shape B=1,N=256,P=128,H=128 --peers eager,compile
+  pairgen-bench --backward       forward + backward (training), with peak memory and gradient error
   pairgen-bench --dry-run        list what would be measured
 
 Writes bench.md (table), <date>-<gpu>.json (all numbers, merged per GPU and date) and bench.png (speedups, with matplotlib: the
@@ -32,6 +33,9 @@ def parse_args(argv=None):
                         help="output folder: bench.md, bench.png and <date>-<gpu>.json (rows of one GPU and date, "
                              "merged across runs; the repo keeps them in benchmarks/results/)")
     parser.add_argument("--reps", type=int, default=200, help="timed repetitions per measurement")
+    parser.add_argument("--backward", action="store_true",
+                        help="time forward + backward (a training step's work: gradients for the input and every "
+                             "parameter) instead of the forward, with each one's peak memory")
     parser.add_argument("--dry-run", action="store_true", help="list what would be measured, and exit")
     args = parser.parse_args(argv)
     return parser, args
@@ -94,6 +98,88 @@ def measure(spec, shape, peers, reps):
         row["call_again_us"] = time_cuda(call, device, reps=reps).median_us  # the spread between two runs
     row["floor_us"] = floor_us(spec.cost(shape), runtime.device_info(device.index).slug, precision)
     return row
+
+
+def measure_training(spec, shape, peers, reps):
+    """One --backward row: forward + backward of the loss (out * g).sum() (g random, fixed) for
+    pairgen's module and each peer, each with gradients for the input and its parameters: median
+    µs (L2 flushed), the peak memory one step adds, and the input gradient's relative L2 against
+    float64 autograd of the reference. Peers run in the module's dtype."""
+    import torch
+
+    from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision, reference_in_precision
+    from pairgen.tuning.timing import time_cuda
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    precision = precision_of(spec)
+    gen = torch.Generator().manual_seed(0)
+    module = module_in_precision(spec, spec.widths_of(shape), gen, precision, device)
+    inputs = inputs_in_precision(spec.make_inputs(shape, gen), precision, device)
+    x = inputs[0].detach().requires_grad_()
+    train_inputs = (x, *inputs[1:])
+    eager = reference_in_precision(spec, module)
+    with torch.no_grad():
+        g = torch.randn(module(*inputs).shape, generator=gen).to(device, x.dtype)
+    exact = _input_gradient64(spec, module, inputs, g)
+    variant = module.variant_for(shape["N"], device, module.kernel_precision(*inputs))
+    row = {"op": spec.name, "shape": shape, "precision": precision, "mode": "train",
+           "variant": variant.plan.label if variant else "reference (no kernel)"}
+    calls = {"pairgen": lambda: module(*train_inputs)}
+    if "eager" in peers:
+        calls["eager"] = lambda: eager(*train_inputs)
+    if "compile" in peers:
+        compiled = torch.compile(eager, mode="max-autotune-no-cudagraphs")
+        calls["compile"] = lambda: compiled(*train_inputs)
+    for name in peers:
+        if name in spec.extra_peer_names:
+            peer = spec.extra_peer(name, module, train_inputs, train=True)
+            if isinstance(peer, str):
+                row.setdefault("unavailable", {})[name] = peer
+            else:
+                calls[name] = peer
+    for name, fn in calls.items():
+        def step(fn=fn):
+            x.grad = None
+            fn().backward(g)
+        try:
+            step()  # builds what the first call builds (torch.compile, cuBLAS handles, kernels)
+            torch.cuda.synchronize(device)
+            row[f"{name}_grad_rel_l2"] = ((x.grad.double() - exact).norm() / exact.norm()).item()
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            step()
+            torch.cuda.synchronize(device)
+            row[f"{name}_peak_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+            row[f"{name}_us"] = time_cuda(step, device, reps=reps).median_us
+        except Exception as exc:  # a peer that does not take this shape or dtype, or has no backward
+            row.setdefault("unavailable", {})[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return row
+
+
+def _input_gradient64(spec, module, inputs, g):
+    """d((out * g).sum())/d(input) by float64 autograd of the reference on the module's weights."""
+    reference = spec.make_reference(module).double()
+    x64 = inputs[0].double().requires_grad_()
+    rest = [t.double() if t.is_floating_point() else t for t in inputs[1:]]
+    reference(x64, *rest).backward(g.double())
+    return x64.grad
+
+
+def training_table(rows, peers) -> str:
+    names = ["pairgen", *peers]
+    head = ["op", "shape", "precision", "pairgen variant (forward)"] + [f"{n} fwd+bwd µs" for n in names]
+    head += [f"× vs {p}" for p in peers] + ["peak MiB: " + " / ".join(names), "input grad rel L2: " + " / ".join(names)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["op"], shape_label(r["shape"]), r.get("precision", "float32"), f"`{r['variant']}`"]
+        cells += [f"{r[n + '_us']:.1f}" if n + "_us" in r else "–" for n in names]
+        cells += [f"{r[p + '_us'] / r['pairgen_us']:.2f}×" if p + "_us" in r and "pairgen_us" in r else "–"
+                  for p in peers]
+        cells.append(" / ".join(f"{r[n + '_peak_mib']:.0f}" if n + "_peak_mib" in r else "–" for n in names))
+        cells.append(" / ".join(f"{r[n + '_grad_rel_l2']:.1e}" if n + "_grad_rel_l2" in r else "–" for n in names))
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = {f"{name}: {why}" for r in rows for name, why in r.get("unavailable", {}).items()}
+    return "\n".join(lines + [""] + [f"- not measured: {note}" for note in sorted(notes)])
 
 
 def table(rows, peers) -> str:
@@ -169,13 +255,22 @@ def main(argv=None) -> int:
            "timing": "median of CUDA-event-timed calls, L2 flushed before each; inference_mode"}
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
+    if args.backward:
+        env["timing"] = "median of CUDA-event-timed forward + backward steps, L2 flushed before each"
     for spec, shape in work:
-        rows.append(measure(spec, shape, peers, args.reps))
-        r = rows[-1]
-        print(f"{spec.name} {shape_label(shape)} {r['precision']}: call {r['call_us']:.1f} µs, graph {r['graph_us']:.1f} µs, "
-              + ", ".join(f"{p} {r[p + '_us']:.1f} µs" for p in peers if p + "_us" in r), flush=True)
+        if args.backward:
+            rows.append(measure_training(spec, shape, peers, args.reps))
+            r = rows[-1]
+            print(f"{spec.name} {shape_label(shape)} {r['precision']} fwd+bwd: "
+                  + ", ".join(f"{n} {r[n + '_us']:.1f} µs" for n in ["pairgen", *peers] if n + "_us" in r), flush=True)
+        else:
+            rows.append(measure(spec, shape, peers, args.reps))
+            r = rows[-1]
+            print(f"{spec.name} {shape_label(shape)} {r['precision']}: call {r['call_us']:.1f} µs, "
+                  f"graph {r['graph_us']:.1f} µs, "
+                  + ", ".join(f"{p} {r[p + '_us']:.1f} µs" for p in peers if p + "_us" in r), flush=True)
         text = write_results(args.out, env, rows, peers)  # after every shape: a cut-short run keeps its rows
-    if peers:
+    if peers and not args.backward:
         plot(rows, peers, args.out / "bench.png")
     print(text)
     return 0
@@ -191,13 +286,15 @@ def results_name(env: dict) -> str:
 def write_results(out: Path, env: dict, rows: list, peers: list) -> str:
     """bench.md (the table), and the rows as JSON under results_name(env), merged with the rows an
     earlier run of the same GPU and date wrote there (a later row of the same op and shape wins)."""
+    training = any(r.get("mode") == "train" for r in rows)
     text = (f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, NVRTC {env['nvrtc']}, {env['date']}; "
-            f"TF32 off in float32 rows; peers in each row's dtype; {env['timing']}.\n\n" + table(rows, peers) + "\n")
+            f"TF32 off in float32 rows; peers in each row's dtype; {env['timing']}.\n\n"
+            + (training_table(rows, peers) if training else table(rows, peers)) + "\n")
     (out / "bench.md").write_text(text)
     path = out / results_name(env)
     earlier = json.loads(path.read_text())["rows"] if path.exists() else []
     def key(r):
-        return r["op"], json.dumps(r["shape"], sort_keys=True), r.get("precision", "float32")
+        return r["op"], json.dumps(r["shape"], sort_keys=True), r.get("precision", "float32"), r.get("mode", "forward")
 
     mine = {key(r) for r in rows}
     kept = [r for r in earlier if key(r) not in mine]

@@ -10,12 +10,13 @@ import torch
 _FP32_MODES = {"ieee": "ieee", "tf32x3": "ieee", "tf32": None}
 
 
-def cuequivariance_peer(name: str, module, inputs: tuple):
+def cuequivariance_peer(name: str, module, inputs: tuple, train: bool = False):
     """cuEquivariance's fused triangle update on the module's weights and inputs, in their dtype:
     a bfloat16/float16 module's in its own low-precision path (its fast one), a float32 module's in
     the mode of the module's precision= ("ieee" by default, "tf32x3", "tf32"). It gates the output on the normalised input, so it computes this
     module's function for gate_on="normalized"; for gate_on="input" it is timed as the
-    nearest equivalent (same shapes and work). A string says why it cannot run here."""
+    nearest equivalent (same shapes and work). A string says why it cannot run here. train: its
+    weights (copies of the module's, in its layouts) want gradients."""
     try:
         from cuequivariance_torch import triangle_multiplicative_update
     except Exception as exc:  # not installed, or its CUDA libraries do not load here
@@ -35,7 +36,9 @@ def cuequivariance_peer(name: str, module, inputs: tuple):
         norm_out_weight=m.layer_norm_out.weight, norm_out_bias=m.layer_norm_out.bias,
         p_out_weight=m.out_proj.weight, p_out_bias=m.out_proj.bias if bias else None,
         g_out_weight=m.out_gate.weight, g_out_bias=m.out_gate.bias if bias else None)
-    weights = {k: (v.detach() if v is not None else None) for k, v in weights.items()}
+    # Its own leaves, in the fused layouts it takes (as a model built for it holds them): for
+    # training, they want gradients, and no concatenation is redone per step.
+    weights = {k: (v.detach().clone().requires_grad_(train) if v is not None else None) for k, v in weights.items()}
     direction = "outgoing" if m.widths["outgoing"] else "incoming"
     float_mask = mask.to(x.dtype)
     mode = {"precision": _FP32_MODES[m.precision]} if x.dtype is torch.float32 and _FP32_MODES[m.precision] else {}

@@ -1,0 +1,42 @@
+"""The bench's results on the CPU (rows as the GPU runs make them): the results file merges runs of
+one GPU and date, a forward row and a training row of the same shape side by side; the training
+table shows each peer's time, speedup, peak memory and gradient error."""
+from __future__ import annotations
+
+import json
+
+from pairgen.tuning.bench_cli import results_name, training_table, write_results
+
+ENV = {"gpu": "Test GPU", "torch": "t", "cuda": "c", "nvrtc": "n", "date": "2026-12-01", "timing": "t"}
+SHAPE = {"B": 1, "N": 256, "P": 128, "H": 128}
+
+
+def _forward_row(us):
+    return {"op": "contact", "shape": SHAPE, "precision": "float32", "variant": "v", "call_us": us,
+            "call_again_us": us, "graph_us": us, "host_us": 1.0, "check": "ok", "rel_l2": 1e-7}
+
+
+def _training_row(us):
+    return {"op": "contact", "shape": SHAPE, "precision": "float32", "mode": "train", "variant": "v",
+            "pairgen_us": us, "eager_us": 3 * us, "pairgen_peak_mib": 10.0, "eager_peak_mib": 40.0,
+            "pairgen_grad_rel_l2": 2e-7, "eager_grad_rel_l2": 3e-7,
+            "unavailable": {"compile": "RuntimeError: no"}}
+
+
+def test_forward_and_training_rows_of_one_shape_are_kept_side_by_side(tmp_path):
+    write_results(tmp_path, ENV, [_forward_row(10.0)], ["eager"])
+    write_results(tmp_path, ENV, [_training_row(100.0)], ["eager"])
+    write_results(tmp_path, ENV, [_training_row(90.0)], ["eager"])  # a later run of the same row wins
+    rows = json.loads((tmp_path / results_name(ENV)).read_text())["rows"]
+    assert sorted((r.get("mode", "forward"), r.get("pairgen_us", r.get("call_us"))) for r in rows) == \
+        [("forward", 10.0), ("train", 90.0)]
+    assert "fwd+bwd" in (tmp_path / "bench.md").read_text()
+
+
+def test_the_training_table():
+    text = training_table([_training_row(100.0)], ["eager", "compile"])
+    header, _, line = text.splitlines()[:3]
+    assert "pairgen fwd+bwd µs" in header and "× vs eager" in header and "peak MiB" in header
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[4:7] == ["100.0", "300.0", "–"] and "3.00×" in cells and "10 / 40 / –" in cells
+    assert "- not measured: compile: RuntimeError: no" in text
