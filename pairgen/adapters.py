@@ -7,6 +7,7 @@ Recognised by their parameter names (the projects' own classes, or anything laid
 | --- | --- | --- | --- | --- |
 | AlphaFold 2 / OpenFold | `linear_a_p`, `linear_a_g`, `linear_b_p`, `linear_b_g`, `linear_g`, `linear_z`, `layer_norm_in`, `layer_norm_out` | on the normalised input | as the source has them | shared: the pairgen module holds the source's own `Parameter` objects (training either trains both) |
 | AlphaFold 3 / Boltz | `norm_in`, `p_in`, `g_in` (fused, 2H rows: a's H, then b's), `norm_out`, `p_out`, `g_out` | on the normalised input | as the source has them | copied: pairgen keeps a and b apart, so the fused rows are split into new tensors |
+| OpenFold 3, fused (`FusedTriangleMultiplicationOutgoing/Incoming`) | `linear_ab_p`, `linear_ab_g` (fused as AlphaFold 3's `p_in`, `g_in`), `linear_z`, `linear_g`, `layer_norm_in`, `layer_norm_out` | on the normalised input | as the source has them | copied, as the AlphaFold 3 form |
 | alphafold3-pytorch | its `PreLayerNorm` wrapper (`norm`) around `TriangleMultiplication` (`fn`: `left_right_proj` = Linear(P, 4H) + GLU, `out_gate`, `to_out_norm`, `to_out`); needs P = H, as that module itself does | on the normalised input | none | copied (the GLU's rows are split); the incoming direction's "left" is pairgen's b |
 
 The direction comes from the source (`_outgoing`, else its class name containing "Outgoing" or
@@ -22,6 +23,11 @@ from .functional import KERNEL_EPS, af3_parameters, assign_parameters, empty_tri
 _OPENFOLD = ("linear_a_p", "linear_a_g", "linear_b_p", "linear_b_g", "linear_g", "linear_z", "layer_norm_in",
              "layer_norm_out")
 _AF3 = ("norm_in", "p_in", "g_in", "norm_out", "p_out", "g_out")
+#: The AlphaFold 3 form's parts (its names) -> the submodule holding each, per project.
+_AF3_NAMES = {name: name for name in _AF3}
+_OF3_FUSED_NAMES = {"norm_in": "layer_norm_in", "p_in": "linear_ab_p", "g_in": "linear_ab_g",
+                    "norm_out": "layer_norm_out", "p_out": "linear_z", "g_out": "linear_g"}
+_OF3_FUSED = tuple(_OF3_FUSED_NAMES.values())
 _AF3_PYTORCH = ("left_right_proj", "out_gate", "to_out_norm", "to_out", "mix_einsum_eq")
 
 
@@ -32,10 +38,13 @@ def adapt(source: nn.Module, direction: str | None = None):
         return _from_openfold(source, direction or _direction_of(source))
     if all(hasattr(source, name) for name in _AF3):
         return _from_af3(source, direction or _direction_of(source))
+    if all(hasattr(source, name) for name in _OF3_FUSED):
+        return _from_af3(source, direction or _direction_of(source), _OF3_FUSED_NAMES)
     if _is_af3_pytorch(source):
         return _from_af3_pytorch(source)
     raise ValueError(f"pairgen.adapt does not recognise {type(source).__name__}: expected the parameters of the "
-                     f"OpenFold form {_OPENFOLD}, of the AlphaFold 3 / Boltz form {_AF3}, or alphafold3-pytorch's "
+                     f"OpenFold form {_OPENFOLD}, of the AlphaFold 3 / Boltz form {_AF3}, of OpenFold 3's fused "
+                     f"form {_OF3_FUSED}, or alphafold3-pytorch's "
                      f"PreLayerNorm(norm, fn) around a module with {_AF3_PYTORCH}")
 
 
@@ -75,16 +84,22 @@ def _from_openfold(source: nn.Module, direction: str):
     return assign_parameters(empty_trimul(P, H, direction, all(biases)), values)
 
 
-def _from_af3(source: nn.Module, direction: str):
-    s = source
-    _check_eps(s.norm_in, s.norm_out)
-    two_h, P = s.p_in.weight.shape
-    bias = any(linear.bias is not None for linear in (s.p_in, s.g_in, s.p_out, s.g_out))
-    w = {"norm_in_weight": s.norm_in.weight, "norm_in_bias": s.norm_in.bias, "norm_out_weight": s.norm_out.weight,
-         "norm_out_bias": s.norm_out.bias}
-    for name in ("p_in", "g_in", "p_out", "g_out"):
-        w[f"{name}_weight"], w[f"{name}_bias"] = getattr(s, name).weight, getattr(s, name).bias
-    values = af3_parameters(w, bias, lambda t: nn.Parameter(t.detach().clone()))
+def _af3_weights(source: nn.Module, names: dict) -> dict:
+    """The AlphaFold 3 form's weights of `source` as triangle_multiplicative_update takes them
+    ("norm_in_weight", ..., "g_out_bias"; a missing bias is None), read through `names`."""
+    w = {}
+    for part, attr in names.items():
+        sub = getattr(source, attr)
+        w[f"{part}_weight"], w[f"{part}_bias"] = sub.weight, sub.bias
+    return w
+
+
+def _from_af3(source: nn.Module, direction: str, names: dict = _AF3_NAMES):
+    part = {name: getattr(source, attr) for name, attr in names.items()}
+    _check_eps(part["norm_in"], part["norm_out"])
+    two_h, P = part["p_in"].weight.shape
+    bias = any(part[name].bias is not None for name in ("p_in", "g_in", "p_out", "g_out"))
+    values = af3_parameters(_af3_weights(source, names), bias, lambda t: nn.Parameter(t.detach().clone()))
     return assign_parameters(empty_trimul(P, two_h // 2, direction, bias), values)
 
 
@@ -157,6 +172,13 @@ def _run_flat(module, x, pair_mask):
     return module(x.reshape(-1, n1, n2, c), pair_mask.reshape(-1, n1, n2)).reshape(*lead, n1, n2, c)
 
 
+def _openfold_call(z, mask, inplace_safe: bool, add_with_inplace: bool, update) -> torch.Tensor:
+    """OpenFold's calling convention around update(z, mask): no mask is every pair kept; with
+    `inplace_safe` and `_add_with_inplace` both set it returns z + update, written into z."""
+    result = update(z, mask if mask is not None else z.new_ones(z.shape[:-1]))
+    return z.add_(result) if inplace_safe and add_with_inplace else result
+
+
 class PatchedOpenFold(_Patched):
     """An OpenFold-form module's forward on pairgen's kernels, through `adapt` (parameters
     shared; rebuilt when the model's parameters are replaced by other objects). Leading dimensions
@@ -175,8 +197,7 @@ class PatchedOpenFold(_Patched):
         # shared parameters: only their replacement by other objects needs a new module
         module = self._kept(tuple(id(p) for p in self.source.parameters()),
                             lambda source: _from_openfold(source, self.direction))
-        update = _run_flat(module, z, mask if mask is not None else z.new_ones(z.shape[:-1]))
-        return z.add_(update) if inplace_safe and _add_with_inplace else update
+        return _openfold_call(z, mask, inplace_safe, _add_with_inplace, lambda x, m: _run_flat(module, x, m))
 
 
 class PatchedAF3(_Patched):
@@ -185,14 +206,34 @@ class PatchedAF3(_Patched):
     options (Boltz's `use_kernels`) are accepted and ignored: pairgen is the kernel."""
 
     form = "AlphaFold 3 / Boltz"
+    names = _AF3_NAMES
 
     def forward(self, x, mask=None, *unused, **unused_options):
-        s = self.source
-        return triangle_multiplicative_update(
-            x, self.direction, mask, norm_in_weight=s.norm_in.weight, norm_in_bias=s.norm_in.bias,
-            p_in_weight=s.p_in.weight, p_in_bias=s.p_in.bias, g_in_weight=s.g_in.weight, g_in_bias=s.g_in.bias,
-            norm_out_weight=s.norm_out.weight, norm_out_bias=s.norm_out.bias, p_out_weight=s.p_out.weight,
-            p_out_bias=s.p_out.bias, g_out_weight=s.g_out.weight, g_out_bias=s.g_out.bias, eps=s.norm_in.eps)
+        return self._update(x, mask)
+
+    def _update(self, x, mask):
+        """The update on the model's live weights; leading dimensions beyond one batch flattened."""
+        eps = getattr(self.source, self.names["norm_in"]).eps
+        lead, (n1, n2, c) = x.shape[:-3], x.shape[-3:]
+        flat_mask = mask.reshape(-1, n1, n2) if mask is not None else None
+        out = triangle_multiplicative_update(x.reshape(-1, n1, n2, c), self.direction, flat_mask,
+                                             **_af3_weights(self.source, self.names), eps=eps)
+        return out.reshape(*lead, n1, n2, c)
+
+
+class PatchedOpenFold3Fused(PatchedAF3):
+    """OpenFold 3's FusedTriangleMultiplication* (the AlphaFold 3 form under OpenFold's names and
+    calling convention) on `pairgen.triangle_multiplicative_update` over the live weights. Its
+    kernel choices are accepted and ignored; with `inplace_safe` and `_add_with_inplace` it returns
+    z + update written into z, as OpenFold does; options it does not know call the source."""
+
+    form = "OpenFold 3 fused"
+    names = _OF3_FUSED_NAMES
+
+    def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, **options):
+        if any(name not in PatchedOpenFold._IGNORED for name in options):
+            return self.source(z, mask, inplace_safe=inplace_safe, _add_with_inplace=_add_with_inplace, **options)
+        return _openfold_call(z, mask, inplace_safe, _add_with_inplace, self._update)
 
 
 class PatchedAF3Pytorch(_Patched):
@@ -225,13 +266,15 @@ def _stand_in_for(module: nn.Module):
             return str(exc)
         return PatchedAF3Pytorch, _af3_pytorch_direction(module.fn)
     form = PatchedOpenFold if all(hasattr(module, n) for n in _OPENFOLD) else \
-        PatchedAF3 if all(hasattr(module, n) for n in _AF3) else None
+        PatchedAF3 if all(hasattr(module, n) for n in _AF3) else \
+        PatchedOpenFold3Fused if all(hasattr(module, n) for n in _OF3_FUSED) else None
     if form is None:
         return None
     try:
         direction = _direction_of(module)
-        _check_eps(*((module.layer_norm_in, module.layer_norm_out) if form is PatchedOpenFold
-                     else (module.norm_in, module.norm_out)))
+        norms = ("layer_norm_in", "layer_norm_out") if form is PatchedOpenFold else \
+            (form.names["norm_in"], form.names["norm_out"])
+        _check_eps(*(getattr(module, name) for name in norms))
     except ValueError as exc:
         return str(exc)
     return form, direction

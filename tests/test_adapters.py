@@ -1,7 +1,8 @@
 """pairgen.adapt on the CPU against copies of the public modules written from their source (the
 projects are not installed here): OpenFold's TriangleMultiplicationOutgoing/Incoming (AlphaFold 2
 form, biases, parameters shared) and Boltz's (AlphaFold 3 form, fused p_in/g_in, no biases, weights
-copied), both directions, masks with empty rows; what adapt refuses."""
+copied), OpenFold 3's fused form (linear_ab_*, copied; patched on the live weights), both
+directions, masks with empty rows; what adapt refuses."""
 from __future__ import annotations
 
 import pytest
@@ -62,6 +63,29 @@ class BoltzTriangleMultiplicationOutgoing(BoltzTriangleMultiplicationIncoming):
     equation = "bikd,bjkd->bijd"
 
 
+class OpenFold3FusedForm(nn.Module):
+    """OpenFold 3's FusedTriangleMultiplicativeUpdate, re-written: LayerNorm in; ab = mask ·
+    sigmoid(linear_ab_g(z)) · linear_ab_p(z), both of 2·c_hidden rows with biases, a the first half
+    and b the second; the direction's sum; LayerNorm out, linear_z; times sigmoid(linear_g(z)) of
+    the normalised input. With inplace_safe and _add_with_inplace it returns z + update in z."""
+
+    def __init__(self, c_z, c_hidden, _outgoing=True):
+        super().__init__()
+        self._outgoing, self.c_hidden = _outgoing, c_hidden
+        self.linear_ab_p, self.linear_ab_g = nn.Linear(c_z, 2 * c_hidden), nn.Linear(c_z, 2 * c_hidden)
+        self.linear_g, self.linear_z = nn.Linear(c_z, c_z), nn.Linear(c_hidden, c_z)
+        self.layer_norm_in, self.layer_norm_out = nn.LayerNorm(c_z), nn.LayerNorm(c_hidden)
+
+    def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, **kernel_flags):
+        m = (z.new_ones(z.shape[:-1]) if mask is None else mask).unsqueeze(-1)
+        zn = self.layer_norm_in(z)
+        ab = m * torch.sigmoid(self.linear_ab_g(zn)) * self.linear_ab_p(zn)
+        a, b = ab[..., :self.c_hidden], ab[..., self.c_hidden:]
+        equation = "...ikc,...jkc->...ijc" if self._outgoing else "...kic,...kjc->...ijc"
+        x = self.linear_z(self.layer_norm_out(torch.einsum(equation, a, b))) * torch.sigmoid(self.linear_g(zn))
+        return z.add_(x) if inplace_safe and _add_with_inplace else x
+
+
 def _randomize(module: nn.Module, seed: int) -> nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -102,6 +126,32 @@ def test_boltz_form_is_adapted_with_copied_weights(cls):
     x, mask = _inputs(16, 4)
     with torch.no_grad():
         torch.testing.assert_close(adapted(x, mask), source(x, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("outgoing", [True, False])
+def test_openfold3_fused_form_is_adapted_and_patched(outgoing):
+    source = _randomize(OpenFold3FusedForm(24, 8, _outgoing=outgoing), 5)
+    adapted = pairgen.adapt(source)
+    assert adapted.direction == ("outgoing" if outgoing else "incoming") and adapted.widths["bias"]
+    assert torch.equal(adapted.gate_b.weight, source.linear_ab_g.weight[8:]), "b: the second half of the rows"
+    x, mask = _inputs(24, 6)
+    with torch.no_grad():
+        expected = source(x, mask)
+        torch.testing.assert_close(adapted(x, mask), expected, rtol=1e-5, atol=1e-5)
+        model = nn.ModuleDict({"tri": source})
+        keys = list(model.state_dict())
+        (line,) = pairgen.patch(model)
+        assert "OpenFold 3 fused form" in line and list(model.state_dict()) == keys
+        stacked = torch.stack([x, x], dim=1)  # a template stack: a leading dimension more
+        got = model["tri"](stacked, mask=torch.stack([mask, mask], dim=1), use_cueq_triangle_kernels=True)
+        torch.testing.assert_close(got[:, 1], expected, rtol=1e-5, atol=1e-5)
+        z = x.clone()
+        added = model["tri"](z, mask=mask, inplace_safe=True, _add_with_inplace=True)
+        assert added.data_ptr() == z.data_ptr()
+        torch.testing.assert_close(added, x + expected, rtol=1e-5, atol=1e-5)
+        source.linear_z.weight.mul_(0.5)  # the stand-in reads the live weights
+        torch.testing.assert_close(model["tri"](x, mask), model["tri"].source(x, mask), rtol=1e-5, atol=1e-5)
+    assert pairgen.unpatch(model) == 1 and model["tri"] is source
 
 
 def test_what_adapt_refuses():

@@ -1,6 +1,6 @@
 """pairgen.adapt and pairgen.patch against the projects' own classes, where they import: Boltz's
-TriangleMultiplicationOutgoing/Incoming and OpenFold 3's (including its fused linear_ab_* class,
-which adapt refuses with a message). Skipped where the projects are not installed; CI does not
+TriangleMultiplicationOutgoing/Incoming and OpenFold 3's (its unfused and its fused linear_ab_*
+classes). Skipped where the projects are not installed; CI does not
 install them (their dependency trees are large). To run these locally without their dependencies:
 
     pip install --no-deps --target /tmp/eco boltz scipy openfold3 gemmi ml_collections absl-py biotite
@@ -45,18 +45,26 @@ def test_boltz_modules(name):
         torch.testing.assert_close(holder["tri"](x, mask, use_kernels=True), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["TriangleMultiplicationOutgoing", "TriangleMultiplicationIncoming"])
+@pytest.mark.parametrize("name", ["TriangleMultiplicationOutgoing", "TriangleMultiplicationIncoming",
+                                  "FusedTriangleMultiplicationOutgoing", "FusedTriangleMultiplicationIncoming"])
 def test_openfold3_modules(name):
     of3 = pytest.importorskip("openfold3.core.model.layers.triangular_multiplicative_update")
     source = _randomize(getattr(of3, name)(c_z=24, c_hidden=16), 3)
     x, mask = _inputs(24, 4)
+    fused = name.startswith("Fused")
     with torch.no_grad():
         expected = source(x, mask)
         adapted = pairgen.adapt(source)
-        assert adapted.proj_a.weight is source.linear_a_p.weight, "shared"
+        if fused:
+            assert torch.equal(adapted.proj_b.weight, source.linear_ab_p.weight[16:]), "b's rows: the second half"
+        else:
+            assert adapted.proj_a.weight is source.linear_a_p.weight, "shared"
         torch.testing.assert_close(adapted(x, mask), expected, rtol=1e-5, atol=1e-5)
         holder = torch.nn.ModuleDict({"tri": source})
-        pairgen.patch(holder)
+        keys = list(holder.state_dict())
+        report = pairgen.patch(holder)
+        assert ("OpenFold 3 fused form" in report[0]) == fused and "swapped for pairgen" in report[0]
+        assert list(holder.state_dict()) == keys, "the model's state_dict keys are kept"
         # as OpenFold 3's pair block calls it: its kernel flags, and the in-place add
         got = holder["tri"](x, mask=mask, inplace_safe=False, _add_with_inplace=True, use_cueq_triangle_kernels=False)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -64,10 +72,3 @@ def test_openfold3_modules(name):
         added = holder["tri"](z, mask=mask, inplace_safe=True, _add_with_inplace=True)
         assert added.data_ptr() == z.data_ptr()
         torch.testing.assert_close(added, x + expected, rtol=1e-5, atol=1e-5)
-
-
-def test_openfold3_fused_projections_are_refused_with_a_message():
-    of3 = pytest.importorskip("openfold3.core.model.layers.triangular_multiplicative_update")
-    fused = of3.FusedTriangleMultiplicationOutgoing(c_z=16, c_hidden=8)
-    with pytest.raises(ValueError, match="does not recognise FusedTriangleMultiplicationOutgoing"):
-        pairgen.adapt(fused)
