@@ -1,4 +1,4 @@
-"""GPU: modules adapted from the OpenFold and Boltz forms run pairgen's kernels and match the
+"""GPU: modules adapted from the OpenFold, Boltz and OpenFold 3 fused forms run pairgen's kernels and match the
 source module in fp32 (fp32 standard, against float64 of the source) and bf16 (bf16 standard)."""
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import torch
 import pairgen
 from pairgen.ops.trimul import TRIMUL
 from pairgen.tuning.check import compare
-from test_adapters import BoltzTriangleMultiplicationOutgoing, OpenFoldForm, _inputs, _randomize
+from test_adapters import BoltzTriangleMultiplicationOutgoing, OpenFold3FusedForm, OpenFoldForm, _inputs, _randomize
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("make", [lambda: OpenFoldForm(64, 32, _outgoing=False),
-                                  lambda: BoltzTriangleMultiplicationOutgoing(64)], ids=["openfold", "boltz"])
+                                  lambda: BoltzTriangleMultiplicationOutgoing(64),
+                                  lambda: OpenFold3FusedForm(64, 32, _outgoing=True)],
+                         ids=["openfold", "boltz", "openfold3-fused"])
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")])
 def test_adapted_modules_run_kernels_and_match_the_source(make, dtype, precision):
     source = _randomize(make(), 5).cuda().to(dtype)
