@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch
+
 from pairgen.config import ENVIRONMENT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,3 +49,24 @@ def test_tuning_documents_the_commands_the_folders_and_the_lookup():
     for where in ("$XDG_DATA_HOME/pairgen/tuned", "~/.local/share/pairgen/tuned", "PAIRGEN_TUNED_DIR",
                   "same compute capability", "default parameters", "pairgen-bench"):
         assert where in section, where
+
+
+def training_example() -> str:
+    """The README's training block (the python block after "Training:")."""
+    start = README.index("Training: a small model")
+    return README[README.index("```python\n", start) + len("```python\n"): README.index("```", README.index("```python\n", start) + 10)]
+
+
+def test_the_readme_training_example_trains():
+    """On the CPU the modules run their references: the example itself (names, shapes, dtypes under
+    autocast, the loss) runs, and its steps move every parameter. tests/test_readme_gpu.py runs it
+    on the GPU, through the kernels and the closed-form backward."""
+    scope = {}
+    exec(compile(training_example(), "README.md", "exec"), scope)
+    model = scope["model"]
+    torch.manual_seed(0)
+    initial = scope["PairModel"]()  # the example seeds before building its model: its initial weights
+    for (name, p), p0 in zip(model.named_parameters(), initial.parameters()):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert not torch.equal(p.detach().cpu(), p0.detach()), f"{name} did not move"
+    assert torch.isfinite(scope["loss"])
