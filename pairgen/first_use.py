@@ -41,7 +41,7 @@ def verdict_path(op: str, gpu_slug: str) -> Path:
     return root / gpu_slug / "first-use" / f"{op}.json"
 
 
-def _load(path: Path) -> list[dict]:
+def load_verdicts(path: Path) -> list[dict]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -56,7 +56,7 @@ def _load(path: Path) -> list[dict]:
 def stored_verdict(op: str, gpu_slug: str, dtype: str, widths: dict, bucket: int, source_sha256: str) -> dict | None:
     """The verdict recorded for this key and this default variant's source, or None."""
     key = make_key(dtype, widths, bucket)
-    for verdict in _load(verdict_path(op, gpu_slug)):
+    for verdict in load_verdicts(verdict_path(op, gpu_slug)):
         if verdict.get("key") == key and verdict.get("source_sha256") == source_sha256:
             return verdict
     return None
@@ -67,7 +67,7 @@ def record_verdict(op: str, gpu_slug: str, dtype: str, widths: dict, bucket: int
     """Write (or replace) the key's verdict; the file is replaced whole (a reader never sees half)."""
     path = verdict_path(op, gpu_slug)
     key = make_key(dtype, widths, bucket)
-    verdicts = [v for v in _load(path) if v.get("key") != key]
+    verdicts = [v for v in load_verdicts(path) if v.get("key") != key]
     verdicts.append({"key": key, "variant": label, "source_sha256": source_sha256,
                      "kernel_us": round(kernel_us, 2), "reference_us": round(reference_us, 2),
                      "winner": "kernel" if kernel_us <= reference_us else "reference",

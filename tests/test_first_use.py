@@ -104,3 +104,12 @@ def test_select_hands_out_a_pending_check_unless_turned_off(folder, monkeypatch)
 def test_the_verdict_file_is_not_a_tuned_database(folder):
     first_use.record_verdict("contact", INFO.slug, "float32", WIDTHS, 128, "0" * 64, "x", 1.0, 2.0)
     assert not [db for db in tuned.all_databases(folder) if "first" in str(db.path)]
+
+
+def test_status_lists_the_verdicts(folder):
+    from pairgen.tuning.tune_cli import first_use_verdicts
+
+    assert "no first-use verdicts" in first_use_verdicts()
+    first_use.record_verdict("contact", INFO.slug, "float32", WIDTHS, 128, "0" * 64, "x", 50.0, 20.0)
+    text = first_use_verdicts()
+    assert "| test-gpu | contact | H=16 P=48 | float32 | 128 | 50.0 | 20.0 | reference |" in text

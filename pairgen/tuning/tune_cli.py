@@ -142,10 +142,31 @@ def status(info=None) -> int:
     stale, invalid = totals["stale"], totals["invalid"]
     print(f"\n{stale} stale entr{'y' if stale == 1 else 'ies'}" + (f", {invalid} invalid" if invalid else "")
           + ("; re-tune them with: pairgen-tune --stale" if stale or invalid else ""))
+    print(first_use_verdicts())
     info = info or this_gpu()
     if info is not None:
         print(applies_on(info))
     return 0
+
+
+def first_use_verdicts() -> str:
+    """The first-use checks' verdicts (pairgen/first_use.py): which untuned keys run the reference
+    because their default kernel was slower. Deleting a file forgets its verdicts."""
+    from pairgen import config, first_use
+
+    root = config.tuned_dir_override() or config.user_tuned_dir()
+    files = sorted(root.glob("*/first-use/*.json"))
+    if not files:
+        return f"\nno first-use verdicts under {root}"
+    lines = [f"\n## first-use verdicts under {root} (delete a file to time its keys again)\n",
+             "| gpu | op | widths | precision | N bucket | default µs | reference µs | runs |", "|---|---|---|---|---|---|---|---|"]
+    for path in files:
+        for v in first_use.load_verdicts(path):
+            key = v.get("key", {})
+            widths = " ".join(f"{k}={val}" for k, val in sorted(key.get("widths", {}).items()))
+            lines.append(f"| {path.parent.parent.name} | {path.stem} | {widths} | {key.get('dtype')} | {key.get('n_bucket')} "
+                         f"| {v.get('kernel_us')} | {v.get('reference_us')} | {v.get('winner')} |")
+    return "\n".join(lines)
 
 
 def folder_role(root: Path) -> str:
