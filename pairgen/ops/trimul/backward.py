@@ -55,10 +55,10 @@ def _gradients(module, x, mask, w, grad_out):
     w4 = torch.cat([w[f"{name}.weight"] for name in _FOUR])  # (4H, P)
     proj = linear(xn, w4, torch.cat([w[f"{name}.bias"] for name in _FOUR]) if bias else None)
     pa, ga, pb, gb = proj.split(H, dim=-1)
-    sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
+    sa, sb = ga.sigmoid_(), gb.sigmoid_()  # in place: the gates' pre-activations are not needed again
     keep = mask.reshape(-1, 1).to(x.dtype)
-    a_cf = _channels_first(pa * sa * keep, B, N, H)
-    b_cf = _channels_first(pb * sb * keep, B, N, H)
+    a_cf = _channels_first(torch.mul(pa, sa).mul_(keep), B, N, H)
+    b_cf = _channels_first(torch.mul(pb, sb).mul_(keep), B, N, H)
     z_cf = torch.bmm(a_cf, b_cf.transpose(1, 2)) if outgoing else torch.bmm(a_cf.transpose(1, 2), b_cf)
     z_hat, rstd_out = layer_norm_parts(_channels_last(z_cf, B, N, H), module.layer_norm_out.eps)
     del z_cf
@@ -69,8 +69,8 @@ def _gradients(module, x, mask, w, grad_out):
 
     # ---- output gate and projection ----
     g = grad_out.reshape(-1, P)
-    d_o = g * s
-    d_gate = g * o * s * (1 - s)
+    d_gate = o.mul_(g).mul_(s).mul_(1 - s)  # in the storage of o, then d_o in that of s
+    d_o = s.mul_(g)
     del o, s
     grads = {"out_proj.weight": d_o.t() @ zn, "out_gate.weight": d_gate.t() @ gate_in}
     if bias:
@@ -89,13 +89,16 @@ def _gradients(module, x, mask, w, grad_out):
     else:         # Z = A^T B
         da_cf, db_cf = torch.bmm(b_cf, dz_cf.transpose(1, 2)), torch.bmm(a_cf, dz_cf)
     del dz_cf, a_cf, b_cf
-    d_a = _channels_last(da_cf, B, N, H) * keep
-    d_b = _channels_last(db_cf, B, N, H) * keep
+    d_a = _channels_last(da_cf, B, N, H).mul_(keep)
+    d_b = _channels_last(db_cf, B, N, H).mul_(keep)
     del da_cf, db_cf
 
     # ---- gates and input projections ----
-    d_proj = torch.cat([d_a * sa, d_a * pa * sa * (1 - sa), d_b * sb, d_b * pb * sb * (1 - sb)], dim=-1)
-    del d_a, d_b, proj, pa, ga, pb, gb, sa, sb
+    d_proj = torch.empty_like(proj)  # [d pa | d ga | d pb | d gb], written in place
+    for k, (d, p, sig) in enumerate(((d_a, pa, sa), (d_b, pb, sb))):
+        torch.mul(d, sig, out=d_proj[:, 2 * k * H:(2 * k + 1) * H])
+        torch.mul(d, p, out=d_proj[:, (2 * k + 1) * H:(2 * k + 2) * H]).mul_(sig).mul_(1 - sig)
+    del d_a, d_b, d, p, sig, proj, pa, ga, pb, gb, sa, sb
     d_w4 = d_proj.t() @ xn
     for k, name in enumerate(_FOUR):
         grads[f"{name}.weight"] = d_w4[k * H:(k + 1) * H]
