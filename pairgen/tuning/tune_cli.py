@@ -565,9 +565,12 @@ def _retime_on(device: int, jobs, settings, slug: str, storage_url: str | None) 
     from pairgen.tuning.evaluate import GpuEvaluator
     from pairgen.tuning.tuner import open_study, retime_finalists, study_name
 
+    import torch
+
     if settings.finalists < 2:
         return
-    with compiler.compile_pool(settings.finalists) as pool:
+    # The modules launch on the current device's stream: make it the one the variants are timed on.
+    with compiler.compile_pool(settings.finalists) as pool, torch.cuda.device(device):
         for spec, shape, _ in jobs:
             widths = spec.widths_of(shape)
             study = open_study(study_name(slug, spec.name, precision_of(spec), widths, n_bucket(shape["N"])),
