@@ -11,7 +11,8 @@ PAIRGEN_FIRST_USE_CHECK=0 turns the check off (the default variant then runs unt
 shape (pairgen-tune) replaces the default, and its verdict, with a tuned entry.
 
 No check runs while a CUDA graph is being captured (the call then runs the default, and a later
-call outside the capture times it); a check that fails for any reason warns and keeps the default.
+call outside the capture times it); a check that fails for any reason (the reference running out
+of memory where the kernel fits, say) warns and keeps the default.
 """
 from __future__ import annotations
 
@@ -103,8 +104,14 @@ class Pending:
         try:
             kernel_us, reference_us = measure(kernel, reference, device)
         except Exception as exc:  # never lose the call to its check: keep the default, say why
+            if "out of memory" in str(exc).lower():
+                # The reference needs far more memory than the kernel (its intermediates): give back
+                # what the failed attempt left cached, for the kernel and the caller.
+                import torch
+
+                torch.cuda.empty_cache()
             warnings.warn(f"pairgen: the first-use check of {self.op} {self.variant.plan.label} failed "
-                          f"({type(exc).__name__}: {exc}); running the default kernel")
+                          f"({type(exc).__name__}: {str(exc)[:300]}); running the default kernel")
             return self.variant
         self.winner = self.variant if kernel_us <= reference_us else None
         try:
