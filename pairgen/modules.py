@@ -179,7 +179,12 @@ class PackedParameters:
 
     def get(self) -> torch.Tensor:
         if self._root.__dict__.get("_state_per_call"):
-            return self.fresh()
+            # Held by the module until the operator's call ends (library.state_per_call): callers
+            # keep only its data pointer, and a pack freed before its kernel is enqueued could be
+            # handed to a later allocation of the same call.
+            pack = self.fresh()
+            self._root.__dict__.setdefault("_call_buffers", []).append(pack)
+            return pack
         if self._epoch != _STRUCTURE_EPOCH[0]:
             self._resolve()
         if self._data_epoch != _DATA_EPOCH[0]:

@@ -110,7 +110,8 @@ def test_inside_an_operator_call_packed_weights_are_made_per_call_and_kept_nowhe
     with library.state_per_call(module):
         first, second = packs.get(), packs.get()
         assert first is not second and torch.equal(first, second)
-        assert packs._packed is None, "a per-call pack was kept"
+        assert packs._packed is None, "a per-call pack was kept between calls"
+        assert any(t is first for t in module._call_buffers), "held until the call ends (only pointers are kept)"
     assert packs.get() is packs.get(), "outside an operator call the pack is kept and reused"
     with torch.no_grad():
         module.out_proj.weight.add_(1.0)  # an optimizer step, in effect
