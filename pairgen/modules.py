@@ -20,6 +20,11 @@ from .spec import OpSpec
 HALF_PRECISION_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def frozen_names(names: list[str], wanted: "list[bool] | None") -> frozenset:
+    """The parameter names whose gradient is not wanted (None: every one is)."""
+    return frozenset() if wanted is None else frozenset(name for name, w in zip(names, wanted) if not w)
+
+
 class ReferenceBackward(torch.autograd.Function):
     """Forward through the kernel; backward through the module's closed-form gradients where it
     has them for this call (`analytic_gradients`), else by recomputing the reference under
@@ -40,7 +45,8 @@ class ReferenceBackward(torch.autograd.Function):
         params = list(tensors[ctx.n_inputs:])
         wanted = [t for t in inputs + params if t.requires_grad]
         enabled, dtype = ctx.autocast
-        analytic = ctx.module.analytic_gradients(inputs, params, grad_out, autocast=enabled)
+        analytic = ctx.module.analytic_gradients(inputs, params, grad_out, autocast=enabled,
+                                                 wanted=[p.requires_grad for p in params])
         if analytic is not None:
             return (None, None, None, *[g if t.requires_grad else None for t, g in zip(inputs + params, analytic)])
         with torch.enable_grad(), torch.autocast("cuda", dtype=dtype, enabled=enabled):
@@ -393,10 +399,11 @@ class KernelModule:
         return winner
 
     def analytic_gradients(self, inputs: list, params: list, grad_out: torch.Tensor,
-                           autocast: bool = False) -> list | None:
+                           autocast: bool = False, wanted: "list[bool] | None" = None) -> list | None:
         """Gradients of every input and parameter, in order (None for those that get none), in
         closed form; None where the op has no closed form for this call (the reference is then
-        recomputed under autograd). autocast: the forward ran under torch.autocast."""
+        recomputed under autograd). autocast: the forward ran under torch.autocast. wanted: per
+        parameter, whether its gradient is wanted (None: all are); the others' products are skipped."""
         return None
 
     def _run(self, variant, *tensors) -> None:

@@ -73,3 +73,25 @@ def test_16_bit_modules_meet_the_16_bit_standard(dtype):
         ours_err = ((g.double() - e).norm() / e.norm()).item()
         reference_err = ((g16.double() - e).norm() / e.norm()).item()
         assert ours_err <= max(2e-2, 1.5 * reference_err), f"{name}: {ours_err} (the {dtype} reference: {reference_err})"
+
+
+def test_frozen_parameters_get_no_gradient_and_the_rest_are_unchanged():
+    """A frozen parameter's products are skipped (None); the input's and the other parameters'
+    gradients are the same as with nothing frozen."""
+    widths = {"P": 16, "H": 8, "outgoing": 1, "gate_normalized": 0, "bias": 1}
+    gen = generator(90)
+    module = TRIMUL.make_module(widths, gen)
+    x, mask = TRIMUL.make_inputs({"B": 1, "N": 9, **widths}, gen)
+    g = torch.randn(x.shape, generator=gen)
+    names = [name for name, _ in module.named_parameters()]
+    params = [p.detach() for p in module.parameters()]
+    everything = module.analytic_gradients([x, mask], params, g)
+    wanted = [not name.startswith(("proj_", "gate_", "out_proj.weight")) for name in names]
+    some = module.analytic_gradients([x, mask], params, g, wanted=wanted)
+    assert torch.equal(some[0], everything[0])
+    skippable = {"out_proj.weight", "out_gate.weight", *(f"{n}.weight" for n in ("proj_a", "gate_a", "proj_b", "gate_b"))}
+    for name, w, a, b in zip(names, wanted, some[2:], everything[2:]):
+        if name in skippable and not w:
+            assert a is None, f"{name}: frozen, its product skipped"
+        else:  # wanted, or cheap enough to come anyway (biases, LayerNorm affines: sums)
+            assert torch.equal(a, b), name

@@ -34,5 +34,6 @@ def gradients_in_fp32(compute, x: torch.Tensor, params: dict[str, torch.Tensor],
         grads = compute(x.float(), {name: p.float() for name, p in params.items()}, grad_out.float(), *extra)
     grads["input"] = grads["input"].to(x.dtype)
     for name, p in params.items():
-        grads[name] = grads[name].to(p.dtype)
+        if name in grads:  # a frozen parameter's is not computed
+            grads[name] = grads[name].to(p.dtype)
     return grads

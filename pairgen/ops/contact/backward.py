@@ -16,10 +16,11 @@ from ..closed_form import gradients_in_fp32, layer_norm_backward, layer_norm_par
 
 
 def gradients(module, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out: torch.Tensor,
-              tf32: bool = False) -> dict[str, torch.Tensor]:
+              tf32: bool = False, frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
     """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
-    ("layer_norm.weight", ..., "mlp.4.bias"), given d(loss)/d(out) = grad_out."""
-    return gradients_in_fp32(lambda x32, w, g: _gradients(module, x32, w, g), x, params, grad_out, tf32)
+    ("layer_norm.weight", ..., "mlp.4.bias") but the `frozen` ones' products, given
+    d(loss)/d(out) = grad_out."""
+    return gradients_in_fp32(lambda x32, w, g: _gradients(module, x32, w, g, frozen), x, params, grad_out, tf32)
 
 
 def _transpose_pairs(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
@@ -28,7 +29,7 @@ def _transpose_pairs(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
     return t.view(B, N, N, C).transpose(1, 2).reshape(B * N * N, C)
 
 
-def _gradients(module, x, w, grad_out):
+def _gradients(module, x, w, grad_out, frozen):
     B, N, _, P = x.shape
     rows = x.reshape(-1, P)
 
@@ -43,13 +44,19 @@ def _gradients(module, x, w, grad_out):
 
     # ---- back through the MLP ----
     d_y = grad_out.reshape(-1, 1) * out * (1 - out)
-    grads = {"mlp.4.weight": d_y.t() @ h2, "mlp.4.bias": d_y.sum(0)}
+    grads = {"mlp.4.bias": d_y.sum(0)}
+    if "mlp.4.weight" not in frozen:
+        grads["mlp.4.weight"] = d_y.t() @ h2
     d_h2 = (d_y @ w["mlp.4.weight"]) * (h2 > 0)
     del d_y, h2
-    grads["mlp.2.weight"], grads["mlp.2.bias"] = d_h2.t() @ h1, d_h2.sum(0)
+    grads["mlp.2.bias"] = d_h2.sum(0)
+    if "mlp.2.weight" not in frozen:
+        grads["mlp.2.weight"] = d_h2.t() @ h1
     d_h1 = (d_h2 @ w["mlp.2.weight"]) * (h1 > 0)
     del d_h2, h1
-    grads["mlp.0.weight"], grads["mlp.0.bias"] = d_h1.t() @ s, d_h1.sum(0)
+    grads["mlp.0.bias"] = d_h1.sum(0)
+    if "mlp.0.weight" not in frozen:
+        grads["mlp.0.weight"] = d_h1.t() @ s
     d_s = d_h1 @ w["mlp.0.weight"]
     del d_h1, s
 

@@ -21,17 +21,19 @@ from ..closed_form import gradients_in_fp32, layer_norm_backward, layer_norm_par
 
 
 def gradients(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: torch.Tensor,
-              params: dict[str, torch.Tensor], grad_out: torch.Tensor, tf32: bool = False) -> dict[str, torch.Tensor]:
+              params: dict[str, torch.Tensor], grad_out: torch.Tensor, tf32: bool = False,
+              frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
     """d(loss)/d(nodes) as "input", d(loss)/d(pair_feats) as "pair_feats", and d(loss)/d(parameter)
-    for every name of `params` ("fuse.0.weight", ..., "norm.bias"), given d(loss)/d(out)."""
+    for every name of `params` ("fuse.0.weight", ..., "norm.bias") but the `frozen` ones'
+    products, given d(loss)/d(out)."""
     pair_dtype = pair_feats.dtype
-    grads = gradients_in_fp32(lambda n32, w, g: _gradients(module, n32, pair_feats.float(), edge_mask, w, g),
+    grads = gradients_in_fp32(lambda n32, w, g: _gradients(module, n32, pair_feats.float(), edge_mask, w, g, frozen),
                               nodes, params, grad_out, tf32)
     grads["pair_feats"] = grads["pair_feats"].to(pair_dtype)
     return grads
 
 
-def _gradients(module, nodes, pair, edge_mask, w, grad_out):
+def _gradients(module, nodes, pair, edge_mask, w, grad_out, frozen):
     B, N, D = nodes.shape
     P = pair.shape[-1]
     w1 = w["fuse.0.weight"]
@@ -67,7 +69,9 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out):
 
     # ---- the second layer and the SiLU ----
     act_rows = act.view(-1, H)
-    grads["fuse.2.weight"], grads["fuse.2.bias"] = d_m.t() @ act_rows, d_m.sum(0)
+    grads["fuse.2.bias"] = d_m.sum(0)
+    if "fuse.2.weight" not in frozen:
+        grads["fuse.2.weight"] = d_m.t() @ act_rows
     d_act = d_m @ w["fuse.2.weight"]
     del d_m, act, act_rows
     sig = torch.sigmoid(pre.view(-1, H))
@@ -75,17 +79,17 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out):
     del d_act, sig, pre
 
     # ---- the first layer: pair rows, then each node's sums over its partners ----
-    pair_rows = pair.reshape(-1, P)
-    d_wp = d_pre.t() @ pair_rows
+    first_layer = "fuse.0.weight" not in frozen
+    d_wp = d_pre.t() @ pair.reshape(-1, P) if first_layer else None
     grads["pair_feats"] = (d_pre @ wp).view(B, N, N, P)
     d_pre4 = d_pre.view(B, N, N, H)
     d_u = d_pre4.sum(dim=2)                  # (B, N, H): node i over its partners j
     d_v = d_pre4.sum(dim=1)                  # (B, N, H): node j over the i that read it
     grads["fuse.0.bias"] = d_pre.sum(0)
     del d_pre, d_pre4
-    node_rows = nodes.reshape(-1, D)
-    d_wi = d_u.reshape(-1, H).t() @ node_rows
-    d_wj = d_v.reshape(-1, H).t() @ node_rows
-    grads["fuse.0.weight"] = torch.cat([d_wi, d_wj, d_wp], dim=1)
+    if first_layer:
+        node_rows = nodes.reshape(-1, D)
+        grads["fuse.0.weight"] = torch.cat([d_u.reshape(-1, H).t() @ node_rows, d_v.reshape(-1, H).t() @ node_rows,
+                                            d_wp], dim=1)
     grads["input"] = g + d_u @ wi + d_v @ wj
     return grads

@@ -35,14 +35,15 @@ def _channels_last(t: torch.Tensor, B: int, N: int, H: int) -> torch.Tensor:
 
 
 def gradients(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor],
-              grad_out: torch.Tensor, tf32: bool = False) -> dict[str, torch.Tensor]:
+              grad_out: torch.Tensor, tf32: bool = False, frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
     """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
-    ("layer_norm_in.weight", ..., "out_gate.bias"), given d(loss)/d(out) = grad_out; in fp32, with
-    TF32 products when tf32 (closed_form.gradients_in_fp32)."""
-    return gradients_in_fp32(lambda x32, w, g: _gradients(module, x32, mask, w, g), x, params, grad_out, tf32)
+    ("layer_norm_in.weight", ..., "out_gate.bias") but the `frozen` ones (their products are
+    skipped), given d(loss)/d(out) = grad_out; in fp32, with TF32 products when tf32
+    (closed_form.gradients_in_fp32)."""
+    return gradients_in_fp32(lambda x32, w, g: _gradients(module, x32, mask, w, g, frozen), x, params, grad_out, tf32)
 
 
-def _gradients(module, x, mask, w, grad_out):
+def _gradients(module, x, mask, w, grad_out, frozen):
     B, N, _, P = x.shape
     H = w["proj_a.weight"].shape[0]
     bias = "proj_a.bias" in w
@@ -72,7 +73,11 @@ def _gradients(module, x, mask, w, grad_out):
     d_gate = o.mul_(g).mul_(s).mul_(1 - s)  # in the storage of o, then d_o in that of s
     d_o = s.mul_(g)
     del o, s
-    grads = {"out_proj.weight": d_o.t() @ zn, "out_gate.weight": d_gate.t() @ gate_in}
+    grads = {}
+    if "out_proj.weight" not in frozen:
+        grads["out_proj.weight"] = d_o.t() @ zn
+    if "out_gate.weight" not in frozen:
+        grads["out_gate.weight"] = d_gate.t() @ gate_in
     if bias:
         grads["out_proj.bias"], grads["out_gate.bias"] = d_o.sum(0), d_gate.sum(0)
     d_zn = d_o @ w["out_proj.weight"]
@@ -99,9 +104,10 @@ def _gradients(module, x, mask, w, grad_out):
         torch.mul(d, sig, out=d_proj[:, 2 * k * H:(2 * k + 1) * H])
         torch.mul(d, p, out=d_proj[:, (2 * k + 1) * H:(2 * k + 2) * H]).mul_(sig).mul_(1 - sig)
     del d_a, d_b, d, p, sig, proj, pa, ga, pb, gb, sa, sb
-    d_w4 = d_proj.t() @ xn
-    for k, name in enumerate(_FOUR):
-        grads[f"{name}.weight"] = d_w4[k * H:(k + 1) * H]
+    if any(f"{name}.weight" not in frozen for name in _FOUR):
+        d_w4 = d_proj.t() @ xn
+        for k, name in enumerate(_FOUR):
+            grads[f"{name}.weight"] = d_w4[k * H:(k + 1) * H]
     if bias:
         d_b4 = d_proj.sum(0)
         for k, name in enumerate(_FOUR):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...modules import (HALF_PRECISION_DTYPES, KernelModule, PackedParameters, as_mask, check_float_tensor,
-                        check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul)
+                        check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul, frozen_names)
 from . import backward
 from .reference import TriangleMultiplicationReference
 from .spec import BMM, FUSED, MMA, TRIMUL, mma_weight_offsets, weight_offsets
@@ -204,7 +204,8 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
                 dict(zip(self._param_names, params)), self.widths["P"], self.widths["H"], bool(self.widths["bias"]), d))
         return pack
 
-    def analytic_gradients(self, inputs: list, params: list, grad_out, autocast: bool = False) -> list | None:
+    def analytic_gradients(self, inputs: list, params: list, grad_out, autocast: bool = False,
+                           wanted: list | None = None) -> list | None:
         """Closed-form gradients (backward.py): exact fp32 for an fp32 call in any fp32 precision;
         fp32 with TF32 products for a 16-bit module or under autocast. A floating mask that wants
         its own gradient recomputes the reference."""
@@ -213,8 +214,9 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
             return None
         names = [name for name, _ in self.named_parameters()]
         grads = backward.gradients(self, x, mask, dict(zip(names, params)), grad_out,
-                                   tf32=autocast or x.dtype is not torch.float32)
-        return [grads["input"], None, *(grads[name] for name in names)]
+                                   tf32=autocast or x.dtype is not torch.float32,
+                                   frozen=frozen_names(names, wanted))
+        return [grads["input"], None, *(grads.get(name) for name in names)]
 
     def reference_forward(self, pair_repr, pair_mask):
         return TriangleMultiplicationReference.forward(self, pair_repr, pair_mask)
