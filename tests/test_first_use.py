@@ -62,7 +62,7 @@ def test_the_verdict_is_recorded_and_read_back(folder, monkeypatch, kernel_us, r
     if winner == "kernel":
         assert again.plan.label == choice.plan.label and again.source.startswith("default (faster than the reference")
     else:
-        assert again.plan is None and again.expected_reference and "slower" in again.source
+        assert again.plan is None and again.expected_reference and "first-use check" in again.source and "slower" in again.source
 
 
 def test_a_verdict_for_another_source_is_not_used(folder):
