@@ -9,6 +9,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from pairgen.ops.contact import CONTACT
 from pairgen.tuning.tuner import PointClaims, TuneSettings, _point_key, open_study, past_outcomes, study_name, tune_shape
 from test_tuner import SHAPE, WIDTHS, FakeEvaluator
@@ -31,15 +33,33 @@ class LoggingEvaluator(FakeEvaluator):
         return super().evaluate(plan)
 
 
-def _worker(storage: str, log_path: str, trials: int, seed: int) -> None:
+class StreamingLoggingEvaluator(LoggingEvaluator):
+    """Compiles in a background thread, as GpuEvaluator does on its pool: points stay in flight
+    (claimed, not yet timed) while the worker asks for more."""
+
+    def __init__(self, log_path: str, pool):
+        super().__init__(log_path)
+        self.pool = pool
+
+    def start_compiles(self, plans):
+        return [self.pool.submit(lambda p=p: self.compile([p])[0]).result for p in plans]
+
+
+def _worker(storage: str, log_path: str, trials: int, seed: int, streaming: bool) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
     settings = TuneSettings(trials=trials, batch=4, progress=False, seed=seed, finalists=0)  # as --devices workers
-    tune_shape(CONTACT, SHAPE, LoggingEvaluator(log_path), "fake-gpu", settings, storage_dir=Path(storage), shared=True)
+    with ThreadPoolExecutor(2) as pool:
+        evaluator = StreamingLoggingEvaluator(log_path, pool) if streaming else LoggingEvaluator(log_path)
+        tune_shape(CONTACT, SHAPE, evaluator, "fake-gpu", settings, storage_dir=Path(storage), shared=True)
 
 
-def test_workers_share_a_study_without_losing_or_doubling_a_point(tmp_path):
+@pytest.mark.parametrize("streaming", [False, True], ids=["compile-then-time", "streaming"])
+def test_workers_share_a_study_without_losing_or_doubling_a_point(tmp_path, streaming):
     ctx = multiprocessing.get_context("spawn")
     logs = [tmp_path / f"worker{k}.log" for k in range(3)]
-    workers = [ctx.Process(target=_worker, args=(str(tmp_path), str(log), 30, k)) for k, log in enumerate(logs)]
+    workers = [ctx.Process(target=_worker, args=(str(tmp_path), str(log), 30, k, streaming))
+               for k, log in enumerate(logs)]
     for w in workers:
         w.start()
     for w in workers:
