@@ -160,8 +160,9 @@ class PackedParameters:
         if len(params) != len(self._params) or not all(map(operator.is_, params, self._params)):
             self._key = None  # other parameters than the last pack's: repack (a registration elsewhere is not)
         self._slots, self._params = tuple(slots), params
-        # The per-call check, as three parallel tuples for C-level map(): checked in ~1 µs for 16
-        # parameters where a Python loop over the slots took ~2.5 (the host time of a call).
+        # The per-call check runs over parallel tuples with C-level map() (a little faster than a
+        # Python loop over the slots). Its cost is mostly the version reads: ~0.17 µs per
+        # parameter for the watched subclass against ~0.07 for a plain Parameter (CPU host).
         self._owners = tuple(owner for owner, _, _ in slots)
         self._names = tuple(name for _, name, _ in slots)
         self._computed = any(p is None for p in params)
