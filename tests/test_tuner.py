@@ -257,3 +257,12 @@ def test_the_finalists_are_timed_again_and_a_lucky_timing_does_not_win(tmp_path)
     assert retimed == true_cost, "each finalist's median is its true cost, the lucky timing outvoted"
     assert result.best["us"] == min(true_cost.values()) and result.best["us"] > 0
     assert ev.evaluated.count(lucky) == 1 + 5, "timed once by the search, five times as a finalist"
+
+
+def test_a_run_without_finalists_forgets_an_earlier_runs_retiming(tmp_path):
+    tune_shape(CONTACT, SHAPE, LuckyFirstEvaluator(), "fake-gpu", _settings(6, finalists=3), storage_dir=tmp_path)
+    study = open_study(study_name("fake-gpu", "contact", "float32", WIDTHS, 64), 0, tmp_path)
+    assert study.user_attrs["retimed"]
+    result = tune_shape(CONTACT, SHAPE, FakeEvaluator(), "fake-gpu", _settings(12), storage_dir=tmp_path)
+    study = open_study(study_name("fake-gpu", "contact", "float32", WIDTHS, 64), 0, tmp_path)
+    assert not study.user_attrs["retimed"] and result.best["us"] == study.best_trial.value

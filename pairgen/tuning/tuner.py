@@ -353,6 +353,8 @@ def retime_finalists(study, spec: OpSpec, widths: dict, evaluator: Evaluator, se
             once[point] = min(once.get(point, float("inf")), t.value)
     finalists = sorted(once, key=once.get)[:settings.finalists]
     if len(finalists) < 2:
+        if study.user_attrs.get("retimed"):  # an earlier run's: it would hide this run's new points
+            study.set_user_attr("retimed", {})
         return {}
     variants = evaluator.compile([spec.plan(*json.loads(point), widths) for point in finalists])
     times = {point: [] for point, variant in zip(finalists, variants) if not isinstance(variant, Exception)}
