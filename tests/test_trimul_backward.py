@@ -95,3 +95,16 @@ def test_frozen_parameters_get_no_gradient_and_the_rest_are_unchanged():
             assert a is None, f"{name}: frozen, its product skipped"
         else:  # wanted, or cheap enough to come anyway (biases, LayerNorm affines: sums)
             assert torch.equal(a, b), name
+
+
+def test_a_tf32x3_module_meets_the_fp32_standard():
+    """tf32x3 modules' products run split (closed_form.Products): fp32-accurate, held to 2e-5."""
+    widths = {"P": 24, "H": 16, "outgoing": 0, "gate_normalized": 1, "bias": 1}
+    gen = generator(95)
+    module = TRIMUL.make_module(widths, gen)
+    module.precision = "tf32x3"
+    assert module._backward_precision(torch.zeros(1), autocast=False) == "tf32x3"
+    x, mask = TRIMUL.make_inputs({"B": 2, "N": 11, **widths}, gen)
+    errors = closed_form_errors(module, (x, mask), torch.randn(x.shape, generator=gen))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= STANDARD, f"gradient of {worst}: {errors}"

@@ -163,13 +163,17 @@ def test_a_captured_graph_survives_later_larger_calls():
         module.force_variant(None)
 
 
-@pytest.mark.parametrize("outgoing,gate_normalized,bias", [(0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 0)])
-def test_gradients_meet_the_standard(outgoing, gate_normalized, bias):
+@pytest.mark.parametrize("outgoing,gate_normalized,bias,precision",
+                         [(0, 0, 1, "ieee"), (1, 1, 0, "ieee"), (1, 0, 1, "ieee"), (0, 1, 0, "ieee"),
+                          (1, 1, 1, "tf32x3")])
+def test_gradients_meet_the_standard(outgoing, gate_normalized, bias, precision):
     """The closed-form backward (pairgen/ops/trimul/backward.py) after the kernel's forward: every
-    gradient within relative L2 2e-5 of float64 autograd, at an odd length, with empty mask rows."""
+    gradient within relative L2 2e-5 of float64 autograd, at an odd length, with empty mask rows;
+    a tf32x3 module's products split on TF32 tensor cores, held to the same bound."""
     gen = generator(14 + outgoing + 2 * gate_normalized)
     widths = {"P": 64, "H": 32, "outgoing": outgoing, "gate_normalized": gate_normalized, "bias": bias}
     module = TRIMUL.make_module(widths, gen).cuda()
+    module.precision = precision
     inputs = tuple(t.cuda() for t in TRIMUL.make_inputs({"B": 2, "N": 37, **widths}, gen, "cauchy"))
     g = torch.randn(inputs[0].shape, generator=gen).cuda()
     assert_closed_form_meets_the_standard(module, inputs, g)

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from ..closed_form import gradients_in_fp32, layer_norm_backward, layer_norm_parts, linear
+from ..closed_form import gradients_in_fp32, layer_norm_backward, layer_norm_parts
 
 
 def gradients(module, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out: torch.Tensor,
-              tf32: bool = False, frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
+              precision: str = "ieee", frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
     """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
     ("layer_norm.weight", ..., "mlp.4.bias") but the `frozen` ones' products, given
     d(loss)/d(out) = grad_out."""
-    return gradients_in_fp32(lambda x32, w, g: _gradients(module, x32, w, g, frozen), x, params, grad_out, tf32)
+    return gradients_in_fp32(lambda x32, w, g, mm: _gradients(module, x32, w, g, mm, frozen), x, params, grad_out,
+                             precision)
 
 
 def _transpose_pairs(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
@@ -29,7 +30,7 @@ def _transpose_pairs(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
     return t.view(B, N, N, C).transpose(1, 2).reshape(B * N * N, C)
 
 
-def _gradients(module, x, w, grad_out, frozen):
+def _gradients(module, x, w, grad_out, mm, frozen):
     B, N, _, P = x.shape
     rows = x.reshape(-1, P)
 
@@ -38,26 +39,26 @@ def _gradients(module, x, w, grad_out, frozen):
     xn = x_hat * w["layer_norm.weight"] + w["layer_norm.bias"]
     s = (xn + _transpose_pairs(xn, B, N)) / 2.0
     del xn
-    h1 = torch.relu(linear(s, w["mlp.0.weight"], w["mlp.0.bias"]))
-    h2 = torch.relu(linear(h1, w["mlp.2.weight"], w["mlp.2.bias"]))
-    out = torch.sigmoid(linear(h2, w["mlp.4.weight"], w["mlp.4.bias"]))  # (M, 1)
+    h1 = torch.relu(mm.linear(s, w["mlp.0.weight"], w["mlp.0.bias"]))
+    h2 = torch.relu(mm.linear(h1, w["mlp.2.weight"], w["mlp.2.bias"]))
+    out = torch.sigmoid(mm.linear(h2, w["mlp.4.weight"], w["mlp.4.bias"]))  # (M, 1)
 
     # ---- back through the MLP ----
     d_y = grad_out.reshape(-1, 1) * out * (1 - out)
     grads = {"mlp.4.bias": d_y.sum(0)}
     if "mlp.4.weight" not in frozen:
-        grads["mlp.4.weight"] = d_y.t() @ h2
-    d_h2 = (d_y @ w["mlp.4.weight"]) * (h2 > 0)
+        grads["mlp.4.weight"] = mm(d_y.t(), h2)
+    d_h2 = mm(d_y, w["mlp.4.weight"]) * (h2 > 0)
     del d_y, h2
     grads["mlp.2.bias"] = d_h2.sum(0)
     if "mlp.2.weight" not in frozen:
-        grads["mlp.2.weight"] = d_h2.t() @ h1
-    d_h1 = (d_h2 @ w["mlp.2.weight"]) * (h1 > 0)
+        grads["mlp.2.weight"] = mm(d_h2.t(), h1)
+    d_h1 = mm(d_h2, w["mlp.2.weight"]) * (h1 > 0)
     del d_h2, h1
     grads["mlp.0.bias"] = d_h1.sum(0)
     if "mlp.0.weight" not in frozen:
-        grads["mlp.0.weight"] = d_h1.t() @ s
-    d_s = d_h1 @ w["mlp.0.weight"]
+        grads["mlp.0.weight"] = mm(d_h1.t(), s)
+    d_s = mm(d_h1, w["mlp.0.weight"])
     del d_h1, s
 
     # ---- the symmetrisation and the LayerNorm ----

@@ -40,7 +40,7 @@ class ContactHead(KernelModule, ContactHeadReference):
             return None
         names = [name for name, _ in self.named_parameters()]
         grads = backward.gradients(self, x, dict(zip(names, params)), grad_out,
-                                   tf32=autocast or x.dtype is not torch.float32,
+                                   precision="tf32" if autocast or x.dtype is not torch.float32 else "ieee",
                                    frozen=frozen_names(names, wanted))
         return [grads["input"], *(grads.get(name) for name in names)]
 

@@ -21,19 +21,19 @@ from ..closed_form import gradients_in_fp32, layer_norm_backward, layer_norm_par
 
 
 def gradients(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: torch.Tensor,
-              params: dict[str, torch.Tensor], grad_out: torch.Tensor, tf32: bool = False,
+              params: dict[str, torch.Tensor], grad_out: torch.Tensor, precision: str = "ieee",
               frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
     """d(loss)/d(nodes) as "input", d(loss)/d(pair_feats) as "pair_feats", and d(loss)/d(parameter)
     for every name of `params` ("fuse.0.weight", ..., "norm.bias") but the `frozen` ones'
     products, given d(loss)/d(out)."""
     pair_dtype = pair_feats.dtype
-    grads = gradients_in_fp32(lambda n32, w, g: _gradients(module, n32, pair_feats.float(), edge_mask, w, g, frozen),
-                              nodes, params, grad_out, tf32)
+    grads = gradients_in_fp32(lambda n32, w, g, mm: _gradients(module, n32, pair_feats.float(), edge_mask, w, g, mm,
+                                                               frozen), nodes, params, grad_out, precision)
     grads["pair_feats"] = grads["pair_feats"].to(pair_dtype)
     return grads
 
 
-def _gradients(module, nodes, pair, edge_mask, w, grad_out, frozen):
+def _gradients(module, nodes, pair, edge_mask, w, grad_out, mm, frozen):
     B, N, D = nodes.shape
     P = pair.shape[-1]
     w1 = w["fuse.0.weight"]
@@ -41,12 +41,12 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, frozen):
     H = w1.shape[0]
 
     # ---- the forward again ----
-    u = nodes @ wi.t()                       # (B, N, H): node i's term
-    v = nodes @ wj.t()                       # (B, N, H): node j's term
-    pre = (pair.reshape(-1, P) @ wp.t()).view(B, N, N, H)
+    u = mm(nodes, wi.t())                     # (B, N, H): node i's term
+    v = mm(nodes, wj.t())                     # (B, N, H): node j's term
+    pre = mm(pair.reshape(-1, P), wp.t()).view(B, N, N, H)
     pre += u.unsqueeze(2) + v.unsqueeze(1) + w["fuse.0.bias"]
     act = F.silu(pre)
-    m = (act.view(-1, H) @ w["fuse.2.weight"].t() + w["fuse.2.bias"]).view(B, N, N, D)
+    m = mm.linear(act.view(-1, H), w["fuse.2.weight"], w["fuse.2.bias"]).view(B, N, N, D)
     edge = edge_mask.unsqueeze(-1)
     masked = m.masked_fill(~edge, float("-inf"))
     pooled = masked.amax(dim=2)              # (B, N, D)
@@ -71,8 +71,8 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, frozen):
     act_rows = act.view(-1, H)
     grads["fuse.2.bias"] = d_m.sum(0)
     if "fuse.2.weight" not in frozen:
-        grads["fuse.2.weight"] = d_m.t() @ act_rows
-    d_act = d_m @ w["fuse.2.weight"]
+        grads["fuse.2.weight"] = mm(d_m.t(), act_rows)
+    d_act = mm(d_m, w["fuse.2.weight"])
     del d_m, act, act_rows
     sig = torch.sigmoid(pre.view(-1, H))
     d_pre = d_act * sig * (1 + pre.view(-1, H) * (1 - sig))
@@ -80,8 +80,8 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, frozen):
 
     # ---- the first layer: pair rows, then each node's sums over its partners ----
     first_layer = "fuse.0.weight" not in frozen
-    d_wp = d_pre.t() @ pair.reshape(-1, P) if first_layer else None
-    grads["pair_feats"] = (d_pre @ wp).view(B, N, N, P)
+    d_wp = mm(d_pre.t(), pair.reshape(-1, P)) if first_layer else None
+    grads["pair_feats"] = mm(d_pre, wp).view(B, N, N, P)
     d_pre4 = d_pre.view(B, N, N, H)
     d_u = d_pre4.sum(dim=2)                  # (B, N, H): node i over its partners j
     d_v = d_pre4.sum(dim=1)                  # (B, N, H): node j over the i that read it
@@ -89,7 +89,7 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, frozen):
     del d_pre, d_pre4
     if first_layer:
         node_rows = nodes.reshape(-1, D)
-        grads["fuse.0.weight"] = torch.cat([d_u.reshape(-1, H).t() @ node_rows, d_v.reshape(-1, H).t() @ node_rows,
-                                            d_wp], dim=1)
-    grads["input"] = g + d_u @ wi + d_v @ wj
+        grads["fuse.0.weight"] = torch.cat([mm(d_u.reshape(-1, H).t(), node_rows),
+                                            mm(d_v.reshape(-1, H).t(), node_rows), d_wp], dim=1)
+    grads["input"] = g + mm(d_u, wi) + mm(d_v, wj)
     return grads

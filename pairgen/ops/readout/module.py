@@ -109,7 +109,7 @@ class PairReadout(KernelModule, PairReadoutReference):
             return None
         names = [name for name, _ in self.named_parameters()]
         grads = backward.gradients(self, nodes, pair_feats, edge_mask, dict(zip(names, params)), grad_out,
-                                   tf32=autocast or nodes.dtype is not torch.float32,
+                                   precision="tf32" if autocast or nodes.dtype is not torch.float32 else "ieee",
                                    frozen=frozen_names(names, wanted))
         return [grads["input"], grads["pair_feats"], None, *(grads.get(name) for name in names)]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..closed_form import gradients_in_fp32, layer_norm_backward, layer_norm_parts, linear
+from ..closed_form import gradients_in_fp32, layer_norm_backward, layer_norm_parts
 
 #: The four input projections, in the order their rows are stacked into W4.
 _FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
@@ -35,15 +35,16 @@ def _channels_last(t: torch.Tensor, B: int, N: int, H: int) -> torch.Tensor:
 
 
 def gradients(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor],
-              grad_out: torch.Tensor, tf32: bool = False, frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
+              grad_out: torch.Tensor, precision: str = "ieee", frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
     """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
     ("layer_norm_in.weight", ..., "out_gate.bias") but the `frozen` ones (their products are
-    skipped), given d(loss)/d(out) = grad_out; in fp32, with TF32 products when tf32
+    skipped), given d(loss)/d(out) = grad_out; in fp32, the products in `precision`
     (closed_form.gradients_in_fp32)."""
-    return gradients_in_fp32(lambda x32, w, g: _gradients(module, x32, mask, w, g, frozen), x, params, grad_out, tf32)
+    return gradients_in_fp32(lambda x32, w, g, mm: _gradients(module, x32, mask, w, g, mm, frozen), x, params,
+                             grad_out, precision)
 
 
-def _gradients(module, x, mask, w, grad_out, frozen):
+def _gradients(module, x, mask, w, grad_out, mm, frozen):
     B, N, _, P = x.shape
     H = w["proj_a.weight"].shape[0]
     bias = "proj_a.bias" in w
@@ -54,19 +55,19 @@ def _gradients(module, x, mask, w, grad_out, frozen):
     x_hat, rstd_in = layer_norm_parts(rows, module.layer_norm_in.eps)
     xn = x_hat * w["layer_norm_in.weight"] + w["layer_norm_in.bias"]
     w4 = torch.cat([w[f"{name}.weight"] for name in _FOUR])  # (4H, P)
-    proj = linear(xn, w4, torch.cat([w[f"{name}.bias"] for name in _FOUR]) if bias else None)
+    proj = mm.linear(xn, w4, torch.cat([w[f"{name}.bias"] for name in _FOUR]) if bias else None)
     pa, ga, pb, gb = proj.split(H, dim=-1)
     sa, sb = ga.sigmoid_(), gb.sigmoid_()  # in place: the gates' pre-activations are not needed again
     keep = mask.reshape(-1, 1).to(x.dtype)
     a_cf = _channels_first(torch.mul(pa, sa).mul_(keep), B, N, H)
     b_cf = _channels_first(torch.mul(pb, sb).mul_(keep), B, N, H)
-    z_cf = torch.bmm(a_cf, b_cf.transpose(1, 2)) if outgoing else torch.bmm(a_cf.transpose(1, 2), b_cf)
+    z_cf = mm.bmm(a_cf, b_cf.transpose(1, 2)) if outgoing else mm.bmm(a_cf.transpose(1, 2), b_cf)
     z_hat, rstd_out = layer_norm_parts(_channels_last(z_cf, B, N, H), module.layer_norm_out.eps)
     del z_cf
     zn = z_hat * w["layer_norm_out.weight"] + w["layer_norm_out.bias"]
-    o = linear(zn, w["out_proj.weight"], w.get("out_proj.bias"))
+    o = mm.linear(zn, w["out_proj.weight"], w.get("out_proj.bias"))
     gate_in = xn if module.gate_on == "normalized" else rows
-    s = torch.sigmoid(linear(gate_in, w["out_gate.weight"], w.get("out_gate.bias")))
+    s = torch.sigmoid(mm.linear(gate_in, w["out_gate.weight"], w.get("out_gate.bias")))
 
     # ---- output gate and projection ----
     g = grad_out.reshape(-1, P)
@@ -75,12 +76,12 @@ def _gradients(module, x, mask, w, grad_out, frozen):
     del o, s
     grads = {}
     if "out_proj.weight" not in frozen:
-        grads["out_proj.weight"] = d_o.t() @ zn
+        grads["out_proj.weight"] = mm(d_o.t(), zn)
     if "out_gate.weight" not in frozen:
-        grads["out_gate.weight"] = d_gate.t() @ gate_in
+        grads["out_gate.weight"] = mm(d_gate.t(), gate_in)
     if bias:
         grads["out_proj.bias"], grads["out_gate.bias"] = d_o.sum(0), d_gate.sum(0)
-    d_zn = d_o @ w["out_proj.weight"]
+    d_zn = mm(d_o, w["out_proj.weight"])
     del d_o, zn
     grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = (d_zn * z_hat).sum(0), d_zn.sum(0)
     d_z = layer_norm_backward(d_zn * w["layer_norm_out.weight"], z_hat, rstd_out)
@@ -90,9 +91,9 @@ def _gradients(module, x, mask, w, grad_out, frozen):
     dz_cf = _channels_first(d_z, B, N, H)
     del d_z
     if outgoing:  # Z = A B^T
-        da_cf, db_cf = torch.bmm(dz_cf, b_cf), torch.bmm(dz_cf.transpose(1, 2), a_cf)
+        da_cf, db_cf = mm.bmm(dz_cf, b_cf), mm.bmm(dz_cf.transpose(1, 2), a_cf)
     else:         # Z = A^T B
-        da_cf, db_cf = torch.bmm(b_cf, dz_cf.transpose(1, 2)), torch.bmm(a_cf, dz_cf)
+        da_cf, db_cf = mm.bmm(b_cf, dz_cf.transpose(1, 2)), mm.bmm(a_cf, dz_cf)
     del dz_cf, a_cf, b_cf
     d_a = _channels_last(da_cf, B, N, H).mul_(keep)
     d_b = _channels_last(db_cf, B, N, H).mul_(keep)
@@ -105,16 +106,16 @@ def _gradients(module, x, mask, w, grad_out, frozen):
         torch.mul(d, p, out=d_proj[:, (2 * k + 1) * H:(2 * k + 2) * H]).mul_(sig).mul_(1 - sig)
     del d_a, d_b, d, p, sig, proj, pa, ga, pb, gb, sa, sb
     if any(f"{name}.weight" not in frozen for name in _FOUR):
-        d_w4 = d_proj.t() @ xn
+        d_w4 = mm(d_proj.t(), xn)
         for k, name in enumerate(_FOUR):
             grads[f"{name}.weight"] = d_w4[k * H:(k + 1) * H]
     if bias:
         d_b4 = d_proj.sum(0)
         for k, name in enumerate(_FOUR):
             grads[f"{name}.bias"] = d_b4[k * H:(k + 1) * H]
-    d_xn = d_proj @ w4
+    d_xn = mm(d_proj, w4)
     del d_proj
-    d_gate_in = d_gate @ w["out_gate.weight"]
+    d_gate_in = mm(d_gate, w["out_gate.weight"])
     if module.gate_on == "normalized":
         d_xn += d_gate_in
 

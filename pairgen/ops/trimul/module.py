@@ -206,17 +206,21 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
 
     def analytic_gradients(self, inputs: list, params: list, grad_out, autocast: bool = False,
                            wanted: list | None = None) -> list | None:
-        """Closed-form gradients (backward.py): exact fp32 for an fp32 call in any fp32 precision;
-        fp32 with TF32 products for a 16-bit module or under autocast. A floating mask that wants
-        its own gradient recomputes the reference."""
+        """Closed-form gradients (backward.py), their products in _backward_precision. A floating
+        mask that wants its own gradient recomputes the reference."""
         x, mask = inputs
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or mask.requires_grad:
             return None
         names = [name for name, _ in self.named_parameters()]
         grads = backward.gradients(self, x, mask, dict(zip(names, params)), grad_out,
-                                   tf32=autocast or x.dtype is not torch.float32,
+                                   precision=self._backward_precision(x, autocast),
                                    frozen=frozen_names(names, wanted))
         return [grads["input"], None, *(grads.get(name) for name in names)]
+
+    def _backward_precision(self, x, autocast: bool) -> str:
+        """The closed-form backward's products: the module's precision for an fp32 call ("ieee"
+        exact, "tf32x3" fp32-accurate on TF32 tensor cores, "tf32"); TF32 for 16-bit and autocast."""
+        return "tf32" if autocast or x.dtype is not torch.float32 else self._precision
 
     def reference_forward(self, pair_repr, pair_mask):
         return TriangleMultiplicationReference.forward(self, pair_repr, pair_mask)
