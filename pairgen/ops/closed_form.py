@@ -7,16 +7,22 @@ import torch
 from ..modules import cublas_fp32_mode
 
 
+# Pair-sized tensors (B·N², C) dominate a backward's memory: these two make one new such tensor
+# each and work in place on it (vecdot: the per-row dot without the row-wise product).
+
 def layer_norm_parts(t: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(t normalised over the last dim, 1/std): what the LayerNorm backward reuses."""
-    centred = t - t.mean(-1, keepdim=True)
-    rstd = torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
-    return centred * rstd, rstd
+    t_hat = t - t.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(torch.linalg.vecdot(t_hat, t_hat).unsqueeze(-1) / t.shape[-1] + eps)
+    return t_hat.mul_(rstd), rstd
 
 
 def layer_norm_backward(d_hat: torch.Tensor, t_hat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """d(loss)/d(t) from d(loss)/d(t_hat), t_hat = (t - mean) * rstd over the last dim."""
-    return rstd * (d_hat - d_hat.mean(-1, keepdim=True) - t_hat * (d_hat * t_hat).mean(-1, keepdim=True))
+    """d(loss)/d(t) from d(loss)/d(t_hat), t_hat = (t - mean) * rstd over the last dim:
+    rstd * (d_hat - mean(d_hat) - t_hat * mean(d_hat * t_hat))."""
+    dot = torch.linalg.vecdot(d_hat, t_hat).unsqueeze(-1) / t_hat.shape[-1]
+    d = d_hat - d_hat.mean(-1, keepdim=True)
+    return d.addcmul_(t_hat, dot, value=-1).mul_(rstd)
 
 
 def split_tf32(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

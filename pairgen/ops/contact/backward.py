@@ -34,36 +34,37 @@ def _gradients(module, x, w, grad_out, mm, frozen):
     B, N, _, P = x.shape
     rows = x.reshape(-1, P)
 
-    # ---- the forward again ----
-    x_hat, rstd = layer_norm_parts(rows, module.layer_norm.eps)
-    xn = x_hat * w["layer_norm.weight"] + w["layer_norm.bias"]
-    s = (xn + _transpose_pairs(xn, B, N)) / 2.0
-    del xn
-    h1 = torch.relu(mm.linear(s, w["mlp.0.weight"], w["mlp.0.bias"]))
-    h2 = torch.relu(mm.linear(h1, w["mlp.2.weight"], w["mlp.2.bias"]))
+    # ---- the forward again (pair-sized tensors made in place where they can be) ----
+    x_hat, _ = layer_norm_parts(rows, module.layer_norm.eps)
+    s = x_hat.mul_(w["layer_norm.weight"]).add_(w["layer_norm.bias"])  # xn, in the storage of x_hat
+    s.add_(_transpose_pairs(s, B, N)).mul_(0.5)  # symmetrised (the transpose is a copy: no aliasing)
+    h1 = mm.linear(s, w["mlp.0.weight"], w["mlp.0.bias"]).relu_()
+    h2 = mm.linear(h1, w["mlp.2.weight"], w["mlp.2.bias"]).relu_()
     out = torch.sigmoid(mm.linear(h2, w["mlp.4.weight"], w["mlp.4.bias"]))  # (M, 1)
 
     # ---- back through the MLP ----
-    d_y = grad_out.reshape(-1, 1) * out * (1 - out)
+    d_y = out.mul_(1 - out).mul_(grad_out.reshape(-1, 1))
     grads = {"mlp.4.bias": d_y.sum(0)}
     if "mlp.4.weight" not in frozen:
         grads["mlp.4.weight"] = mm(d_y.t(), h2)
-    d_h2 = mm(d_y, w["mlp.4.weight"]) * (h2 > 0)
+    d_h2 = mm(d_y, w["mlp.4.weight"]).mul_(h2 > 0)
     del d_y, h2
     grads["mlp.2.bias"] = d_h2.sum(0)
     if "mlp.2.weight" not in frozen:
         grads["mlp.2.weight"] = mm(d_h2.t(), h1)
-    d_h1 = mm(d_h2, w["mlp.2.weight"]) * (h1 > 0)
+    d_h1 = mm(d_h2, w["mlp.2.weight"]).mul_(h1 > 0)
     del d_h2, h1
     grads["mlp.0.bias"] = d_h1.sum(0)
     if "mlp.0.weight" not in frozen:
         grads["mlp.0.weight"] = mm(d_h1.t(), s)
+    del s
     d_s = mm(d_h1, w["mlp.0.weight"])
-    del d_h1, s
+    del d_h1
 
-    # ---- the symmetrisation and the LayerNorm ----
-    d_xn = (d_s + _transpose_pairs(d_s, B, N)) / 2.0
-    del d_s
-    grads["layer_norm.weight"], grads["layer_norm.bias"] = (d_xn * x_hat).sum(0), d_xn.sum(0)
-    grads["input"] = layer_norm_backward(d_xn * w["layer_norm.weight"], x_hat, rstd).view(B, N, N, P)
+    # ---- the symmetrisation and the LayerNorm (x_hat made again: cheaper than holding it) ----
+    d_xn = d_s.add_(_transpose_pairs(d_s, B, N)).mul_(0.5)
+    x_hat, rstd = layer_norm_parts(rows, module.layer_norm.eps)
+    grads["layer_norm.weight"] = torch.linalg.vecdot(d_xn.t(), x_hat.t())
+    grads["layer_norm.bias"] = d_xn.sum(0)
+    grads["input"] = layer_norm_backward(d_xn.mul_(w["layer_norm.weight"]), x_hat, rstd).view(B, N, N, P)
     return grads

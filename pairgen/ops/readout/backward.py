@@ -46,9 +46,9 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, mm, frozen):
     pre = mm(pair.reshape(-1, P), wp.t()).view(B, N, N, H)
     pre += u.unsqueeze(2) + v.unsqueeze(1) + w["fuse.0.bias"]
     act = F.silu(pre)
-    m = mm.linear(act.view(-1, H), w["fuse.2.weight"], w["fuse.2.bias"]).view(B, N, N, D)
     edge = edge_mask.unsqueeze(-1)
-    masked = m.masked_fill(~edge, float("-inf"))
+    masked = mm.linear(act.view(-1, H), w["fuse.2.weight"], w["fuse.2.bias"]).view(B, N, N, D)
+    masked.masked_fill_(~edge, float("-inf"))  # m, masked in place: m itself is not needed again
     pooled = masked.amax(dim=2)              # (B, N, D)
     isolated = ~edge_mask.any(dim=2)
     pooled = pooled.masked_fill(isolated.unsqueeze(-1), 0.0)
@@ -62,10 +62,11 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, mm, frozen):
 
     # ---- the max over partners: to the winners, ties sharing ----
     winners = (masked == pooled.unsqueeze(2)) & edge
-    del masked, m
-    share = winners / winners.sum(dim=2, keepdim=True).clamp_min(1)
-    d_m = (share * d_pooled.unsqueeze(2)).view(-1, D)
-    del share, winners
+    del masked
+    d_m = winners.to(pooled.dtype)
+    d_m.div_(winners.sum(dim=2, keepdim=True).clamp_min(1)).mul_(d_pooled.unsqueeze(2))
+    d_m = d_m.view(-1, D)
+    del winners
 
     # ---- the second layer and the SiLU ----
     act_rows = act.view(-1, H)
@@ -74,8 +75,11 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, mm, frozen):
         grads["fuse.2.weight"] = mm(d_m.t(), act_rows)
     d_act = mm(d_m, w["fuse.2.weight"])
     del d_m, act, act_rows
-    sig = torch.sigmoid(pre.view(-1, H))
-    d_pre = d_act * sig * (1 + pre.view(-1, H) * (1 - sig))
+    # silu'(pre) = s (1 + pre (1 - s)), s = sigmoid(pre): made in pre's storage, then into d_act's
+    pre = pre.view(-1, H)
+    sig = torch.sigmoid(pre)
+    pre.addcmul_(pre, sig, value=-1).add_(1)  # 1 + pre - pre s
+    d_pre = d_act.mul_(sig).mul_(pre)
     del d_act, sig, pre
 
     # ---- the first layer: pair rows, then each node's sums over its partners ----

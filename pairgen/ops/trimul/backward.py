@@ -49,64 +49,80 @@ def _gradients(module, x, mask, w, grad_out, mm, frozen):
     H = w["proj_a.weight"].shape[0]
     bias = "proj_a.bias" in w
     outgoing = module.direction == "outgoing"
+    normalized_gate = module.gate_on == "normalized"
     rows = x.reshape(-1, P)
+    g = grad_out.reshape(-1, P)
 
-    # ---- the forward again, keeping what the backward reads ----
+    def normalized_input():  # LN_in(x): recomputed where needed rather than kept (a pair-sized tensor)
+        return x_hat * w["layer_norm_in.weight"] + w["layer_norm_in.bias"]
+
+    def channels_first_operands():  # A and B as (B*H, N, N), from proj = [pa | sa | pb | sb]
+        return (_channels_first(torch.mul(pa, sa).mul_(keep), B, N, H),
+                _channels_first(torch.mul(pb, sb).mul_(keep), B, N, H))
+
+    # ---- the forward again: projections and gates, the triangle sums, the output LayerNorm ----
     x_hat, rstd_in = layer_norm_parts(rows, module.layer_norm_in.eps)
-    xn = x_hat * w["layer_norm_in.weight"] + w["layer_norm_in.bias"]
+    xn = normalized_input()
     w4 = torch.cat([w[f"{name}.weight"] for name in _FOUR])  # (4H, P)
     proj = mm.linear(xn, w4, torch.cat([w[f"{name}.bias"] for name in _FOUR]) if bias else None)
     pa, ga, pb, gb = proj.split(H, dim=-1)
     sa, sb = ga.sigmoid_(), gb.sigmoid_()  # in place: the gates' pre-activations are not needed again
     keep = mask.reshape(-1, 1).to(x.dtype)
-    a_cf = _channels_first(torch.mul(pa, sa).mul_(keep), B, N, H)
-    b_cf = _channels_first(torch.mul(pb, sb).mul_(keep), B, N, H)
+    a_cf, b_cf = channels_first_operands()
     z_cf = mm.bmm(a_cf, b_cf.transpose(1, 2)) if outgoing else mm.bmm(a_cf.transpose(1, 2), b_cf)
+    del a_cf, b_cf  # made again for the backward's products: cheaper than holding them meanwhile
     z_hat, rstd_out = layer_norm_parts(_channels_last(z_cf, B, N, H), module.layer_norm_out.eps)
     del z_cf
-    zn = z_hat * w["layer_norm_out.weight"] + w["layer_norm_out.bias"]
-    o = mm.linear(zn, w["out_proj.weight"], w.get("out_proj.bias"))
-    gate_in = xn if module.gate_on == "normalized" else rows
-    s = torch.sigmoid(mm.linear(gate_in, w["out_gate.weight"], w.get("out_gate.bias")))
 
-    # ---- output gate and projection ----
-    g = grad_out.reshape(-1, P)
-    d_gate = o.mul_(g).mul_(s).mul_(1 - s)  # in the storage of o, then d_o in that of s
-    d_o = s.mul_(g)
-    del o, s
+    # ---- the output gate: s = sigmoid(gate_in Wg^T + bg), out = o * s ----
+    gate_in = xn if normalized_gate else rows
+    s = torch.sigmoid(mm.linear(gate_in, w["out_gate.weight"], w.get("out_gate.bias")))
+    zn = z_hat * w["layer_norm_out.weight"] + w["layer_norm_out.bias"]
+    d_gate = mm.linear(zn, w["out_proj.weight"], w.get("out_proj.bias"))  # o, then d(loss)/d(gate) in place
+    d_gate.mul_(g).mul_(s).mul_(1 - s)
+    d_o = s.mul_(g)  # d(loss)/d(o), in the storage of s
+    del s
     grads = {}
-    if "out_proj.weight" not in frozen:
-        grads["out_proj.weight"] = mm(d_o.t(), zn)
     if "out_gate.weight" not in frozen:
         grads["out_gate.weight"] = mm(d_gate.t(), gate_in)
     if bias:
         grads["out_proj.bias"], grads["out_gate.bias"] = d_o.sum(0), d_gate.sum(0)
+    d_gate_in = mm(d_gate, w["out_gate.weight"])
+    del d_gate, gate_in, xn
+
+    # ---- the output projection and LayerNorm ----
+    if "out_proj.weight" not in frozen:
+        grads["out_proj.weight"] = mm(d_o.t(), zn)
+    del zn
     d_zn = mm(d_o, w["out_proj.weight"])
-    del d_o, zn
-    grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = (d_zn * z_hat).sum(0), d_zn.sum(0)
-    d_z = layer_norm_backward(d_zn * w["layer_norm_out.weight"], z_hat, rstd_out)
+    del d_o
+    grads["layer_norm_out.weight"] = torch.linalg.vecdot(d_zn.t(), z_hat.t())
+    grads["layer_norm_out.bias"] = d_zn.sum(0)
+    d_z = layer_norm_backward(d_zn.mul_(w["layer_norm_out.weight"]), z_hat, rstd_out)
     del d_zn, z_hat
 
-    # ---- the triangle sums: dA_h, dB_h from dZ_h ----
+    # ---- the triangle sums (dA_h, dB_h from dZ_h), then the gates, into proj's own storage ----
+    # proj = [pa | sa | pb | sb] becomes d_proj = [d pa | d ga | d pb | d gb] in place, one of a
+    # and b at a time: the peak holds one of their gradients, not both beside a new d_proj.
     dz_cf = _channels_first(d_z, B, N, H)
     del d_z
-    if outgoing:  # Z = A B^T
-        da_cf, db_cf = mm.bmm(dz_cf, b_cf), mm.bmm(dz_cf.transpose(1, 2), a_cf)
-    else:         # Z = A^T B
-        da_cf, db_cf = mm.bmm(b_cf, dz_cf.transpose(1, 2)), mm.bmm(a_cf, dz_cf)
-    del dz_cf, a_cf, b_cf
-    d_a = _channels_last(da_cf, B, N, H).mul_(keep)
-    d_b = _channels_last(db_cf, B, N, H).mul_(keep)
-    del da_cf, db_cf
+    a_cf, b_cf = channels_first_operands()
+    if outgoing:  # Z = A B^T: dA = dZ B, dB = dZ^T A
+        products = ((lambda: mm.bmm(dz_cf, b_cf), pa, sa), (lambda: mm.bmm(dz_cf.transpose(1, 2), a_cf), pb, sb))
+    else:         # Z = A^T B: dA = B dZ^T, dB = A dZ
+        products = ((lambda: mm.bmm(b_cf, dz_cf.transpose(1, 2)), pa, sa), (lambda: mm.bmm(a_cf, dz_cf), pb, sb))
+    for product, p, sig in products:
+        d = _channels_last(product(), B, N, H).mul_(keep)  # d(loss)/d(a) (or b)
+        d.mul_(sig)                                        # d(loss)/d(p) = d * sigmoid(g)
+        sig.neg_().add_(1).mul_(d).mul_(p)                 # d(loss)/d(g) = d * p * s * (1 - s)
+        p.copy_(d)
+        del d
+    del dz_cf, a_cf, b_cf, products, p, sig, pa, ga, pb, gb, sa, sb
+    d_proj = proj
 
-    # ---- gates and input projections ----
-    d_proj = torch.empty_like(proj)  # [d pa | d ga | d pb | d gb], written in place
-    for k, (d, p, sig) in enumerate(((d_a, pa, sa), (d_b, pb, sb))):
-        torch.mul(d, sig, out=d_proj[:, 2 * k * H:(2 * k + 1) * H])
-        torch.mul(d, p, out=d_proj[:, (2 * k + 1) * H:(2 * k + 2) * H]).mul_(sig).mul_(1 - sig)
-    del d_a, d_b, d, p, sig, proj, pa, ga, pb, gb, sa, sb
+    # ---- the input projections and LayerNorm ----
     if any(f"{name}.weight" not in frozen for name in _FOUR):
-        d_w4 = mm(d_proj.t(), xn)
+        d_w4 = mm(d_proj.t(), normalized_input())
         for k, name in enumerate(_FOUR):
             grads[f"{name}.weight"] = d_w4[k * H:(k + 1) * H]
     if bias:
@@ -114,15 +130,13 @@ def _gradients(module, x, mask, w, grad_out, mm, frozen):
         for k, name in enumerate(_FOUR):
             grads[f"{name}.bias"] = d_b4[k * H:(k + 1) * H]
     d_xn = mm(d_proj, w4)
-    del d_proj
-    d_gate_in = mm(d_gate, w["out_gate.weight"])
-    if module.gate_on == "normalized":
+    del d_proj, proj
+    if normalized_gate:
         d_xn += d_gate_in
-
-    # ---- input LayerNorm ----
-    grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = (d_xn * x_hat).sum(0), d_xn.sum(0)
-    d_x = layer_norm_backward(d_xn * w["layer_norm_in.weight"], x_hat, rstd_in)
-    if module.gate_on != "normalized":
+    grads["layer_norm_in.weight"] = torch.linalg.vecdot(d_xn.t(), x_hat.t())
+    grads["layer_norm_in.bias"] = d_xn.sum(0)
+    d_x = layer_norm_backward(d_xn.mul_(w["layer_norm_in.weight"]), x_hat, rstd_in)
+    if not normalized_gate:
         d_x += d_gate_in
     grads["input"] = d_x.view(B, N, N, P)
     return grads
