@@ -55,13 +55,60 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
         mask = mask.unsqueeze(0) if mask is not None else None
     weights = _complete(weights, x)
     tensors = [x, *(w for w in weights.values() if w is not None)] + ([mask] if mask is not None else [])
-    if eps != KERNEL_EPS or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if eps != KERNEL_EPS or (wants_grad and mask is not None and mask.requires_grad):
         out = reference(x, direction, mask, weights, eps)
     else:
         if mask is None:
             mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
-        out = _module_for(weights, direction, _PRECISIONS[precision], x)(x, mask)
+        module = _module_for(weights, direction, _PRECISIONS[precision], x)
+        if wants_grad:  # the kernel forward, then the closed-form backward onto the caller's tensors
+            names = [n for n, w in weights.items() if w is not None]
+            out = _KernelThenClosedForm.apply(module, names, torch.is_autocast_enabled("cuda"), x, mask,
+                                              *(weights[n] for n in names))
+        else:
+            out = module(x, mask)
     return out if batched else out.squeeze(0)
+
+
+class _KernelThenClosedForm(torch.autograd.Function):
+    """A call with gradients wanted: the module (views of the caller's weights) runs its forward
+    without autograd; the backward is its closed form (pairgen/ops/trimul/backward.py), mapped
+    back onto the caller's tensors in their fused layout (af3_gradients)."""
+
+    @staticmethod
+    def forward(ctx, module, names, autocast, x, mask, *weights):
+        ctx.module, ctx.names, ctx.autocast = module, names, autocast
+        ctx.save_for_backward(x, mask)
+        return module(x, mask)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, mask = ctx.saved_tensors
+        module = ctx.module
+        paths = [path for path, _ in module.named_parameters()]
+        params = [p.detach() for p in module.parameters()]
+        grads = module.analytic_gradients([x, mask], params, grad_out, autocast=ctx.autocast)
+        caller = af3_gradients(dict(zip(paths, grads[2:])), ctx.names)
+        wanted = ctx.needs_input_grad[5:]
+        return (None, None, None, grads[0] if ctx.needs_input_grad[3] else None, None,
+                *(caller[name] if want else None for name, want in zip(ctx.names, wanted)))
+
+
+def af3_gradients(grads: dict, names: list[str]) -> dict:
+    """The gradients of the caller's AlphaFold 3-layout weights `names` from those of the
+    TriangleMultiplication's parameters (dotted paths) that af3_parameters made from them: a fused
+    2H-row weight's gradient is its a rows' then its b rows'."""
+    fused = {"p_in": ("proj_a", "proj_b"), "g_in": ("gate_a", "gate_b")}
+    single = {"norm_in": "layer_norm_in", "norm_out": "layer_norm_out", "p_out": "out_proj", "g_out": "out_gate"}
+    out = {}
+    for name in names:
+        part, kind = name.rsplit("_", 1)
+        if part in fused:
+            out[name] = torch.cat([grads[f"{half}.{kind}"] for half in fused[part]])
+        else:
+            out[name] = grads[f"{single[part]}.{kind}"]
+    return out
 
 
 def reference(x, direction: str, mask, weights: dict, eps: float = 1e-5) -> torch.Tensor:
