@@ -56,7 +56,11 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
     weights = _complete(weights, x)
     tensors = [x, *(w for w in weights.values() if w is not None)] + ([mask] if mask is not None else [])
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if eps != KERNEL_EPS or (wants_grad and mask is not None and mask.requires_grad):
+    # The PyTorch path for gradients where the closed form does not apply: a floating mask that
+    # wants one, and under torch.compile (it traces the definition; the autograd.Function below
+    # would have it trace a Python backward).
+    if eps != KERNEL_EPS or (wants_grad and ((mask is not None and mask.requires_grad)
+                                             or torch.compiler.is_compiling())):
         out = reference(x, direction, mask, weights, eps)
     else:
         if mask is None:
