@@ -20,6 +20,10 @@ from .spec import OpSpec
 HALF_PRECISION_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+#: Input dtypes the closed-form backwards take (they compute in fp32 and cast back).
+CLOSED_FORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def frozen_names(names: list[str], wanted: "list[bool] | None") -> frozenset:
     """The parameter names whose gradient is not wanted (None: every one is)."""
     return frozenset() if wanted is None else frozenset(name for name, w in zip(names, wanted) if not w)
@@ -405,13 +409,35 @@ class KernelModule:
             self._variant_cache[(first.get_device(), first.shape[1], precision)] = winner
         return winner
 
+    #: The op's closed-form gradients (pairgen/ops/<op>/backward.py), as a staticmethod:
+    #: gradients(module, *inputs, params_by_name, grad_out, precision=, frozen=) -> {key: gradient};
+    #: None: no closed form, the backward recomputes the reference.
+    closed_form: Callable | None = None
+    #: Per input, the key of its gradient in closed_form's result (None: it gets none, a mask).
+    input_gradients: tuple = ("input",)
+
     def analytic_gradients(self, inputs: list, params: list, grad_out: torch.Tensor,
                            autocast: bool = False, wanted: "list[bool] | None" = None) -> list | None:
         """Gradients of every input and parameter, in order (None for those that get none), in
         closed form; None where the op has no closed form for this call (the reference is then
         recomputed under autograd). autocast: the forward ran under torch.autocast. wanted: per
         parameter, whether its gradient is wanted (None: all are); the others' products are skipped."""
-        return None
+        first = inputs[0]
+        if self.closed_form is None or first.dtype not in CLOSED_FORM_DTYPES or not self.closed_form_applies(inputs):
+            return None
+        names = [name for name, _ in self.named_parameters()]
+        grads = self.closed_form(self, *inputs, dict(zip(names, params)), grad_out,
+                                 precision=self.backward_precision(first, autocast), frozen=frozen_names(names, wanted))
+        return [grads[key] if key else None for key in self.input_gradients] + [grads.get(name) for name in names]
+
+    def closed_form_applies(self, inputs: list) -> bool:
+        """Whether closed_form covers this call's inputs (an op narrows it)."""
+        return True
+
+    def backward_precision(self, x: torch.Tensor, autocast: bool) -> str:
+        """The closed form's products (closed_form.Products): TF32 for 16-bit and autocast calls,
+        whose gradient standard leaves room for it; exact fp32 otherwise."""
+        return "tf32" if autocast or x.dtype is not torch.float32 else "ieee"
 
     def _run(self, variant, *tensors) -> None:
         """The variant's strategy runs it on prepared tensors (inputs..., out)."""

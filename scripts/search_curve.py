@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -42,7 +41,7 @@ def main(argv=None) -> int:
     from pairgen.spec import n_bucket, precision_of
     from pairgen.tuning.evaluate import GpuEvaluator
     from pairgen.tuning.timing import strict_fp32
-    from pairgen.tuning.tuner import open_study, study_name
+    from pairgen.tuning.tuner import open_study, retime_points, study_name
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_selection_args(parser)
@@ -64,21 +63,19 @@ def main(argv=None) -> int:
         points = list(dict.fromkeys(point for point, _ in best.values()))
         evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers=())
         widths = spec.widths_of(shape)
-        plans = [spec.plan(*json.loads(point), widths) for point in points]
-        variants = dict(zip(points, evaluator.compile(plans)))
-        again = {point: [] for point in points}
-        for _ in range(args.rounds):
-            for point in points:
-                again[point].append(evaluator.evaluate(variants[point]))
-        now = {point: statistics.median(v) for point, v in again.items()}
+        now = retime_points(evaluator, spec, widths, points, args.rounds)
+        if not now:
+            print(f"{spec.name} {shape_label(shape)}: no point could be timed again", file=sys.stderr)
+            continue
         overall = min(now.values())
         print(f"\n{spec.name} {shape_label(shape)} [{dtype}] on {info.name}: {n_timed} points tried in the study")
         print("| trials | best point | µs in the search | µs re-timed (median of "
               f"{args.rounds}) | gap to the best re-timed |")
         print("|---:|---|---:|---:|---:|")
         for k, (point, value) in best.items():
-            label = plans[points.index(point)].label
-            print(f"| {k} | {label} | {value:.1f} | {now[point]:.1f} | {100 * (now[point] / overall - 1):+.1f}% |")
+            label = spec.plan(*json.loads(point), widths).label
+            again = f"{now[point]:.1f} | {100 * (now[point] / overall - 1):+.1f}%" if point in now else "failed | –"
+            print(f"| {k} | {label} | {value:.1f} | {again} |")
     return 0
 
 

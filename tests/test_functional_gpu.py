@@ -11,6 +11,7 @@ from pairgen import functional
 from pairgen.ops.trimul import TRIMUL
 from pairgen.tuning.check import compare
 from test_functional import P, H, weights  # noqa: F401 (P, H: the widths the weights have)
+from test_functional import assert_gradients_meet_the_fp32_standard
 
 #: Widths the 16-bit kernels take (their tiles need P and H in multiples of 16).
 KERNEL_WIDTHS = {"P": 32, "H": 16}
@@ -65,10 +66,4 @@ def test_gradients_through_the_kernels_meet_the_standard(direction):
     (pairgen.triangle_multiplicative_update(x, direction, mask, **w) * g).sum().backward()
     module = next(iter(functional._modules.values()))
     assert module.variant_for(37, x.device, "float32") is not None, "a kernel, not the reference"
-    x64 = x.detach().double().requires_grad_()
-    w64 = {k: v.detach().double().requires_grad_() for k, v in w.items()}
-    full = {name: w64.get(name) for name in functional._WEIGHT_NAMES}
-    (functional.reference(x64, direction, mask.double(), full) * g.double()).sum().backward()
-    for name, ours, exact in [("x", x.grad, x64.grad)] + [(k, w[k].grad, w64[k].grad) for k in sorted(w)]:
-        error = ((ours.double() - exact).norm() / exact.norm()).item()
-        assert error <= 2e-5, f"gradient of {name}: {error}"
+    assert_gradients_meet_the_fp32_standard(x, direction, mask, w, g)

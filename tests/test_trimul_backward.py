@@ -103,7 +103,7 @@ def test_a_tf32x3_module_meets_the_fp32_standard():
     gen = generator(95)
     module = TRIMUL.make_module(widths, gen)
     module.precision = "tf32x3"
-    assert module._backward_precision(torch.zeros(1), autocast=False) == "tf32x3"
+    assert module.backward_precision(torch.zeros(1), autocast=False) == "tf32x3"
     x, mask = TRIMUL.make_inputs({"B": 2, "N": 11, **widths}, gen)
     errors = closed_form_errors(module, (x, mask), torch.randn(x.shape, generator=gen))
     worst = max(errors, key=errors.get)

@@ -339,6 +339,23 @@ def _taken(seen: dict, study, claims: "PointClaims | None", in_flight: int) -> i
     return max(len(seen), claims.live_count())
 
 
+def retime_points(evaluator: Evaluator, spec: OpSpec, widths: dict, points: list[str], rounds: int) -> dict[str, float]:
+    """Each point's median over `rounds` timings, the points timed in turns (so a slow spell of the
+    GPU or host falls on all of them alike). A point that fails to compile or to run again is left
+    out, with a warning."""
+    variants = evaluator.compile([spec.plan(*json.loads(point), widths) for point in points])
+    times = {point: [] for point, variant in zip(points, variants) if not isinstance(variant, Exception)}
+    for _ in range(rounds):
+        for point, variant in zip(points, variants):
+            if point in times:
+                try:
+                    times[point].append(float(evaluator.evaluate(variant)))
+                except Exception as exc:  # it passed once: say so, and leave it out
+                    log.warning("re-timing %s failed: %s", point, exc)
+                    del times[point]
+    return {point: statistics.median(runs) for point, runs in times.items() if runs}
+
+
 def retime_finalists(study, spec: OpSpec, widths: dict, evaluator: Evaluator, settings: TuneSettings) -> dict:
     """Time the best few points again, `retime_rounds` times each, in turns, and keep each one's
     median on the study (user attr "retimed", which _best prefers). The search times a point once,
@@ -356,17 +373,7 @@ def retime_finalists(study, spec: OpSpec, widths: dict, evaluator: Evaluator, se
         if study.user_attrs.get("retimed"):  # an earlier run's: it would hide this run's new points
             study.set_user_attr("retimed", {})
         return {}
-    variants = evaluator.compile([spec.plan(*json.loads(point), widths) for point in finalists])
-    times = {point: [] for point, variant in zip(finalists, variants) if not isinstance(variant, Exception)}
-    for _ in range(settings.retime_rounds):
-        for point, variant in zip(finalists, variants):
-            if point in times:
-                try:
-                    times[point].append(float(evaluator.evaluate(variant)))
-                except Exception as exc:  # it passed once: say so, and leave it out of the final
-                    log.warning("re-timing %s failed: %s", point, exc)
-                    del times[point]
-    retimed = {point: statistics.median(runs) for point, runs in times.items() if runs}
+    retimed = retime_points(evaluator, spec, widths, finalists, settings.retime_rounds)
     if retimed:
         study.set_user_attr("retimed", retimed)
     return retimed
@@ -595,7 +602,10 @@ class _Search:
         points_left(in flight): how many points are still to be asked for."""
         pending: deque[tuple[tuple[object, Plan, str], Callable[[], object]]] = deque()
         while True:
-            room = min(window - len(pending), points_left(len(pending)))
+            # points_left reads the study (and, shared, every claim): only when there is room to ask
+            room = window - len(pending)
+            if room > 0:
+                room = min(room, points_left(len(pending)))
             if room > 0 and self.asks_left > 0 and not time_is_up():
                 batch = self.ask_batch(room)
                 pending.extend(zip(batch, _start_compiles(self.evaluator, [plan for _, plan, _ in batch])))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import KernelModule, PackedParameters, check_float_tensor, contiguous_aligned, frozen_names
+from ...modules import KernelModule, PackedParameters, check_float_tensor, contiguous_aligned
 from . import backward
 from .reference import ContactHeadReference
 from .spec import CONTACT, SYMMETRIC_TILED, THREAD_PER_PAIR, TILED, weight_offsets
@@ -31,18 +31,7 @@ class ContactHead(KernelModule, ContactHeadReference):
         paths = [(layer, name) for layer in ("mlp.0", "mlp.2", "mlp.4", "layer_norm") for name in ("weight", "bias")]
         self._weights = PackedParameters(self, paths, self._pack)
 
-    def analytic_gradients(self, inputs: list, params: list, grad_out, autocast: bool = False,
-                           wanted: list | None = None) -> list | None:
-        """Closed-form gradients (backward.py): exact fp32 for an fp32 call; fp32 with TF32
-        products under autocast or for a 16-bit module (whose forward is the reference's)."""
-        (x,) = inputs
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return None
-        names = [name for name, _ in self.named_parameters()]
-        grads = backward.gradients(self, x, dict(zip(names, params)), grad_out,
-                                   precision="tf32" if autocast or x.dtype is not torch.float32 else "ieee",
-                                   frozen=frozen_names(names, wanted))
-        return [grads["input"], *(grads.get(name) for name in names)]
+    closed_form = staticmethod(backward.gradients)
 
     def reference_forward(self, pair_repr):
         return ContactHeadReference.forward(self, pair_repr)

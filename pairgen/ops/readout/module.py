@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...modules import (HeldBuffer, KernelModule, PackedParameters, check_float_tensor, check_mask,
-                        contiguous_aligned, fp32_matmul, frozen_names, grow_held)
+                        contiguous_aligned, fp32_matmul, grow_held)
 from . import backward
 from .reference import PairReadoutReference
 from .spec import DIRECT, GEMM, READOUT, SPLIT, gemm_scratch_offsets, pair_max_scratch, weight_offsets
@@ -100,18 +100,12 @@ class PairReadout(KernelModule, PairReadoutReference):
         self._counters: HeldBuffer | None = None  # the j split's arrival counters
         self._scratch: HeldBuffer | None = None   # the split and direct strategies' scratch
 
-    def analytic_gradients(self, inputs: list, params: list, grad_out, autocast: bool = False,
-                           wanted: list | None = None) -> list | None:
-        """Closed-form gradients (backward.py) for nodes, pair features and every parameter: exact
-        fp32 for an fp32 call; fp32 with TF32 products under autocast or for a 16-bit module."""
-        nodes, pair_feats, edge_mask = inputs
-        if nodes.dtype not in (torch.float32, torch.bfloat16, torch.float16) or edge_mask.dtype is not torch.bool:
-            return None
-        names = [name for name, _ in self.named_parameters()]
-        grads = backward.gradients(self, nodes, pair_feats, edge_mask, dict(zip(names, params)), grad_out,
-                                   precision="tf32" if autocast or nodes.dtype is not torch.float32 else "ieee",
-                                   frozen=frozen_names(names, wanted))
-        return [grads["input"], grads["pair_feats"], None, *(grads.get(name) for name in names)]
+    closed_form = staticmethod(backward.gradients)
+    input_gradients = ("input", "pair_feats", None)
+
+    def closed_form_applies(self, inputs: list) -> bool:
+        """The closed form takes a bool edge mask (the reference's own type)."""
+        return inputs[2].dtype is torch.bool
 
     def reference_forward(self, nodes, pair_feats, edge_mask):
         return PairReadoutReference.forward(self, nodes, pair_feats, edge_mask)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...modules import (HALF_PRECISION_DTYPES, KernelModule, PackedParameters, as_mask, check_float_tensor,
-                        check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul, frozen_names)
+                        check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul)
 from . import backward
 from .reference import TriangleMultiplicationReference
 from .spec import BMM, FUSED, MMA, TRIMUL, mma_weight_offsets, weight_offsets
@@ -204,22 +204,16 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
                 dict(zip(self._param_names, params)), self.widths["P"], self.widths["H"], bool(self.widths["bias"]), d))
         return pack
 
-    def analytic_gradients(self, inputs: list, params: list, grad_out, autocast: bool = False,
-                           wanted: list | None = None) -> list | None:
-        """Closed-form gradients (backward.py), their products in _backward_precision. A floating
-        mask that wants its own gradient recomputes the reference."""
-        x, mask = inputs
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or mask.requires_grad:
-            return None
-        names = [name for name, _ in self.named_parameters()]
-        grads = backward.gradients(self, x, mask, dict(zip(names, params)), grad_out,
-                                   precision=self._backward_precision(x, autocast),
-                                   frozen=frozen_names(names, wanted))
-        return [grads["input"], None, *(grads.get(name) for name in names)]
+    closed_form = staticmethod(backward.gradients)
+    input_gradients = ("input", None)
 
-    def _backward_precision(self, x, autocast: bool) -> str:
-        """The closed-form backward's products: the module's precision for an fp32 call ("ieee"
-        exact, "tf32x3" fp32-accurate on TF32 tensor cores, "tf32"); TF32 for 16-bit and autocast."""
+    def closed_form_applies(self, inputs: list) -> bool:
+        """A floating mask that wants its own gradient recomputes the reference."""
+        return not inputs[1].requires_grad
+
+    def backward_precision(self, x, autocast: bool) -> str:
+        """The module's precision for an fp32 call ("ieee" exact, "tf32x3" fp32-accurate on TF32
+        tensor cores, "tf32"); TF32 for 16-bit and autocast calls."""
         return "tf32" if autocast or x.dtype is not torch.float32 else self._precision
 
     def reference_forward(self, pair_repr, pair_mask):
