@@ -25,10 +25,21 @@ def layer_norm_backward(d_hat: torch.Tensor, t_hat: torch.Tensor, rstd: torch.Te
     return d.addcmul_(t_hat, dot, value=-1).mul_(rstd)
 
 
+def channel_sums(t: torch.Tensor) -> torch.Tensor:
+    """t (B, C, L) channels first -> (C,): a bias's gradient (each channel's row summed)."""
+    return t.sum((0, 2))
+
+
+def column_sums(t: torch.Tensor) -> torch.Tensor:
+    """t (M, C) -> (C,), summed over the rows as one matrix-vector product: it reads t once at
+    about the memory's rate, where a reduction over the slow dim of a tall matrix does not."""
+    return t.t().mv(t.new_ones(t.shape[0]))
+
+
 def split_tf32(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t = head + tail: the head keeps TF32's 10 mantissa bits (the low 13 of fp32's 23 cleared, so
     TF32 tensor cores read it exactly), the tail the rest (exact in fp32, at most 2^-10 of t)."""
-    head = (t.contiguous().view(torch.int32) & -8192).view(torch.float32)  # -8192 = 0xFFFFE000
+    head = (t.view(torch.int32) & -8192).view(torch.float32)  # -8192 = 0xFFFFE000; t's layout kept
     return head, t - head
 
 
@@ -56,6 +67,30 @@ class Products:
             return rows @ weight.t() if bias is None else torch.addmm(bias, rows, weight.t())
         out = self(rows, weight.t())
         return out if bias is None else out.add_(bias)
+
+    # Products between the two layouts of pair-sized tensors: channels first (B, C, L), one row
+    # per channel (what batched products over the pair's N x N planes want), and channels last
+    # (B, L, C), one row per pair. cuBLAS reads either operand transposed, so none of these copies.
+
+    def channels_first(self, weight: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """weight (C, K) applied to rows (B, L, K) (any strides, unit in one of the last two):
+        (B, C, L), contiguous, plus bias (C,) per channel."""
+        B = rows.shape[0]
+        weight = weight.expand(B, *weight.shape)
+        if bias is None or self.precision == "tf32x3":
+            out = self.bmm(weight, rows.transpose(1, 2))
+            return out if bias is None else out.add_(bias.view(1, -1, 1))
+        return torch.baddbmm(bias.view(1, -1, 1).expand(B, -1, rows.shape[1]), weight, rows.transpose(1, 2))
+
+    def channels_last(self, t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """t (B, C, L) channels first, times weight (C, K): (B, L, K), contiguous."""
+        return self.bmm(t.transpose(1, 2), weight.expand(t.shape[0], *weight.shape))
+
+    def summed_over_batch(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """sum over b of t[b] (C, L) @ rows[b] (L, K): a weight's gradient, (C, K)."""
+        if t.shape[0] == 1:
+            return self(t[0], rows[0])
+        return self.bmm(t, rows).sum(0)
 
     def _product(self, op, a, b):
         if self.precision != "tf32x3":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..closed_form import gradients_in_fp32, layer_norm_backward, layer_norm_parts
+from ..closed_form import column_sums, gradients_in_fp32
 
 
 def gradients(module, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out: torch.Tensor,
@@ -24,47 +24,54 @@ def gradients(module, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out
                              precision)
 
 
-def _transpose_pairs(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
-    """(B*N*N, C) rows of pairs (i, j) -> the rows of pairs (j, i)."""
-    C = t.shape[-1]
-    return t.view(B, N, N, C).transpose(1, 2).reshape(B * N * N, C)
+def _symmetrised(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
+    """(t + t^T) / 2 over the pair's (i, j), rows (B*N*N, C): one pass, into a new tensor (the
+    transposed read still walks whole rows of C channels)."""
+    pairs = t.view(B, N, N, t.shape[-1])
+    return torch.lerp(pairs, pairs.transpose(1, 2), 0.5).view(t.shape)
+
+
+def _relu_backward_(d: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """d * (h > 0), in place: the gradient through h = relu(.)."""
+    return torch.ops.aten.threshold_backward.grad_input(d, h, 0, grad_input=d)
 
 
 def _gradients(module, x, w, grad_out, mm, frozen):
     B, N, _, P = x.shape
     rows = x.reshape(-1, P)
 
-    # ---- the forward again (pair-sized tensors made in place where they can be) ----
-    x_hat, _ = layer_norm_parts(rows, module.layer_norm.eps)
-    s = x_hat.mul_(w["layer_norm.weight"]).add_(w["layer_norm.bias"])  # xn, in the storage of x_hat
-    s.add_(_transpose_pairs(s, B, N)).mul_(0.5)  # symmetrised (the transpose is a copy: no aliasing)
+    # ---- the forward again (PyTorch's fused LayerNorm, which also gives its backward's pieces) ----
+    xn, mean, rstd = torch.native_layer_norm(rows, [P], w["layer_norm.weight"], w["layer_norm.bias"],
+                                             module.layer_norm.eps)
+    s = _symmetrised(xn, B, N)
+    del xn
     h1 = mm.linear(s, w["mlp.0.weight"], w["mlp.0.bias"]).relu_()
     h2 = mm.linear(h1, w["mlp.2.weight"], w["mlp.2.bias"]).relu_()
     out = torch.sigmoid(mm.linear(h2, w["mlp.4.weight"], w["mlp.4.bias"]))  # (M, 1)
 
     # ---- back through the MLP ----
-    d_y = out.mul_(1 - out).mul_(grad_out.reshape(-1, 1))
+    d_y = torch.ops.aten.sigmoid_backward(grad_out.reshape(-1, 1), out)
     grads = {"mlp.4.bias": d_y.sum(0)}
     if "mlp.4.weight" not in frozen:
         grads["mlp.4.weight"] = mm(d_y.t(), h2)
-    d_h2 = mm(d_y, w["mlp.4.weight"]).mul_(h2 > 0)
+    d_h2 = _relu_backward_(torch.mul(d_y, w["mlp.4.weight"]), h2)  # the outer product d_y W3
     del d_y, h2
-    grads["mlp.2.bias"] = d_h2.sum(0)
+    grads["mlp.2.bias"] = column_sums(d_h2)
     if "mlp.2.weight" not in frozen:
         grads["mlp.2.weight"] = mm(d_h2.t(), h1)
-    d_h1 = mm(d_h2, w["mlp.2.weight"]).mul_(h1 > 0)
+    d_h1 = _relu_backward_(mm(d_h2, w["mlp.2.weight"]), h1)
     del d_h2, h1
-    grads["mlp.0.bias"] = d_h1.sum(0)
+    grads["mlp.0.bias"] = column_sums(d_h1)
     if "mlp.0.weight" not in frozen:
         grads["mlp.0.weight"] = mm(d_h1.t(), s)
     del s
     d_s = mm(d_h1, w["mlp.0.weight"])
     del d_h1
 
-    # ---- the symmetrisation and the LayerNorm (x_hat made again: cheaper than holding it) ----
-    d_xn = d_s.add_(_transpose_pairs(d_s, B, N)).mul_(0.5)
-    x_hat, rstd = layer_norm_parts(rows, module.layer_norm.eps)
-    grads["layer_norm.weight"] = torch.linalg.vecdot(d_xn.t(), x_hat.t())
-    grads["layer_norm.bias"] = d_xn.sum(0)
-    grads["input"] = layer_norm_backward(d_xn.mul_(w["layer_norm.weight"]), x_hat, rstd).view(B, N, N, P)
+    # ---- the symmetrisation and the LayerNorm ----
+    d_xn = _symmetrised(d_s, B, N)
+    del d_s
+    d_x, grads["layer_norm.weight"], grads["layer_norm.bias"] = torch.ops.aten.native_layer_norm_backward(
+        d_xn, rows, [P], mean, rstd, w["layer_norm.weight"], w["layer_norm.bias"], [True, True, True])
+    grads["input"] = d_x.view(B, N, N, P)
     return grads
