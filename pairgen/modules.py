@@ -302,6 +302,9 @@ class KernelModule:
     #: Lengths remembered per module: a server meeting every protein's own N must not grow
     #: without bound; past this many the oldest half is forgotten (re-selecting costs a lookup).
     MAX_CACHED_LENGTHS = 256
+    #: How a training call (one that autograd records) gets its gradients; see backward_mode.
+    BACKWARD_MODES = ("auto", "closed_form", "reference")
+    _backward_mode = "auto"
 
     # Loaded kernels and packed weights belong to this process and device: a copy or a pickle
     # (an EMA copy of the model, torch.save) starts without them and rebuilds them on first use.
@@ -331,6 +334,28 @@ class KernelModule:
         buffer = (torch.zeros if zeroed else torch.empty)(count, device=device, dtype=dtype)
         self.__dict__.setdefault("_call_buffers", []).append(buffer)
         return buffer.data_ptr()
+
+    @property
+    def backward_mode(self) -> str:
+        """How a call that autograd records gets its gradients:
+        "closed_form": the forward kernel, then the op's closed-form backward in fp32, which keeps
+        nothing from the forward but its inputs (the least memory);
+        "reference": the reference module in PyTorch, forward and backward, in the call's dtype
+        (autograd saves the reference's intermediates), exactly what pairgen replaces;
+        "auto" (the default): the closed form for fp32 calls, where it is the faster of the two
+        for every op; the reference for 16-bit calls and autocast, where the fp32 closed form is
+        not faster than PyTorch's 16-bit backward (docs/performance.md has the measurements)."""
+        return self._backward_mode
+
+    @backward_mode.setter
+    def backward_mode(self, mode: str) -> None:
+        if mode not in self.BACKWARD_MODES:
+            raise ValueError(f"backward_mode must be one of {', '.join(map(repr, self.BACKWARD_MODES))}, got {mode!r}")
+        self._backward_mode = mode
+
+    def _trains_through_reference(self, precision: str) -> bool:
+        mode = self._backward_mode
+        return mode == "reference" or (mode == "auto" and precision in ("bfloat16", "float16"))
 
     def force_variant(self, variant) -> None:
         """Run `variant` (a runtime.Variant) instead of the tuned choice; None restores it."""
@@ -389,6 +414,9 @@ class KernelModule:
         precision = self.kernel_precision(*inputs)
         if precision is None:
             return self.reference_forward(*inputs)
+        if self._backward_mode != "closed_form" and torch.is_grad_enabled() and self._needs_grad(inputs) \
+                and self._trains_through_reference(precision):
+            return self.reference_forward(*inputs)
         first = inputs[0]
         variant = self._choice_for(first.shape[1], first.get_device(), precision)
         if type(variant) is first_use.Pending:
@@ -436,7 +464,9 @@ class KernelModule:
 
     def backward_precision(self, x: torch.Tensor, autocast: bool) -> str:
         """The closed form's products (closed_form.Products): TF32 for 16-bit and autocast calls,
-        whose gradient standard leaves room for it; exact fp32 otherwise."""
+        whose gradient standard leaves room for it; exact fp32 otherwise, tf32x3 modules included
+        (splitting pair-sized operands into TF32 heads and tails in PyTorch cost more than the
+        tensor cores saved: 18.7 ms against 13.8 ms for trimul N512 on an H200)."""
         return "tf32" if autocast or x.dtype is not torch.float32 else "ieee"
 
     def _run(self, variant, *tensors) -> None:

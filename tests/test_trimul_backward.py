@@ -98,13 +98,28 @@ def test_frozen_parameters_get_no_gradient_and_the_rest_are_unchanged():
 
 
 def test_a_tf32x3_module_meets_the_fp32_standard():
-    """tf32x3 modules' products run split (closed_form.Products): fp32-accurate, held to 2e-5."""
+    """tf32x3 modules' backward runs exact fp32 products (faster than splitting them in PyTorch
+    on an H200, and more exact), held to 2e-5."""
     widths = {"P": 24, "H": 16, "outgoing": 0, "gate_normalized": 1, "bias": 1}
     gen = generator(95)
     module = TRIMUL.make_module(widths, gen)
     module.precision = "tf32x3"
-    assert module.backward_precision(torch.zeros(1), autocast=False) == "tf32x3"
+    assert module.backward_precision(torch.zeros(1), autocast=False) == "ieee"
     x, mask = TRIMUL.make_inputs({"B": 2, "N": 11, **widths}, gen)
     errors = closed_form_errors(module, (x, mask), torch.randn(x.shape, generator=gen))
     worst = max(errors, key=errors.get)
     assert errors[worst] <= STANDARD, f"gradient of {worst}: {errors}"
+
+
+def test_backward_mode_is_checked_and_auto_trains_16_bit_calls_through_the_reference():
+    module = TRIMUL.make_module({"P": 16, "H": 8, "outgoing": 0, "gate_normalized": 0, "bias": 1}, generator(96))
+    assert module.backward_mode == "auto"
+    with pytest.raises(ValueError, match="backward_mode must be one of 'auto', 'closed_form', 'reference'"):
+        module.backward_mode = "fast"
+    assert module.backward_mode == "auto", "a refused value leaves the mode as it was"
+    assert [module._trains_through_reference(p) for p in ("float32", "tf32x3", "bfloat16", "float16")] == \
+        [False, False, True, True]
+    module.backward_mode = "reference"
+    assert module._trains_through_reference("float32")
+    module.backward_mode = "closed_form"
+    assert not module._trains_through_reference("bfloat16")

@@ -169,7 +169,7 @@ def test_a_captured_graph_survives_later_larger_calls():
 def test_gradients_meet_the_standard(outgoing, gate_normalized, bias, precision):
     """The closed-form backward (pairgen/ops/trimul/backward.py) after the kernel's forward: every
     gradient within relative L2 2e-5 of float64 autograd, at an odd length, with empty mask rows;
-    a tf32x3 module's products split on TF32 tensor cores, held to the same bound."""
+    a tf32x3 module (its tensor-core forward, then the exact fp32 backward) held to the same bound."""
     gen = generator(14 + outgoing + 2 * gate_normalized)
     widths = {"P": 64, "H": 32, "outgoing": outgoing, "gate_normalized": gate_normalized, "bias": bias}
     module = TRIMUL.make_module(widths, gen).cuda()
@@ -221,6 +221,7 @@ def test_16_bit_gradients_meet_the_16_bit_standard(mode):
     widths = {"P": 64, "H": 32, "outgoing": 1, "gate_normalized": 1, "bias": 1}
     dtype = torch.float32 if mode == "autocast" else getattr(torch, mode)
     module = TRIMUL.make_module(widths, gen).cuda().to(dtype)
+    module.backward_mode = "closed_form"  # "auto" trains 16-bit calls through the reference
     x, mask = (t.cuda() for t in TRIMUL.make_inputs({"B": 2, "N": 37, **widths}, gen))
     x = x.to(dtype)
     g = torch.randn(x.shape, generator=gen).cuda().double()
@@ -243,3 +244,25 @@ def test_16_bit_gradients_meet_the_16_bit_standard(mode):
         ours_err = ((ours_g.double() - e).norm() / e.norm()).item()
         ref_err = ((ref_g.double() - e).norm() / e.norm()).item()
         assert ours_err <= max(2e-2, 1.5 * ref_err), f"{mode} {name}: {ours_err} (reference {ref_err})"
+
+
+def test_auto_backward_trains_a_bf16_module_exactly_as_the_reference_does():
+    """backward_mode "auto": a bf16 training call is PyTorch's own bf16 forward and backward of
+    the reference (the fp32 closed form is not faster there), so its gradients are the reference's
+    bit for bit; without gradients the same module still runs its kernel."""
+    gen = generator(18)
+    widths = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}
+    module = TRIMUL.make_module(widths, gen).cuda().to(torch.bfloat16)
+    reference = TRIMUL.make_reference(module).cuda().to(torch.bfloat16)
+    x, mask = (t.cuda() for t in TRIMUL.make_inputs({"B": 1, "N": 33, **widths}, gen))
+    x = x.to(torch.bfloat16)
+    g = torch.randn(x.shape, generator=gen).cuda().to(torch.bfloat16)
+    grads = []
+    for net in (module, reference):
+        leaf = x.clone().requires_grad_()
+        (net(leaf, mask) * g).sum().backward()
+        grads.append([leaf.grad] + [p.grad for p in net.parameters()])
+    for ours, theirs in zip(*grads):
+        assert torch.equal(ours, theirs)
+    with torch.no_grad():
+        assert module.variant_for(33, x.device, module.kernel_precision(x, mask)) is not None

@@ -36,37 +36,20 @@ def column_sums(t: torch.Tensor) -> torch.Tensor:
     return t.t().mv(t.new_ones(t.shape[0]))
 
 
-def split_tf32(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t = head + tail: the head keeps TF32's 10 mantissa bits (the low 13 of fp32's 23 cleared, so
-    TF32 tensor cores read it exactly), the tail the rest (exact in fp32, at most 2^-10 of t)."""
-    head = (t.view(torch.int32) & -8192).view(torch.float32)  # -8192 = 0xFFFFE000; t's layout kept
-    return head, t - head
-
-
 class Products:
-    """The matrix products of a closed-form backward, in its call's precision:
-    "ieee" exact fp32; "tf32" TF32 tensor cores; "tf32x3" fp32-accurate on TF32 tensor cores, each
-    operand split (split_tf32) and three products summed, head·head + head·tail + tail·head (the
-    tail·tail term is below fp32's rounding): about 8x the fp32 rate on an H200 for 3 products."""
-
-    def __init__(self, precision: str):
-        if precision not in ("ieee", "tf32", "tf32x3"):
-            raise ValueError(f"precision must be 'ieee', 'tf32' or 'tf32x3', got {precision!r}")
-        self.precision = precision
+    """The matrix products of a closed-form backward. Their precision is the cuBLAS mode around
+    the call (gradients_in_fp32): exact fp32 for "ieee", TF32 tensor cores for "tf32"."""
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b (2-D, or a batch of rows by a matrix)."""
-        return self._product(torch.matmul, a, b)
+        return torch.matmul(a, b)
 
     def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return self._product(torch.bmm, a, b)
+        return torch.bmm(a, b)
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows @ weight^T (+ bias), as nn.Linear."""
-        if self.precision != "tf32x3":
-            return rows @ weight.t() if bias is None else torch.addmm(bias, rows, weight.t())
-        out = self(rows, weight.t())
-        return out if bias is None else out.add_(bias)
+        return rows @ weight.t() if bias is None else torch.addmm(bias, rows, weight.t())
 
     # Products between the two layouts of pair-sized tensors: channels first (B, C, L), one row
     # per channel (what batched products over the pair's N x N planes want), and channels last
@@ -77,9 +60,8 @@ class Products:
         (B, C, L), contiguous, plus bias (C,) per channel."""
         B = rows.shape[0]
         weight = weight.expand(B, *weight.shape)
-        if bias is None or self.precision == "tf32x3":
-            out = self.bmm(weight, rows.transpose(1, 2))
-            return out if bias is None else out.add_(bias.view(1, -1, 1))
+        if bias is None:
+            return self.bmm(weight, rows.transpose(1, 2))
         return torch.baddbmm(bias.view(1, -1, 1).expand(B, -1, rows.shape[1]), weight, rows.transpose(1, 2))
 
     def channels_last(self, t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -92,13 +74,6 @@ class Products:
             return self(t[0], rows[0])
         return self.bmm(t, rows).sum(0)
 
-    def _product(self, op, a, b):
-        if self.precision != "tf32x3":
-            return op(a, b)
-        a_head, a_tail = split_tf32(a)
-        b_head, b_tail = split_tf32(b)
-        return op(a_head, b_head).add_(op(a_head, b_tail)).add_(op(a_tail, b_head))
-
 
 def gradients_in_fp32(compute, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out: torch.Tensor,
                       precision: str, *extra) -> dict[str, torch.Tensor]:
@@ -106,10 +81,12 @@ def gradients_in_fp32(compute, x: torch.Tensor, params: dict[str, torch.Tensor],
     without autograd with `products` (Products) in `precision`, each gradient returned in the dtype
     of what it is the gradient of. "ieee" is exact fp32 whatever the caller allowed; "tf32" suits
     16-bit and autocast calls (their gradient standard leaves room for TF32's 10-bit mantissa, a
-    bf16 product keeps 7); "tf32x3" is fp32-accurate on TF32 tensor cores."""
-    with torch.no_grad(), cublas_fp32_mode(precision != "ieee"):
+    bf16 product keeps 7)."""
+    if precision not in ("ieee", "tf32"):
+        raise ValueError(f"precision must be 'ieee' or 'tf32', got {precision!r}")
+    with torch.no_grad(), cublas_fp32_mode(precision == "tf32"):
         grads = compute(x.float(), {name: p.float() for name, p in params.items()}, grad_out.float(),
-                        Products(precision), *extra)
+                        Products(), *extra)
     grads["input"] = grads["input"].to(x.dtype)
     for name, p in params.items():
         if name in grads:  # a frozen parameter's is not computed

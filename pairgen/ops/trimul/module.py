@@ -211,11 +211,6 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         """A floating mask that wants its own gradient recomputes the reference."""
         return not inputs[1].requires_grad
 
-    def backward_precision(self, x, autocast: bool) -> str:
-        """The module's precision for an fp32 call ("ieee" exact, "tf32x3" fp32-accurate on TF32
-        tensor cores, "tf32"); TF32 for 16-bit and autocast calls."""
-        return "tf32" if autocast or x.dtype is not torch.float32 else self._precision
-
     def reference_forward(self, pair_repr, pair_mask):
         return TriangleMultiplicationReference.forward(self, pair_repr, pair_mask)
 
