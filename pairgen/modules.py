@@ -353,7 +353,8 @@ class KernelModule:
             raise ValueError(f"backward_mode must be one of {', '.join(map(repr, self.BACKWARD_MODES))}, got {mode!r}")
         self._backward_mode = mode
 
-    def _trains_through_reference(self, precision: str) -> bool:
+    def trains_through_reference(self, precision: str) -> bool:
+        """Whether a training call in `precision` (kernel_precision's name) runs the reference."""
         mode = self._backward_mode
         return mode == "reference" or (mode == "auto" and precision in ("bfloat16", "float16"))
 
@@ -415,7 +416,7 @@ class KernelModule:
         if precision is None:
             return self.reference_forward(*inputs)
         if self._backward_mode != "closed_form" and torch.is_grad_enabled() and self._needs_grad(inputs) \
-                and self._trains_through_reference(precision):
+                and self.trains_through_reference(precision):
             return self.reference_forward(*inputs)
         first = inputs[0]
         variant = self._choice_for(first.shape[1], first.get_device(), precision)

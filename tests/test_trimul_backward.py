@@ -117,9 +117,9 @@ def test_backward_mode_is_checked_and_auto_trains_16_bit_calls_through_the_refer
     with pytest.raises(ValueError, match="backward_mode must be one of 'auto', 'closed_form', 'reference'"):
         module.backward_mode = "fast"
     assert module.backward_mode == "auto", "a refused value leaves the mode as it was"
-    assert [module._trains_through_reference(p) for p in ("float32", "tf32x3", "bfloat16", "float16")] == \
+    assert [module.trains_through_reference(p) for p in ("float32", "tf32x3", "bfloat16", "float16")] == \
         [False, False, True, True]
     module.backward_mode = "reference"
-    assert module._trains_through_reference("float32")
+    assert module.trains_through_reference("float32")
     module.backward_mode = "closed_form"
-    assert not module._trains_through_reference("bfloat16")
+    assert not module.trains_through_reference("bfloat16")

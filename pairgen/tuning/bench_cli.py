@@ -121,9 +121,12 @@ def measure_training(spec, shape, peers, reps):
     with torch.no_grad():
         g = torch.randn(module(*inputs).shape, generator=gen).to(device, x.dtype)
     exact = _input_gradient64(spec, module, inputs, g)
-    variant = module.variant_for(shape["N"], device, module.kernel_precision(*inputs))
-    row = {"op": spec.name, "shape": shape, "precision": precision, "mode": "train",
-           "variant": variant.plan.label if variant else "reference (no kernel)"}
+    kernel_precision = module.kernel_precision(*inputs)
+    variant = module.variant_for(shape["N"], device, kernel_precision)
+    label = variant.plan.label if variant else "reference (no kernel)"
+    if variant and module.trains_through_reference(kernel_precision):
+        label = f"reference (backward_mode {module.backward_mode!r} trains {kernel_precision} calls in PyTorch)"
+    row = {"op": spec.name, "shape": shape, "precision": precision, "mode": "train", "variant": label}
     calls = {"pairgen": lambda: module(*train_inputs)}
     if "eager" in peers:
         calls["eager"] = lambda: eager(*train_inputs)
