@@ -37,8 +37,8 @@ def column_sums(t: torch.Tensor) -> torch.Tensor:
 
 
 class Products:
-    """The matrix products of a closed-form backward. Their precision is the cuBLAS mode around
-    the call (gradients_in_fp32): exact fp32 for "ieee", TF32 tensor cores for "tf32"."""
+    """The matrix products of a closed-form backward, in their operands' dtype; fp32 ones in the
+    cuBLAS mode closed_form_gradients sets: exact for "ieee", TF32 tensor cores for "tf32"."""
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b (2-D, or a batch of rows by a matrix)."""
@@ -75,17 +75,22 @@ class Products:
         return self.bmm(t, rows).sum(0)
 
 
-def gradients_in_fp32(compute, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out: torch.Tensor,
-                      precision: str, *extra) -> dict[str, torch.Tensor]:
-    """compute(x, params, grad_out, products, *extra) -> {"input": d x, name: d param}, run in fp32
-    without autograd with `products` (Products) in `precision`, each gradient returned in the dtype
-    of what it is the gradient of. "ieee" is exact fp32 whatever the caller allowed; "tf32" suits
-    16-bit and autocast calls (their gradient standard leaves room for TF32's 10-bit mantissa, a
-    bf16 product keeps 7)."""
-    if precision not in ("ieee", "tf32"):
-        raise ValueError(f"precision must be 'ieee' or 'tf32', got {precision!r}")
+#: What a closed form computes in, by the precision its module's backward_precision names.
+COMPUTE_DTYPES = {"ieee": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def closed_form_gradients(compute, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out: torch.Tensor,
+                          precision: str, *extra) -> dict[str, torch.Tensor]:
+    """compute(x, params, grad_out, products, *extra) -> {"input": d x, name: d param}, run without
+    autograd on x, params and grad_out cast to the precision's dtype (COMPUTE_DTYPES), each gradient
+    returned in the dtype of what it is the gradient of. "ieee": exact fp32, whatever TF32 setting
+    the caller has; "tf32": fp32 with TF32 products; "bfloat16"/"float16": 16-bit tensors, products
+    on 16-bit tensor cores with fp32 accumulation, as PyTorch's own 16-bit backward computes."""
+    if precision not in COMPUTE_DTYPES:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, COMPUTE_DTYPES))}, got {precision!r}")
+    dtype = COMPUTE_DTYPES[precision]
     with torch.no_grad(), cublas_fp32_mode(precision == "tf32"):
-        grads = compute(x.float(), {name: p.float() for name, p in params.items()}, grad_out.float(),
+        grads = compute(x.to(dtype), {name: p.to(dtype) for name, p in params.items()}, grad_out.to(dtype),
                         Products(), *extra)
     grads["input"] = grads["input"].to(x.dtype)
     for name, p in params.items():

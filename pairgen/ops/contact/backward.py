@@ -1,4 +1,4 @@
-"""The contact head's gradients in closed form, computed in fp32 (closed_form.gradients_in_fp32).
+"""The contact head's gradients in closed form, computed in fp32 (closed_form.closed_form_gradients).
 
   xn = LN(x) per pair,  s = (xn + xn^T) / 2 over (i, j),
   h1 = relu(s W1^T + b1),  h2 = relu(h1 W2^T + b2),  out = sigmoid(h2 W3^T + b3)
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..closed_form import column_sums, gradients_in_fp32
+from ..closed_form import column_sums, closed_form_gradients
 
 
 def gradients(module, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out: torch.Tensor,
@@ -20,7 +20,7 @@ def gradients(module, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out
     """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
     ("layer_norm.weight", ..., "mlp.4.bias") but the `frozen` ones' products, given
     d(loss)/d(out) = grad_out."""
-    return gradients_in_fp32(lambda x32, w, g, mm: _gradients(module, x32, w, g, mm, frozen), x, params, grad_out,
+    return closed_form_gradients(lambda x32, w, g, mm: _gradients(module, x32, w, g, mm, frozen), x, params, grad_out,
                              precision)
 
 

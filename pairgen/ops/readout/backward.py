@@ -1,4 +1,4 @@
-"""The pair readout's gradients in closed form, computed in fp32 (closed_form.gradients_in_fp32).
+"""The pair readout's gradients in closed form, computed in fp32 (closed_form.closed_form_gradients).
 
   pre_ij = nodes_i Wi^T + nodes_j Wj^T + pair_ij Wp^T + b1   (W1 = [Wi | Wj | Wp] by columns)
   m_ij = silu(pre_ij) W2^T + b2
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..closed_form import gradients_in_fp32, layer_norm_backward, layer_norm_parts
+from ..closed_form import closed_form_gradients, layer_norm_backward, layer_norm_parts
 
 
 def gradients(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: torch.Tensor,
@@ -27,7 +27,7 @@ def gradients(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: 
     for every name of `params` ("fuse.0.weight", ..., "norm.bias") but the `frozen` ones'
     products, given d(loss)/d(out)."""
     pair_dtype = pair_feats.dtype
-    grads = gradients_in_fp32(lambda n32, w, g, mm: _gradients(module, n32, pair_feats.float(), edge_mask, w, g, mm,
+    grads = closed_form_gradients(lambda n32, w, g, mm: _gradients(module, n32, pair_feats.float(), edge_mask, w, g, mm,
                                                                frozen), nodes, params, grad_out, precision)
     grads["pair_feats"] = grads["pair_feats"].to(pair_dtype)
     return grads

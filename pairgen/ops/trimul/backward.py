@@ -1,5 +1,7 @@
-"""The triangle update's gradients in closed form, computed in fp32: exact fp32 (cuBLAS with TF32
-off, whatever the process allows) for fp32 modules; TF32 products for 16-bit modules and autocast.
+"""The triangle update's gradients in closed form: exact fp32 (cuBLAS with TF32 off, whatever the
+process allows) for fp32 modules; in a 16-bit module's dtype for 16-bit modules (products on
+16-bit tensor cores with fp32 accumulation, LayerNorm statistics in fp32, as PyTorch's own 16-bit
+backward does); TF32 products for autocast and `tf32` modules.
 
 The forward kernels keep no intermediates, so the backward recomputes what it needs from the
 input and the weights (the input LayerNorm, the four projections and gates, the triangle sums, the
@@ -12,12 +14,13 @@ pair's size), and each product of the backward is one large matrix product:
   z[b,:,:,h] = A_h B_h^T (outgoing) or A_h^T B_h (incoming), A = pa * sigmoid(ga) * mask, B alike
   [pa ga pb gb] = LN_in(x) W4^T + b4
 
-Layout: the triangle sums want one N x N matrix per channel ("channels first", (B, C, N*N)), while
-the input, the upstream gradient and the input's gradient hold channels last ((B, N*N, C)). Every
-product between the two layouts lets cuBLAS read one operand transposed, so the projections land
-channels first and the input's gradient channels last without a copy; the one transposition left
-is the upstream gradient's. Between the products, every elementwise pass runs over contiguous
-memory, and the input LayerNorm and its backward are PyTorch's fused kernels.
+Layout: the triangle sums want one N x N matrix per channel ("channels first", (B, C, N*N)); the
+LayerNorms, the output gate and the input's gradient want one row per pair ("channels last",
+(B*N*N, C)). Products between the two let cuBLAS read one operand transposed, so the projections
+land channels first and the input projections' gradient channels last without a copy; the two
+copies left are z to channels last and its gradient back. Both LayerNorms and their backwards are
+PyTorch's fused kernels (statistics and the backward's sums in fp32 whatever the dtype), and the
+other elementwise passes run over contiguous memory.
 
 Names follow the formulas: d<name> is the gradient of the loss with respect to <name>.
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..closed_form import channel_sums, gradients_in_fp32
+from ..closed_form import channel_sums, closed_form_gradients, column_sums
 
 #: The four input projections, in the order their rows are stacked into W4.
 _FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
@@ -35,10 +38,22 @@ def gradients(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, tor
               grad_out: torch.Tensor, precision: str = "ieee", frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
     """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
     ("layer_norm_in.weight", ..., "out_gate.bias") but the `frozen` ones (their products are
-    skipped), given d(loss)/d(out) = grad_out; in fp32, the products in `precision`
-    (closed_form.gradients_in_fp32)."""
-    return gradients_in_fp32(lambda x32, w, g, mm: _gradients(module, x32, mask, w, g, mm, frozen), x, params,
-                             grad_out, precision)
+    skipped), given d(loss)/d(out) = grad_out, computed in `precision`
+    (closed_form.closed_form_gradients)."""
+    return closed_form_gradients(lambda x_in, w, g, mm: _gradients(module, x_in, mask, w, g, mm, frozen), x,
+                                 params, grad_out, precision)
+
+
+def _channels_last(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
+    """(B*C, N, N) channels first -> (B*N*N, C) rows, a copy."""
+    C = t.shape[0] // B
+    return t.view(B, C, N * N).transpose(1, 2).reshape(B * N * N, C)
+
+
+def _channels_first(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
+    """(B*N*N, C) rows -> (B*C, N, N) channels first, a copy."""
+    C = t.shape[-1]
+    return t.view(B, N * N, C).transpose(1, 2).reshape(B * C, N, N)
 
 
 def _gradients(module, x, mask, w, grad_out, mm, frozen):
@@ -66,46 +81,35 @@ def _gradients(module, x, mask, w, grad_out, mm, frozen):
         return (torch.mul(pa, sa).mul_(keep).view(B * H, N, N), torch.mul(pb, sb).mul_(keep).view(B * H, N, N))
 
     a, b = operands()
-    z = (mm.bmm(a, b.transpose(1, 2)) if outgoing else mm.bmm(a.transpose(1, 2), b)).view(B, H, NN)
+    z = _channels_last(mm.bmm(a, b.transpose(1, 2)) if outgoing else mm.bmm(a.transpose(1, 2), b), B, N)
     del a, b
 
-    # ---- the output LayerNorm over the channels (dim 1 here), the output projection and gate ----
-    var, mean = torch.var_mean(z, dim=1, correction=0, keepdim=True)
-    rstd_out = var.add_(module.layer_norm_out.eps).rsqrt_()
-    z_hat = z.sub_(mean).mul_(rstd_out)
-    del var, mean
-    gamma, beta = w["layer_norm_out.weight"].view(1, H, 1), w["layer_norm_out.bias"].view(1, H, 1)
-    zn = torch.addcmul(beta, z_hat, gamma)
-    gate_in = xn_cl if gate_inputs == "normalized" else x.view(B, NN, P)
-    s = mm.channels_first(w["out_gate.weight"], gate_in, w.get("out_gate.bias")).sigmoid_()
-    o = mm.channels_first(w["out_proj.weight"], zn.transpose(1, 2), w.get("out_proj.bias"))
-    g = grad_out.reshape(B, NN, P).transpose(1, 2).contiguous()  # the one transposition: (B, P, N*N)
+    # ---- the output LayerNorm, the output projection and gate, one row per pair ----
+    zn, mean_out, rstd_out = torch.native_layer_norm(z, [H], w["layer_norm_out.weight"], w["layer_norm_out.bias"],
+                                                     module.layer_norm_out.eps)
+    gate_in = xn if gate_inputs == "normalized" else rows
+    s = torch.sigmoid(mm.linear(gate_in, w["out_gate.weight"], w.get("out_gate.bias")))
+    o = mm.linear(zn, w["out_proj.weight"], w.get("out_proj.bias"))
+    g = grad_out.reshape(-1, P)
 
     # ---- out = o * s: d_gate = d(loss)/d(gate pre-activation), d_o = d(loss)/d(o), in place ----
     d_gate = torch.ops.aten.sigmoid_backward.grad_input(o.mul_(g), s, grad_input=o)
     d_o = s.mul_(g)
-    del g, o, s
+    del o, s
     if "out_gate.weight" not in frozen:
-        grads["out_gate.weight"] = mm.summed_over_batch(d_gate, gate_in)
+        grads["out_gate.weight"] = mm(d_gate.t(), gate_in)
     if "out_proj.weight" not in frozen:
-        grads["out_proj.weight"] = mm.summed_over_batch(d_o, zn.transpose(1, 2))
+        grads["out_proj.weight"] = mm(d_o.t(), zn)
     if bias:
-        grads["out_proj.bias"], grads["out_gate.bias"] = channel_sums(d_o), channel_sums(d_gate)
-    d_gate_in = mm.channels_last(d_gate, w["out_gate.weight"])  # (B, N*N, P)
-    del d_gate, zn
-    d_zn = mm.channels_first(w["out_proj.weight"].t(), d_o.transpose(1, 2))  # (B, H, N*N)
+        grads["out_proj.bias"], grads["out_gate.bias"] = column_sums(d_o), column_sums(d_gate)
+    d_gate_in = mm(d_gate, w["out_gate.weight"])  # (B*N*N, P)
+    del d_gate, zn, gate_in
+    d_zn = mm(d_o, w["out_proj.weight"])
     del d_o
-
-    # ---- the output LayerNorm's backward, over dim 1 ----
-    grads["layer_norm_out.bias"] = channel_sums(d_zn)
-    t = torch.mul(d_zn, z_hat)
-    grads["layer_norm_out.weight"] = channel_sums(t)
-    d_hat = d_zn.mul_(gamma)
-    mean_d_hat_z_hat = t.mul_(gamma).mean(1, keepdim=True)
-    del t
-    d_z = d_hat.sub_(d_hat.mean(1, keepdim=True)).addcmul_(z_hat, mean_d_hat_z_hat, value=-1).mul_(rstd_out)
-    del d_hat, z_hat, mean_d_hat_z_hat
-    d_z = d_z.view(B * H, N, N)
+    d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = torch.ops.aten.native_layer_norm_backward(
+        d_zn, z, [H], mean_out, rstd_out, w["layer_norm_out.weight"], w["layer_norm_out.bias"], [True, True, True])
+    del d_zn, z
+    d_z = _channels_first(d_z, B, N)
 
     # ---- the triangle sums (dA_h, dB_h from dZ_h), then the gates, into proj's own storage ----
     # proj = [pa | sa | pb | sb] becomes d_proj = [d pa | d ga | d pb | d gb] in place, one of a
@@ -116,9 +120,10 @@ def _gradients(module, x, mask, w, grad_out, mm, frozen):
     else:         # Z = A^T B: dA = B dZ^T, dB = A dZ
         products = ((lambda: mm.bmm(b, d_z.transpose(1, 2)), pa, sa), (lambda: mm.bmm(a, d_z), pb, sb))
     for product, p, sig in products:
-        d = product().view(B, H, NN).mul_(keep)   # d(loss)/d(a) (or b)
-        d.mul_(sig)                               # d(loss)/d(p) = d * sigmoid(g)
-        sig.neg_().add_(1).mul_(d).mul_(p)        # d(loss)/d(g) = d * p * s * (1 - s)
+        d = product().view(B, H, NN).mul_(keep)  # d(loss)/d(a) (or b)
+        p.mul_(d)                                # d * p
+        d.mul_(sig)                              # d(loss)/d(p) = d * sigmoid(g)
+        torch.ops.aten.sigmoid_backward.grad_input(p, sig, grad_input=sig)  # d(loss)/d(g) = d p s (1 - s)
         p.copy_(d)
         del d
     del d_z, a, b, products, p, sig, pa, pb, sa, sb
@@ -137,11 +142,11 @@ def _gradients(module, x, mask, w, grad_out, mm, frozen):
     d_xn = mm.channels_last(d_proj, w4)  # (B, N*N, P)
     del d_proj, proj, xn, xn_cl
     if gate_inputs == "normalized":
-        d_xn += d_gate_in
+        d_xn.view(-1, P).add_(d_gate_in)
     d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = torch.ops.aten.native_layer_norm_backward(
         d_xn.view(-1, P), rows, [P], mean_in, rstd_in, w["layer_norm_in.weight"], w["layer_norm_in.bias"],
         [True, True, True])
     if gate_inputs == "raw":
-        d_x += d_gate_in.view(-1, P)
+        d_x += d_gate_in
     grads["input"] = d_x.view(B, N, N, P)
     return grads

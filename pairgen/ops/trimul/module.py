@@ -211,6 +211,13 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         """A floating mask that wants its own gradient recomputes the reference."""
         return not inputs[1].requires_grad
 
+    def backward_precision(self, x, autocast: bool) -> str:
+        """16-bit modules compute their closed form in their dtype (backward.py); the rest as
+        every op does (KernelModule.backward_precision)."""
+        if not autocast and x.dtype in (torch.bfloat16, torch.float16):
+            return str(x.dtype).removeprefix("torch.")
+        return super().backward_precision(x, autocast)
+
     def reference_forward(self, pair_repr, pair_mask):
         return TriangleMultiplicationReference.forward(self, pair_repr, pair_mask)
 
