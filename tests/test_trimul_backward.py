@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from helpers import closed_form_errors, generator
-from pairgen.ops.trimul import TRIMUL
+from pairgen import codegen, compiler
+from pairgen.ops.trimul import TRIMUL, fused_backward
 
 STANDARD = 2e-5
 
@@ -123,3 +124,26 @@ def test_backward_mode_is_checked_and_auto_trains_16_bit_calls_through_the_refer
     assert module.trains_through_reference("float32")
     module.backward_mode = "closed_form"
     assert not module.trains_through_reference("bfloat16")
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
+def test_the_fused_backward_kernels_render_to_their_signatures_and_compile(kind):
+    """The opt-in fused passes (fused_backward.py): each storage type's source declares the
+    signatures the launches pass, and NVRTC compiles it for sm_90 without spills."""
+    rendered = fused_backward.render(kind)
+    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
+    assert set(compiled.kernels) >= {f"{rendered.kernel_name}_{suffix}" for suffix in fused_backward.SIGNATURES}
+    assert not compiled.spill_bytes
+
+
+def test_a_kernel_whose_signature_disagrees_with_its_launch_is_refused(monkeypatch):
+    monkeypatch.setitem(fused_backward.SIGNATURES, "out_gate", ("ptr", "ptr", "i64"))
+    with pytest.raises(codegen.ContractError, match="out_gate"):
+        fused_backward.render("float32")
+
+
+def test_the_fused_kernels_are_opt_in_and_gpu_only(monkeypatch):
+    monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD", raising=False)
+    assert not fused_backward.enabled(torch.zeros(1))
+    monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", "1")
+    assert not fused_backward.enabled(torch.zeros(1)), "CPU tensors keep the PyTorch passes"

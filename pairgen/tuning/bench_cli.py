@@ -36,6 +36,9 @@ def parse_args(argv=None):
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (a training step's work: gradients for the input and every "
                              "parameter) instead of the forward, with each one's peak memory")
+    parser.add_argument("--backward-mode", default="auto", choices=("auto", "closed_form", "reference"),
+                        help="with --backward: the modules' backward_mode (default auto); rows of another mode are "
+                             "kept apart from auto's in the results")
     parser.add_argument("--dry-run", action="store_true", help="list what would be measured, and exit")
     args = parser.parse_args(argv)
     return parser, args
@@ -100,7 +103,7 @@ def measure(spec, shape, peers, reps):
     return row
 
 
-def measure_training(spec, shape, peers, reps):
+def measure_training(spec, shape, peers, reps, backward_mode: str = "auto"):
     """One --backward row: forward + backward of the loss (out * g).sum() (g random, fixed) for
     pairgen's module and each peer, each with gradients for the input and its parameters: median
     µs (L2 flushed), the peak memory one step adds, and the input gradient's relative L2 against
@@ -114,6 +117,7 @@ def measure_training(spec, shape, peers, reps):
     precision = precision_of(spec)
     gen = torch.Generator().manual_seed(0)
     module = module_in_precision(spec, spec.widths_of(shape), gen, precision, device)
+    module.backward_mode = backward_mode
     inputs = inputs_in_precision(spec.make_inputs(shape, gen), precision, device)
     x = inputs[0].detach().requires_grad_()
     train_inputs = (x, *inputs[1:])
@@ -126,7 +130,8 @@ def measure_training(spec, shape, peers, reps):
     label = variant.plan.label if variant else "reference (no kernel)"
     if variant and module.trains_through_reference(kernel_precision):
         label = f"reference (backward_mode {module.backward_mode!r} trains {kernel_precision} calls in PyTorch)"
-    row = {"op": spec.name, "shape": shape, "precision": precision, "mode": "train", "variant": label}
+    mode = "train" if backward_mode == "auto" else f"train ({backward_mode})"
+    row = {"op": spec.name, "shape": shape, "precision": precision, "mode": mode, "variant": label}
     calls = {"pairgen": lambda: module(*train_inputs)}
     if "eager" in peers:
         calls["eager"] = lambda: eager(*train_inputs)
@@ -262,7 +267,7 @@ def main(argv=None) -> int:
         env["timing"] = "median of CUDA-event-timed forward + backward steps, L2 flushed before each"
     for spec, shape in work:
         if args.backward:
-            rows.append(measure_training(spec, shape, peers, args.reps))
+            rows.append(measure_training(spec, shape, peers, args.reps, args.backward_mode))
             r = rows[-1]
             print(f"{spec.name} {shape_label(shape)} {r['precision']} fwd+bwd: "
                   + ", ".join(f"{n} {r[n + '_us']:.1f} µs" for n in ["pairgen", *peers] if n + "_us" in r), flush=True)
@@ -289,7 +294,7 @@ def results_name(env: dict) -> str:
 def write_results(out: Path, env: dict, rows: list, peers: list) -> str:
     """bench.md (the table), and the rows as JSON under results_name(env), merged with the rows an
     earlier run of the same GPU and date wrote there (a later row of the same op and shape wins)."""
-    training = any(r.get("mode") == "train" for r in rows)
+    training = any(r.get("mode", "").startswith("train") for r in rows)
     text = (f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, NVRTC {env['nvrtc']}, {env['date']}; "
             f"TF32 off in float32 rows; peers in each row's dtype; {env['timing']}.\n\n"
             + (training_table(rows, peers) if training else table(rows, peers)) + "\n")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..closed_form import channel_sums, closed_form_gradients, column_sums
+from . import fused_backward
 
 #: The four input projections, in the order their rows are stacked into W4.
 _FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
@@ -72,15 +73,24 @@ def _gradients(module, x, mask, w, grad_out, mm, frozen):
     xn_cl = xn.view(B, NN, P)
     w4 = torch.cat([w[f"{name}.weight"] for name in _FOUR])  # (4H, P)
     b4 = torch.cat([w[f"{name}.bias"] for name in _FOUR]) if bias else None
-    proj = mm.channels_first(w4, xn_cl, b4).view(B, 4, H, NN)
-    pa, sa, pb, sb = proj.unbind(1)
-    sa.sigmoid_(), sb.sigmoid_()  # in place: the gates' pre-activations are not needed again
-    keep = mask.reshape(B, 1, NN).to(x.dtype)
+    fused = fused_backward.enabled(x)
+    if fused:  # bias, sigmoid and the products with the mask in one kernel (fused_backward.py)
+        proj = mm.channels_first(w4, xn_cl).view(B, 4, H, NN)
+        keep = mask.reshape(B, NN).to(x.dtype).contiguous()
 
-    def operands():  # A and B as (B*H, N, N); made again for the backward: cheaper than holding them
-        return (torch.mul(pa, sa).mul_(keep).view(B * H, N, N), torch.mul(pb, sb).mul_(keep).view(B * H, N, N))
+        def operands(apply: bool = False):  # A and B as (B*H, N, N), remade for the backward
+            a, b = fused_backward.gates(proj, b4, keep, apply)
+            return a.view(B * H, N, N), b.view(B * H, N, N)
+    else:
+        proj = mm.channels_first(w4, xn_cl, b4).view(B, 4, H, NN)
+        proj[:, 1].sigmoid_(), proj[:, 3].sigmoid_()  # in place: the pre-activations are not needed again
+        keep = mask.reshape(B, 1, NN).to(x.dtype)
 
-    a, b = operands()
+        def operands(apply: bool = False):  # A and B as (B*H, N, N), remade for the backward
+            pa, sa, pb, sb = proj.unbind(1)
+            return (torch.mul(pa, sa).mul_(keep).view(B * H, N, N), torch.mul(pb, sb).mul_(keep).view(B * H, N, N))
+
+    a, b = operands(apply=True)
     z = _channels_last(mm.bmm(a, b.transpose(1, 2)) if outgoing else mm.bmm(a.transpose(1, 2), b), B, N)
     del a, b
 
@@ -88,14 +98,20 @@ def _gradients(module, x, mask, w, grad_out, mm, frozen):
     zn, mean_out, rstd_out = torch.native_layer_norm(z, [H], w["layer_norm_out.weight"], w["layer_norm_out.bias"],
                                                      module.layer_norm_out.eps)
     gate_in = xn if gate_inputs == "normalized" else rows
-    s = torch.sigmoid(mm.linear(gate_in, w["out_gate.weight"], w.get("out_gate.bias")))
+    u = mm.linear(gate_in, w["out_gate.weight"], w.get("out_gate.bias"))  # the out gate's pre-activation
     o = mm.linear(zn, w["out_proj.weight"], w.get("out_proj.bias"))
     g = grad_out.reshape(-1, P)
 
-    # ---- out = o * s: d_gate = d(loss)/d(gate pre-activation), d_o = d(loss)/d(o), in place ----
-    d_gate = torch.ops.aten.sigmoid_backward.grad_input(o.mul_(g), s, grad_input=o)
-    d_o = s.mul_(g)
-    del o, s
+    # ---- out = o * sigmoid(u): d_gate = d(loss)/d(u), d_o = d(loss)/d(o), in place ----
+    if fused:
+        fused_backward.out_gate(o, u, g.contiguous())
+        d_gate, d_o = o, u
+    else:
+        s = u.sigmoid_()
+        d_gate = torch.ops.aten.sigmoid_backward.grad_input(o.mul_(g), s, grad_input=o)
+        d_o = s.mul_(g)
+        del s
+    del o, u
     if "out_gate.weight" not in frozen:
         grads["out_gate.weight"] = mm(d_gate.t(), gate_in)
     if "out_proj.weight" not in frozen:
@@ -116,17 +132,21 @@ def _gradients(module, x, mask, w, grad_out, mm, frozen):
     # and b at a time: the peak holds one of their gradients, not both beside a new d_proj.
     a, b = operands()
     if outgoing:  # Z = A B^T: dA = dZ B, dB = dZ^T A
-        products = ((lambda: mm.bmm(d_z, b), pa, sa), (lambda: mm.bmm(d_z.transpose(1, 2), a), pb, sb))
+        products = ((0, lambda: mm.bmm(d_z, b)), (2, lambda: mm.bmm(d_z.transpose(1, 2), a)))
     else:         # Z = A^T B: dA = B dZ^T, dB = A dZ
-        products = ((lambda: mm.bmm(b, d_z.transpose(1, 2)), pa, sa), (lambda: mm.bmm(a, d_z), pb, sb))
-    for product, p, sig in products:
+        products = ((0, lambda: mm.bmm(b, d_z.transpose(1, 2))), (2, lambda: mm.bmm(a, d_z)))
+    for slot, product in products:  # slot: the value's place in proj, its gate's is slot + 1
+        if fused:
+            fused_backward.gates_grad(product(), proj, keep, slot)
+            continue
         d = product().view(B, H, NN).mul_(keep)  # d(loss)/d(a) (or b)
+        p, sig = proj[:, slot], proj[:, slot + 1]
         p.mul_(d)                                # d * p
         d.mul_(sig)                              # d(loss)/d(p) = d * sigmoid(g)
         torch.ops.aten.sigmoid_backward.grad_input(p, sig, grad_input=sig)  # d(loss)/d(g) = d p s (1 - s)
         p.copy_(d)
-        del d
-    del d_z, a, b, products, p, sig, pa, pb, sa, sb
+        del d, p, sig
+    del d_z, a, b, products
     d_proj = proj.view(B, 4 * H, NN)
 
     # ---- the input projections and LayerNorm ----

@@ -1,0 +1,94 @@
+"""The closed-form backward's fused elementwise passes on the GPU (templates/trimul/backward.cu.j2).
+
+Each kernel replaces a chain of PyTorch passes over a pair-sized tensor: the gates' bias, sigmoid
+and products with the mask (one pass instead of about eight), the gates' chain rule (one instead
+of five), the output gate's (one instead of four). They are opt-in for now
+(PAIRGEN_FUSED_BACKWARD=1): on until a GPU run has checked them against the PyTorch passes they
+replace (the GPU tests run both) and measured them.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ... import codegen, compiler, runtime
+
+#: Storage types the kernels are rendered for.
+KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+THREADS, ITEMS = 256, 4
+#: Blocks of the grid-stride output-gate kernel per SM.
+OUT_GATE_BLOCKS_PER_SM = 8
+#: Each kernel's argument kinds, in order, as the launches below pass them; render() checks them
+#: against the source's `extern "C"` signatures.
+SIGNATURES = {"gates": ("ptr",) * 5 + ("i32", "i64", "i32", "i32"),
+              "gates_grad": ("ptr",) * 3 + ("i32", "i64", "i32", "i32"),
+              "out_gate": ("ptr",) * 3 + ("i64",)}
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether the closed form uses these kernels for a tensor like t (CUDA, a known dtype, and
+    PAIRGEN_FUSED_BACKWARD=1)."""
+    return t.is_cuda and t.dtype in KINDS and os.environ.get("PAIRGEN_FUSED_BACKWARD") == "1"
+
+
+def render(kind: str) -> codegen.Rendered:
+    """The kernels' source for one storage type, its signatures checked against SIGNATURES."""
+    rendered = codegen.render_template("trimul", "backward", {}, {}, {"kind": kind, "threads": THREADS, "items": ITEMS},
+                                       precision=kind)
+    found = codegen.signatures(rendered.source)
+    for suffix, kinds in SIGNATURES.items():
+        name = f"{rendered.kernel_name}_{suffix}"
+        if found.get(name) != kinds:
+            raise codegen.ContractError(f"{rendered.template}: kernel {name} takes {found.get(name)} in the source "
+                                        f"but the launch passes {kinds}")
+    return rendered
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(kind: str, device_index: int) -> dict:
+    from ...launch import LoadedKernel
+
+    rendered = render(kind)
+    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, runtime.device_info(device_index).arch)
+    return {suffix: LoadedKernel(compiled, device_index, 0, THREADS, f"{rendered.kernel_name}_{suffix}")
+            for suffix in SIGNATURES}
+
+
+def _launch(t: torch.Tensor, suffix: str, blocks: int, *args: int) -> None:
+    kernel = _kernels(KINDS[t.dtype], t.device.index)[suffix]
+    kernel.bind(blocks, THREADS, 0, len(args))(*args)
+
+
+def _plane_blocks(plane: int) -> int:
+    return -(-plane // (THREADS * ITEMS))
+
+
+def gates(proj: torch.Tensor, bias4: torch.Tensor | None, keep: torch.Tensor, apply: bool) -> tuple:
+    """proj (B, 4, H, L) contiguous: with `apply`, bias added and the gates' sigmoid taken in
+    place; returns a, b = value * sigmoid(gate) * keep as (B*H, L) each (keep: (B, L))."""
+    B, _, H, L = proj.shape
+    a = proj.new_empty(B * H, L)
+    b = proj.new_empty(B * H, L)
+    per_plane = _plane_blocks(L)
+    _launch(proj, "gates", B * H * per_plane, proj.data_ptr(), 0 if bias4 is None else bias4.data_ptr(),
+            keep.data_ptr(), a.data_ptr(), b.data_ptr(), H, L, per_plane, int(apply))
+    return a, b
+
+
+def gates_grad(da: torch.Tensor, proj: torch.Tensor, keep: torch.Tensor, slot: int) -> None:
+    """da (B*H, L) the gradient of a (slot 0) or b (slot 2): proj's slot becomes the value's
+    gradient and slot + 1 the gate's, in place."""
+    B, _, H, L = proj.shape
+    per_plane = _plane_blocks(L)
+    _launch(proj, "gates_grad", B * H * per_plane, da.data_ptr(), proj.data_ptr(), keep.data_ptr(), H, L,
+            per_plane, slot)
+
+
+def out_gate(o: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> None:
+    """o, u (the out gate's pre-activation), g contiguous, same shape: o becomes the gradient of
+    u, u the gradient of o, in place."""
+    sms = torch.cuda.get_device_properties(o.device).multi_processor_count
+    blocks = min(_plane_blocks(o.numel()), sms * OUT_GATE_BLOCKS_PER_SM)
+    _launch(o, "out_gate", blocks, o.data_ptr(), u.data_ptr(), g.data_ptr(), o.numel())
