@@ -2,18 +2,17 @@
 
 Each kernel replaces a chain of PyTorch passes over a pair-sized tensor: the gates' bias, sigmoid
 and products with the mask (one pass instead of about eight), the gates' chain rule (one instead
-of five), the output gate's (one instead of four). They are opt-in for now
-(PAIRGEN_FUSED_BACKWARD=1): on until a GPU run has checked them against the PyTorch passes they
-replace (the GPU tests run both) and measured them.
+of five), the output gate's (one instead of four). They are opt-in (PAIRGEN_FUSED_BACKWARD=1)
+until a GPU run has checked them against the PyTorch passes they replace (the GPU tests run both)
+and measured them.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from ... import codegen, compiler, runtime
+from ... import codegen, compiler, config, runtime
 
 #: Storage types the kernels are rendered for.
 KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -30,7 +29,7 @@ SIGNATURES = {"gates": ("ptr",) * 5 + ("i32", "i64", "i32", "i32"),
 def enabled(t: torch.Tensor) -> bool:
     """Whether the closed form uses these kernels for a tensor like t (CUDA, a known dtype, and
     PAIRGEN_FUSED_BACKWARD=1)."""
-    return t.is_cuda and t.dtype in KINDS and os.environ.get("PAIRGEN_FUSED_BACKWARD") == "1"
+    return t.is_cuda and t.dtype in KINDS and config.fused_backward()
 
 
 def render(kind: str) -> codegen.Rendered:
