@@ -415,8 +415,8 @@ class KernelModule:
         precision = self.kernel_precision(*inputs)
         if precision is None:
             return self.reference_forward(*inputs)
-        if self._backward_mode != "closed_form" and torch.is_grad_enabled() and self._needs_grad(inputs) \
-                and self.trains_through_reference(precision):
+        training = torch.is_grad_enabled() and self._needs_grad(inputs)
+        if training and self.trains_through_reference(precision):
             return self.reference_forward(*inputs)
         first = inputs[0]
         variant = self._choice_for(first.shape[1], first.get_device(), precision)
@@ -424,7 +424,7 @@ class KernelModule:
             variant = self._first_use(variant, inputs, precision)
         if variant is None:
             return self.reference_forward(*inputs)  # disabled, or no kernel fits these widths
-        if torch.is_grad_enabled() and self._needs_grad(inputs):
+        if training:
             return ReferenceBackward.apply(self, len(inputs), variant, *inputs, *self.parameters())
         return self._launch(*inputs, variant=variant)
 
