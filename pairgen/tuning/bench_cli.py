@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from ..ops import get_op, op_names
+from .. import config
 from ..spec import precision_of
 from .cli import add_selection_args, selected_shapes, shape_label
 
@@ -131,6 +132,8 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto"):
     if variant and module.trains_through_reference(kernel_precision):
         label = f"reference (backward_mode {module.backward_mode!r} trains {kernel_precision} calls in PyTorch)"
     mode = "train" if backward_mode == "auto" else f"train ({backward_mode})"
+    if config.fused_backward():  # kept apart from the PyTorch passes' rows
+        mode += " +fused"
     row = {"op": spec.name, "shape": shape, "precision": precision, "mode": mode, "variant": label}
     calls = {"pairgen": lambda: module(*train_inputs)}
     if "eager" in peers:
@@ -175,11 +178,11 @@ def _input_gradient64(spec, module, inputs, g):
 
 def training_table(rows, peers) -> str:
     names = ["pairgen", *peers]
-    head = ["op", "shape", "precision", "pairgen variant (forward)"] + [f"{n} fwd+bwd µs" for n in names]
+    head = ["op", "shape", "precision", "mode", "pairgen variant (forward)"] + [f"{n} fwd+bwd µs" for n in names]
     head += [f"× vs {p}" for p in peers] + ["peak MiB: " + " / ".join(names), "input grad rel L2: " + " / ".join(names)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["op"], shape_label(r["shape"]), r.get("precision", "float32"), f"`{r['variant']}`"]
+        cells = [r["op"], shape_label(r["shape"]), r.get("precision", "float32"), r["mode"], f"`{r['variant']}`"]
         cells += [f"{r[n + '_us']:.1f}" if n + "_us" in r else "–" for n in names]
         cells += [f"{r[p + '_us'] / r['pairgen_us']:.2f}×" if p + "_us" in r and "pairgen_us" in r else "–"
                   for p in peers]
