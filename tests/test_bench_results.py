@@ -38,5 +38,5 @@ def test_the_training_table():
     header, _, line = text.splitlines()[:3]
     assert "pairgen fwd+bwd µs" in header and "× vs eager" in header and "peak MiB" in header
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[4:7] == ["100.0", "300.0", "–"] and "3.00×" in cells and "10 / 40 / –" in cells
+    assert cells[3] == "train" and cells[5:8] == ["100.0", "300.0", "–"] and "3.00×" in cells and "10 / 40 / –" in cells
     assert "- not measured: compile: RuntimeError: no" in text
