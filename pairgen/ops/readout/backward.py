@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..closed_form import closed_form_gradients, layer_norm_backward, layer_norm_parts
+from ..closed_form import closed_form_gradients, column_sums, layer_norm_backward, layer_norm_parts
 
 
 def gradients(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: torch.Tensor,
@@ -44,7 +44,7 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, mm, frozen):
     u = mm(nodes, wi.t())                     # (B, N, H): node i's term
     v = mm(nodes, wj.t())                     # (B, N, H): node j's term
     pre = mm(pair.reshape(-1, P), wp.t()).view(B, N, N, H)
-    pre += u.unsqueeze(2) + v.unsqueeze(1) + w["fuse.0.bias"]
+    pre.add_(u.add_(w["fuse.0.bias"]).unsqueeze(2)).add_(v.unsqueeze(1))  # in place: no pair-sized temporary
     act = F.silu(pre)
     edge = edge_mask.unsqueeze(-1)
     masked = mm.linear(act.view(-1, H), w["fuse.2.weight"], w["fuse.2.bias"]).view(B, N, N, D)
@@ -70,17 +70,14 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, mm, frozen):
 
     # ---- the second layer and the SiLU ----
     act_rows = act.view(-1, H)
-    grads["fuse.2.bias"] = d_m.sum(0)
+    grads["fuse.2.bias"] = column_sums(d_m)
     if "fuse.2.weight" not in frozen:
         grads["fuse.2.weight"] = mm(d_m.t(), act_rows)
     d_act = mm(d_m, w["fuse.2.weight"])
     del d_m, act, act_rows
-    # silu'(pre) = s (1 + pre (1 - s)), s = sigmoid(pre): made in pre's storage, then into d_act's
-    pre = pre.view(-1, H)
-    sig = torch.sigmoid(pre)
-    pre.addcmul_(pre, sig, value=-1).add_(1)  # 1 + pre - pre s
-    d_pre = d_act.mul_(sig).mul_(pre)
-    del d_act, sig, pre
+    # d_act * silu'(pre), in d_act's storage: PyTorch's fused SiLU backward, one pass
+    d_pre = torch.ops.aten.silu_backward.grad_input(d_act, pre.view(-1, H), grad_input=d_act)
+    del d_act, pre
 
     # ---- the first layer: pair rows, then each node's sums over its partners ----
     first_layer = "fuse.0.weight" not in frozen
@@ -89,7 +86,7 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, mm, frozen):
     d_pre4 = d_pre.view(B, N, N, H)
     d_u = d_pre4.sum(dim=2)                  # (B, N, H): node i over its partners j
     d_v = d_pre4.sum(dim=1)                  # (B, N, H): node j over the i that read it
-    grads["fuse.0.bias"] = d_pre.sum(0)
+    grads["fuse.0.bias"] = d_u.sum((0, 1))   # every pair once: node i's sums, summed
     del d_pre, d_pre4
     if first_layer:
         node_rows = nodes.reshape(-1, D)
