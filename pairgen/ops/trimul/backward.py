@@ -91,12 +91,17 @@ def _gradients(module, x, mask, w, grad_out, mm, frozen):
             return (torch.mul(pa, sa).mul_(keep).view(B * H, N, N), torch.mul(pb, sb).mul_(keep).view(B * H, N, N))
 
     a, b = operands(apply=True)
-    z = _channels_last(mm.bmm(a, b.transpose(1, 2)) if outgoing else mm.bmm(a.transpose(1, 2), b), B, N)
+    z = mm.bmm(a, b.transpose(1, 2)) if outgoing else mm.bmm(a.transpose(1, 2), b)  # (B*H, N, N)
     del a, b
 
     # ---- the output LayerNorm, the output projection and gate, one row per pair ----
-    zn, mean_out, rstd_out = torch.native_layer_norm(z, [H], w["layer_norm_out.weight"], w["layer_norm_out.bias"],
-                                                     module.layer_norm_out.eps)
+    ln_out = (w["layer_norm_out.weight"], w["layer_norm_out.bias"], module.layer_norm_out.eps)
+    fused_ln = fused and fused_backward.layer_norm_fits(H)
+    if fused_ln:  # read channels first, written one row per pair: no transposing copy
+        zn, mean_out, rstd_out = fused_backward.layer_norm_channels_first(z.view(B, H, NN), *ln_out)
+    else:
+        z = _channels_last(z, B, N)
+        zn, mean_out, rstd_out = torch.native_layer_norm(z, [H], *ln_out)
     gate_in = xn if gate_inputs == "normalized" else rows
     u = mm.linear(gate_in, w["out_gate.weight"], w.get("out_gate.bias"))  # the out gate's pre-activation
     o = mm.linear(zn, w["out_proj.weight"], w.get("out_proj.bias"))
@@ -122,10 +127,16 @@ def _gradients(module, x, mask, w, grad_out, mm, frozen):
     del d_gate, zn, gate_in
     d_zn = mm(d_o, w["out_proj.weight"])
     del d_o
-    d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = torch.ops.aten.native_layer_norm_backward(
-        d_zn, z, [H], mean_out, rstd_out, w["layer_norm_out.weight"], w["layer_norm_out.bias"], [True, True, True])
+    if fused_ln:  # d z straight into the channels-first layout the triangle products take
+        d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = \
+            fused_backward.layer_norm_channels_first_backward(d_zn, z.view(B, H, NN), mean_out, rstd_out,
+                                                              ln_out[0], ln_out[2])
+        d_z = d_z.view(B * H, N, N)
+    else:
+        d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = \
+            torch.ops.aten.native_layer_norm_backward(d_zn, z, [H], mean_out, rstd_out, *ln_out[:2], [True, True, True])
+        d_z = _channels_first(d_z, B, N)
     del d_zn, z
-    d_z = _channels_first(d_z, B, N)
 
     # ---- the triangle sums (dA_h, dB_h from dZ_h), then the gates, into proj's own storage ----
     # proj = [pa | sa | pb | sb] becomes d_proj = [d pa | d ga | d pb | d gb] in place, one of a

@@ -2,7 +2,9 @@
 
 Each kernel replaces a chain of PyTorch passes over a pair-sized tensor: the gates' bias, sigmoid
 and products with the mask (one pass instead of about eight), the gates' chain rule (one instead
-of five), the output gate's (one instead of four). They are opt-in (PAIRGEN_FUSED_BACKWARD=1)
+of five), the output gate's (one instead of four), and the output LayerNorm and its backward read
+and written in the layouts around them (instead of a transposing copy each way and PyTorch's
+LayerNorm kernels). They are opt-in (PAIRGEN_FUSED_BACKWARD=1)
 until a GPU run has checked them against the PyTorch passes they replace (the GPU tests run both)
 and measured them.
 """
@@ -17,13 +19,18 @@ from ... import codegen, compiler, config, runtime
 #: Storage types the kernels are rendered for.
 KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 THREADS, ITEMS = 256, 4
+#: Pairs per block of the LayerNorm kernels, and the shared memory they stay within (no opt-in).
+LN_TILE = 16
+LN_SMEM_LIMIT = 48 * 1024 - 2 * LN_TILE * 4
 #: Blocks of the grid-stride output-gate kernel per SM.
 OUT_GATE_BLOCKS_PER_SM = 8
 #: Each kernel's argument kinds, in order, as the launches below pass them; render() checks them
 #: against the source's `extern "C"` signatures.
 SIGNATURES = {"gates": ("ptr",) * 5 + ("i32", "i64", "i32", "i32"),
               "gates_grad": ("ptr",) * 3 + ("i32", "i64", "i32", "i32"),
-              "out_gate": ("ptr",) * 3 + ("i64",)}
+              "out_gate": ("ptr",) * 3 + ("i64",),
+              "ln": ("ptr",) * 6 + ("i32", "i64", "i32"),
+              "ln_grad": ("ptr",) * 8 + ("i32", "i64", "i32")}
 
 
 def enabled(t: torch.Tensor) -> bool:
@@ -32,10 +39,11 @@ def enabled(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype in KINDS and config.fused_backward()
 
 
-def render(kind: str) -> codegen.Rendered:
-    """The kernels' source for one storage type, its signatures checked against SIGNATURES."""
-    rendered = codegen.render_template("trimul", "backward", {}, {}, {"kind": kind, "threads": THREADS, "items": ITEMS},
-                                       precision=kind)
+def render(kind: str, eps: float = 1e-5) -> codegen.Rendered:
+    """The kernels' source for one storage type and LayerNorm epsilon, its signatures checked
+    against SIGNATURES."""
+    context = {"kind": kind, "threads": THREADS, "items": ITEMS, "ln_tile": LN_TILE, "eps": repr(float(eps))}
+    rendered = codegen.render_template("trimul", "backward", {}, {}, context, precision=kind)
     found = codegen.signatures(rendered.source)
     for suffix, kinds in SIGNATURES.items():
         name = f"{rendered.kernel_name}_{suffix}"
@@ -46,18 +54,18 @@ def render(kind: str) -> codegen.Rendered:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels(kind: str, device_index: int) -> dict:
+def _kernels(kind: str, device_index: int, eps: float) -> dict:
     from ...launch import LoadedKernel
 
-    rendered = render(kind)
+    rendered = render(kind, eps)
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, runtime.device_info(device_index).arch)
     return {suffix: LoadedKernel(compiled, device_index, 0, THREADS, f"{rendered.kernel_name}_{suffix}")
             for suffix in SIGNATURES}
 
 
-def _launch(t: torch.Tensor, suffix: str, blocks: int, *args: int) -> None:
-    kernel = _kernels(KINDS[t.dtype], t.device.index)[suffix]
-    kernel.bind(blocks, THREADS, 0, len(args))(*args)
+def _launch(t: torch.Tensor, suffix: str, blocks: int, *args: int, smem: int = 0, eps: float = 1e-5) -> None:
+    kernel = _kernels(KINDS[t.dtype], t.device.index, eps)[suffix]
+    kernel.bind(blocks, THREADS, smem, len(args))(*args)
 
 
 def _plane_blocks(plane: int) -> int:
@@ -91,3 +99,40 @@ def out_gate(o: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> None:
     sms = torch.cuda.get_device_properties(o.device).multi_processor_count
     blocks = min(_plane_blocks(o.numel()), sms * OUT_GATE_BLOCKS_PER_SM)
     _launch(o, "out_gate", blocks, o.data_ptr(), u.data_ptr(), g.data_ptr(), o.numel())
+
+
+def _ln_smem(hidden: int, tiles: int) -> int:
+    return tiles * hidden * (LN_TILE + 1) * 4
+
+
+def layer_norm_fits(hidden: int) -> bool:
+    """Whether the LayerNorm kernels' tiles (two of hidden x LN_TILE, fp32) fit in a block's
+    default shared memory; wider hidden widths keep PyTorch's LayerNorm and transposing copies."""
+    return _ln_smem(hidden, 2) <= LN_SMEM_LIMIT
+
+
+def layer_norm_channels_first(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float) -> tuple:
+    """LayerNorm over dim 1 of z (B, H, L) contiguous: (zn (B*L, H) one row per pair, mean and
+    1/std (B*L,) in fp32)."""
+    B, H, L = z.shape
+    zn = z.new_empty(B * L, H)
+    mean = torch.empty(B * L, device=z.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    tiles = -(-L // LN_TILE)
+    _launch(z, "ln", B * tiles, z.data_ptr(), gamma.data_ptr(), beta.data_ptr(), zn.data_ptr(), mean.data_ptr(),
+            rstd.data_ptr(), H, L, tiles, smem=_ln_smem(H, 1), eps=eps)
+    return zn, mean, rstd
+
+
+def layer_norm_channels_first_backward(d_zn: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                                       gamma: torch.Tensor, eps: float) -> tuple:
+    """The backward of layer_norm_channels_first: (d z (B, H, L), d gamma (H,), d beta (H,)), the
+    affine gradients in fp32 (each block's partial sums, added here)."""
+    B, H, L = z.shape
+    d_z = torch.empty_like(z)
+    tiles = -(-L // LN_TILE)
+    parts = torch.empty(2, B * tiles, H, device=z.device, dtype=torch.float32)
+    _launch(z, "ln_grad", B * tiles, d_zn.data_ptr(), z.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+            gamma.data_ptr(), d_z.data_ptr(), parts[0].data_ptr(), parts[1].data_ptr(), H, L, tiles,
+            smem=_ln_smem(H, 2), eps=eps)
+    return d_z, parts[0].sum(0), parts[1].sum(0)  # two tensors: gradients may not alias each other
