@@ -106,6 +106,9 @@ def test_a_tf32x3_module_meets_the_fp32_standard():
     module = TRIMUL.make_module(widths, gen)
     module.precision = "tf32x3"
     assert module.backward_precision(torch.zeros(1), autocast=False) == "ieee"
+    module.precision = "tf32"  # a TF32-accurate module keeps TF32 products in its backward
+    assert module.backward_precision(torch.zeros(1), autocast=False) == "tf32"
+    module.precision = "tf32x3"
     x, mask = TRIMUL.make_inputs({"B": 2, "N": 11, **widths}, gen)
     errors = closed_form_errors(module, (x, mask), torch.randn(x.shape, generator=gen))
     worst = max(errors, key=errors.get)

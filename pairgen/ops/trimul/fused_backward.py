@@ -63,9 +63,18 @@ def _kernels(kind: str, device_index: int, eps: float) -> dict:
             for suffix in SIGNATURES}
 
 
+@functools.lru_cache(maxsize=256)  # bounded: a bound launch per grid, and every N has its own grid
+def _bound(kind: str, device_index: int, eps: float, suffix: str, blocks: int, smem: int, arg_count: int):
+    return _kernels(kind, device_index, eps)[suffix].bind(blocks, THREADS, smem, arg_count)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _launch(t: torch.Tensor, suffix: str, blocks: int, *args: int, smem: int = 0, eps: float = 1e-5) -> None:
-    kernel = _kernels(KINDS[t.dtype], t.device.index, eps)[suffix]
-    kernel.bind(blocks, THREADS, smem, len(args))(*args)
+    _bound(KINDS[t.dtype], t.device.index, eps, suffix, blocks, smem, len(args))(*args)
 
 
 def _plane_blocks(plane: int) -> int:
@@ -96,8 +105,7 @@ def gates_grad(da: torch.Tensor, proj: torch.Tensor, keep: torch.Tensor, slot: i
 def out_gate(o: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> None:
     """o, u (the out gate's pre-activation), g contiguous, same shape: o becomes the gradient of
     u, u the gradient of o, in place."""
-    sms = torch.cuda.get_device_properties(o.device).multi_processor_count
-    blocks = min(_plane_blocks(o.numel()), sms * OUT_GATE_BLOCKS_PER_SM)
+    blocks = min(_plane_blocks(o.numel()), _sm_count(o.device.index) * OUT_GATE_BLOCKS_PER_SM)
     _launch(o, "out_gate", blocks, o.data_ptr(), u.data_ptr(), g.data_ptr(), o.numel())
 
 

@@ -212,10 +212,13 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         return not inputs[1].requires_grad
 
     def backward_precision(self, x, autocast: bool) -> str:
-        """16-bit modules compute their closed form in their dtype (backward.py); the rest as
-        every op does (KernelModule.backward_precision)."""
+        """16-bit modules compute their closed form in their dtype (backward.py), `tf32` modules
+        with TF32 products (their promise is TF32's accuracy); the rest as every op does
+        (KernelModule.backward_precision: tf32x3 modules take exact fp32)."""
         if not autocast and x.dtype in (torch.bfloat16, torch.float16):
             return str(x.dtype).removeprefix("torch.")
+        if not autocast and self._precision == "tf32":
+            return "tf32"
         return super().backward_precision(x, autocast)
 
     def reference_forward(self, pair_repr, pair_mask):
