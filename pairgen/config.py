@@ -21,7 +21,7 @@ ENVIRONMENT = {
                           "The tuned database folder. Set, it is the only one: read by the modules and written by `pairgen-tune`. Unset, tuning writes the user folder and lookups read it before the results shipped with pairgen; a checkout whose `tuned/` is writable reads and writes `<repo>/tuned` instead (results to commit)."),
     "PAIRGEN_DISABLE": ("0", "1 makes every module run its PyTorch reference (for debugging). Read when a module first meets a length; after changing it in a running process call `pairgen.runtime.clear_caches()`."),
     "PAIRGEN_FIRST_USE_CHECK": ("1", "On a shape with no tuned entry, time the default kernel against the PyTorch reference at its first call and run the faster; the verdict is kept under the user's tuned folder (`<gpu>/first-use/<op>.json`). 0 turns the check off."),
-    "PAIRGEN_FUSED_BACKWARD": ("0", "1 runs the triangle update's closed-form backward with fused kernels (the gates, their chain rule, the output gate, the output LayerNorm and its backward) instead of PyTorch passes; experimental until a GPU run has checked and measured them."),
+    "PAIRGEN_FUSED_BACKWARD": ("1", "0 runs the triangle update's closed-form backward with PyTorch's elementwise passes instead of pairgen's fused kernels (the gates, their chain rule, the output gate, the output LayerNorm and its backward); both meet the same gradient standard, the fused kernels are faster."),
     "PAIRGEN_ARCH": ("the current GPU's, else sm_90", "NVRTC target, e.g. sm_90; lets a machine without a GPU compile."),
     "PAIRGEN_COMPILE_WORKERS": ("number of CPUs", "Processes compiling variants in parallel (tuner, dry runs)."),
     "PAIRGEN_COMPILE_BUDGET_S": ("60", "Compile-time budget per variant; a slower variant fails its trial."),
@@ -132,7 +132,7 @@ def first_use_check() -> bool:
 
 
 def fused_backward() -> bool:
-    return (_get("PAIRGEN_FUSED_BACKWARD") or "0") in ("1", "true", "True")
+    return (_get("PAIRGEN_FUSED_BACKWARD") or "1") not in ("0", "false", "False")
 
 
 def arch_override() -> str | None:

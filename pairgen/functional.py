@@ -68,8 +68,8 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
         module = _module_for(weights, direction, _PRECISIONS[precision], x)
         if wants_grad:  # the kernel forward, then the closed-form backward onto the caller's tensors
             names = [n for n, w in weights.items() if w is not None]
-            out = _KernelThenClosedForm.apply(module, names, torch.is_autocast_enabled("cuda"), x, mask,
-                                              *(weights[n] for n in names))
+            autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+            out = _KernelThenClosedForm.apply(module, names, autocast, x, mask, *(weights[n] for n in names))
         else:
             out = module(x, mask)
     return out if batched else out.squeeze(0)

@@ -49,7 +49,7 @@ class ReferenceBackward(torch.autograd.Function):
         params = list(tensors[ctx.n_inputs:])
         wanted = [t for t in inputs + params if t.requires_grad]
         enabled, dtype = ctx.autocast
-        analytic = ctx.module.analytic_gradients(inputs, params, grad_out, autocast=enabled,
+        analytic = ctx.module.analytic_gradients(inputs, params, grad_out, autocast=dtype if enabled else None,
                                                  wanted=[p.requires_grad for p in params])
         if analytic is not None:
             return (None, None, None, *[g if t.requires_grad else None for t, g in zip(inputs + params, analytic)])
@@ -343,8 +343,10 @@ class KernelModule:
         "reference": the reference module in PyTorch, forward and backward, in the call's dtype
         (autograd saves the reference's intermediates), exactly what pairgen replaces;
         "auto" (the default): the closed form for fp32 calls, where it is the faster of the two
-        for every op; the reference for 16-bit calls and autocast, where the fp32 closed form is
-        not faster than PyTorch's 16-bit backward (docs/performance.md has the measurements)."""
+        for every op; for 16-bit calls and autocast, the closed form where the op computes it in
+        16 bits with fused kernels (the triangle update), else the reference, since a closed form
+        without them is not faster than PyTorch's 16-bit backward (docs/performance.md has the
+        measurements)."""
         return self._backward_mode
 
     @backward_mode.setter
@@ -356,7 +358,14 @@ class KernelModule:
     def trains_through_reference(self, precision: str) -> bool:
         """Whether a training call in `precision` (kernel_precision's name) runs the reference."""
         mode = self._backward_mode
-        return mode == "reference" or (mode == "auto" and precision in ("bfloat16", "float16"))
+        if mode == "auto" and precision in ("bfloat16", "float16"):
+            return not self.fast_16_bit_closed_form()
+        return mode == "reference"
+
+    def fast_16_bit_closed_form(self) -> bool:
+        """Whether this op's closed form in 16 bits beats PyTorch's 16-bit backward ("auto" takes
+        it then). None does by default; an op with fused 16-bit backward kernels says so."""
+        return False
 
     def force_variant(self, variant) -> None:
         """Run `variant` (a runtime.Variant) instead of the tuned choice; None restores it."""
@@ -446,10 +455,11 @@ class KernelModule:
     input_gradients: tuple = ("input",)
 
     def analytic_gradients(self, inputs: list, params: list, grad_out: torch.Tensor,
-                           autocast: bool = False, wanted: "list[bool] | None" = None) -> list | None:
+                           autocast: "torch.dtype | None" = None, wanted: "list[bool] | None" = None) -> list | None:
         """Gradients of every input and parameter, in order (None for those that get none), in
         closed form; None where the op has no closed form for this call (the reference is then
-        recomputed under autograd). autocast: the forward ran under torch.autocast. wanted: per
+        recomputed under autograd). autocast: the dtype of the torch.autocast the forward ran
+        under (None: none). wanted: per
         parameter, whether its gradient is wanted (None: all are); the others' products are skipped."""
         first = inputs[0]
         if self.closed_form is None or first.dtype not in CLOSED_FORM_DTYPES or not self.closed_form_applies(inputs):
@@ -463,7 +473,7 @@ class KernelModule:
         """Whether closed_form covers this call's inputs (an op narrows it)."""
         return True
 
-    def backward_precision(self, x: torch.Tensor, autocast: bool) -> str:
+    def backward_precision(self, x: torch.Tensor, autocast: "torch.dtype | None") -> str:
         """The closed form's products (closed_form.Products): TF32 for 16-bit and autocast calls,
         whose gradient standard leaves room for it; exact fp32 otherwise, tf32x3 modules included
         (splitting pair-sized operands into TF32 heads and tails in PyTorch cost more than the

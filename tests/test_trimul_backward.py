@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import closed_form_errors, generator
-from pairgen import codegen, compiler
+from pairgen import codegen, compiler, config
 from pairgen.ops.trimul import TRIMUL, fused_backward
 
 STANDARD = 2e-5
@@ -105,9 +105,12 @@ def test_a_tf32x3_module_meets_the_fp32_standard():
     gen = generator(95)
     module = TRIMUL.make_module(widths, gen)
     module.precision = "tf32x3"
-    assert module.backward_precision(torch.zeros(1), autocast=False) == "ieee"
+    assert module.backward_precision(torch.zeros(1), autocast=None) == "ieee"
     module.precision = "tf32"  # a TF32-accurate module keeps TF32 products in its backward
-    assert module.backward_precision(torch.zeros(1), autocast=False) == "tf32"
+    assert module.backward_precision(torch.zeros(1), autocast=None) == "tf32"
+    # under a 16-bit autocast the closed form runs in its dtype, whatever the module's precision
+    assert module.backward_precision(torch.zeros(1), autocast=torch.bfloat16) == "bfloat16"
+    assert module.backward_precision(torch.zeros(1), autocast=torch.float16) == "float16"
     module.precision = "tf32x3"
     x, mask = TRIMUL.make_inputs({"B": 2, "N": 11, **widths}, gen)
     errors = closed_form_errors(module, (x, mask), torch.randn(x.shape, generator=gen))
@@ -115,14 +118,17 @@ def test_a_tf32x3_module_meets_the_fp32_standard():
     assert errors[worst] <= STANDARD, f"gradient of {worst}: {errors}"
 
 
-def test_backward_mode_is_checked_and_auto_trains_16_bit_calls_through_the_reference():
+def test_backward_mode_is_checked_and_auto_trains_16_bit_calls_through_the_fused_closed_form(monkeypatch):
+    monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD", raising=False)
     module = TRIMUL.make_module({"P": 16, "H": 8, "outgoing": 0, "gate_normalized": 0, "bias": 1}, generator(96))
     assert module.backward_mode == "auto"
     with pytest.raises(ValueError, match="backward_mode must be one of 'auto', 'closed_form', 'reference'"):
         module.backward_mode = "fast"
     assert module.backward_mode == "auto", "a refused value leaves the mode as it was"
-    assert [module.trains_through_reference(p) for p in ("float32", "tf32x3", "bfloat16", "float16")] == \
-        [False, False, True, True]
+    precisions = ("float32", "tf32x3", "bfloat16", "float16")
+    assert [module.trains_through_reference(p) for p in precisions] == [False] * 4
+    monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", "0")  # without the fused kernels 16 bits is not faster
+    assert [module.trains_through_reference(p) for p in precisions] == [False, False, True, True]
     module.backward_mode = "reference"
     assert module.trains_through_reference("float32")
     module.backward_mode = "closed_form"
@@ -145,8 +151,10 @@ def test_a_kernel_whose_signature_disagrees_with_its_launch_is_refused(monkeypat
         fused_backward.render("float32")
 
 
-def test_the_fused_kernels_are_opt_in_and_gpu_only(monkeypatch):
+def test_the_fused_kernels_are_on_by_default_can_be_turned_off_and_are_gpu_only(monkeypatch):
     monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD", raising=False)
-    assert not fused_backward.enabled(torch.zeros(1))
+    assert config.fused_backward()
+    monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", "0")
+    assert not config.fused_backward()
     monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", "1")
     assert not fused_backward.enabled(torch.zeros(1)), "CPU tensors keep the PyTorch passes"

@@ -171,7 +171,7 @@ def test_gradients_meet_the_standard(outgoing, gate_normalized, bias, precision,
     """The closed-form backward (pairgen/ops/trimul/backward.py) after the kernel's forward: every
     gradient within relative L2 2e-5 of float64 autograd, at an odd length, with empty mask rows;
     a tf32x3 module (its tensor-core forward, then the exact fp32 backward) held to the same bound;
-    with the PyTorch passes and with the opt-in fused kernels (PAIRGEN_FUSED_BACKWARD)."""
+    with the PyTorch passes and with the fused kernels (PAIRGEN_FUSED_BACKWARD)."""
     monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", fused)
     gen = generator(14 + outgoing + 2 * gate_normalized)
     widths = {"P": 64, "H": 32, "outgoing": outgoing, "gate_normalized": gate_normalized, "bias": bias}
@@ -221,7 +221,7 @@ def test_16_bit_gradients_meet_the_16_bit_standard(mode, fused, monkeypatch):
     """A 16-bit module (or an fp32 one under bf16 autocast): the mma forward, then the closed-form
     backward (a 16-bit module's in its dtype, autocast's in fp32 with TF32 products), within max(2e-2, 1.5x the error of the reference's own autograd
     in that dtype) of float64 autograd, for the input and every parameter; with the PyTorch passes
-    and with the opt-in fused kernels (PAIRGEN_FUSED_BACKWARD)."""
+    and with the fused kernels (PAIRGEN_FUSED_BACKWARD)."""
     monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", fused)
     gen = generator(17)
     widths = {"P": 64, "H": 32, "outgoing": 1, "gate_normalized": 1, "bias": 1}

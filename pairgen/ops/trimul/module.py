@@ -5,6 +5,7 @@ import torch
 
 from ...modules import (HALF_PRECISION_DTYPES, KernelModule, PackedParameters, as_mask, check_float_tensor,
                         check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul)
+from ... import config
 from . import backward
 from .reference import TriangleMultiplicationReference
 from .spec import BMM, FUSED, MMA, TRIMUL, mma_weight_offsets, weight_offsets
@@ -177,6 +178,12 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
     def extra_repr(self) -> str:
         return "" if self._precision == "ieee" else f"precision={self._precision!r}"
 
+    def fast_16_bit_closed_form(self) -> bool:
+        """The closed form in 16 bits with the fused backward kernels beats PyTorch's 16-bit
+        backward (H200, N256 and N512); with PyTorch's elementwise passes instead it does not at
+        N256, so "auto" takes it only with the fused kernels."""
+        return config.fused_backward()
+
     def kernel_precision(self, x, mask) -> str | None:
         """float32 in the module's precision, or autocast's dtype under torch.autocast("cuda");
         bfloat16/float16 in their own; None (the reference) on CPU, for other dtypes, for a 16-bit
@@ -211,10 +218,14 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         """A floating mask that wants its own gradient recomputes the reference."""
         return not inputs[1].requires_grad
 
-    def backward_precision(self, x, autocast: bool) -> str:
-        """16-bit modules compute their closed form in their dtype (backward.py), `tf32` modules
-        with TF32 products (their promise is TF32's accuracy); the rest as every op does
-        (KernelModule.backward_precision: tf32x3 modules take exact fp32)."""
+    def backward_precision(self, x, autocast: "torch.dtype | None") -> str:
+        """16-bit modules compute their closed form in their dtype (backward.py), and so do calls
+        under a 16-bit autocast, in its dtype (the standard they meet is the 16-bit one, and 16-bit
+        tensor cores are several times TF32's rate); `tf32` modules with TF32 products (their
+        promise is TF32's accuracy); the rest as every op does (KernelModule.backward_precision:
+        tf32x3 modules take exact fp32)."""
+        if autocast in HALF_DTYPES:
+            return HALF_DTYPES[autocast]
         if not autocast and x.dtype in (torch.bfloat16, torch.float16):
             return str(x.dtype).removeprefix("torch.")
         if not autocast and self._precision == "tf32":
