@@ -59,6 +59,30 @@ class ReferenceBackward(torch.autograd.Function):
         return (None, None, None, *[next(grads) if t.requires_grad else None for t in inputs + params])
 
 
+class SavedClosedForm(torch.autograd.Function):
+    """Forward computed the closed form's way (the op's saving_forward), its intermediates kept
+    for the backward, which consumes them (saved_gradients): no kernel forward and no
+    recomputation, at the memory of the saved intermediates."""
+
+    @staticmethod
+    def forward(ctx, module, n_inputs, *tensors):
+        names = [name for name, _ in module.named_parameters()]
+        ctx.module, ctx.n_inputs, ctx.names = module, n_inputs, names
+        first = tensors[0]
+        autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        out, ctx.saved = module.saving_forward(module, *tensors[:n_inputs], dict(zip(names, tensors[n_inputs:])),
+                                               module.backward_precision(first, autocast))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        wanted = ctx.needs_input_grad[2 + ctx.n_inputs:]
+        grads = ctx.module.saved_gradients(ctx.module, ctx.saved, grad_out, frozen_names(ctx.names, wanted))
+        needs = ctx.needs_input_grad[2: 2 + ctx.n_inputs]
+        inputs = [grads[key] if key and need else None for key, need in zip(ctx.module.input_gradients, needs)]
+        return (None, None, *inputs, *[grads.get(name) if want else None for name, want in zip(ctx.names, wanted)])
+
+
 # ---- packed weights that always follow the module's parameters -------------------------------
 #
 # The kernels read a packed copy of the parameters. A copy must never go stale, whatever the user
@@ -305,6 +329,10 @@ class KernelModule:
     #: How a training call (one that autograd records) gets its gradients; see backward_mode.
     BACKWARD_MODES = ("auto", "closed_form", "reference")
     _backward_mode = "auto"
+    #: The closed form of an op that can keep its forward's intermediates (saving_forward) keeps
+    #: them unless this is True: then the forward is the kernel and the backward recomputes them
+    #: from the inputs (the least memory, one forward more). Other ops always recompute.
+    recompute_for_backward = False
 
     # Loaded kernels and packed weights belong to this process and device: a copy or a pickle
     # (an EMA copy of the model, torch.save) starts without them and rebuilds them on first use.
@@ -434,6 +462,8 @@ class KernelModule:
         if variant is None:
             return self.reference_forward(*inputs)  # disabled, or no kernel fits these widths
         if training:
+            if self._saves_for_backward(inputs):
+                return SavedClosedForm.apply(self, len(inputs), *inputs, *self.parameters())
             return ReferenceBackward.apply(self, len(inputs), variant, *inputs, *self.parameters())
         return self._launch(*inputs, variant=variant)
 
@@ -469,9 +499,21 @@ class KernelModule:
                                  precision=self.backward_precision(first, autocast), frozen=frozen_names(names, wanted))
         return [grads[key] if key else None for key in self.input_gradients] + [grads.get(name) for name in names]
 
+    #: The op's forward computed the closed form's way, keeping what its backward needs, as
+    #: staticmethods: saving_forward(module, *inputs, params_by_name, precision) -> (out, saved);
+    #: saved_gradients(module, saved, grad_out, frozen) -> closed_form's result. None: the op's
+    #: training calls run the kernel forward and recompute (recompute_for_backward).
+    saving_forward: Callable | None = None
+    saved_gradients: Callable | None = None
+
     def closed_form_applies(self, inputs: list) -> bool:
         """Whether closed_form covers this call's inputs (an op narrows it)."""
         return True
+
+    def _saves_for_backward(self, inputs) -> bool:
+        """Whether a training call runs SavedClosedForm (the caller has ruled the reference out)."""
+        return (self.saving_forward is not None and not self.recompute_for_backward
+                and inputs[0].dtype in CLOSED_FORM_DTYPES and self.closed_form_applies(inputs))
 
     def backward_precision(self, x: torch.Tensor, autocast: "torch.dtype | None") -> str:
         """The closed form's products (closed_form.Products): TF32 for 16-bit and autocast calls,

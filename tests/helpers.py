@@ -49,18 +49,34 @@ def gradient_errors64(call, module, inputs: tuple, g: torch.Tensor) -> dict[str,
     return errors
 
 
-def assert_closed_form_meets_the_standard(module, inputs: tuple, grad_out: torch.Tensor, bound: float = 2e-5) -> None:
-    """A training step through the module (kernel forward) takes the closed-form backward, not a
-    recomputation of the reference, and every gradient is within `bound` (relative L2) of float64
-    autograd: the fp32 gradient standard by default."""
+def closed_form_paths(module, run) -> list[str]:
+    """Which closed-form backwards run() took through the module, in order: "saved" (the forward
+    kept its intermediates: SavedClosedForm) or "recomputed" (the kernel forward, then the closed
+    form from the inputs); a recomputation of the reference adds nothing."""
     used = []
-    closed_form = module.analytic_gradients
-    module.analytic_gradients = lambda *args, **kw: used.append(1) or closed_form(*args, **kw)
+    recomputed, saved = module.analytic_gradients, module.saved_gradients
+    module.analytic_gradients = lambda *args, **kw: used.append("recomputed") or recomputed(*args, **kw)
+    if saved is not None:
+        module.saved_gradients = lambda *args, **kw: used.append("saved") or saved(*args, **kw)
     try:
-        errors = gradient_errors64(module, module, inputs, grad_out)
+        run()
     finally:
         del module.analytic_gradients
-    assert used == [1], "the closed form, not a recomputation of the reference"
+        if saved is not None:
+            del module.saved_gradients
+    return used
+
+
+def assert_closed_form_meets_the_standard(module, inputs: tuple, grad_out: torch.Tensor, bound: float = 2e-5) -> None:
+    """A training step through the module takes the closed-form backward its settings ask for
+    (saved intermediates where the op keeps them, unless module.recompute_for_backward; else the
+    kernel forward and the closed form from the inputs), not a recomputation of the reference,
+    and every gradient is within `bound` (relative L2) of float64 autograd: the fp32 gradient
+    standard by default."""
+    errors = {}
+    used = closed_form_paths(module, lambda: errors.update(gradient_errors64(module, module, inputs, grad_out)))
+    saves = module.saving_forward is not None and not module.recompute_for_backward
+    assert used == ["saved" if saves else "recomputed"], f"the closed form asked for, not {used}"
     worst = max(errors, key=errors.get)
     assert errors[worst] <= bound, f"gradient of {worst}: {errors}"
 

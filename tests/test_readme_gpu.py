@@ -1,7 +1,8 @@
 """GPU: the README's training example trains under bf16 autocast (finite gradients, every
-parameter moved). With the default backward_mode ("auto") an autocast training call is PyTorch's
-own autocast forward and backward of the reference; with "closed_form" the triangle update runs its
-kernel and then its closed-form backward at every step."""
+parameter moved), its triangle update's backward at every step the one its settings ask for: by
+default ("auto") the 16-bit closed form from the intermediates its forward kept; with
+recompute_for_backward the kernel forward and the closed form from the inputs; with "reference"
+PyTorch's own autocast forward and backward of the reference."""
 from __future__ import annotations
 
 import pytest
@@ -13,17 +14,23 @@ from test_docs import training_example
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("mode,closed_form_calls", [("auto", []), ("closed_form", [True, True, True])])
-def test_the_readme_training_example_trains_on_the_gpu(monkeypatch, mode, closed_form_calls):
-    closed_form = []
-    original = TriangleMultiplication.analytic_gradients
+@pytest.mark.parametrize("mode,recompute,expected", [("auto", False, ["saved"] * 3),
+                                                      ("auto", True, ["recomputed"] * 3),
+                                                      ("reference", False, [])])
+def test_the_readme_training_example_trains_on_the_gpu(monkeypatch, mode, recompute, expected):
+    used = []
+    recomputed, saved = TriangleMultiplication.analytic_gradients, TriangleMultiplication.saved_gradients
     monkeypatch.setattr(TriangleMultiplication, "analytic_gradients",
-                        lambda self, *args, **kw: closed_form.append(kw.get("autocast")) or original(self, *args, **kw))
+                        lambda self, *args, **kw: used.append("recomputed") or recomputed(self, *args, **kw))
+    monkeypatch.setattr(TriangleMultiplication, "saved_gradients",
+                        staticmethod(lambda *args: used.append("saved") or saved(*args)))
     monkeypatch.setattr(TriangleMultiplication, "_backward_mode", mode)
+    monkeypatch.setattr(TriangleMultiplication, "recompute_for_backward", recompute)
+    monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD", raising=False)
     scope = {}
     exec(compile(training_example(), "README.md", "exec"), scope)
     assert scope["device"] == "cuda"
-    assert closed_form == closed_form_calls, "autocast steps' triangle update: the closed form only when asked for"
+    assert used == expected, "each autocast step's triangle update takes the backward asked for"
     model = scope["model"]
     torch.manual_seed(0)
     initial = scope["PairModel"]().cuda()

@@ -11,7 +11,8 @@ import torch
 
 from helpers import (ODD_SHAPES, assert_graph_survives_larger_calls,
                      assert_variant_matches_float64, check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
-                     assert_closed_form_meets_the_standard, run_under_graph_capture, run_variant, sampled_cases)
+                     assert_closed_form_meets_the_standard, closed_form_paths, run_under_graph_capture, run_variant,
+                     sampled_cases)
 from pairgen import runtime
 from pairgen.tuning.check import compare, reference64
 from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
@@ -167,16 +168,18 @@ def test_a_captured_graph_survives_later_larger_calls():
                          [(0, 0, 1, "ieee"), (1, 1, 0, "ieee"), (1, 0, 1, "ieee"), (0, 1, 0, "ieee"),
                           (1, 1, 1, "tf32x3")])
 @pytest.mark.parametrize("fused", ["0", "1"])
-def test_gradients_meet_the_standard(outgoing, gate_normalized, bias, precision, fused, monkeypatch):
-    """The closed-form backward (pairgen/ops/trimul/backward.py) after the kernel's forward: every
-    gradient within relative L2 2e-5 of float64 autograd, at an odd length, with empty mask rows;
-    a tf32x3 module (its tensor-core forward, then the exact fp32 backward) held to the same bound;
-    with the PyTorch passes and with the fused kernels (PAIRGEN_FUSED_BACKWARD)."""
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
+def test_gradients_meet_the_standard(outgoing, gate_normalized, bias, precision, fused, recompute, monkeypatch):
+    """The closed-form backward (pairgen/ops/trimul/backward.py), from the intermediates its
+    forward kept or recomputed after the kernel's forward: every gradient within relative L2 2e-5
+    of float64 autograd, at an odd length, with empty mask rows; a tf32x3 module held to the same
+    bound; with the PyTorch passes and with the fused kernels (PAIRGEN_FUSED_BACKWARD)."""
     monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", fused)
     gen = generator(14 + outgoing + 2 * gate_normalized)
     widths = {"P": 64, "H": 32, "outgoing": outgoing, "gate_normalized": gate_normalized, "bias": bias}
     module = TRIMUL.make_module(widths, gen).cuda()
     module.precision = precision
+    module.recompute_for_backward = recompute
     inputs = tuple(t.cuda() for t in TRIMUL.make_inputs({"B": 2, "N": 37, **widths}, gen, "cauchy"))
     g = torch.randn(inputs[0].shape, generator=gen).cuda()
     assert_closed_form_meets_the_standard(module, inputs, g)
@@ -216,34 +219,46 @@ def test_tuned_entries_load_and_run():
 
 
 @pytest.mark.parametrize("fused", ["0", "1"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
 @pytest.mark.parametrize("mode", ["bfloat16", "float16", "autocast"])
-def test_16_bit_gradients_meet_the_16_bit_standard(mode, fused, monkeypatch):
-    """A 16-bit module (or an fp32 one under bf16 autocast): the mma forward, then the closed-form
-    backward (a 16-bit module's in its dtype, autocast's in fp32 with TF32 products), within max(2e-2, 1.5x the error of the reference's own autograd
-    in that dtype) of float64 autograd, for the input and every parameter; with the PyTorch passes
-    and with the fused kernels (PAIRGEN_FUSED_BACKWARD)."""
+def test_16_bit_gradients_meet_the_16_bit_standard(mode, fused, recompute, monkeypatch):
+    """A 16-bit module (or an fp32 one under bf16 autocast): the closed-form backward in 16 bits,
+    from the intermediates its forward kept (or recomputed after the mma forward), within
+    max(2e-2, 1.5x the error of the reference's own autograd in that dtype) of float64 autograd,
+    for the input and every parameter, and the training call's output within the 16-bit forward
+    standard; with the PyTorch passes and with the fused kernels (PAIRGEN_FUSED_BACKWARD)."""
     monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", fused)
     gen = generator(17)
     widths = {"P": 64, "H": 32, "outgoing": 1, "gate_normalized": 1, "bias": 1}
     dtype = torch.float32 if mode == "autocast" else getattr(torch, mode)
     module = TRIMUL.make_module(widths, gen).cuda().to(dtype)
-    module.backward_mode = "closed_form"  # "auto" trains 16-bit calls through the reference
+    module.backward_mode = "closed_form"  # "auto" without the fused kernels trains 16-bit calls in PyTorch
+    module.recompute_for_backward = recompute
     x, mask = (t.cuda() for t in TRIMUL.make_inputs({"B": 2, "N": 37, **widths}, gen))
     x = x.to(dtype)
     g = torch.randn(x.shape, generator=gen).cuda().double()
+
+    outputs = []
 
     def grads_of(net, x_in, autocast: bool):
         leaf = x_in.clone().requires_grad_()
         net.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             out = net(leaf, mask)
+        outputs.append(out.detach())
         (out.double() * g).sum().backward()
         return [leaf.grad] + [p.grad for p in net.parameters()]
 
     autocast = mode == "autocast"
-    ours = grads_of(module, x, autocast)
+    ours = []
+    paths = closed_form_paths(module, lambda: ours.extend(grads_of(module, x, autocast)))
+    assert paths == ["recomputed" if recompute else "saved"]
     same_dtype = grads_of(TRIMUL.make_reference(module).cuda().to(dtype), x, autocast)
     exact = grads_of(TRIMUL.make_reference(module).cuda().double(), x.double(), False)
+    out, out_exact = outputs[0], outputs[2]
+    assert out.dtype is (torch.bfloat16 if autocast else dtype)
+    out_err = ((out.double() - out_exact).norm() / out_exact.norm()).item()
+    assert out_err <= (2.65e-2 if autocast else 1e-2), f"the training call's output: {out_err}"
     names = ["input"] + [name for name, _ in module.named_parameters()]
     for name, ours_g, ref_g, e in zip(names, ours, same_dtype, exact):
         assert torch.isfinite(ours_g).all(), name
@@ -252,10 +267,12 @@ def test_16_bit_gradients_meet_the_16_bit_standard(mode, fused, monkeypatch):
         assert ours_err <= max(2e-2, 1.5 * ref_err), f"{mode} {name}: {ours_err} (reference {ref_err})"
 
 
-def test_auto_backward_trains_a_bf16_module_exactly_as_the_reference_does():
-    """backward_mode "auto": a bf16 training call is PyTorch's own bf16 forward and backward of
-    the reference (the fp32 closed form is not faster there), so its gradients are the reference's
-    bit for bit; without gradients the same module still runs its kernel."""
+def test_auto_backward_without_the_fused_kernels_trains_a_bf16_module_exactly_as_the_reference_does(monkeypatch):
+    """backward_mode "auto" with PAIRGEN_FUSED_BACKWARD=0: a bf16 training call is PyTorch's own
+    bf16 forward and backward of the reference (a 16-bit closed form without the fused kernels is
+    not faster there), so its gradients are the reference's bit for bit; without gradients the
+    same module still runs its kernel."""
+    monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", "0")
     gen = generator(18)
     widths = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}
     module = TRIMUL.make_module(widths, gen).cuda().to(torch.bfloat16)

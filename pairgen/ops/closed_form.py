@@ -2,6 +2,8 @@
 recomputes its forward's intermediates from the input and weights, then applies the chain rule."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..modules import cublas_fp32_mode
@@ -86,14 +88,30 @@ def closed_form_gradients(compute, x: torch.Tensor, params: dict[str, torch.Tens
     returned in the dtype of what it is the gradient of. "ieee": exact fp32, whatever TF32 setting
     the caller has; "tf32": fp32 with TF32 products; "bfloat16"/"float16": 16-bit tensors, products
     on 16-bit tensor cores with fp32 accumulation, as PyTorch's own 16-bit backward computes."""
+    with computing_in(precision) as (dtype, products):
+        grads = compute(x.to(dtype), {name: p.to(dtype) for name, p in params.items()}, grad_out.to(dtype),
+                        products, *extra)
+    return in_dtypes(grads, x.dtype, {name: p.dtype for name, p in params.items()})
+
+
+@contextlib.contextmanager
+def computing_in(precision: str):
+    """(the dtype tensors are cast to, the Products) for a closed form in `precision`, inside no
+    autograd and the cuBLAS fp32 mode it asks for."""
     if precision not in COMPUTE_DTYPES:
         raise ValueError(f"precision must be one of {', '.join(map(repr, COMPUTE_DTYPES))}, got {precision!r}")
-    dtype = COMPUTE_DTYPES[precision]
-    with torch.no_grad(), cublas_fp32_mode(precision == "tf32"):
-        grads = compute(x.to(dtype), {name: p.to(dtype) for name, p in params.items()}, grad_out.to(dtype),
-                        Products(), *extra)
-    grads["input"] = grads["input"].to(x.dtype)
-    for name, p in params.items():
-        if name in grads:  # a frozen parameter's is not computed
-            grads[name] = grads[name].to(p.dtype)
+    # autocast off: the closed form chooses its dtypes itself (a forward computed under the
+    # caller's autocast would otherwise have its LayerNorms lifted to fp32)
+    autocast_off = torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else contextlib.nullcontext()
+    with torch.no_grad(), autocast_off, cublas_fp32_mode(precision == "tf32"):
+        yield COMPUTE_DTYPES[precision], Products()
+
+
+def in_dtypes(grads: dict[str, torch.Tensor], input_dtype: torch.dtype,
+              param_dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """Each gradient in the dtype of what it is the gradient of (a frozen parameter has none)."""
+    grads["input"] = grads["input"].to(input_dtype)
+    for name, dtype in param_dtypes.items():
+        if name in grads:
+            grads[name] = grads[name].to(dtype)
     return grads

@@ -40,6 +40,9 @@ def parse_args(argv=None):
     parser.add_argument("--backward-mode", default="auto", choices=("auto", "closed_form", "reference"),
                         help="with --backward: the modules' backward_mode (default auto); rows of another mode are "
                              "kept apart from auto's in the results")
+    parser.add_argument("--recompute-for-backward", action="store_true",
+                        help="with --backward: the modules' recompute_for_backward (the kernel forward, then a "
+                             "backward that recomputes the intermediates instead of keeping them); kept apart too")
     parser.add_argument("--dry-run", action="store_true", help="list what would be measured, and exit")
     args = parser.parse_args(argv)
     return parser, args
@@ -104,7 +107,7 @@ def measure(spec, shape, peers, reps):
     return row
 
 
-def measure_training(spec, shape, peers, reps, backward_mode: str = "auto"):
+def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", recompute: bool = False):
     """One --backward row: forward + backward of the loss (out * g).sum() (g random, fixed) for
     pairgen's module and each peer, each with gradients for the input and its parameters: median
     µs (L2 flushed), the peak memory one step adds, and the input gradient's relative L2 against
@@ -119,6 +122,7 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto"):
     gen = torch.Generator().manual_seed(0)
     module = module_in_precision(spec, spec.widths_of(shape), gen, precision, device)
     module.backward_mode = backward_mode
+    module.recompute_for_backward = recompute
     inputs = inputs_in_precision(spec.make_inputs(shape, gen), precision, device)
     x = inputs[0].detach().requires_grad_()
     train_inputs = (x, *inputs[1:])
@@ -131,9 +135,13 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto"):
     label = variant.plan.label if variant else "reference (no kernel)"
     if variant and module.trains_through_reference(kernel_precision):
         label = f"reference (backward_mode {module.backward_mode!r} trains {kernel_precision} calls in PyTorch)"
+    elif variant and module._saves_for_backward(train_inputs):
+        label = "closed form: its forward keeps the intermediates for its backward (no kernel forward)"
     mode = "train" if backward_mode == "auto" else f"train ({backward_mode})"
     if config.fused_backward():  # kept apart from the PyTorch passes' rows
         mode += " +fused"
+    if recompute:
+        mode += " recompute"
     row = {"op": spec.name, "shape": shape, "precision": precision, "mode": mode, "variant": label}
     calls = {"pairgen": lambda: module(*train_inputs)}
     if "eager" in peers:
@@ -270,10 +278,11 @@ def main(argv=None) -> int:
         env["timing"] = "median of CUDA-event-timed forward + backward steps, L2 flushed before each"
     for spec, shape in work:
         if args.backward:
-            rows.append(measure_training(spec, shape, peers, args.reps, args.backward_mode))
+            rows.append(measure_training(spec, shape, peers, args.reps, args.backward_mode, args.recompute_for_backward))
             r = rows[-1]
-            print(f"{spec.name} {shape_label(shape)} {r['precision']} fwd+bwd: "
-                  + ", ".join(f"{n} {r[n + '_us']:.1f} µs" for n in ["pairgen", *peers] if n + "_us" in r), flush=True)
+            print(f"{spec.name} {shape_label(shape)} {r['precision']} {r['mode']} fwd+bwd: "
+                  + ", ".join(f"{n} {r[n + '_us']:.1f} µs ({r[n + '_peak_mib']:.0f} MiB)"
+                              for n in ["pairgen", *peers] if n + "_us" in r), flush=True)
         else:
             rows.append(measure(spec, shape, peers, args.reps))
             r = rows[-1]

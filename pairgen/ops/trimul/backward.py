@@ -26,8 +26,11 @@ Names follow the formulas: d<name> is the gradient of the loss with respect to <
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
+from .. import closed_form
 from ..closed_form import channel_sums, closed_form_gradients, column_sums
 from . import fused_backward
 
@@ -40,9 +43,43 @@ def gradients(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, tor
     """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
     ("layer_norm_in.weight", ..., "out_gate.bias") but the `frozen` ones (their products are
     skipped), given d(loss)/d(out) = grad_out, computed in `precision`
-    (closed_form.closed_form_gradients)."""
-    return closed_form_gradients(lambda x_in, w, g, mm: _gradients(module, x_in, mask, w, g, mm, frozen), x,
-                                 params, grad_out, precision)
+    (closed_form.closed_form_gradients): the intermediates recomputed from x, then the chain rule."""
+    return closed_form_gradients(
+        lambda x_in, w, g, mm: _backward(module, _forward(module, x_in, mask, w, mm), w, g, mm, frozen),
+        x, params, grad_out, precision)
+
+
+def forward_saving(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor],
+                   precision: str) -> tuple[torch.Tensor, "Saved"]:
+    """The forward computed the closed form's way, in `precision`: (out, what gradients_from()
+    needs). The training path that saves its intermediates instead of recomputing them."""
+    with closed_form.computing_in(precision) as (dtype, mm):
+        w = {name: p.to(dtype) for name, p in params.items()}
+        state = _forward(module, x.to(dtype), mask, w, mm)
+        out = torch.sigmoid(state.u).mul_(state.o).view(x.shape)
+    return out, Saved(state, w, precision, x.dtype, {name: p.dtype for name, p in params.items()})
+
+
+def gradients_from(module, saved: "Saved", grad_out: torch.Tensor, frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
+    """gradients() from a forward_saving() state, which it consumes (its tensors become gradients
+    in place): one backward per forward."""
+    if saved.state is None:
+        raise RuntimeError("the triangle update's saved intermediates were consumed by an earlier backward "
+                           "(backward through this call twice, retain_graph=True, needs "
+                           "module.recompute_for_backward = True)")
+    state, saved.state = saved.state, None
+    with closed_form.computing_in(saved.precision) as (dtype, mm):
+        grads = _backward(module, state, saved.weights, grad_out.to(dtype), mm, frozen)
+    return closed_form.in_dtypes(grads, saved.input_dtype, saved.param_dtypes)
+
+
+class Saved:
+    """What a forward_saving() call keeps for its backward."""
+    __slots__ = ("state", "weights", "precision", "input_dtype", "param_dtypes")
+
+    def __init__(self, state, weights, precision, input_dtype, param_dtypes):
+        self.state, self.weights, self.precision = state, weights, precision
+        self.input_dtype, self.param_dtypes = input_dtype, param_dtypes
 
 
 def _channels_last(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
@@ -57,97 +94,109 @@ def _channels_first(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
     return t.view(B, N * N, C).transpose(1, 2).reshape(B * C, N, N)
 
 
-def _gradients(module, x, mask, w, grad_out, mm, frozen):
+def _forward(module, x, mask, w, mm) -> SimpleNamespace:
+    """The forward's intermediates the chain rule needs, in the layouts it wants."""
     B, N, _, P = x.shape
     NN = N * N
     H = w["proj_a.weight"].shape[0]
-    bias = "proj_a.bias" in w
-    outgoing = module.direction == "outgoing"
-    gate_inputs = "normalized" if module.gate_on == "normalized" else "raw"
-    grads = {}
+    f = SimpleNamespace(B=B, N=N, P=P, H=H, NN=NN, bias="proj_a.bias" in w,
+                        outgoing=module.direction == "outgoing", gate_normalized=module.gate_on == "normalized")
 
     # ---- the input LayerNorm and the four projections, channels first: (B, 4H, N*N) ----
-    rows = x.reshape(-1, P)
-    xn, mean_in, rstd_in = torch.native_layer_norm(rows, [P], w["layer_norm_in.weight"], w["layer_norm_in.bias"],
-                                                   module.layer_norm_in.eps)
-    xn_cl = xn.view(B, NN, P)
-    w4 = torch.cat([w[f"{name}.weight"] for name in _FOUR])  # (4H, P)
-    b4 = torch.cat([w[f"{name}.bias"] for name in _FOUR]) if bias else None
-    fused = fused_backward.enabled(x)
-    if fused:  # bias, sigmoid and the products with the mask in one kernel (fused_backward.py)
-        proj = mm.channels_first(w4, xn_cl).view(B, 4, H, NN)
-        keep = mask.reshape(B, NN).to(x.dtype).contiguous()
-
-        def operands(apply: bool = False):  # A and B as (B*H, N, N), remade for the backward
-            a, b = fused_backward.gates(proj, b4, keep, apply)
-            return a.view(B * H, N, N), b.view(B * H, N, N)
+    f.rows = x.reshape(-1, P)
+    f.xn, f.mean_in, f.rstd_in = torch.native_layer_norm(f.rows, [P], w["layer_norm_in.weight"],
+                                                         w["layer_norm_in.bias"], module.layer_norm_in.eps)
+    f.xn_cl = f.xn.view(B, NN, P)
+    f.w4 = torch.cat([w[f"{name}.weight"] for name in _FOUR])  # (4H, P)
+    f.b4 = torch.cat([w[f"{name}.bias"] for name in _FOUR]) if f.bias else None
+    f.fused = fused_backward.enabled(x)
+    if f.fused:  # bias, sigmoid and the products with the mask in one kernel (fused_backward.py)
+        f.proj = mm.channels_first(f.w4, f.xn_cl).view(B, 4, H, NN)
+        f.keep = mask.reshape(B, NN).to(x.dtype).contiguous()
     else:
-        proj = mm.channels_first(w4, xn_cl, b4).view(B, 4, H, NN)
-        proj[:, 1].sigmoid_(), proj[:, 3].sigmoid_()  # in place: the pre-activations are not needed again
-        keep = mask.reshape(B, 1, NN).to(x.dtype)
-
-        def operands(apply: bool = False):  # A and B as (B*H, N, N), remade for the backward
-            pa, sa, pb, sb = proj.unbind(1)
-            return (torch.mul(pa, sa).mul_(keep).view(B * H, N, N), torch.mul(pb, sb).mul_(keep).view(B * H, N, N))
-
-    a, b = operands(apply=True)
-    z = mm.bmm(a, b.transpose(1, 2)) if outgoing else mm.bmm(a.transpose(1, 2), b)  # (B*H, N, N)
+        f.proj = mm.channels_first(f.w4, f.xn_cl, f.b4).view(B, 4, H, NN)
+        f.proj[:, 1].sigmoid_(), f.proj[:, 3].sigmoid_()  # in place: the pre-activations are not needed again
+        f.keep = mask.reshape(B, 1, NN).to(x.dtype)
+    a, b = _operands(f, apply=True)
+    f.z = mm.bmm(a, b.transpose(1, 2)) if f.outgoing else mm.bmm(a.transpose(1, 2), b)  # (B*H, N, N)
     del a, b
 
     # ---- the output LayerNorm, the output projection and gate, one row per pair ----
-    ln_out = (w["layer_norm_out.weight"], w["layer_norm_out.bias"], module.layer_norm_out.eps)
-    fused_ln = fused and fused_backward.layer_norm_fits(H)
-    if fused_ln:  # read channels first, written one row per pair: no transposing copy
-        zn, mean_out, rstd_out = fused_backward.layer_norm_channels_first(z.view(B, H, NN), *ln_out)
+    f.ln_out = (w["layer_norm_out.weight"], w["layer_norm_out.bias"], module.layer_norm_out.eps)
+    f.fused_ln = f.fused and fused_backward.layer_norm_fits(H)
+    if f.fused_ln:  # read channels first, written one row per pair: no transposing copy
+        f.zn, f.mean_out, f.rstd_out = fused_backward.layer_norm_channels_first(f.z.view(B, H, NN), *f.ln_out)
     else:
-        z = _channels_last(z, B, N)
-        zn, mean_out, rstd_out = torch.native_layer_norm(z, [H], *ln_out)
-    gate_in = xn if gate_inputs == "normalized" else rows
-    u = mm.linear(gate_in, w["out_gate.weight"], w.get("out_gate.bias"))  # the out gate's pre-activation
-    o = mm.linear(zn, w["out_proj.weight"], w.get("out_proj.bias"))
+        f.z = _channels_last(f.z, B, N)
+        f.zn, f.mean_out, f.rstd_out = torch.native_layer_norm(f.z, [H], *f.ln_out)
+    f.gate_in = f.xn if f.gate_normalized else f.rows
+    f.u = mm.linear(f.gate_in, w["out_gate.weight"], w.get("out_gate.bias"))  # the out gate's pre-activation
+    f.o = mm.linear(f.zn, w["out_proj.weight"], w.get("out_proj.bias"))
+    return f
+
+
+def _operands(f: SimpleNamespace, apply: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B as (B*H, N, N) from the projections (made again for the backward, not kept)."""
+    B, H, N = f.B, f.H, f.N
+    if f.fused:
+        a, b = fused_backward.gates(f.proj, f.b4, f.keep, apply)
+        return a.view(B * H, N, N), b.view(B * H, N, N)
+    pa, sa, pb, sb = f.proj.unbind(1)
+    return torch.mul(pa, sa).mul_(f.keep).view(B * H, N, N), torch.mul(pb, sb).mul_(f.keep).view(B * H, N, N)
+
+
+def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, torch.Tensor]:
+    """The chain rule from d(loss)/d(out) back through _forward's intermediates, which it
+    overwrites (the gradients take their storage)."""
+    B, N, P, H, NN = f.B, f.N, f.P, f.H, f.NN
+    grads = {}
     g = grad_out.reshape(-1, P)
 
     # ---- out = o * sigmoid(u): d_gate = d(loss)/d(u), d_o = d(loss)/d(o), in place ----
-    if fused:
-        fused_backward.out_gate(o, u, g.contiguous())
-        d_gate, d_o = o, u
+    if f.fused:
+        fused_backward.out_gate(f.o, f.u, g.contiguous())
+        d_gate, d_o = f.o, f.u
     else:
-        s = u.sigmoid_()
-        d_gate = torch.ops.aten.sigmoid_backward.grad_input(o.mul_(g), s, grad_input=o)
+        s = f.u.sigmoid_()
+        d_gate = torch.ops.aten.sigmoid_backward.grad_input(f.o.mul_(g), s, grad_input=f.o)
         d_o = s.mul_(g)
         del s
-    del o, u
+    f.o = f.u = None
     if "out_gate.weight" not in frozen:
-        grads["out_gate.weight"] = mm(d_gate.t(), gate_in)
+        grads["out_gate.weight"] = mm(d_gate.t(), f.gate_in)
     if "out_proj.weight" not in frozen:
-        grads["out_proj.weight"] = mm(d_o.t(), zn)
-    if bias:
+        grads["out_proj.weight"] = mm(d_o.t(), f.zn)
+    if f.bias:
         grads["out_proj.bias"], grads["out_gate.bias"] = column_sums(d_o), column_sums(d_gate)
     d_gate_in = mm(d_gate, w["out_gate.weight"])  # (B*N*N, P)
-    del d_gate, zn, gate_in
+    del d_gate
+    f.zn = f.gate_in = None
     d_zn = mm(d_o, w["out_proj.weight"])
     del d_o
-    if fused_ln:  # d z straight into the channels-first layout the triangle products take
+    ln_out = f.ln_out
+    if f.fused_ln:  # d z straight into the channels-first layout the triangle products take
         d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = \
-            fused_backward.layer_norm_channels_first_backward(d_zn, z.view(B, H, NN), mean_out, rstd_out,
+            fused_backward.layer_norm_channels_first_backward(d_zn, f.z.view(B, H, NN), f.mean_out, f.rstd_out,
                                                               ln_out[0], ln_out[2])
         d_z = d_z.view(B * H, N, N)
     else:
-        d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = \
-            torch.ops.aten.native_layer_norm_backward(d_zn, z, [H], mean_out, rstd_out, *ln_out[:2], [True, True, True])
+        d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = torch.ops.aten.native_layer_norm_backward(
+            d_zn, f.z, [H], f.mean_out, f.rstd_out, *ln_out[:2], [True, True, True])
         d_z = _channels_first(d_z, B, N)
-    del d_zn, z
+    del d_zn
+    f.z = None
 
     # ---- the triangle sums (dA_h, dB_h from dZ_h), then the gates, into proj's own storage ----
     # proj = [pa | sa | pb | sb] becomes d_proj = [d pa | d ga | d pb | d gb] in place, one of a
     # and b at a time: the peak holds one of their gradients, not both beside a new d_proj.
-    a, b = operands()
-    if outgoing:  # Z = A B^T: dA = dZ B, dB = dZ^T A
+    a, b = _operands(f)
+    if f.outgoing:  # Z = A B^T: dA = dZ B, dB = dZ^T A
         products = ((0, lambda: mm.bmm(d_z, b)), (2, lambda: mm.bmm(d_z.transpose(1, 2), a)))
-    else:         # Z = A^T B: dA = B dZ^T, dB = A dZ
+    else:           # Z = A^T B: dA = B dZ^T, dB = A dZ
         products = ((0, lambda: mm.bmm(b, d_z.transpose(1, 2))), (2, lambda: mm.bmm(a, d_z)))
+    proj, keep = f.proj, f.keep
     for slot, product in products:  # slot: the value's place in proj, its gate's is slot + 1
-        if fused:
+        if f.fused:
             fused_backward.gates_grad(product(), proj, keep, slot)
             continue
         d = product().view(B, H, NN).mul_(keep)  # d(loss)/d(a) (or b)
@@ -159,25 +208,27 @@ def _gradients(module, x, mask, w, grad_out, mm, frozen):
         del d, p, sig
     del d_z, a, b, products
     d_proj = proj.view(B, 4 * H, NN)
+    f.proj = None
 
     # ---- the input projections and LayerNorm ----
     if any(f"{name}.weight" not in frozen for name in _FOUR):
         # One product for the four weights, then a copy of each (weight-sized): gradients that
         # are views of one tensor would alias each other, which custom operators may not return.
-        d_w4 = mm.summed_over_batch(d_proj, xn_cl)
+        d_w4 = mm.summed_over_batch(d_proj, f.xn_cl)
         for name, d_w in zip(_FOUR, d_w4.split(H)):
             grads[f"{name}.weight"] = d_w.clone()
-    if bias:
+    if f.bias:
         for name, d_b in zip(_FOUR, channel_sums(d_proj).split(H)):
             grads[f"{name}.bias"] = d_b.clone()
-    d_xn = mm.channels_last(d_proj, w4)  # (B, N*N, P)
-    del d_proj, proj, xn, xn_cl
-    if gate_inputs == "normalized":
+    d_xn = mm.channels_last(d_proj, f.w4)  # (B, N*N, P)
+    del d_proj, proj
+    f.xn = f.xn_cl = None
+    if f.gate_normalized:
         d_xn.view(-1, P).add_(d_gate_in)
     d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = torch.ops.aten.native_layer_norm_backward(
-        d_xn.view(-1, P), rows, [P], mean_in, rstd_in, w["layer_norm_in.weight"], w["layer_norm_in.bias"],
+        d_xn.view(-1, P), f.rows, [P], f.mean_in, f.rstd_in, w["layer_norm_in.weight"], w["layer_norm_in.bias"],
         [True, True, True])
-    if gate_inputs == "raw":
+    if not f.gate_normalized:
         d_x += d_gate_in
     grads["input"] = d_x.view(B, N, N, P)
     return grads

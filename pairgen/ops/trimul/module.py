@@ -212,6 +212,8 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         return pack
 
     closed_form = staticmethod(backward.gradients)
+    saving_forward = staticmethod(backward.forward_saving)
+    saved_gradients = staticmethod(backward.gradients_from)
     input_gradients = ("input", None)
 
     def closed_form_applies(self, inputs: list) -> bool:
