@@ -64,6 +64,9 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
+#: CUresult of a driver call on a thread with no (or a destroyed) context current.
+CUDA_ERROR_INVALID_CONTEXT = 201
+
 #: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: the kernel may start before the one
 #: before it in the stream has finished (it waits with griddepcontrol.wait: common/pdl.cuh).
 PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -226,12 +229,23 @@ class BoundLaunch:
         arguments = self._arguments
         with arguments.lock:
             arguments.write(*args)
-            if self._config is not None:
-                self._config.hStream = _raw_stream(self._device_index)
-                code = self._launch(arguments.pointers, None)
-            elif self.mode == "cooperative":
-                code = self._launch(_raw_stream(self._device_index), arguments.pointers)
-            else:
-                code = self._launch(_raw_stream(self._device_index), arguments.pointers, None)
+            code = self._launch_written()
+            if code == CUDA_ERROR_INVALID_CONTEXT:
+                # A thread with no context current yet: autograd's backward runs on a worker thread of
+                # its own, where nothing may have touched CUDA before pairgen's first launch. The
+                # device's primary context is made current there (once per thread) and the launch
+                # retried; checking before every launch would cost each call its host time.
+                _cuda_core().Device(self._device_index).set_current()
+                code = self._launch_written()
         if code:
             self.kernel._failed(code, self.grid, self.block, self.smem)
+
+    def _launch_written(self) -> int:
+        """Launch with the arguments already written (under their lock); the driver's result code."""
+        arguments = self._arguments
+        if self._config is not None:
+            self._config.hStream = _raw_stream(self._device_index)
+            return self._launch(arguments.pointers, None)
+        if self.mode == "cooperative":
+            return self._launch(_raw_stream(self._device_index), arguments.pointers)
+        return self._launch(_raw_stream(self._device_index), arguments.pointers, None)

@@ -40,3 +40,32 @@ def test_launch_config_structures_match_cuda_h():
     assert (config.gridDimX, config.gridDimY, config.blockDimX, config.sharedMemBytes) == (144, 1, 192, 115_000)
     assert config.numAttrs == 1 and config.attrs[0].id == PROGRAMMATIC_STREAM_SERIALIZATION
     assert int.from_bytes(bytes(config.attrs[0].value)[:4], "little") == 1
+
+
+def test_a_launch_on_a_thread_with_no_context_makes_the_device_current_and_retries_once(monkeypatch):
+    """Autograd runs a backward on a worker thread of its own, where pairgen's launch may be the
+    first CUDA call: the driver answers CUDA_ERROR_INVALID_CONTEXT, the device's primary context is
+    made current on that thread and the launch retried; any other failure is raised as it was."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from pairgen import launch
+
+    calls = []
+    failures = []
+    bound = object.__new__(launch.BoundLaunch)
+    bound.kernel = SimpleNamespace(_failed=lambda code, *rest: failures.append(code))
+    bound.grid, bound.block, bound.smem, bound.mode, bound._config, bound._device_index = 4, 32, 0, "plain", None, 3
+    bound._arguments = _ArgumentBlock(2)
+    results = iter([launch.CUDA_ERROR_INVALID_CONTEXT, 0, 700])
+    bound._launch = lambda stream, pointers, extra: calls.append(("launch", stream)) or next(results)
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: 1000 + index)
+    device = lambda index: SimpleNamespace(set_current=lambda: calls.append(("current", index)))
+    monkeypatch.setattr(launch, "_cuda_core", lambda: SimpleNamespace(Device=device))
+    bound(1, 2)
+    assert calls == [("launch", 1003), ("current", 3), ("launch", 1003)] and failures == []
+    bound(1, 2)  # an illegal address (700) is not a context to fix: raised, not retried
+    assert calls[3:] == [("launch", 1003)] and failures == [700]
+    with pytest.raises(Exception):
+        next(results)

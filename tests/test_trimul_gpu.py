@@ -289,3 +289,32 @@ def test_auto_backward_without_the_fused_kernels_trains_a_bf16_module_exactly_as
         assert torch.equal(ours, theirs)
     with torch.no_grad():
         assert module.variant_for(33, x.device, module.kernel_precision(x, mask)) is not None
+
+
+FIRST_BACKWARD = """
+import torch
+from pairgen.ops.trimul import TRIMUL
+gen = torch.Generator().manual_seed(19)
+widths = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}
+module = TRIMUL.make_module(widths, gen).cuda()
+x, mask = (t.cuda() for t in TRIMUL.make_inputs({"B": 1, "N": 24, **widths}, gen))
+x.requires_grad_()
+out = module(x, mask)
+out.backward(torch.ones_like(out))
+torch.cuda.synchronize()
+print("finite" if torch.isfinite(x.grad).all() else "not finite")
+"""
+
+
+def test_the_first_backward_of_a_process_launches_on_autograds_own_thread():
+    """A fresh process whose first CUDA work on autograd's backward thread is a pairgen launch
+    (the saved-intermediates backward starts with a fused kernel): it makes the context current
+    there instead of failing with CUDA_ERROR_INVALID_CONTEXT."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FIRST_BACKWARD], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PAIRGEN_FUSED_BACKWARD": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1:] == ["finite"], done.stdout
