@@ -136,13 +136,16 @@ def test_backward_mode_is_checked_and_auto_trains_16_bit_calls_through_the_fused
     assert not module.trains_through_reference("bfloat16")
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
-def test_the_fused_backward_kernels_render_to_their_signatures_and_compile(kind):
-    """The opt-in fused passes (fused_backward.py): each storage type's source declares the
-    signatures the launches pass, and NVRTC compiles it for sm_90 without spills."""
-    rendered = fused_backward.render(kind)
+@pytest.mark.parametrize("kind,cols", [("float32", 0), ("bfloat16", 128), ("float16", 100),
+                                       ("float32", fused_backward.MAX_ROW_COLS)])
+def test_the_fused_backward_kernels_render_to_their_signatures_and_compile(kind, cols):
+    """The fused passes (fused_backward.py): each storage type's source declares the signatures
+    the launches pass (with a row width, the row LayerNorm kernels too, up to the widest they
+    take, and a width no multiple of the warp), and NVRTC compiles it for sm_90 without spills."""
+    rendered = fused_backward.render(kind, cols=cols)
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
-    assert set(compiled.kernels) >= {f"{rendered.kernel_name}_{suffix}" for suffix in fused_backward.SIGNATURES}
+    wanted = {**fused_backward.SIGNATURES, **(fused_backward.ROW_SIGNATURES if cols else {})}
+    assert set(compiled.kernels) >= {f"{rendered.kernel_name}_{suffix}" for suffix in wanted}
     assert not compiled.spill_bytes
 
 

@@ -103,13 +103,20 @@ def _forward(module, x, mask, w, mm) -> SimpleNamespace:
                         outgoing=module.direction == "outgoing", gate_normalized=module.gate_on == "normalized")
 
     # ---- the input LayerNorm and the four projections, channels first: (B, 4H, N*N) ----
-    f.rows = x.reshape(-1, P)
-    f.xn, f.mean_in, f.rstd_in = torch.native_layer_norm(f.rows, [P], w["layer_norm_in.weight"],
-                                                         w["layer_norm_in.bias"], module.layer_norm_in.eps)
+    f.fused = fused_backward.enabled(x)
+    f.eps_in = module.layer_norm_in.eps
+    f.fused_ln_in = f.fused and P <= fused_backward.MAX_ROW_COLS
+    if f.fused_ln_in:  # a warp per row (PyTorch's kernel reads these short rows at a fraction of the rate)
+        f.rows = x.reshape(-1, P).contiguous()
+        f.xn, f.mean_in, f.rstd_in = fused_backward.layer_norm_rows(f.rows, w["layer_norm_in.weight"],
+                                                                    w["layer_norm_in.bias"], f.eps_in)
+    else:
+        f.rows = x.reshape(-1, P)
+        f.xn, f.mean_in, f.rstd_in = torch.native_layer_norm(f.rows, [P], w["layer_norm_in.weight"],
+                                                             w["layer_norm_in.bias"], f.eps_in)
     f.xn_cl = f.xn.view(B, NN, P)
     f.w4 = torch.cat([w[f"{name}.weight"] for name in _FOUR])  # (4H, P)
     f.b4 = torch.cat([w[f"{name}.bias"] for name in _FOUR]) if f.bias else None
-    f.fused = fused_backward.enabled(x)
     if f.fused:  # bias, sigmoid and the products with the mask in one kernel (fused_backward.py)
         f.proj = mm.channels_first(f.w4, f.xn_cl).view(B, 4, H, NN)
         f.keep = mask.reshape(B, NN).to(x.dtype).contiguous()
@@ -223,6 +230,12 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     d_xn = mm.channels_last(d_proj, f.w4)  # (B, N*N, P)
     del d_proj, proj
     f.xn = f.xn_cl = None
+    if f.fused_ln_in:  # the out gate's gradient joins before (gated on xn) or after (on x) the LayerNorm
+        d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = fused_backward.layer_norm_rows_backward(
+            d_xn.view(-1, P), f.rows, f.mean_in, f.rstd_in, w["layer_norm_in.weight"], f.eps_in,
+            add_before=d_gate_in if f.gate_normalized else None, add_after=None if f.gate_normalized else d_gate_in)
+        grads["input"] = d_x.view(B, N, N, P)
+        return grads
     if f.gate_normalized:
         d_xn.view(-1, P).add_(d_gate_in)
     d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = torch.ops.aten.native_layer_norm_backward(
