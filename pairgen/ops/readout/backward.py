@@ -7,17 +7,21 @@
 
 The backward recomputes pre, m and pooled from the inputs and weights (nothing is kept from the
 forward but its inputs). The max passes each channel's gradient to the partners that reach it,
-shared equally among ties as torch.amax's backward does; an isolated node's pooled row is the
+shared equally among ties as torch.amax's backward does, as a sparse matrix (about one entry in
+N is nonzero), so the second layer's two gradient products read only the winners (cuSPARSE on
+the GPU) instead of a dense pair-sized matrix of zeros; an isolated node's pooled row is the
 constant 0, so its gradient stops there (its LayerNorm affine still gets one). Node i's first
 layer term is computed once per node and broadcast over j: its gradient is a sum over j (and
 node j's over i). d<name> is the gradient of the loss with respect to <name>.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
-from ..closed_form import closed_form_gradients, column_sums, layer_norm_backward, layer_norm_parts
+from ..closed_form import closed_form_gradients, layer_norm_backward, layer_norm_parts
 
 
 def gradients(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: torch.Tensor,
@@ -61,19 +65,15 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, mm, frozen):
     d_pooled = d_pooled.masked_fill(isolated.unsqueeze(-1), 0.0)
 
     # ---- the max over partners: to the winners, ties sharing ----
-    winners = (masked == pooled.unsqueeze(2)) & edge
+    d_m = _max_gradient(masked, pooled, edge, d_pooled)  # sparse (B*N*N, D) and its transpose
     del masked
-    d_m = winners.to(pooled.dtype)
-    d_m.div_(winners.sum(dim=2, keepdim=True).clamp_min(1)).mul_(d_pooled.unsqueeze(2))
-    d_m = d_m.view(-1, D)
-    del winners
 
     # ---- the second layer and the SiLU ----
     act_rows = act.view(-1, H)
-    grads["fuse.2.bias"] = column_sums(d_m)
+    grads["fuse.2.bias"] = d_m.column_sums
     if "fuse.2.weight" not in frozen:
-        grads["fuse.2.weight"] = mm(d_m.t(), act_rows)
-    d_act = mm(d_m, w["fuse.2.weight"])
+        grads["fuse.2.weight"] = torch.sparse.mm(d_m.by_channel, act_rows)
+    d_act = torch.sparse.mm(d_m.by_pair, w["fuse.2.weight"])
     del d_m, act, act_rows
     # d_act * silu'(pre), in d_act's storage: PyTorch's fused SiLU backward, one pass
     d_pre = torch.ops.aten.silu_backward.grad_input(d_act, pre.view(-1, H), grad_input=d_act)
@@ -94,3 +94,40 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, mm, frozen):
                                             mm(d_v.reshape(-1, H).t(), node_rows), d_wp], dim=1)
     grads["input"] = g + mm(d_u, wi) + mm(d_v, wj)
     return grads
+
+
+class _SparseMaxGradient:
+    """d(loss)/d(m) of pooled = max over partners: nonzero only at each (node, channel)'s winning
+    partners (one, or the ties), so about one row entry in N. Held sparse, the two products with
+    it (the second layer's input gradient and its weight gradient) read only those entries, where
+    dense products would multiply N times as many zeros."""
+
+    def __init__(self, by_pair: torch.Tensor, by_channel: torch.Tensor, column_sums: torch.Tensor):
+        self.by_pair, self.by_channel, self.column_sums = by_pair, by_channel, column_sums
+
+
+def _max_gradient(masked: torch.Tensor, pooled: torch.Tensor, edge: torch.Tensor,
+                  d_pooled: torch.Tensor) -> _SparseMaxGradient:
+    """masked (B, N, N, D): m with non-edges at -inf; pooled (B, N, D) its max over dim 2;
+    d_pooled its gradient. Each winner (an edge whose m equals the max) gets d_pooled shared
+    equally among the ties, as torch.amax's backward gives it: as CSR matrices (B*N*N, D) and
+    (D, B*N*N), and the sums over rows (the second layer's bias gradient)."""
+    B, N, _, D = masked.shape
+    winners = (masked == pooled.unsqueeze(2)) & edge
+    share = d_pooled / winners.sum(dim=2).clamp_min(1)          # (B, N, D): each winner's part
+    rows, channels = winners.view(-1, D).nonzero().unbind(1)    # row-major: sorted by pair row
+    del winners
+    values = share.view(-1, D)[rows // N, channels]             # row (b, i, j) belongs to node (b, i)
+    M = B * N * N
+    order = torch.argsort(channels, stable=True)
+    with warnings.catch_warnings():  # PyTorch's once-per-process note that CSR tensors are beta
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        by_pair = torch.sparse_csr_tensor(_row_starts(rows, M), channels, values, (M, D))
+        by_channel = torch.sparse_csr_tensor(_row_starts(channels[order], D), rows[order], values[order], (D, M))
+    column_sums = torch.zeros(D, dtype=values.dtype, device=values.device).index_add_(0, channels, values)
+    return _SparseMaxGradient(by_pair, by_channel, column_sums)
+
+
+def _row_starts(sorted_rows: torch.Tensor, count: int) -> torch.Tensor:
+    """CSR row pointers (count + 1,) of sorted row indices."""
+    return torch.searchsorted(sorted_rows, torch.arange(count + 1, device=sorted_rows.device, dtype=sorted_rows.dtype))

@@ -55,7 +55,7 @@ def forward_saving(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str
     needs). The training path that saves its intermediates instead of recomputing them."""
     with closed_form.computing_in(precision) as (dtype, mm):
         w = {name: p.to(dtype) for name, p in params.items()}
-        state = _forward(module, x.to(dtype), mask, w, mm)
+        state = _forward(module, x.to(dtype), mask, w, mm, keep_operands=True)
         out = torch.sigmoid(state.u).mul_(state.o).view(x.shape)
     return out, Saved(state, w, precision, x.dtype, {name: p.dtype for name, p in params.items()})
 
@@ -94,8 +94,11 @@ def _channels_first(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
     return t.view(B, N * N, C).transpose(1, 2).reshape(B * C, N, N)
 
 
-def _forward(module, x, mask, w, mm) -> SimpleNamespace:
-    """The forward's intermediates the chain rule needs, in the layouts it wants."""
+def _forward(module, x, mask, w, mm, keep_operands: bool = False) -> SimpleNamespace:
+    """The forward's intermediates the chain rule needs, in the layouts it wants. keep_operands:
+    keep A and B (two hidden-width tensors) for the backward's triangle products, where a
+    backward that follows at once remakes them from the projections (a lower peak: they are not
+    held through the output half)."""
     B, N, _, P = x.shape
     NN = N * N
     H = w["proj_a.weight"].shape[0]
@@ -126,6 +129,7 @@ def _forward(module, x, mask, w, mm) -> SimpleNamespace:
         f.keep = mask.reshape(B, 1, NN).to(x.dtype)
     a, b = _operands(f, apply=True)
     f.z = mm.bmm(a, b.transpose(1, 2)) if f.outgoing else mm.bmm(a.transpose(1, 2), b)  # (B*H, N, N)
+    f.operands = (a, b) if keep_operands else None
     del a, b
 
     # ---- the output LayerNorm, the output projection and gate, one row per pair ----
@@ -196,7 +200,8 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     # ---- the triangle sums (dA_h, dB_h from dZ_h), then the gates, into proj's own storage ----
     # proj = [pa | sa | pb | sb] becomes d_proj = [d pa | d ga | d pb | d gb] in place, one of a
     # and b at a time: the peak holds one of their gradients, not both beside a new d_proj.
-    a, b = _operands(f)
+    a, b = f.operands or _operands(f)
+    f.operands = None
     if f.outgoing:  # Z = A B^T: dA = dZ B, dB = dZ^T A
         products = ((0, lambda: mm.bmm(d_z, b)), (2, lambda: mm.bmm(d_z.transpose(1, 2), a)))
     else:           # Z = A^T B: dA = B dZ^T, dB = A dZ
