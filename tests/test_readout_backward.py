@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import closed_form_errors, generator
+from helpers import closed_form_errors, generator, gradient_errors64
+from pairgen.modules import SavedClosedForm
 from pairgen.ops.readout import READOUT
 
 
@@ -36,3 +37,28 @@ def test_ties_in_the_max_share_the_gradient_as_the_reference_does():
     errors = closed_form_errors(module, (nodes, pair_feats, mask), torch.randn((1, 6, 8), generator=gen))
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 2e-5, f"gradient of {worst}: {errors}"
+
+
+def test_the_saving_forward_is_exact_and_its_gradients_meet_the_standard():
+    """The training path that keeps its intermediates (SavedClosedForm): the output within the
+    fp32 forward standard of float64, every gradient within 2e-5, isolated nodes included; a
+    second backward through the same call is refused with what to do."""
+    widths = {"D": 24, "P": 8, "H": 40}
+    gen = generator(81)
+    module = READOUT.make_module(widths, gen)
+    nodes, pair_feats, mask = READOUT.make_inputs({"B": 2, "N": 11, **widths}, gen, "cauchy")
+
+    def call(*inputs):
+        return SavedClosedForm.apply(module, 3, *inputs, *module.parameters())
+
+    with torch.no_grad():
+        out = call(nodes, pair_feats, mask)
+        exact = READOUT.make_reference(module).double()(nodes.double(), pair_feats.double(), mask)
+    assert out.dtype is torch.float32 and ((out.double() - exact).norm() / exact.norm()).item() <= 1e-5
+    errors = gradient_errors64(call, module, (nodes, pair_feats, mask), torch.randn(nodes.shape, generator=gen))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 2e-5, f"gradient of {worst}: {errors}"
+    twice = call(nodes.clone().requires_grad_(), pair_feats, mask)
+    twice.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="recompute_for_backward = True"):
+        twice.sum().backward()

@@ -140,12 +140,15 @@ def test_programmatic_main_launch_gives_the_plain_launchs_result_eager_and_captu
     assert torch.equal(outputs[False][1], outputs[True][1])
 
 
-def test_gradients_meet_the_standard():
-    """The kernel's forward, then the closed-form backward (pairgen/ops/readout/backward.py): the
-    nodes', pair features' and every parameter's gradient within relative L2 2e-5 of float64
-    autograd, with isolated nodes, at an odd length with heavy tails."""
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
+def test_gradients_meet_the_standard(recompute):
+    """The closed-form backward (pairgen/ops/readout/backward.py), from the intermediates its
+    forward kept, or recomputed after the kernel's forward: the nodes', pair features' and every
+    parameter's gradient within relative L2 2e-5 of float64 autograd, with isolated nodes, at an
+    odd length with heavy tails (the max's sparse gradient through cuSPARSE)."""
     gen = generator(13)
     module = READOUT.make_module(SEED_WIDTHS, gen).cuda()
+    module.recompute_for_backward = recompute
     inputs = tuple(t.cuda() for t in READOUT.make_inputs({"B": 2, "N": 29, **SEED_WIDTHS}, gen, "cauchy"))
     g = torch.randn(inputs[0].shape, generator=gen).cuda()
     assert_closed_form_meets_the_standard(module, inputs, g)

@@ -115,3 +115,36 @@ def in_dtypes(grads: dict[str, torch.Tensor], input_dtype: torch.dtype,
         if name in grads:
             grads[name] = grads[name].to(dtype)
     return grads
+
+
+class Saved:
+    """What a saving forward keeps for its backward: the op's intermediates (`state`, consumed by
+    the one backward), the weights in the compute dtype, and the dtypes the gradients go back to."""
+    __slots__ = ("state", "weights", "precision", "input_dtype", "param_dtypes")
+
+    def __init__(self, state, weights, precision, input_dtype, param_dtypes):
+        self.state, self.weights, self.precision = state, weights, precision
+        self.input_dtype, self.param_dtypes = input_dtype, param_dtypes
+
+
+def forward_saving(forward, x: torch.Tensor, params: dict[str, torch.Tensor], precision: str) -> tuple:
+    """forward(x, params, products) -> (out, state), run as closed_form_gradients runs a backward
+    (the precision's dtype, no autograd): (out, a Saved for gradients_from)."""
+    with computing_in(precision) as (dtype, products):
+        weights = {name: p.to(dtype) for name, p in params.items()}
+        out, state = forward(x.to(dtype), weights, products)
+    return out, Saved(state, weights, precision, x.dtype, {name: p.dtype for name, p in params.items()})
+
+
+def gradients_from(backward, saved: Saved, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """backward(state, params, grad_out, products) -> gradients as closed_form_gradients returns
+    them, from a forward_saving() state, which it consumes (its tensors may become gradients in
+    place): one backward per forward."""
+    if saved.state is None:
+        raise RuntimeError("this call's saved intermediates were consumed by an earlier backward (a second "
+                           "backward through the same call, retain_graph=True, needs "
+                           "module.recompute_for_backward = True)")
+    state, saved.state = saved.state, None
+    with computing_in(saved.precision) as (dtype, products):
+        grads = backward(state, saved.weights, grad_out.to(dtype), products)
+    return in_dtypes(grads, saved.input_dtype, saved.param_dtypes)

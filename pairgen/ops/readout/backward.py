@@ -5,8 +5,9 @@
   pooled_i = max over j with edge_ij of m_ij (0 for a node with no edge)
   out_i = nodes_i + LN(pooled_i)
 
-The backward recomputes pre, m and pooled from the inputs and weights (nothing is kept from the
-forward but its inputs). The max passes each channel's gradient to the partners that reach it,
+A training call's forward computes pre, m and pooled this way and keeps them for the backward
+(forward_saving, then gradients_from); with the module's recompute_for_backward, the forward is
+the kernel and the backward recomputes them from the inputs (gradients). The max passes each channel's gradient to the partners that reach it,
 shared equally among ties as torch.amax's backward does, as a sparse matrix (about one entry in
 N is nonzero), so the second layer's two gradient products read only the winners (cuSPARSE on
 the GPU) instead of a dense pair-sized matrix of zeros; an isolated node's pooled row is the
@@ -17,10 +18,12 @@ node j's over i). d<name> is the gradient of the loss with respect to <name>.
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
+from .. import closed_form
 from ..closed_form import closed_form_gradients, layer_norm_backward, layer_norm_parts
 
 
@@ -29,59 +32,88 @@ def gradients(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: 
               frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
     """d(loss)/d(nodes) as "input", d(loss)/d(pair_feats) as "pair_feats", and d(loss)/d(parameter)
     for every name of `params` ("fuse.0.weight", ..., "norm.bias") but the `frozen` ones'
-    products, given d(loss)/d(out)."""
-    pair_dtype = pair_feats.dtype
-    grads = closed_form_gradients(lambda n32, w, g, mm: _gradients(module, n32, pair_feats.float(), edge_mask, w, g, mm,
-                                                               frozen), nodes, params, grad_out, precision)
+    products, given d(loss)/d(out): the intermediates recomputed from the inputs, then the chain rule."""
+    def compute(n32, w, g, mm):
+        return _backward(module, _forward(module, n32, pair_feats.float(), edge_mask, w, mm), w, g, mm, frozen)
+    grads = closed_form_gradients(compute, nodes, params, grad_out, precision)
+    grads["pair_feats"] = grads["pair_feats"].to(pair_feats.dtype)
+    return grads
+
+
+def forward_saving(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: torch.Tensor,
+                   params: dict[str, torch.Tensor], precision: str) -> tuple:
+    """The forward computed the closed form's way: (out, what gradients_from() needs)."""
+    def forward(n32, w, mm):
+        state = _forward(module, n32, pair_feats.float(), edge_mask, w, mm)
+        state.pair_dtype = pair_feats.dtype
+        return n32 + (state.p_hat * w["norm.weight"] + w["norm.bias"]), state
+    return closed_form.forward_saving(forward, nodes, params, precision)
+
+
+def gradients_from(module, saved: closed_form.Saved, grad_out: torch.Tensor,
+                   frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
+    """gradients() from a forward_saving() state, which it consumes: one backward per forward."""
+    pair_dtype = saved.state.pair_dtype if saved.state is not None else None
+    grads = closed_form.gradients_from(lambda f, w, g, mm: _backward(module, f, w, g, mm, frozen), saved, grad_out)
     grads["pair_feats"] = grads["pair_feats"].to(pair_dtype)
     return grads
 
 
-def _gradients(module, nodes, pair, edge_mask, w, grad_out, mm, frozen):
+def _forward(module, nodes, pair, edge_mask, w, mm) -> SimpleNamespace:
+    """The forward's intermediates the chain rule needs."""
     B, N, D = nodes.shape
     P = pair.shape[-1]
     w1 = w["fuse.0.weight"]
-    wi, wj, wp = w1[:, :D], w1[:, D:2 * D], w1[:, 2 * D:]
     H = w1.shape[0]
+    f = SimpleNamespace(B=B, N=N, D=D, P=P, H=H, nodes=nodes, pair=pair, edge_mask=edge_mask)
+    u = mm(nodes, w1[:, :D].t())             # (B, N, H): node i's term
+    v = mm(nodes, w1[:, D:2 * D].t())        # (B, N, H): node j's term
+    f.pre = mm(pair.reshape(-1, P), w1[:, 2 * D:].t()).view(B, N, N, H)
+    f.pre.add_(u.add_(w["fuse.0.bias"]).unsqueeze(2)).add_(v.unsqueeze(1))  # in place: no pair-sized temporary
+    f.act = F.silu(f.pre)
+    f.edge = edge_mask.unsqueeze(-1)
+    f.masked = mm.linear(f.act.view(-1, H), w["fuse.2.weight"], w["fuse.2.bias"]).view(B, N, N, D)
+    f.masked.masked_fill_(~f.edge, float("-inf"))  # m, masked in place: m itself is not needed again
+    pooled = f.masked.amax(dim=2)            # (B, N, D)
+    f.isolated = ~edge_mask.any(dim=2)
+    f.pooled = pooled.masked_fill(f.isolated.unsqueeze(-1), 0.0)
+    f.p_hat, f.rstd = layer_norm_parts(f.pooled, module.norm.eps)
+    return f
 
-    # ---- the forward again ----
-    u = mm(nodes, wi.t())                     # (B, N, H): node i's term
-    v = mm(nodes, wj.t())                     # (B, N, H): node j's term
-    pre = mm(pair.reshape(-1, P), wp.t()).view(B, N, N, H)
-    pre.add_(u.add_(w["fuse.0.bias"]).unsqueeze(2)).add_(v.unsqueeze(1))  # in place: no pair-sized temporary
-    act = F.silu(pre)
-    edge = edge_mask.unsqueeze(-1)
-    masked = mm.linear(act.view(-1, H), w["fuse.2.weight"], w["fuse.2.bias"]).view(B, N, N, D)
-    masked.masked_fill_(~edge, float("-inf"))  # m, masked in place: m itself is not needed again
-    pooled = masked.amax(dim=2)              # (B, N, D)
-    isolated = ~edge_mask.any(dim=2)
-    pooled = pooled.masked_fill(isolated.unsqueeze(-1), 0.0)
-    p_hat, rstd = layer_norm_parts(pooled, module.norm.eps)
+
+def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, torch.Tensor]:
+    """The chain rule from d(loss)/d(out) back through _forward's intermediates, which it drops."""
+    B, N, D, P, H = f.B, f.N, f.D, f.P, f.H
+    w1 = w["fuse.0.weight"]
+    wi, wj, wp = w1[:, :D], w1[:, D:2 * D], w1[:, 2 * D:]
 
     # ---- LayerNorm and the residual ----
     g = grad_out
-    grads = {"norm.weight": (g * p_hat).sum((0, 1)), "norm.bias": g.sum((0, 1))}
-    d_pooled = layer_norm_backward(g * w["norm.weight"], p_hat, rstd)
-    d_pooled = d_pooled.masked_fill(isolated.unsqueeze(-1), 0.0)
+    grads = {"norm.weight": (g * f.p_hat).sum((0, 1)), "norm.bias": g.sum((0, 1))}
+    d_pooled = layer_norm_backward(g * w["norm.weight"], f.p_hat, f.rstd)
+    d_pooled = d_pooled.masked_fill(f.isolated.unsqueeze(-1), 0.0)
 
     # ---- the max over partners: to the winners, ties sharing ----
-    d_m = _max_gradient(masked, pooled, edge, d_pooled)  # sparse (B*N*N, D) and its transpose
-    del masked
+    d_m = _max_gradient(f.masked, f.pooled, f.edge, d_pooled)  # sparse (B*N*N, D) and its transpose
+    f.masked = None
 
     # ---- the second layer and the SiLU ----
-    act_rows = act.view(-1, H)
+    act_rows = f.act.view(-1, H)
     grads["fuse.2.bias"] = d_m.column_sums
     if "fuse.2.weight" not in frozen:
         grads["fuse.2.weight"] = torch.sparse.mm(d_m.by_channel, act_rows)
     d_act = torch.sparse.mm(d_m.by_pair, w["fuse.2.weight"])
-    del d_m, act, act_rows
+    del d_m, act_rows
+    f.act = None
     # d_act * silu'(pre), in d_act's storage: PyTorch's fused SiLU backward, one pass
-    d_pre = torch.ops.aten.silu_backward.grad_input(d_act, pre.view(-1, H), grad_input=d_act)
-    del d_act, pre
+    d_pre = torch.ops.aten.silu_backward.grad_input(d_act, f.pre.view(-1, H), grad_input=d_act)
+    del d_act
+    f.pre = None
 
     # ---- the first layer: pair rows, then each node's sums over its partners ----
     first_layer = "fuse.0.weight" not in frozen
-    d_wp = mm(d_pre.t(), pair.reshape(-1, P)) if first_layer else None
+    pair_rows = f.pair.reshape(-1, P)
+    d_wp = mm(d_pre.t(), pair_rows) if first_layer else None
     grads["pair_feats"] = mm(d_pre, wp).view(B, N, N, P)
     d_pre4 = d_pre.view(B, N, N, H)
     d_u = d_pre4.sum(dim=2)                  # (B, N, H): node i over its partners j
@@ -89,7 +121,7 @@ def _gradients(module, nodes, pair, edge_mask, w, grad_out, mm, frozen):
     grads["fuse.0.bias"] = d_u.sum((0, 1))   # every pair once: node i's sums, summed
     del d_pre, d_pre4
     if first_layer:
-        node_rows = nodes.reshape(-1, D)
+        node_rows = f.nodes.reshape(-1, D)
         grads["fuse.0.weight"] = torch.cat([mm(d_u.reshape(-1, H).t(), node_rows),
                                             mm(d_v.reshape(-1, H).t(), node_rows), d_wp], dim=1)
     grads["input"] = g + mm(d_u, wi) + mm(d_v, wj)
@@ -122,8 +154,10 @@ def _max_gradient(masked: torch.Tensor, pooled: torch.Tensor, edge: torch.Tensor
     order = torch.argsort(channels, stable=True)
     with warnings.catch_warnings():  # PyTorch's once-per-process note that CSR tensors are beta
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-        by_pair = torch.sparse_csr_tensor(_row_starts(rows, M), channels, values, (M, D))
-        by_channel = torch.sparse_csr_tensor(_row_starts(channels[order], D), rows[order], values[order], (D, M))
+        # built sorted and in range by construction: the invariants need no check
+        by_pair = torch.sparse_csr_tensor(_row_starts(rows, M), channels, values, (M, D), check_invariants=False)
+        by_channel = torch.sparse_csr_tensor(_row_starts(channels[order], D), rows[order], values[order], (D, M),
+                                             check_invariants=False)
     column_sums = torch.zeros(D, dtype=values.dtype, device=values.device).index_add_(0, channels, values)
     return _SparseMaxGradient(by_pair, by_channel, column_sums)
 

@@ -101,6 +101,8 @@ class PairReadout(KernelModule, PairReadoutReference):
         self._scratch: HeldBuffer | None = None   # the split and direct strategies' scratch
 
     closed_form = staticmethod(backward.gradients)
+    saving_forward = staticmethod(backward.forward_saving)
+    saved_gradients = staticmethod(backward.gradients_from)
     input_gradients = ("input", "pair_feats", None)
 
     def closed_form_applies(self, inputs: list) -> bool:

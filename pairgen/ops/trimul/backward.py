@@ -50,36 +50,19 @@ def gradients(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, tor
 
 
 def forward_saving(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor],
-                   precision: str) -> tuple[torch.Tensor, "Saved"]:
+                   precision: str) -> tuple[torch.Tensor, closed_form.Saved]:
     """The forward computed the closed form's way, in `precision`: (out, what gradients_from()
-    needs). The training path that saves its intermediates instead of recomputing them."""
-    with closed_form.computing_in(precision) as (dtype, mm):
-        w = {name: p.to(dtype) for name, p in params.items()}
-        state = _forward(module, x.to(dtype), mask, w, mm, keep_operands=True)
-        out = torch.sigmoid(state.u).mul_(state.o).view(x.shape)
-    return out, Saved(state, w, precision, x.dtype, {name: p.dtype for name, p in params.items()})
+    needs). The training path that keeps its intermediates instead of recomputing them."""
+    def forward(x_in, w, mm):
+        state = _forward(module, x_in, mask, w, mm, keep_operands=True)
+        return torch.sigmoid(state.u).mul_(state.o).view(x_in.shape), state
+    return closed_form.forward_saving(forward, x, params, precision)
 
 
-def gradients_from(module, saved: "Saved", grad_out: torch.Tensor, frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
-    """gradients() from a forward_saving() state, which it consumes (its tensors become gradients
-    in place): one backward per forward."""
-    if saved.state is None:
-        raise RuntimeError("the triangle update's saved intermediates were consumed by an earlier backward "
-                           "(backward through this call twice, retain_graph=True, needs "
-                           "module.recompute_for_backward = True)")
-    state, saved.state = saved.state, None
-    with closed_form.computing_in(saved.precision) as (dtype, mm):
-        grads = _backward(module, state, saved.weights, grad_out.to(dtype), mm, frozen)
-    return closed_form.in_dtypes(grads, saved.input_dtype, saved.param_dtypes)
-
-
-class Saved:
-    """What a forward_saving() call keeps for its backward."""
-    __slots__ = ("state", "weights", "precision", "input_dtype", "param_dtypes")
-
-    def __init__(self, state, weights, precision, input_dtype, param_dtypes):
-        self.state, self.weights, self.precision = state, weights, precision
-        self.input_dtype, self.param_dtypes = input_dtype, param_dtypes
+def gradients_from(module, saved: closed_form.Saved, grad_out: torch.Tensor,
+                   frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
+    """gradients() from a forward_saving() state, which it consumes: one backward per forward."""
+    return closed_form.gradients_from(lambda state, w, g, mm: _backward(module, state, w, g, mm, frozen), saved, grad_out)
 
 
 def _channels_last(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
