@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import closed_form_errors, generator
+from helpers import closed_form_errors, generator, gradient_errors64
+from pairgen.modules import SavedClosedForm
 from pairgen.ops.contact import CONTACT
 
 
@@ -41,3 +42,28 @@ def test_a_16_bit_module_meets_the_16_bit_standard():
     for k, (mine, theirs, e) in enumerate(zip(ours, same_dtype, exact)):
         err, ref_err = ((mine.double() - e).norm() / e.norm()).item(), ((theirs.double() - e).norm() / e.norm()).item()
         assert err <= max(2e-2, 1.5 * ref_err), f"gradient {k}: {err} (the bf16 reference: {ref_err})"
+
+
+def test_the_saving_forward_is_exact_and_its_gradients_meet_the_standard():
+    """The training path that keeps its intermediates (SavedClosedForm): the output within the
+    fp32 forward standard of float64, every gradient within 2e-5; a second backward through the
+    same call is refused with what to do."""
+    widths = {"P": 24, "H": 16}
+    gen = generator(61)
+    module = CONTACT.make_module(widths, gen)
+    (x,) = CONTACT.make_inputs({"B": 2, "N": 13, **widths}, gen, "cauchy")
+
+    def call(x_in):
+        return SavedClosedForm.apply(module, 1, x_in, *module.parameters())
+
+    with torch.no_grad():
+        out = call(x)
+        exact = CONTACT.make_reference(module).double()(x.double())
+    assert out.shape == exact.shape and ((out.double() - exact).norm() / exact.norm()).item() <= 1e-5
+    errors = gradient_errors64(call, module, (x,), torch.randn(exact.shape, generator=gen))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 2e-5, f"gradient of {worst}: {errors}"
+    twice = call(x.clone().requires_grad_())
+    twice.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="recompute_for_backward = True"):
+        twice.sum().backward()

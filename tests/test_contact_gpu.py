@@ -92,11 +92,17 @@ def test_runs_on_the_current_stream_and_under_graph_capture():
     assert compare(out, ref, TOL).ok
 
 
-def test_gradients_meet_the_standard():
-    """The kernel's forward, then the closed-form backward (pairgen/ops/contact/backward.py): every
-    gradient within relative L2 2e-5 of float64 autograd, at an odd length with heavy tails."""
+@pytest.mark.parametrize("fused", ["0", "1"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
+def test_gradients_meet_the_standard(recompute, fused, monkeypatch):
+    """The closed-form backward (pairgen/ops/contact/backward.py), from the intermediates its
+    forward kept or recomputed after the kernel's forward, with PyTorch's LayerNorm and with the
+    row LayerNorm kernels (PAIRGEN_FUSED_BACKWARD): every gradient within relative L2 2e-5 of
+    float64 autograd, at an odd length with heavy tails."""
+    monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", fused)
     gen = generator(13)
     module = CONTACT.make_module(SEED_WIDTHS, gen).cuda()
+    module.recompute_for_backward = recompute
     (x,) = (t.cuda() for t in CONTACT.make_inputs({"B": 2, "N": 37, **SEED_WIDTHS}, gen, "cauchy"))
     g = torch.randn(2, 37, 37, generator=gen).cuda()
     assert_closed_form_meets_the_standard(module, (x,), g)

@@ -11,6 +11,7 @@ import torch
 from helpers import closed_form_errors, generator, gradient_errors64
 from pairgen import codegen, compiler, config
 from pairgen.modules import SavedClosedForm
+from pairgen.ops import layer_norm_rows
 from pairgen.ops.trimul import TRIMUL, fused_backward
 
 STANDARD = 2e-5
@@ -136,16 +137,25 @@ def test_backward_mode_is_checked_and_auto_trains_16_bit_calls_through_the_fused
     assert not module.trains_through_reference("bfloat16")
 
 
-@pytest.mark.parametrize("kind,cols", [("float32", 0), ("bfloat16", 128), ("float16", 100),
-                                       ("float32", fused_backward.MAX_ROW_COLS)])
-def test_the_fused_backward_kernels_render_to_their_signatures_and_compile(kind, cols):
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
+def test_the_fused_backward_kernels_render_to_their_signatures_and_compile(kind):
     """The fused passes (fused_backward.py): each storage type's source declares the signatures
-    the launches pass (with a row width, the row LayerNorm kernels too, up to the widest they
-    take, and a width no multiple of the warp), and NVRTC compiles it for sm_90 without spills."""
-    rendered = fused_backward.render(kind, cols=cols)
+    the launches pass, and NVRTC compiles it for sm_90 without spills."""
+    rendered = fused_backward.render(kind)
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
-    wanted = {**fused_backward.SIGNATURES, **(fused_backward.ROW_SIGNATURES if cols else {})}
-    assert set(compiled.kernels) >= {f"{rendered.kernel_name}_{suffix}" for suffix in wanted}
+    assert set(compiled.kernels) >= {f"{rendered.kernel_name}_{suffix}" for suffix in fused_backward.SIGNATURES}
+    assert not compiled.spill_bytes
+
+
+@pytest.mark.parametrize("kind,cols", [("float32", 128), ("bfloat16", 128), ("float16", 100),
+                                       ("float32", layer_norm_rows.MAX_COLS)])
+def test_the_row_layer_norm_kernels_render_to_their_signatures_and_compile(kind, cols):
+    """The row LayerNorm (pairgen/ops/layer_norm_rows.py) for each storage type, at a width no
+    multiple of the warp and the widest it takes: its signatures are the launches', and NVRTC
+    compiles it for sm_90 without spills (the row lives in registers)."""
+    rendered = layer_norm_rows.render(kind, cols)
+    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
+    assert set(compiled.kernels) >= {rendered.kernel_name, f"{rendered.kernel_name}_grad"}
     assert not compiled.spill_bytes
 
 

@@ -3,15 +3,19 @@
   xn = LN(x) per pair,  s = (xn + xn^T) / 2 over (i, j),
   h1 = relu(s W1^T + b1),  h2 = relu(h1 W2^T + b2),  out = sigmoid(h2 W3^T + b3)
 
-The backward recomputes xn, s, h1, h2 and out from the input and weights (nothing is kept from the
-forward but the input), then applies the chain rule: three products back through the MLP, the
-symmetrisation's transpose, the LayerNorm. d<name> is the gradient of the loss with respect to
-<name>.
+A training call's forward computes xn, s, h1, h2 and out this way and keeps them for the backward
+(forward_saving, then gradients_from); with the module's recompute_for_backward, the forward is
+the kernel and the backward recomputes them from the input (gradients). Then the chain rule:
+three products back through the MLP, the symmetrisation's transpose, the LayerNorm. d<name> is
+the gradient of the loss with respect to <name>.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
+from .. import closed_form, layer_norm_rows
 from ..closed_form import column_sums, closed_form_gradients
 
 
@@ -19,9 +23,23 @@ def gradients(module, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out
               precision: str = "ieee", frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
     """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
     ("layer_norm.weight", ..., "mlp.4.bias") but the `frozen` ones' products, given
-    d(loss)/d(out) = grad_out."""
-    return closed_form_gradients(lambda x32, w, g, mm: _gradients(module, x32, w, g, mm, frozen), x, params, grad_out,
-                             precision)
+    d(loss)/d(out) = grad_out: the intermediates recomputed from x, then the chain rule."""
+    return closed_form_gradients(lambda x32, w, g, mm: _backward(module, _forward(module, x32, w, mm), w, g, mm, frozen),
+                                 x, params, grad_out, precision)
+
+
+def forward_saving(module, x: torch.Tensor, params: dict[str, torch.Tensor], precision: str) -> tuple:
+    """The forward computed the closed form's way: (out, what gradients_from() needs)."""
+    def forward(x32, w, mm):
+        f = _forward(module, x32, w, mm)
+        return f.out.view(f.B, f.N, f.N), f
+    return closed_form.forward_saving(forward, x, params, precision)
+
+
+def gradients_from(module, saved: closed_form.Saved, grad_out: torch.Tensor,
+                   frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
+    """gradients() from a forward_saving() state, which it consumes: one backward per forward."""
+    return closed_form.gradients_from(lambda f, w, g, mm: _backward(module, f, w, g, mm, frozen), saved, grad_out)
 
 
 def _symmetrised(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
@@ -36,42 +54,59 @@ def _relu_backward_(d: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.threshold_backward.grad_input(d, h, 0, grad_input=d)
 
 
-def _gradients(module, x, w, grad_out, mm, frozen):
+def _forward(module, x, w, mm) -> SimpleNamespace:
+    """The forward's intermediates the chain rule needs."""
     B, N, _, P = x.shape
-    rows = x.reshape(-1, P)
-
-    # ---- the forward again (PyTorch's fused LayerNorm, which also gives its backward's pieces) ----
-    xn, mean, rstd = torch.native_layer_norm(rows, [P], w["layer_norm.weight"], w["layer_norm.bias"],
-                                             module.layer_norm.eps)
-    s = _symmetrised(xn, B, N)
+    f = SimpleNamespace(B=B, N=N, P=P, eps=module.layer_norm.eps)
+    f.fused_ln = layer_norm_rows.applies(x, P)
+    if f.fused_ln:  # a warp per row (PyTorch's kernel reads these short rows at a fraction of the rate)
+        f.rows = x.reshape(-1, P).contiguous()
+        xn, f.mean, f.rstd = layer_norm_rows.layer_norm(f.rows, w["layer_norm.weight"], w["layer_norm.bias"], f.eps)
+    else:  # PyTorch's fused LayerNorm, which also gives its backward's pieces
+        f.rows = x.reshape(-1, P)
+        xn, f.mean, f.rstd = torch.native_layer_norm(f.rows, [P], w["layer_norm.weight"], w["layer_norm.bias"], f.eps)
+    f.s = _symmetrised(xn, B, N)
     del xn
-    h1 = mm.linear(s, w["mlp.0.weight"], w["mlp.0.bias"]).relu_()
-    h2 = mm.linear(h1, w["mlp.2.weight"], w["mlp.2.bias"]).relu_()
-    out = torch.sigmoid(mm.linear(h2, w["mlp.4.weight"], w["mlp.4.bias"]))  # (M, 1)
+    f.h1 = mm.linear(f.s, w["mlp.0.weight"], w["mlp.0.bias"]).relu_()
+    f.h2 = mm.linear(f.h1, w["mlp.2.weight"], w["mlp.2.bias"]).relu_()
+    f.out = torch.sigmoid(mm.linear(f.h2, w["mlp.4.weight"], w["mlp.4.bias"]))  # (M, 1)
+    return f
+
+
+def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, torch.Tensor]:
+    """The chain rule from d(loss)/d(out) back through _forward's intermediates, which it drops."""
+    B, N, P = f.B, f.N, f.P
 
     # ---- back through the MLP ----
-    d_y = torch.ops.aten.sigmoid_backward(grad_out.reshape(-1, 1), out)
+    d_y = torch.ops.aten.sigmoid_backward(grad_out.reshape(-1, 1), f.out)
+    f.out = None
     grads = {"mlp.4.bias": d_y.sum(0)}
     if "mlp.4.weight" not in frozen:
-        grads["mlp.4.weight"] = mm(d_y.t(), h2)
-    d_h2 = _relu_backward_(torch.mul(d_y, w["mlp.4.weight"]), h2)  # the outer product d_y W3
-    del d_y, h2
+        grads["mlp.4.weight"] = mm(d_y.t(), f.h2)
+    d_h2 = _relu_backward_(torch.mul(d_y, w["mlp.4.weight"]), f.h2)  # the outer product d_y W3
+    del d_y
+    f.h2 = None
     grads["mlp.2.bias"] = column_sums(d_h2)
     if "mlp.2.weight" not in frozen:
-        grads["mlp.2.weight"] = mm(d_h2.t(), h1)
-    d_h1 = _relu_backward_(mm(d_h2, w["mlp.2.weight"]), h1)
-    del d_h2, h1
+        grads["mlp.2.weight"] = mm(d_h2.t(), f.h1)
+    d_h1 = _relu_backward_(mm(d_h2, w["mlp.2.weight"]), f.h1)
+    del d_h2
+    f.h1 = None
     grads["mlp.0.bias"] = column_sums(d_h1)
     if "mlp.0.weight" not in frozen:
-        grads["mlp.0.weight"] = mm(d_h1.t(), s)
-    del s
+        grads["mlp.0.weight"] = mm(d_h1.t(), f.s)
+    f.s = None
     d_s = mm(d_h1, w["mlp.0.weight"])
     del d_h1
 
     # ---- the symmetrisation and the LayerNorm ----
     d_xn = _symmetrised(d_s, B, N)
     del d_s
-    d_x, grads["layer_norm.weight"], grads["layer_norm.bias"] = torch.ops.aten.native_layer_norm_backward(
-        d_xn, rows, [P], mean, rstd, w["layer_norm.weight"], w["layer_norm.bias"], [True, True, True])
+    if f.fused_ln:
+        d_x, grads["layer_norm.weight"], grads["layer_norm.bias"] = layer_norm_rows.layer_norm_backward(
+            d_xn, f.rows, f.mean, f.rstd, w["layer_norm.weight"], f.eps)
+    else:
+        d_x, grads["layer_norm.weight"], grads["layer_norm.bias"] = torch.ops.aten.native_layer_norm_backward(
+            d_xn, f.rows, [P], f.mean, f.rstd, w["layer_norm.weight"], w["layer_norm.bias"], [True, True, True])
     grads["input"] = d_x.view(B, N, N, P)
     return grads

@@ -32,6 +32,8 @@ class ContactHead(KernelModule, ContactHeadReference):
         self._weights = PackedParameters(self, paths, self._pack)
 
     closed_form = staticmethod(backward.gradients)
+    saving_forward = staticmethod(backward.forward_saving)
+    saved_gradients = staticmethod(backward.gradients_from)
 
     def reference_forward(self, pair_repr):
         return ContactHeadReference.forward(self, pair_repr)

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import closed_form
+from .. import closed_form, layer_norm_rows
 from ..closed_form import channel_sums, closed_form_gradients, column_sums
 from . import fused_backward
 
@@ -91,11 +91,11 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False) -> SimpleNames
     # ---- the input LayerNorm and the four projections, channels first: (B, 4H, N*N) ----
     f.fused = fused_backward.enabled(x)
     f.eps_in = module.layer_norm_in.eps
-    f.fused_ln_in = f.fused and P <= fused_backward.MAX_ROW_COLS
+    f.fused_ln_in = layer_norm_rows.applies(x, P)
     if f.fused_ln_in:  # a warp per row (PyTorch's kernel reads these short rows at a fraction of the rate)
         f.rows = x.reshape(-1, P).contiguous()
-        f.xn, f.mean_in, f.rstd_in = fused_backward.layer_norm_rows(f.rows, w["layer_norm_in.weight"],
-                                                                    w["layer_norm_in.bias"], f.eps_in)
+        f.xn, f.mean_in, f.rstd_in = layer_norm_rows.layer_norm(f.rows, w["layer_norm_in.weight"],
+                                                                w["layer_norm_in.bias"], f.eps_in)
     else:
         f.rows = x.reshape(-1, P)
         f.xn, f.mean_in, f.rstd_in = torch.native_layer_norm(f.rows, [P], w["layer_norm_in.weight"],
@@ -219,7 +219,7 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     del d_proj, proj
     f.xn = f.xn_cl = None
     if f.fused_ln_in:  # the out gate's gradient joins before (gated on xn) or after (on x) the LayerNorm
-        d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = fused_backward.layer_norm_rows_backward(
+        d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = layer_norm_rows.layer_norm_backward(
             d_xn.view(-1, P), f.rows, f.mean_in, f.rstd_in, w["layer_norm_in.weight"], f.eps_in,
             add_before=d_gate_in if f.gate_normalized else None, add_after=None if f.gate_normalized else d_gate_in)
         grads["input"] = d_x.view(B, N, N, P)

@@ -9,15 +9,12 @@ instead (the GPU tests check both against the same standard).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ... import codegen, compiler, config, runtime
+from ... import config
+from ..fused_kernels import KINDS, THREADS, FusedTemplate, sm_count
 
-#: Storage types the kernels are rendered for.
-KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-THREADS, ITEMS = 256, 4
+ITEMS = 4
 #: Pairs per block of the LayerNorm kernels, and the shared memory they stay within (no opt-in).
 LN_TILE = 16
 LN_SMEM_LIMIT = 48 * 1024 - 2 * LN_TILE * 4
@@ -30,14 +27,7 @@ SIGNATURES = {"gates": ("ptr",) * 5 + ("i32", "i64", "i32", "i32"),
               "out_gate": ("ptr",) * 3 + ("i64",),
               "ln": ("ptr",) * 6 + ("i32", "i64", "i32"),
               "ln_grad": ("ptr",) * 8 + ("i32", "i64", "i32")}
-#: The row LayerNorm kernels, rendered only for a width (`cols`, compiled in: the row is held in
-#: registers): render(kind, eps, cols).
-ROW_SIGNATURES = {"ln_rows": ("ptr",) * 6 + ("i64",),
-                  "ln_rows_grad": ("ptr",) * 10 + ("i64",)}
-#: Widest row the row kernels take (its values per lane are registers); wider rows keep PyTorch's.
-MAX_ROW_COLS = 1024
-#: Blocks per SM of the grid-stride row kernels.
-ROW_BLOCKS_PER_SM = 4
+TEMPLATE = FusedTemplate("trimul", "backward", lambda context: SIGNATURES)
 
 
 def enabled(t: torch.Tensor) -> bool:
@@ -46,48 +36,18 @@ def enabled(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype in KINDS and config.fused_backward()
 
 
-def render(kind: str, eps: float = 1e-5, cols: int = 0) -> codegen.Rendered:
-    """The kernels' source for one storage type and LayerNorm epsilon (and with `cols`, the row
-    LayerNorm kernels for that width), its signatures checked against SIGNATURES (ROW_SIGNATURES)."""
-    context = {"kind": kind, "threads": THREADS, "items": ITEMS, "ln_tile": LN_TILE, "eps": repr(float(eps)),
-               "cols": cols}
-    rendered = codegen.render_template("trimul", "backward", {}, {}, context, precision=kind)
-    found = codegen.signatures(rendered.source)
-    for suffix, kinds in _signatures(cols).items():
-        name = f"{rendered.kernel_name}_{suffix}"
-        if found.get(name) != kinds:
-            raise codegen.ContractError(f"{rendered.template}: kernel {name} takes {found.get(name)} in the source "
-                                        f"but the launch passes {kinds}")
-    return rendered
+def render(kind: str, eps: float = 1e-5):
+    """The kernels' source for one storage type and LayerNorm epsilon, its signatures checked
+    against SIGNATURES."""
+    return TEMPLATE.render(kind, **_context(eps))
 
 
-def _signatures(cols: int) -> dict:
-    return {**SIGNATURES, **ROW_SIGNATURES} if cols else SIGNATURES
+def _context(eps: float) -> dict:
+    return {"items": ITEMS, "ln_tile": LN_TILE, "eps": repr(float(eps))}
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels(kind: str, device_index: int, eps: float, cols: int) -> dict:
-    from ...launch import LoadedKernel
-
-    rendered = render(kind, eps, cols)
-    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, runtime.device_info(device_index).arch)
-    return {suffix: LoadedKernel(compiled, device_index, 0, THREADS, f"{rendered.kernel_name}_{suffix}")
-            for suffix in _signatures(cols)}
-
-
-@functools.lru_cache(maxsize=256)  # bounded: a bound launch per grid, and every N has its own grid
-def _bound(kind: str, device_index: int, eps: float, cols: int, suffix: str, blocks: int, smem: int, arg_count: int):
-    return _kernels(kind, device_index, eps, cols)[suffix].bind(blocks, THREADS, smem, arg_count)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _launch(t: torch.Tensor, suffix: str, blocks: int, *args: int, smem: int = 0, eps: float = 1e-5,
-            cols: int = 0) -> None:
-    _bound(KINDS[t.dtype], t.device.index, eps, cols, suffix, blocks, smem, len(args))(*args)
+def _launch(t: torch.Tensor, suffix: str, blocks: int, *args: int, smem: int = 0, eps: float = 1e-5) -> None:
+    TEMPLATE.launch(t, suffix, blocks, *args, smem=smem, **_context(eps))
 
 
 def _plane_blocks(plane: int) -> int:
@@ -118,7 +78,7 @@ def gates_grad(da: torch.Tensor, proj: torch.Tensor, keep: torch.Tensor, slot: i
 def out_gate(o: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> None:
     """o, u (the out gate's pre-activation), g contiguous, same shape: o becomes the gradient of
     u, u the gradient of o, in place."""
-    blocks = min(_plane_blocks(o.numel()), _sm_count(o.device.index) * OUT_GATE_BLOCKS_PER_SM)
+    blocks = min(_plane_blocks(o.numel()), sm_count(o.device.index) * OUT_GATE_BLOCKS_PER_SM)
     _launch(o, "out_gate", blocks, o.data_ptr(), u.data_ptr(), g.data_ptr(), o.numel())
 
 
@@ -158,36 +118,3 @@ def layer_norm_channels_first_backward(d_zn: torch.Tensor, z: torch.Tensor, mean
             smem=_ln_smem(H, 2), eps=eps)
     return d_z, parts[0].sum(0), parts[1].sum(0)  # two tensors: gradients may not alias each other
 
-
-def layer_norm_rows(rows: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float) -> tuple:
-    """LayerNorm over the last dim of rows (M, C) contiguous, C <= MAX_ROW_COLS: (xn (M, C), mean
-    and 1/std (M,) in fp32), as torch.native_layer_norm returns them."""
-    M, C = rows.shape
-    xn = torch.empty_like(rows)
-    mean = torch.empty(M, device=rows.device, dtype=torch.float32)
-    rstd = torch.empty_like(mean)
-    _launch(rows, "ln_rows", _row_blocks(rows, M), rows.data_ptr(), gamma.data_ptr(), beta.data_ptr(), xn.data_ptr(),
-            mean.data_ptr(), rstd.data_ptr(), M, eps=eps, cols=C)
-    return xn, mean, rstd
-
-
-def layer_norm_rows_backward(d_xn: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                             gamma: torch.Tensor, eps: float, add_before: torch.Tensor | None = None,
-                             add_after: torch.Tensor | None = None) -> tuple:
-    """The backward of layer_norm_rows: (d rows, d gamma, d beta, the affine gradients in fp32 from
-    each warp's partial sums), d xn taken as d_xn + add_before and add_after added to d rows (both
-    (M, C) contiguous, optional): the two places a second path's gradient joins."""
-    M, C = rows.shape
-    d_rows = torch.empty_like(rows)
-    blocks = _row_blocks(rows, M)
-    parts = torch.empty(2, blocks * (THREADS // 32), C, device=rows.device, dtype=torch.float32)
-    _launch(rows, "ln_rows_grad", blocks, d_xn.data_ptr(), 0 if add_before is None else add_before.data_ptr(),
-            rows.data_ptr(), mean.data_ptr(), rstd.data_ptr(), gamma.data_ptr(),
-            0 if add_after is None else add_after.data_ptr(), d_rows.data_ptr(), parts[0].data_ptr(),
-            parts[1].data_ptr(), M, eps=eps, cols=C)
-    return d_rows, parts[0].sum(0), parts[1].sum(0)
-
-
-def _row_blocks(t: torch.Tensor, rows: int) -> int:
-    """A warp per row up to ROW_BLOCKS_PER_SM blocks per SM, then grid-stride."""
-    return max(1, min(-(-rows // (THREADS // 32)), _sm_count(t.device.index) * ROW_BLOCKS_PER_SM))
