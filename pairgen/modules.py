@@ -372,8 +372,8 @@ class KernelModule:
         (autograd saves the reference's intermediates), exactly what pairgen replaces;
         "auto" (the default): the closed form for fp32 calls, where it is the faster of the two
         for every op; for 16-bit calls and autocast, the closed form where the op computes it in
-        16 bits with fused kernels (the triangle update), else the reference, since a closed form
-        without them is not faster than PyTorch's 16-bit backward (docs/performance.md has the
+        16 bits with fused kernels and the call is large enough for that to pay (the triangle
+        update: fast_16_bit_closed_form), else the reference (docs/performance.md has the
         measurements)."""
         return self._backward_mode
 
@@ -383,16 +383,18 @@ class KernelModule:
             raise ValueError(f"backward_mode must be one of {', '.join(map(repr, self.BACKWARD_MODES))}, got {mode!r}")
         self._backward_mode = mode
 
-    def trains_through_reference(self, precision: str) -> bool:
-        """Whether a training call in `precision` (kernel_precision's name) runs the reference."""
+    def trains_through_reference(self, precision: str, inputs: tuple) -> bool:
+        """Whether a training call on `inputs` in `precision` (kernel_precision's name) runs the
+        reference."""
         mode = self._backward_mode
         if mode == "auto" and precision in ("bfloat16", "float16"):
-            return not self.fast_16_bit_closed_form()
+            return not self.fast_16_bit_closed_form(inputs)
         return mode == "reference"
 
-    def fast_16_bit_closed_form(self) -> bool:
-        """Whether this op's closed form in 16 bits beats PyTorch's 16-bit backward ("auto" takes
-        it then). None does by default; an op with fused 16-bit backward kernels says so."""
+    def fast_16_bit_closed_form(self, inputs: tuple) -> bool:
+        """Whether this op's closed form in 16 bits beats PyTorch's 16-bit backward on these inputs
+        ("auto" takes it then). None does by default; an op with fused 16-bit backward kernels
+        says where."""
         return False
 
     def force_variant(self, variant) -> None:
@@ -453,7 +455,7 @@ class KernelModule:
         if precision is None:
             return self.reference_forward(*inputs)
         training = torch.is_grad_enabled() and self._needs_grad(inputs)
-        if training and self.trains_through_reference(precision):
+        if training and self.trains_through_reference(precision, inputs):
             return self.reference_forward(*inputs)
         first = inputs[0]
         variant = self._choice_for(first.shape[1], first.get_device(), precision)

@@ -1,8 +1,9 @@
 """GPU: the README's training example trains under bf16 autocast (finite gradients, every
 parameter moved), its triangle update's backward at every step the one its settings ask for: by
-default ("auto") the 16-bit closed form from the intermediates its forward kept; with
-recompute_for_backward the kernel forward and the closed form from the inputs; with "reference"
-PyTorch's own autocast forward and backward of the reference."""
+default ("auto") PyTorch's autocast forward and backward of the reference for a call this small,
+the 16-bit closed form from the intermediates its forward kept for a large one (the threshold
+lowered here); with recompute_for_backward the kernel forward and the closed form from the
+inputs; with "reference" the reference whatever the size."""
 from __future__ import annotations
 
 import pytest
@@ -14,10 +15,11 @@ from test_docs import training_example
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("mode,recompute,expected", [("auto", False, ["saved"] * 3),
-                                                      ("auto", True, ["recomputed"] * 3),
-                                                      ("reference", False, [])])
-def test_the_readme_training_example_trains_on_the_gpu(monkeypatch, mode, recompute, expected):
+@pytest.mark.parametrize("mode,recompute,min_pairs,expected", [("auto", False, None, []),
+                                                                ("auto", False, 0, ["saved"] * 3),
+                                                                ("closed_form", True, None, ["recomputed"] * 3),
+                                                                ("reference", False, 0, [])])
+def test_the_readme_training_example_trains_on_the_gpu(monkeypatch, mode, recompute, min_pairs, expected):
     used = []
     recomputed, saved = TriangleMultiplication.analytic_gradients, TriangleMultiplication.saved_gradients
     monkeypatch.setattr(TriangleMultiplication, "analytic_gradients",
@@ -26,6 +28,8 @@ def test_the_readme_training_example_trains_on_the_gpu(monkeypatch, mode, recomp
                         staticmethod(lambda *args: used.append("saved") or saved(*args)))
     monkeypatch.setattr(TriangleMultiplication, "_backward_mode", mode)
     monkeypatch.setattr(TriangleMultiplication, "recompute_for_backward", recompute)
+    if min_pairs is not None:
+        monkeypatch.setattr(TriangleMultiplication, "MIN_16_BIT_CLOSED_FORM_PAIRS", min_pairs)
     monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD", raising=False)
     scope = {}
     exec(compile(training_example(), "README.md", "exec"), scope)

@@ -120,21 +120,27 @@ def test_a_tf32x3_module_meets_the_fp32_standard():
     assert errors[worst] <= STANDARD, f"gradient of {worst}: {errors}"
 
 
-def test_backward_mode_is_checked_and_auto_trains_16_bit_calls_through_the_fused_closed_form(monkeypatch):
+def test_backward_mode_is_checked_and_auto_trains_large_16_bit_calls_through_the_fused_closed_form(monkeypatch):
+    """"auto": fp32 calls always through the closed form; 16-bit calls from
+    MIN_16_BIT_CLOSED_FORM_PAIRS pairs (below, a step is bound by the host and PyTorch's
+    reference is as fast) and only with the fused kernels; the explicit modes as they say."""
     monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD", raising=False)
     module = TRIMUL.make_module({"P": 16, "H": 8, "outgoing": 0, "gate_normalized": 0, "bias": 1}, generator(96))
     assert module.backward_mode == "auto"
     with pytest.raises(ValueError, match="backward_mode must be one of 'auto', 'closed_form', 'reference'"):
         module.backward_mode = "fast"
     assert module.backward_mode == "auto", "a refused value leaves the mode as it was"
+    large = (torch.empty(2, 256, 256, 16, device="meta"),)  # 2^17 pairs
+    small = (torch.empty(1, 256, 256, 16, device="meta"),)
     precisions = ("float32", "tf32x3", "bfloat16", "float16")
-    assert [module.trains_through_reference(p) for p in precisions] == [False] * 4
+    assert [module.trains_through_reference(p, large) for p in precisions] == [False] * 4
+    assert [module.trains_through_reference(p, small) for p in precisions] == [False, False, True, True]
     monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", "0")  # without the fused kernels 16 bits is not faster
-    assert [module.trains_through_reference(p) for p in precisions] == [False, False, True, True]
+    assert [module.trains_through_reference(p, large) for p in precisions] == [False, False, True, True]
     module.backward_mode = "reference"
-    assert module.trains_through_reference("float32")
+    assert module.trains_through_reference("float32", large)
     module.backward_mode = "closed_form"
-    assert not module.trains_through_reference("bfloat16")
+    assert not module.trains_through_reference("bfloat16", small)
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])

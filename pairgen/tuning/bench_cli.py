@@ -133,7 +133,7 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", reco
     kernel_precision = module.kernel_precision(*inputs)
     variant = module.variant_for(shape["N"], device, kernel_precision)
     label = variant.plan.label if variant else "reference (no kernel)"
-    if variant and module.trains_through_reference(kernel_precision):
+    if variant and module.trains_through_reference(kernel_precision, train_inputs):
         label = f"reference (backward_mode {module.backward_mode!r} trains {kernel_precision} calls in PyTorch)"
     elif variant and module._saves_for_backward(train_inputs):
         label = "closed form: its forward keeps the intermediates for its backward (no kernel forward)"

@@ -178,11 +178,17 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
     def extra_repr(self) -> str:
         return "" if self._precision == "ieee" else f"precision={self._precision!r}"
 
-    def fast_16_bit_closed_form(self) -> bool:
-        """The closed form in 16 bits with the fused backward kernels beats PyTorch's 16-bit
-        backward (H200, N256 and N512); with PyTorch's elementwise passes instead it does not at
-        N256, so "auto" takes it only with the fused kernels."""
-        return config.fused_backward()
+    #: Pairs (B * N * N) from which "auto" trains a 16-bit call through the closed form. Below, a
+    #: training step is bound by the host's time to issue its kernels, not by the GPU: on the H200
+    #: host at B1 N256 P=H=128 bf16 the closed form took 2.6-3.1 ms and PyTorch's reference
+    #: 2.6 ms, at N512 (2^18 pairs) 3.1 ms against 8.3 ms.
+    MIN_16_BIT_CLOSED_FORM_PAIRS = 2**17
+
+    def fast_16_bit_closed_form(self, inputs: tuple) -> bool:
+        """With the fused backward kernels, from MIN_16_BIT_CLOSED_FORM_PAIRS pairs; without them
+        PyTorch's elementwise passes make the closed form slower than the reference at N256 too."""
+        x = inputs[0]
+        return config.fused_backward() and x.shape[0] * x.shape[1] * x.shape[2] >= self.MIN_16_BIT_CLOSED_FORM_PAIRS
 
     def kernel_precision(self, x, mask) -> str | None:
         """float32 in the module's precision, or autocast's dtype under torch.autocast("cuda");
