@@ -201,7 +201,7 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
         torch.ops.aten.sigmoid_backward.grad_input(p, sig, grad_input=sig)  # d(loss)/d(g) = d p s (1 - s)
         p.copy_(d)
         del d, p, sig
-    del d_z, a, b, products
+    d_z = a = b = products = None  # the products close over them: rebinding frees the tensors
     d_proj = proj.view(B, 4 * H, NN)
     f.proj = None
 
