@@ -66,7 +66,7 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
         if mask is None:
             mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
         module = _module_for(weights, direction, _PRECISIONS[precision], x)
-        if wants_grad:  # the kernel forward, then the closed-form backward onto the caller's tensors
+        if wants_grad:  # the closed form, its gradients mapped onto the caller's tensors
             names = [n for n, w in weights.items() if w is not None]
             autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
             out = _KernelThenClosedForm.apply(module, names, autocast, x, mask, *(weights[n] for n in names))
@@ -76,23 +76,34 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
 
 
 class _KernelThenClosedForm(torch.autograd.Function):
-    """A call with gradients wanted: the module (views of the caller's weights) runs its forward
-    without autograd; the backward is its closed form (pairgen/ops/trimul/backward.py), mapped
-    back onto the caller's tensors in their fused layout (af3_gradients)."""
+    """A call with gradients wanted, through the module whose parameters are views of the
+    caller's weights: as the module trains (KernelModule's SavedClosedForm), the forward computed
+    the closed form's way with its intermediates kept for the backward; or, with the module's
+    recompute_for_backward, its kernel forward without autograd and a backward that recomputes
+    them (pairgen/ops/trimul/backward.py). The gradients are mapped back onto the caller's tensors
+    in their fused layout (af3_gradients)."""
 
     @staticmethod
     def forward(ctx, module, names, autocast, x, mask, *weights):
-        ctx.module, ctx.names, ctx.autocast = module, names, autocast
+        ctx.module, ctx.names, ctx.autocast, ctx.saved = module, names, autocast, None
+        if module._saves_for_backward([x, mask]):
+            params = {path: p.detach() for path, p in module.named_parameters()}
+            out, ctx.saved = module.saving_forward(module, x, mask, params, module.backward_precision(x, autocast))
+            return out
         ctx.save_for_backward(x, mask)
         return module(x, mask)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, mask = ctx.saved_tensors
         module = ctx.module
         paths = [path for path, _ in module.named_parameters()]
-        params = [p.detach() for p in module.parameters()]
-        grads = module.analytic_gradients([x, mask], params, grad_out, autocast=ctx.autocast)
+        if ctx.saved is not None:
+            by_name = module.saved_gradients(module, ctx.saved, grad_out)
+            grads = [by_name["input"], None] + [by_name[path] for path in paths]
+        else:
+            x, mask = ctx.saved_tensors
+            params = [p.detach() for p in module.parameters()]
+            grads = module.analytic_gradients([x, mask], params, grad_out, autocast=ctx.autocast)
         caller = af3_gradients(dict(zip(paths, grads[2:])), ctx.names)
         wanted = ctx.needs_input_grad[5:]
         return (None, None, None, grads[0] if ctx.needs_input_grad[3] else None, None,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pairgen
-from pairgen import functional
+from pairgen import TriangleMultiplication, functional
 
 P, H = 24, 16
 
@@ -72,12 +72,21 @@ def test_unbatched_input_other_eps_and_defaults_for_the_layer_norms():
                                    boltz_form(x[None], "outgoing", torch.ones(1, 5, 5), {**plain, **ones})[0])
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("direction", ["outgoing", "incoming"])
-def test_gradients_reach_the_callers_weights_and_input(monkeypatch, bias, direction):
-    """With gradients wanted the module's forward runs, then its closed-form backward mapped onto
-    the caller's fused weights (not the PyTorch path): every gradient within the fp32 gradient
-    standard (relative L2 2e-5) of float64 autograd of the definition."""
+def test_gradients_reach_the_callers_weights_and_input(monkeypatch, bias, direction, recompute):
+    """With gradients wanted the module's closed form runs (its forward keeping the intermediates,
+    or with recompute_for_backward its forward and then a backward that recomputes them), its
+    gradients mapped onto the caller's fused weights (not the PyTorch path): every gradient within
+    the fp32 gradient standard (relative L2 2e-5) of float64 autograd of the definition."""
+    used = []
+    saved, recomputed = TriangleMultiplication.saved_gradients, TriangleMultiplication.analytic_gradients
+    monkeypatch.setattr(TriangleMultiplication, "recompute_for_backward", recompute)
+    monkeypatch.setattr(TriangleMultiplication, "saved_gradients",
+                        staticmethod(lambda *args: used.append("saved") or saved(*args)))
+    monkeypatch.setattr(TriangleMultiplication, "analytic_gradients",
+                        lambda self, *args, **kw: used.append("recomputed") or recomputed(self, *args, **kw))
     gen = torch.Generator().manual_seed(3)
     w = {k: v.requires_grad_() for k, v in weights(gen, bias=bias).items()}
     x = torch.randn(1, 9, 9, P, generator=gen, requires_grad=True)
@@ -87,6 +96,7 @@ def test_gradients_reach_the_callers_weights_and_input(monkeypatch, bias, direct
     with monkeypatch.context() as patched:
         patched.setattr(functional, "reference", lambda *a, **k: pytest.fail("the PyTorch path ran"))
         (pairgen.triangle_multiplicative_update(x, direction, mask, **w) * g).sum().backward()
+    assert used == ["recomputed" if recompute else "saved"]
     assert_gradients_meet_the_fp32_standard(x, direction, mask, w, g)
 
 

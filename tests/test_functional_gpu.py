@@ -53,10 +53,13 @@ def test_matches_cuequivariance_where_importable():
     assert compare(ours, theirs.double(), TRIMUL.tolerance["float32"]).ok
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
 @pytest.mark.parametrize("direction", ["outgoing", "incoming"])
-def test_gradients_through_the_kernels_meet_the_standard(direction):
-    """With gradients wanted: the kernel forward, the closed-form backward onto the caller's fused
-    weights; every gradient within relative L2 2e-5 of float64 autograd (fp32)."""
+def test_gradients_through_the_kernels_meet_the_standard(direction, recompute, monkeypatch):
+    """With gradients wanted: the closed form on the GPU (its forward keeping the intermediates,
+    or the kernel forward and a backward that recomputes them), its gradients mapped onto the
+    caller's fused weights; every gradient within relative L2 2e-5 of float64 autograd (fp32)."""
+    monkeypatch.setattr(pairgen.TriangleMultiplication, "recompute_for_backward", recompute)
     gen = torch.Generator().manual_seed(8)
     w = {k: v.cuda().requires_grad_() for k, v in weights(gen, bias=True, **KERNEL_WIDTHS).items()}
     x = torch.randn(2, 37, 37, KERNEL_WIDTHS["P"], generator=gen).cuda().requires_grad_()
