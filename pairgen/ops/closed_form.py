@@ -89,9 +89,15 @@ def closed_form_gradients(compute, x: torch.Tensor, params: dict[str, torch.Tens
     the caller has; "tf32": fp32 with TF32 products; "bfloat16"/"float16": 16-bit tensors, products
     on 16-bit tensor cores with fp32 accumulation, as PyTorch's own 16-bit backward computes."""
     with computing_in(precision) as (dtype, products):
-        grads = compute(x.to(dtype), {name: p.to(dtype) for name, p in params.items()}, grad_out.to(dtype),
+        grads = compute(_as(x, dtype), {name: _as(p, dtype) for name, p in params.items()}, _as(grad_out, dtype),
                         products, *extra)
     return in_dtypes(grads, x.dtype, {name: p.dtype for name, p in params.items()})
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype; t itself when it is already (a training step makes about forty of these calls,
+    and Tensor.to costs a dispatch even when it has nothing to do)."""
+    return t if t.dtype is dtype else t.to(dtype)
 
 
 @contextlib.contextmanager
@@ -110,10 +116,10 @@ def computing_in(precision: str):
 def in_dtypes(grads: dict[str, torch.Tensor], input_dtype: torch.dtype,
               param_dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
     """Each gradient in the dtype of what it is the gradient of (a frozen parameter has none)."""
-    grads["input"] = grads["input"].to(input_dtype)
+    grads["input"] = _as(grads["input"], input_dtype)
     for name, dtype in param_dtypes.items():
         if name in grads:
-            grads[name] = grads[name].to(dtype)
+            grads[name] = _as(grads[name], dtype)
     return grads
 
 
@@ -131,8 +137,8 @@ def forward_saving(forward, x: torch.Tensor, params: dict[str, torch.Tensor], pr
     """forward(x, params, products) -> (out, state), run as closed_form_gradients runs a backward
     (the precision's dtype, no autograd): (out, a Saved for gradients_from)."""
     with computing_in(precision) as (dtype, products):
-        weights = {name: p.to(dtype) for name, p in params.items()}
-        out, state = forward(x.to(dtype), weights, products)
+        weights = {name: _as(p, dtype) for name, p in params.items()}
+        out, state = forward(_as(x, dtype), weights, products)
     return out, Saved(state, weights, precision, x.dtype, {name: p.dtype for name, p in params.items()})
 
 
@@ -146,5 +152,5 @@ def gradients_from(backward, saved: Saved, grad_out: torch.Tensor) -> dict[str, 
                            "module.recompute_for_backward = True)")
     state, saved.state = saved.state, None
     with computing_in(saved.precision) as (dtype, products):
-        grads = backward(state, saved.weights, grad_out.to(dtype), products)
+        grads = backward(state, saved.weights, _as(grad_out, dtype), products)
     return in_dtypes(grads, saved.input_dtype, saved.param_dtypes)
