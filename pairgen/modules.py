@@ -59,6 +59,14 @@ class ReferenceBackward(torch.autograd.Function):
         return (None, None, None, *[next(grads) if t.requires_grad else None for t in inputs + params])
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether torch.autograd.graph.saved_tensors_hooks (or a user of them: non-reentrant
+    torch.utils.checkpoint, save_on_cpu) is active. PyTorch has no public query; without the
+    private one this answers False."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
 class SavedClosedForm(torch.autograd.Function):
     """Forward computed the closed form's way (the op's saving_forward), its intermediates kept
     for the backward, which consumes them (saved_gradients): no kernel forward and no
@@ -513,9 +521,14 @@ class KernelModule:
         return True
 
     def _saves_for_backward(self, inputs) -> bool:
-        """Whether a training call runs SavedClosedForm (the caller has ruled the reference out)."""
+        """Whether a training call runs SavedClosedForm (the caller has ruled the reference out).
+        Not while saved-tensor hooks are active (non-reentrant activation checkpointing,
+        torch.autograd.graph.save_on_cpu): they manage only what save_for_backward saves, and the
+        kept intermediates would escape them (checkpointing would free nothing); the recomputing
+        path saves just the inputs, through the hooks."""
         return (self.saving_forward is not None and not self.recompute_for_backward
-                and inputs[0].dtype in CLOSED_FORM_DTYPES and self.closed_form_applies(inputs))
+                and inputs[0].dtype in CLOSED_FORM_DTYPES and self.closed_form_applies(inputs)
+                and not _saved_tensor_hooks_active())
 
     def backward_precision(self, x: torch.Tensor, autocast: "torch.dtype | None") -> str:
         """The closed form's products (closed_form.Products): TF32 for 16-bit and autocast calls,

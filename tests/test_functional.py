@@ -152,3 +152,31 @@ def test_weights_made_under_inference_mode_are_accepted():
         x = torch.randn(1, 5, 5, P, generator=gen)
         out = pairgen.triangle_multiplicative_update(x, "outgoing", None, **w)
         torch.testing.assert_close(out, boltz_form(x, "outgoing", torch.ones(1, 5, 5), w), rtol=1e-5, atol=1e-5)
+
+
+def test_under_non_reentrant_checkpointing_the_intermediates_are_recomputed(monkeypatch):
+    """Activation checkpointing (torch.utils.checkpoint, use_reentrant=False) manages what autograd
+    saves through saved-tensor hooks; intermediates kept outside them would stay alive, so such a
+    call takes the recomputing path (and its gradients are right)."""
+    from torch.utils.checkpoint import checkpoint
+
+    used = []
+    saved, recomputed = TriangleMultiplication.saved_gradients, TriangleMultiplication.analytic_gradients
+    monkeypatch.setattr(TriangleMultiplication, "saved_gradients",
+                        staticmethod(lambda *args: used.append("saved") or saved(*args)))
+    monkeypatch.setattr(TriangleMultiplication, "analytic_gradients",
+                        lambda self, *args, **kw: used.append("recomputed") or recomputed(self, *args, **kw))
+    gen = torch.Generator().manual_seed(5)
+    w = {k: v.requires_grad_() for k, v in weights(gen, bias=True).items()}
+    x = torch.randn(1, 7, 7, P, generator=gen, requires_grad=True)
+    mask = torch.rand(1, 7, 7, generator=gen) > 0.2
+    g = torch.randn(1, 7, 7, P, generator=gen)
+    out = checkpoint(lambda t: pairgen.triangle_multiplicative_update(t, "incoming", mask, **w), x, use_reentrant=False)
+    (out * g).sum().backward()
+    assert used == ["recomputed"]
+    assert_gradients_meet_the_fp32_standard(x, "incoming", mask, w, g)
+    used.clear()
+    for v in (x, *w.values()):
+        v.grad = None
+    (pairgen.triangle_multiplicative_update(x, "incoming", mask, **w) * g).sum().backward()
+    assert used == ["saved"], "without checkpointing the intermediates are kept"
