@@ -80,13 +80,8 @@ def test_gradients_reach_the_callers_weights_and_input(monkeypatch, bias, direct
     or with recompute_for_backward its forward and then a backward that recomputes them), its
     gradients mapped onto the caller's fused weights (not the PyTorch path): every gradient within
     the fp32 gradient standard (relative L2 2e-5) of float64 autograd of the definition."""
-    used = []
-    saved, recomputed = TriangleMultiplication.saved_gradients, TriangleMultiplication.analytic_gradients
     monkeypatch.setattr(TriangleMultiplication, "recompute_for_backward", recompute)
-    monkeypatch.setattr(TriangleMultiplication, "saved_gradients",
-                        staticmethod(lambda *args: used.append("saved") or saved(*args)))
-    monkeypatch.setattr(TriangleMultiplication, "analytic_gradients",
-                        lambda self, *args, **kw: used.append("recomputed") or recomputed(self, *args, **kw))
+    used = closed_form_paths(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     w = {k: v.requires_grad_() for k, v in weights(gen, bias=bias).items()}
     x = torch.randn(1, 9, 9, P, generator=gen, requires_grad=True)
@@ -98,6 +93,18 @@ def test_gradients_reach_the_callers_weights_and_input(monkeypatch, bias, direct
         (pairgen.triangle_multiplicative_update(x, direction, mask, **w) * g).sum().backward()
     assert used == ["recomputed" if recompute else "saved"]
     assert_gradients_meet_the_fp32_standard(x, direction, mask, w, g)
+
+
+def closed_form_paths(monkeypatch) -> list:
+    """The closed-form backwards the triangle updates take from here on, in order: "saved"
+    (intermediates kept by the forward) or "recomputed" (recomputed from the inputs)."""
+    used = []
+    saved, recomputed = TriangleMultiplication.saved_gradients, TriangleMultiplication.analytic_gradients
+    monkeypatch.setattr(TriangleMultiplication, "saved_gradients",
+                        staticmethod(lambda *args: used.append("saved") or saved(*args)))
+    monkeypatch.setattr(TriangleMultiplication, "analytic_gradients",
+                        lambda self, *args, **kw: used.append("recomputed") or recomputed(self, *args, **kw))
+    return used
 
 
 def assert_gradients_meet_the_fp32_standard(x, direction, mask, w: dict, g) -> None:
@@ -160,12 +167,7 @@ def test_under_non_reentrant_checkpointing_the_intermediates_are_recomputed(monk
     call takes the recomputing path (and its gradients are right)."""
     from torch.utils.checkpoint import checkpoint
 
-    used = []
-    saved, recomputed = TriangleMultiplication.saved_gradients, TriangleMultiplication.analytic_gradients
-    monkeypatch.setattr(TriangleMultiplication, "saved_gradients",
-                        staticmethod(lambda *args: used.append("saved") or saved(*args)))
-    monkeypatch.setattr(TriangleMultiplication, "analytic_gradients",
-                        lambda self, *args, **kw: used.append("recomputed") or recomputed(self, *args, **kw))
+    used = closed_form_paths(monkeypatch)
     gen = torch.Generator().manual_seed(5)
     w = {k: v.requires_grad_() for k, v in weights(gen, bias=True).items()}
     x = torch.randn(1, 7, 7, P, generator=gen, requires_grad=True)
