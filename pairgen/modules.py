@@ -374,8 +374,10 @@ class KernelModule:
     @property
     def backward_mode(self) -> str:
         """How a call that autograd records gets its gradients:
-        "closed_form": the forward kernel, then the op's closed-form backward in fp32, which keeps
-        nothing from the forward but its inputs (the least memory);
+        "closed_form": the op's closed-form gradients (backward_precision says in what): the
+        forward computed the closed form's way with its intermediates kept for the backward where
+        the op can (saving_forward), else, or with recompute_for_backward, the kernel forward and a
+        backward that recomputes them from the inputs (the least memory);
         "reference": the reference module in PyTorch, forward and backward, in the call's dtype
         (autograd saves the reference's intermediates), exactly what pairgen replaces;
         "auto" (the default): the closed form for fp32 calls, where it is the faster of the two
@@ -499,8 +501,8 @@ class KernelModule:
         """Gradients of every input and parameter, in order (None for those that get none), in
         closed form; None where the op has no closed form for this call (the reference is then
         recomputed under autograd). autocast: the dtype of the torch.autocast the forward ran
-        under (None: none). wanted: per
-        parameter, whether its gradient is wanted (None: all are); the others' products are skipped."""
+        under (None: none). wanted: per parameter, whether its gradient is wanted (None: all
+        are); the others' products are skipped."""
         first = inputs[0]
         if self.closed_form is None or first.dtype not in CLOSED_FORM_DTYPES or not self.closed_form_applies(inputs):
             return None

@@ -1,5 +1,6 @@
 """Pieces the ops' closed-form backwards share (pairgen/ops/<op>/backward.py): each backward
-recomputes its forward's intermediates from the input and weights, then applies the chain rule."""
+recomputes its forward's intermediates from the input and weights (closed_form_gradients) or takes
+them from a forward that kept them (forward_saving, gradients_from), then applies the chain rule."""
 from __future__ import annotations
 
 import contextlib
@@ -108,8 +109,8 @@ def computing_in(precision: str):
         raise ValueError(f"precision must be one of {', '.join(map(repr, COMPUTE_DTYPES))}, got {precision!r}")
     # autocast off: the closed form chooses its dtypes itself (a forward computed under the
     # caller's autocast would otherwise have its LayerNorms lifted to fp32)
-    autocast_off = torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else contextlib.nullcontext()
-    with torch.no_grad(), autocast_off, cublas_fp32_mode(precision == "tf32"):
+    autocast = torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else contextlib.nullcontext()
+    with torch.no_grad(), autocast, cublas_fp32_mode(precision == "tf32"):
         yield COMPUTE_DTYPES[precision], Products()
 
 
