@@ -40,3 +40,17 @@ def test_the_training_table():
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[3] == "train" and cells[5:8] == ["100.0", "300.0", "–"] and "3.00×" in cells and "10 / 40 / –" in cells
     assert "- not measured: compile: RuntimeError: no" in text
+
+
+def test_the_compile_peers_mode_is_chosen_on_the_command_line_and_checked():
+    """--compile-mode picks the torch.compile peer's mode (max-autotune without CUDA graphs unless
+    asked: "default" builds a training step's backward in a fraction of the time); a mode torch
+    does not have is refused by the parser, before anything is measured."""
+    import pytest
+
+    from pairgen.tuning.bench_cli import COMPILE_MODE, parse_args
+
+    assert parse_args([])[1].compile_mode == COMPILE_MODE == "max-autotune-no-cudagraphs"
+    assert parse_args(["--backward", "--compile-mode", "default"])[1].compile_mode == "default"
+    with pytest.raises(SystemExit):
+        parse_args(["--compile-mode", "fastest"])

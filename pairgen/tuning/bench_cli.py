@@ -1,5 +1,5 @@
 """Side-by-side timing: pairgen's module call and its CUDA-graph replay against PyTorch eager and
-torch.compile(mode="max-autotune-no-cudagraphs"), in one process and one run (docs/performance.md says how and why).
+torch.compile(mode="max-autotune-no-cudagraphs", or --compile-mode), in one process and one run (docs/performance.md says how and why).
 
   pairgen-bench                  every op, its default shapes (seed + real)
   pairgen-bench --op contact --shape B=1,N=256,P=128,H=128 --peers eager,compile
@@ -24,6 +24,11 @@ from ..spec import precision_of
 from .cli import add_selection_args, selected_shapes, shape_label
 
 
+#: torch.compile's mode for the compile peer unless --compile-mode says otherwise: its best kernels,
+#: without CUDA graphs (pairgen's own call is timed without them too; graph replay is its own column).
+COMPILE_MODE = "max-autotune-no-cudagraphs"
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_selection_args(parser)
@@ -43,12 +48,17 @@ def parse_args(argv=None):
     parser.add_argument("--recompute-for-backward", action="store_true",
                         help="with --backward: the modules' recompute_for_backward (the kernel forward, then a "
                              "backward that recomputes the intermediates instead of keeping them); kept apart too")
+    parser.add_argument("--compile-mode", default=COMPILE_MODE,
+                        choices=("default", "reduce-overhead", "max-autotune", COMPILE_MODE),
+                        help=f"the torch.compile peer's mode (default {COMPILE_MODE}; \"default\" builds in a "
+                             "fraction of the time, useful for --backward where max-autotune's build of the "
+                             "backward takes many minutes); rows record it")
     parser.add_argument("--dry-run", action="store_true", help="list what would be measured, and exit")
     args = parser.parse_args(argv)
     return parser, args
 
 
-def measure(spec, shape, peers, reps):
+def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE):
     """One row: pairgen's call, graph replay and host time, each peer's time, and every output's
     error against the float64 reference (pairgen's is also checked against the op's tolerance for
     the precision). Peers run in the module's dtype."""
@@ -83,7 +93,8 @@ def measure(spec, shape, peers, reps):
         if "eager" in peers:
             timed["eager"] = lambda: eager(*inputs)
         if "compile" in peers:
-            compiled = torch.compile(eager, mode="max-autotune-no-cudagraphs")
+            compiled = torch.compile(eager, mode=compile_mode)
+            row["compile_mode"] = compile_mode
             start = time.perf_counter()
             compiled(*inputs)
             row["compile_build_s"] = time.perf_counter() - start
@@ -107,7 +118,8 @@ def measure(spec, shape, peers, reps):
     return row
 
 
-def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", recompute: bool = False):
+def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", recompute: bool = False,
+                     compile_mode: str = COMPILE_MODE):
     """One --backward row: forward + backward of the loss (out * g).sum() (g random, fixed) for
     pairgen's module and each peer, each with gradients for the input and its parameters: median
     µs (L2 flushed), the peak memory one step adds, and the input gradient's relative L2 against
@@ -147,7 +159,8 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", reco
     if "eager" in peers:
         calls["eager"] = lambda: eager(*train_inputs)
     if "compile" in peers:
-        compiled = torch.compile(eager, mode="max-autotune-no-cudagraphs")
+        compiled = torch.compile(eager, mode=compile_mode)
+        row["compile_mode"] = compile_mode
         calls["compile"] = lambda: compiled(*train_inputs)
     for name in peers:
         if name in spec.extra_peer_names:
@@ -278,13 +291,14 @@ def main(argv=None) -> int:
         env["timing"] = "median of CUDA-event-timed forward + backward steps, L2 flushed before each"
     for spec, shape in work:
         if args.backward:
-            rows.append(measure_training(spec, shape, peers, args.reps, args.backward_mode, args.recompute_for_backward))
+            rows.append(measure_training(spec, shape, peers, args.reps, args.backward_mode, args.recompute_for_backward,
+                                         args.compile_mode))
             r = rows[-1]
             print(f"{spec.name} {shape_label(shape)} {r['precision']} {r['mode']} fwd+bwd: "
                   + ", ".join(f"{n} {r[n + '_us']:.1f} µs ({r[n + '_peak_mib']:.0f} MiB)"
                               for n in ["pairgen", *peers] if n + "_us" in r), flush=True)
         else:
-            rows.append(measure(spec, shape, peers, args.reps))
+            rows.append(measure(spec, shape, peers, args.reps, args.compile_mode))
             r = rows[-1]
             print(f"{spec.name} {shape_label(shape)} {r['precision']}: call {r['call_us']:.1f} µs, "
                   f"graph {r['graph_us']:.1f} µs, "
