@@ -94,6 +94,7 @@ class _KernelThenClosedForm(torch.autograd.Function):
         return module(x, mask)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its gradients carry no graph: refuse create_graph's use of them
     def backward(ctx, grad_out):
         module = ctx.module
         paths = [path for path, _ in module.named_parameters()]

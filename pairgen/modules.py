@@ -45,17 +45,24 @@ class ReferenceBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         tensors = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in tensors[: ctx.n_inputs]]
+        enabled, dtype = ctx.autocast
+        # Under create_graph (grad mode on here) the gradients must themselves be differentiable in
+        # the saved tensors: the closed form computes without autograd, so the reference's
+        # autograd answers, on the saved tensors as they are (not detached) and building a graph.
+        create_graph = torch.is_grad_enabled()
+        if create_graph:
+            inputs = list(tensors[: ctx.n_inputs])
+        else:
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in tensors[: ctx.n_inputs]]
         params = list(tensors[ctx.n_inputs:])
         wanted = [t for t in inputs + params if t.requires_grad]
-        enabled, dtype = ctx.autocast
-        analytic = ctx.module.analytic_gradients(inputs, params, grad_out, autocast=dtype if enabled else None,
-                                                 wanted=[p.requires_grad for p in params])
+        analytic = None if create_graph else ctx.module.analytic_gradients(
+            inputs, params, grad_out, autocast=dtype if enabled else None, wanted=[p.requires_grad for p in params])
         if analytic is not None:
             return (None, None, None, *[g if t.requires_grad else None for t, g in zip(inputs + params, analytic)])
         with torch.enable_grad(), torch.autocast("cuda", dtype=dtype, enabled=enabled):
             out = ctx.module.reference_forward(*inputs)
-        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True, create_graph=create_graph))
         return (None, None, None, *[next(grads) if t.requires_grad else None for t in inputs + params])
 
 
@@ -83,6 +90,7 @@ class SavedClosedForm(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its gradients carry no graph: refuse create_graph's use of them
     def backward(ctx, grad_out):
         wanted = ctx.needs_input_grad[2 + ctx.n_inputs:]
         grads = ctx.module.saved_gradients(ctx.module, ctx.saved, grad_out, frozen_names(ctx.names, wanted))

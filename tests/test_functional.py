@@ -182,3 +182,15 @@ def test_under_non_reentrant_checkpointing_the_intermediates_are_recomputed(monk
         v.grad = None
     (pairgen.triangle_multiplicative_update(x, "incoming", mask, **w) * g).sum().backward()
     assert used == ["saved"], "without checkpointing the intermediates are kept"
+
+
+def test_a_second_derivative_is_refused_not_zero():
+    """The function's gradients carry no autograd graph: differentiating them (create_graph=True)
+    raises instead of silently treating the second derivative as zero."""
+    gen = torch.Generator().manual_seed(6)
+    w = weights(gen, bias=False)
+    x = torch.randn(1, 5, 5, P, generator=gen, requires_grad=True)
+    out = pairgen.triangle_multiplicative_update(x, "outgoing", None, **w)
+    (grad_x,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_x.sum().backward()

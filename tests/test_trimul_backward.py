@@ -10,7 +10,7 @@ import torch
 
 from helpers import closed_form_errors, generator, gradient_errors64
 from pairgen import codegen, compiler, config
-from pairgen.modules import SavedClosedForm
+from pairgen.modules import ReferenceBackward, SavedClosedForm
 from pairgen.ops import layer_norm_rows
 from pairgen.ops.trimul import TRIMUL, fused_backward
 
@@ -231,3 +231,40 @@ def test_frozen_parameters_in_the_saving_path_get_no_gradient():
     _saving_call(module)(x, mask).sum().backward()
     assert module.proj_a.weight.grad is None
     assert x.grad is not None and module.gate_a.weight.grad is not None
+
+
+def test_a_second_derivative_through_the_kept_intermediates_is_refused_not_zero():
+    """The closed form's gradients carry no autograd graph: a double backward (create_graph=True,
+    as a gradient penalty uses) through a kept-intermediates call raises instead of silently
+    treating the second derivative as zero."""
+    widths = {"P": 16, "H": 8, "outgoing": 0, "gate_normalized": 0, "bias": 1}
+    gen = generator(101)
+    module = TRIMUL.make_module(widths, gen)
+    x, mask = TRIMUL.make_inputs({"B": 1, "N": 5, **widths}, gen)
+    x.requires_grad_()
+    out = _saving_call(module)(x, mask)
+    (grad_x,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_x.sum().backward()
+
+
+def test_create_graph_through_the_recomputing_path_gives_the_references_second_derivative(monkeypatch):
+    """ReferenceBackward (the kernel forward, here stood in for by the reference on the CPU) under
+    create_graph=True answers with the reference's autograd on the saved tensors, so a second
+    derivative (a gradient penalty) is the reference's: within 2e-5 of float64, not zero."""
+    widths = {"P": 16, "H": 8, "outgoing": 1, "gate_normalized": 1, "bias": 1}
+    gen = generator(102)
+    module = TRIMUL.make_module(widths, gen)
+    x, mask = TRIMUL.make_inputs({"B": 1, "N": 6, **widths}, gen)
+    monkeypatch.setattr(module, "_launch", lambda *inputs, variant: module.reference_forward(*inputs))
+
+    def second_derivative(call, x_in):
+        leaf = x_in.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(call(leaf).square().sum(), leaf, create_graph=True)
+        (second,) = torch.autograd.grad(grad.square().sum(), leaf)
+        return second
+
+    ours = second_derivative(lambda t: ReferenceBackward.apply(module, 2, None, t, mask, *module.parameters()), x)
+    reference64 = TRIMUL.make_reference(module).double()
+    exact = second_derivative(lambda t: reference64(t, mask), x.double())
+    assert ((ours.double() - exact).norm() / exact.norm()).item() <= 2e-5

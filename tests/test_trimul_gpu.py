@@ -340,3 +340,28 @@ def test_non_reentrant_checkpointing_recomputes_and_meets_the_standard():
     assert closed_form_paths(module, step) == ["recomputed"]
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 2e-5, f"gradient of {worst}: {errors}"
+
+
+def test_create_graph_differentiates_through_the_reference_or_is_refused():
+    """A double backward (create_graph=True): with recompute_for_backward the backward answers with
+    the reference's autograd, so the second derivative is the reference's (within the fp32
+    standard of float64); through kept intermediates, whose gradients carry no graph, it raises
+    instead of giving zero."""
+    gen = generator(21)
+    widths = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 1, "bias": 1}
+    module = TRIMUL.make_module(widths, gen).cuda()
+    x, mask = (t.cuda() for t in TRIMUL.make_inputs({"B": 1, "N": 19, **widths}, gen))
+
+    def second_derivative(net, x_in):
+        leaf = x_in.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(net(leaf, mask).square().sum(), leaf, create_graph=True)
+        (second,) = torch.autograd.grad(grad.square().sum(), leaf)
+        return second
+
+    module.recompute_for_backward = True
+    ours = second_derivative(module, x)
+    exact = second_derivative(TRIMUL.make_reference(module).double(), x.double())
+    assert ((ours.double() - exact).norm() / exact.norm()).item() <= 2e-5
+    module.recompute_for_backward = False
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        second_derivative(module, x)
