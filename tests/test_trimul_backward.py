@@ -180,6 +180,15 @@ def test_the_fused_kernels_are_on_by_default_can_be_turned_off_and_are_gpu_only(
     assert not fused_backward.enabled(torch.zeros(1)), "CPU tensors keep the PyTorch passes"
 
 
+def _small_case(seed: int, N: int, **options) -> tuple:
+    """(module, x wanting a gradient, mask): P16 H8, one batch, the options over the defaults."""
+    widths = {"P": 16, "H": 8, "outgoing": 0, "gate_normalized": 0, "bias": 1, **options}
+    gen = generator(seed)
+    module = TRIMUL.make_module(widths, gen)
+    x, mask = TRIMUL.make_inputs({"B": 1, "N": N, **widths}, gen)
+    return module, x.requires_grad_(), mask
+
+
 def _saving_call(module):
     """A training call through the saving path (what a CUDA call takes unless
     recompute_for_backward is set), run here on the CPU tensors given."""
@@ -210,11 +219,7 @@ def test_the_saving_forward_is_exact_and_its_gradients_meet_the_standard(outgoin
 def test_the_saved_intermediates_serve_one_backward_and_a_second_is_refused_clearly():
     """The backward turns the saved intermediates into gradients in place, so a second backward
     through the same call (retain_graph=True) is refused with what to do, not answered wrongly."""
-    widths = {"P": 16, "H": 8, "outgoing": 0, "gate_normalized": 0, "bias": 1}
-    gen = generator(99)
-    module = TRIMUL.make_module(widths, gen)
-    x, mask = TRIMUL.make_inputs({"B": 1, "N": 6, **widths}, gen)
-    x.requires_grad_()
+    module, x, mask = _small_case(99, 6)
     out = _saving_call(module)(x, mask)
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="recompute_for_backward = True"):
@@ -222,12 +227,8 @@ def test_the_saved_intermediates_serve_one_backward_and_a_second_is_refused_clea
 
 
 def test_frozen_parameters_in_the_saving_path_get_no_gradient():
-    widths = {"P": 16, "H": 8, "outgoing": 1, "gate_normalized": 1, "bias": 1}
-    gen = generator(100)
-    module = TRIMUL.make_module(widths, gen)
+    module, x, mask = _small_case(100, 7, outgoing=1, gate_normalized=1)
     module.proj_a.weight.requires_grad_(False)
-    x, mask = TRIMUL.make_inputs({"B": 1, "N": 7, **widths}, gen)
-    x.requires_grad_()
     _saving_call(module)(x, mask).sum().backward()
     assert module.proj_a.weight.grad is None
     assert x.grad is not None and module.gate_a.weight.grad is not None
@@ -237,11 +238,7 @@ def test_a_second_derivative_through_the_kept_intermediates_is_refused_not_zero(
     """The closed form's gradients carry no autograd graph: a double backward (create_graph=True,
     as a gradient penalty uses) through a kept-intermediates call raises instead of silently
     treating the second derivative as zero."""
-    widths = {"P": 16, "H": 8, "outgoing": 0, "gate_normalized": 0, "bias": 1}
-    gen = generator(101)
-    module = TRIMUL.make_module(widths, gen)
-    x, mask = TRIMUL.make_inputs({"B": 1, "N": 5, **widths}, gen)
-    x.requires_grad_()
+    module, x, mask = _small_case(101, 5)
     out = _saving_call(module)(x, mask)
     (grad_x,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
