@@ -69,13 +69,13 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
         if wants_grad:  # the closed form, its gradients mapped onto the caller's tensors
             names = [n for n, w in weights.items() if w is not None]
             autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-            out = _KernelThenClosedForm.apply(module, names, autocast, x, mask, *(weights[n] for n in names))
+            out = _ClosedFormForCaller.apply(module, names, autocast, x, mask, *(weights[n] for n in names))
         else:
             out = module(x, mask)
     return out if batched else out.squeeze(0)
 
 
-class _KernelThenClosedForm(torch.autograd.Function):
+class _ClosedFormForCaller(torch.autograd.Function):
     """A call with gradients wanted, through the module whose parameters are views of the
     caller's weights: as the module trains (KernelModule's SavedClosedForm), the forward computed
     the closed form's way with its intermediates kept for the backward; or, with the module's
@@ -97,17 +97,16 @@ class _KernelThenClosedForm(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # its gradients carry no graph: refuse create_graph's use of them
     def backward(ctx, grad_out):
         module = ctx.module
-        paths = [path for path, _ in module.named_parameters()]
         if ctx.saved is not None:
-            by_name = module.saved_gradients(module, ctx.saved, grad_out)
-            grads = [by_name["input"], None] + [by_name[path] for path in paths]
+            by_name = module.saved_gradients(module, ctx.saved, grad_out)  # parameter paths and "input"
         else:
             x, mask = ctx.saved_tensors
-            params = [p.detach() for p in module.parameters()]
-            grads = module.analytic_gradients([x, mask], params, grad_out, autocast=ctx.autocast)
-        caller = af3_gradients(dict(zip(paths, grads[2:])), ctx.names)
+            named = list(module.named_parameters())
+            grads = module.analytic_gradients([x, mask], [p.detach() for _, p in named], grad_out, autocast=ctx.autocast)
+            by_name = {"input": grads[0], **{path: g for (path, _), g in zip(named, grads[2:])}}
+        caller = af3_gradients(by_name, ctx.names)
         wanted = ctx.needs_input_grad[5:]
-        return (None, None, None, grads[0] if ctx.needs_input_grad[3] else None, None,
+        return (None, None, None, by_name["input"] if ctx.needs_input_grad[3] else None, None,
                 *(caller[name] if want else None for name, want in zip(ctx.names, wanted)))
 
 

@@ -20,7 +20,8 @@ from .spec import OpSpec
 HALF_PRECISION_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-#: Input dtypes the closed-form backwards take (they compute in fp32 and cast back).
+#: Input dtypes the closed-form backwards take (each computes in the dtype its module's
+#: backward_precision names and casts the gradients back).
 CLOSED_FORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -79,24 +80,30 @@ class SavedClosedForm(torch.autograd.Function):
     for the backward, which consumes them (saved_gradients): no kernel forward and no
     recomputation, at the memory of the saved intermediates."""
 
+    @classmethod
+    def run(cls, module, inputs: tuple) -> torch.Tensor:
+        """The module's training call on `inputs` through this function (its parameters walked
+        once: a walk costs a call tens of µs of host time)."""
+        named = list(module.named_parameters())
+        return cls.apply(module, len(inputs), tuple(name for name, _ in named), *inputs, *(p for _, p in named))
+
     @staticmethod
-    def forward(ctx, module, n_inputs, *tensors):
-        names = [name for name, _ in module.named_parameters()]
+    def forward(ctx, module, n_inputs, names, *tensors):
         ctx.module, ctx.n_inputs, ctx.names = module, n_inputs, names
-        first = tensors[0]
         autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         out, ctx.saved = module.saving_forward(module, *tensors[:n_inputs], dict(zip(names, tensors[n_inputs:])),
-                                               module.backward_precision(first, autocast))
+                                               module.backward_precision(tensors[0], autocast))
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # its gradients carry no graph: refuse create_graph's use of them
     def backward(ctx, grad_out):
-        wanted = ctx.needs_input_grad[2 + ctx.n_inputs:]
+        skipped = 3  # module, n_inputs, names
+        wanted = ctx.needs_input_grad[skipped + ctx.n_inputs:]
         grads = ctx.module.saved_gradients(ctx.module, ctx.saved, grad_out, frozen_names(ctx.names, wanted))
-        needs = ctx.needs_input_grad[2: 2 + ctx.n_inputs]
+        needs = ctx.needs_input_grad[skipped: skipped + ctx.n_inputs]
         inputs = [grads[key] if key and need else None for key, need in zip(ctx.module.input_gradients, needs)]
-        return (None, None, *inputs, *[grads.get(name) if want else None for name, want in zip(ctx.names, wanted)])
+        return (None,) * skipped + (*inputs, *[grads.get(name) if want else None for name, want in zip(ctx.names, wanted)])
 
 
 # ---- packed weights that always follow the module's parameters -------------------------------
@@ -483,7 +490,7 @@ class KernelModule:
             return self.reference_forward(*inputs)  # disabled, or no kernel fits these widths
         if training:
             if self._saves_for_backward(inputs):
-                return SavedClosedForm.apply(self, len(inputs), *inputs, *self.parameters())
+                return SavedClosedForm.run(self, inputs)
             return ReferenceBackward.apply(self, len(inputs), variant, *inputs, *self.parameters())
         return self._launch(*inputs, variant=variant)
 

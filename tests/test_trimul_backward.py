@@ -192,7 +192,7 @@ def _small_case(seed: int, N: int, **options) -> tuple:
 def _saving_call(module):
     """A training call through the saving path (what a CUDA call takes unless
     recompute_for_backward is set), run here on the CPU tensors given."""
-    return lambda x, mask: SavedClosedForm.apply(module, 2, x, mask, *module.parameters())
+    return lambda x, mask: SavedClosedForm.run(module, (x, mask))
 
 
 @pytest.mark.parametrize("outgoing,gate_normalized,bias", [(0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 0)])

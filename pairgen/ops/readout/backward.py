@@ -34,18 +34,15 @@ def gradients(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: 
     for every name of `params` ("fuse.0.weight", ..., "norm.bias") but the `frozen` ones'
     products, given d(loss)/d(out): the intermediates recomputed from the inputs, then the chain rule."""
     def compute(n32, w, g, mm):
-        return _backward(module, _forward(module, n32, pair_feats.float(), edge_mask, w, mm), w, g, mm, frozen)
-    grads = closed_form_gradients(compute, nodes, params, grad_out, precision)
-    grads["pair_feats"] = grads["pair_feats"].to(pair_feats.dtype)
-    return grads
+        return _backward(module, _forward(module, n32, pair_feats, edge_mask, w, mm), w, g, mm, frozen)
+    return closed_form_gradients(compute, nodes, params, grad_out, precision)
 
 
 def forward_saving(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: torch.Tensor,
                    params: dict[str, torch.Tensor], precision: str) -> tuple:
     """The forward computed the closed form's way: (out, what gradients_from() needs)."""
     def forward(n32, w, mm):
-        state = _forward(module, n32, pair_feats.float(), edge_mask, w, mm)
-        state.pair_dtype = pair_feats.dtype
+        state = _forward(module, n32, pair_feats, edge_mask, w, mm)
         return n32 + (state.p_hat * w["norm.weight"] + w["norm.bias"]), state
     return closed_form.forward_saving(forward, nodes, params, precision)
 
@@ -53,19 +50,19 @@ def forward_saving(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_m
 def gradients_from(module, saved: closed_form.Saved, grad_out: torch.Tensor,
                    frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
     """gradients() from a forward_saving() state, which it consumes: one backward per forward."""
-    pair_dtype = saved.state.pair_dtype if saved.state is not None else None
-    grads = closed_form.gradients_from(lambda f, w, g, mm: _backward(module, f, w, g, mm, frozen), saved, grad_out)
-    grads["pair_feats"] = grads["pair_feats"].to(pair_dtype)
-    return grads
+    return closed_form.gradients_from(lambda f, w, g, mm: _backward(module, f, w, g, mm, frozen), saved, grad_out)
 
 
-def _forward(module, nodes, pair, edge_mask, w, mm) -> SimpleNamespace:
-    """The forward's intermediates the chain rule needs."""
+def _forward(module, nodes, pair_feats, edge_mask, w, mm) -> SimpleNamespace:
+    """The forward's intermediates the chain rule needs (in fp32, the pair features' gradient
+    going back in their dtype)."""
     B, N, D = nodes.shape
-    P = pair.shape[-1]
+    P = pair_feats.shape[-1]
     w1 = w["fuse.0.weight"]
     H = w1.shape[0]
-    f = SimpleNamespace(B=B, N=N, D=D, P=P, H=H, nodes=nodes, pair=pair, edge_mask=edge_mask)
+    pair = pair_feats.float()
+    f = SimpleNamespace(B=B, N=N, D=D, P=P, H=H, nodes=nodes, pair=pair, pair_dtype=pair_feats.dtype,
+                        edge_mask=edge_mask)
     u = mm(nodes, w1[:, :D].t())             # (B, N, H): node i's term
     v = mm(nodes, w1[:, D:2 * D].t())        # (B, N, H): node j's term
     f.pre = mm(pair.reshape(-1, P), w1[:, 2 * D:].t()).view(B, N, N, H)
@@ -114,7 +111,7 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     first_layer = "fuse.0.weight" not in frozen
     pair_rows = f.pair.reshape(-1, P)
     d_wp = mm(d_pre.t(), pair_rows) if first_layer else None
-    grads["pair_feats"] = mm(d_pre, wp).view(B, N, N, P)
+    grads["pair_feats"] = mm(d_pre, wp).view(B, N, N, P).to(f.pair_dtype)
     d_pre4 = d_pre.view(B, N, N, H)
     d_u = d_pre4.sum(dim=2)                  # (B, N, H): node i over its partners j
     d_v = d_pre4.sum(dim=1)                  # (B, N, H): node j over the i that read it

@@ -130,7 +130,8 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False) -> SimpleNames
 
 
 def _operands(f: SimpleNamespace, apply: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A and B as (B*H, N, N) from the projections (made again for the backward, not kept)."""
+    """A and B as (B*H, N, N) from the projections (apply: add the bias and take the gates'
+    sigmoid in place first, which the forward does once)."""
     B, H, N = f.B, f.H, f.N
     if f.fused:
         a, b = fused_backward.gates(f.proj, f.b4, f.keep, apply)
@@ -218,18 +219,18 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     d_xn = mm.channels_last(d_proj, f.w4)  # (B, N*N, P)
     del d_proj, proj
     f.xn = f.xn_cl = None
-    if f.fused_ln_in:  # the out gate's gradient joins before (gated on xn) or after (on x) the LayerNorm
+    # the out gate's gradient joins before the LayerNorm (gated on xn) or after it (gated on x)
+    if f.fused_ln_in:
         d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = layer_norm_rows.layer_norm_backward(
             d_xn.view(-1, P), f.rows, f.mean_in, f.rstd_in, w["layer_norm_in.weight"], f.eps_in,
             add_before=d_gate_in if f.gate_normalized else None, add_after=None if f.gate_normalized else d_gate_in)
-        grads["input"] = d_x.view(B, N, N, P)
-        return grads
-    if f.gate_normalized:
-        d_xn.view(-1, P).add_(d_gate_in)
-    d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = torch.ops.aten.native_layer_norm_backward(
-        d_xn.view(-1, P), f.rows, [P], f.mean_in, f.rstd_in, w["layer_norm_in.weight"], w["layer_norm_in.bias"],
-        [True, True, True])
-    if not f.gate_normalized:
-        d_x += d_gate_in
+    else:
+        if f.gate_normalized:
+            d_xn.view(-1, P).add_(d_gate_in)
+        d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = torch.ops.aten.native_layer_norm_backward(
+            d_xn.view(-1, P), f.rows, [P], f.mean_in, f.rstd_in, w["layer_norm_in.weight"], w["layer_norm_in.bias"],
+            [True, True, True])
+        if not f.gate_normalized:
+            d_x += d_gate_in
     grads["input"] = d_x.view(B, N, N, P)
     return grads

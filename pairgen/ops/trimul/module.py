@@ -232,10 +232,9 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         tensor cores are several times TF32's rate); `tf32` modules with TF32 products (their
         promise is TF32's accuracy); the rest as every op does (KernelModule.backward_precision:
         tf32x3 modules take exact fp32)."""
-        if autocast in HALF_DTYPES:
-            return HALF_DTYPES[autocast]
-        if not autocast and x.dtype in (torch.bfloat16, torch.float16):
-            return str(x.dtype).removeprefix("torch.")
+        half = HALF_DTYPES.get(autocast or x.dtype)  # autocast's dtype, else a 16-bit module's
+        if half is not None:
+            return half
         if not autocast and self._precision == "tf32":
             return "tf32"
         return super().backward_precision(x, autocast)
