@@ -94,20 +94,25 @@ class _ClosedFormForCaller(torch.autograd.Function):
         return module(x, mask)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # its gradients carry no graph: refuse create_graph's use of them
     def backward(ctx, grad_out):
+        from .modules import graphless_gradients
+
         module = ctx.module
-        if ctx.saved is not None:
-            by_name = module.saved_gradients(module, ctx.saved, grad_out)  # parameter paths and "input"
-        else:
-            x, mask = ctx.saved_tensors
-            named = list(module.named_parameters())
-            grads = module.analytic_gradients([x, mask], [p.detach() for _, p in named], grad_out, autocast=ctx.autocast)
-            by_name = {"input": grads[0], **{path: g for (path, _), g in zip(named, grads[2:])}}
+        with torch.no_grad():
+            if ctx.saved is not None:
+                by_name = module.saved_gradients(module, ctx.saved, grad_out.detach())  # parameter paths and "input"
+            else:
+                x, mask = ctx.saved_tensors
+                named = list(module.named_parameters())
+                grads = module.analytic_gradients([x, mask], [p.detach() for _, p in named], grad_out.detach(),
+                                                  autocast=ctx.autocast)
+                by_name = {"input": grads[0], **{path: g for (path, _), g in zip(named, grads[2:])}}
         caller = af3_gradients(by_name, ctx.names)
         wanted = ctx.needs_input_grad[5:]
-        return (None, None, None, by_name["input"] if ctx.needs_input_grad[3] else None, None,
-                *(caller[name] if want else None for name, want in zip(ctx.names, wanted)))
+        grads = [by_name["input"] if ctx.needs_input_grad[3] else None,
+                 *(caller[name] if want else None for name, want in zip(ctx.names, wanted))]
+        grad_x, *weights = graphless_gradients(grad_out, grads)
+        return (None, None, None, grad_x, None, *weights)
 
 
 def af3_gradients(grads: dict, names: list[str]) -> dict:

@@ -75,6 +75,41 @@ def _saved_tensor_hooks_active() -> bool:
     return top is not None and top(False) is not None
 
 
+SECOND_DERIVATIVE_REFUSED = (
+    "pairgen: a second derivative (create_graph=True) through kept intermediates is not supported: their "
+    "gradients are computed without an autograd graph. Set the module's recompute_for_backward = True to "
+    "differentiate through the reference's autograd instead.")
+
+
+class _RefuseSecondDerivative(torch.autograd.Function):
+    """Identity on gradients computed without a graph, tied to the incoming gradient so that the
+    graph a create_graph=True backward builds reaches the caller's tensors; differentiating it
+    raises SECOND_DERIVATIVE_REFUSED (not PyTorch's 'appears to not have been used in the graph',
+    nor a silent zero)."""
+
+    @staticmethod
+    def forward(ctx, grad_out, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(SECOND_DERIVATIVE_REFUSED)
+
+
+def graphless_gradients(grad_out: torch.Tensor, grads: list) -> list:
+    """`grads` as a backward returns them: unchanged in a plain backward; under create_graph=True
+    (grad mode on during the backward), tied to `grad_out` through a node that refuses to be
+    differentiated."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not (torch.is_grad_enabled() and grad_out.requires_grad and present):
+        return grads
+    tied = _RefuseSecondDerivative.apply(grad_out, *(grads[i] for i in present))
+    out = list(grads)
+    for i, g in zip(present, tied):
+        out[i] = g
+    return out
+
+
 class SavedClosedForm(torch.autograd.Function):
     """Forward computed the closed form's way (the op's saving_forward), its intermediates kept
     for the backward, which consumes them (saved_gradients): no kernel forward and no
@@ -96,14 +131,15 @@ class SavedClosedForm(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # its gradients carry no graph: refuse create_graph's use of them
     def backward(ctx, grad_out):
         skipped = 3  # module, n_inputs, names
         wanted = ctx.needs_input_grad[skipped + ctx.n_inputs:]
-        grads = ctx.module.saved_gradients(ctx.module, ctx.saved, grad_out, frozen_names(ctx.names, wanted))
+        with torch.no_grad():
+            grads = ctx.module.saved_gradients(ctx.module, ctx.saved, grad_out.detach(), frozen_names(ctx.names, wanted))
         needs = ctx.needs_input_grad[skipped: skipped + ctx.n_inputs]
         inputs = [grads[key] if key and need else None for key, need in zip(ctx.module.input_gradients, needs)]
-        return (None,) * skipped + (*inputs, *[grads.get(name) if want else None for name, want in zip(ctx.names, wanted)])
+        params = [grads.get(name) if want else None for name, want in zip(ctx.names, wanted)]
+        return (None,) * skipped + tuple(graphless_gradients(grad_out, [*inputs, *params]))
 
 
 # ---- packed weights that always follow the module's parameters -------------------------------

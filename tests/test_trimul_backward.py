@@ -241,8 +241,13 @@ def test_a_second_derivative_through_the_kept_intermediates_is_refused_not_zero(
     module, x, mask = _small_case(101, 5)
     out = _saving_call(module)(x, mask)
     (grad_x,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+    with pytest.raises(RuntimeError, match="second derivative"):  # asked for by tensor: the graph reaches x
+        torch.autograd.grad(grad_x.square().sum(), x, retain_graph=True)
+    with pytest.raises(RuntimeError, match="second derivative"):
         grad_x.sum().backward()
+    plain = _saving_call(module)(x, mask)
+    (first,) = torch.autograd.grad(plain.square().sum(), x)
+    assert first.grad_fn is None and torch.equal(first, grad_x.detach()), "a plain backward is untouched"
 
 
 def test_create_graph_through_the_recomputing_path_gives_the_references_second_derivative(monkeypatch):
