@@ -3,6 +3,11 @@
   xn = LN(x) per pair,  s = (xn + xn^T) / 2 over (i, j),
   h1 = relu(s W1^T + b1),  h2 = relu(h1 W2^T + b2),  out = sigmoid(h2 W3^T + b3)
 
+s is symmetric in (i, j), so h1, h2 and out are too: the MLP runs on the pairs i <= j only (about
+half of them; its products are most of the time). Its backward sees each such pair once, with
+d(loss)/d(out) of both (i, j) and (j, i): g_u = g_ij + g_ji (g_ii on the diagonal), and gives
+d(loss)/d(s_u) back to xn_ij and xn_ji halved (whole on the diagonal, where s_ii = xn_ii).
+
 A training call's forward computes xn, s, h1, h2 and out this way and keeps them for the backward
 (forward_saving, then gradients_from); with the module's recompute_for_backward, the forward is
 the kernel and the backward recomputes them from the input (gradients). Then the chain rule:
@@ -11,6 +16,7 @@ the gradient of the loss with respect to <name>.
 """
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -42,11 +48,30 @@ def gradients_from(module, saved: closed_form.Saved, grad_out: torch.Tensor,
     return closed_form.gradients_from(lambda f, w, g, mm: _backward(module, f, w, g, mm, frozen), saved, grad_out)
 
 
-def _symmetrised(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
-    """(t + t^T) / 2 over the pair's (i, j), rows (B*N*N, C): one pass, into a new tensor (the
-    transposed read still walks whole rows of C channels)."""
-    pairs = t.view(B, N, N, t.shape[-1])
-    return torch.lerp(pairs, pairs.transpose(1, 2), 0.5).view(t.shape)
+class UniquePairs(SimpleNamespace):
+    """The pairs i <= j of B planes of N x N as rows of the (B*N*N, C) pair tensors: `ij` and `ji`
+    (int64, the row of (i, j) and of (j, i)), `off` (1.0 where i != j, else 0.0) and `share`
+    (0.5 where i != j, else 1.0: each of the two rows' part of a pair's gradient)."""
+
+
+@functools.lru_cache(maxsize=8)  # a few lengths at a time (bounded: every protein has its own N)
+def unique_pairs(B: int, N: int, device: torch.device) -> UniquePairs:
+    i, j = torch.triu_indices(N, N, device=device)
+    plane = (torch.arange(B, device=device) * (N * N)).view(B, 1)
+    off = (i != j).to(torch.float32).repeat(B)
+    return UniquePairs(ij=(plane + i * N + j).view(-1), ji=(plane + j * N + i).view(-1),
+                       off=off, share=1.0 - 0.5 * off)
+
+
+def _symmetrised_unique(xn: torch.Tensor, pairs: UniquePairs) -> torch.Tensor:
+    """s_u = (xn_ij + xn_ji) / 2 for the pairs u = (i <= j), rows (pairs, C)."""
+    return xn.index_select(0, pairs.ij).lerp_(xn.index_select(0, pairs.ji), 0.5)
+
+
+def _to_both_rows(values: torch.Tensor, pairs: UniquePairs, rows: int) -> torch.Tensor:
+    """(rows, C) with each pair's row of `values` at both (i, j) and (j, i)."""
+    out = values.new_empty(rows, values.shape[1])
+    return out.index_copy_(0, pairs.ij, values).index_copy_(0, pairs.ji, values)
 
 
 def _relu_backward_(d: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -65,11 +90,13 @@ def _forward(module, x, w, mm) -> SimpleNamespace:
     else:  # PyTorch's fused LayerNorm, which also gives its backward's pieces
         f.rows = x.reshape(-1, P)
         xn, f.mean, f.rstd = torch.native_layer_norm(f.rows, [P], w["layer_norm.weight"], w["layer_norm.bias"], f.eps)
-    f.s = _symmetrised(xn, B, N)
+    f.pairs = unique_pairs(B, N, x.device)
+    f.s = _symmetrised_unique(xn, f.pairs)
     del xn
     f.h1 = mm.linear(f.s, w["mlp.0.weight"], w["mlp.0.bias"]).relu_()
     f.h2 = mm.linear(f.h1, w["mlp.2.weight"], w["mlp.2.bias"]).relu_()
-    f.out = torch.sigmoid(mm.linear(f.h2, w["mlp.4.weight"], w["mlp.4.bias"]))  # (M, 1)
+    f.out_unique = torch.sigmoid(mm.linear(f.h2, w["mlp.4.weight"], w["mlp.4.bias"]))  # (pairs, 1)
+    f.out = _to_both_rows(f.out_unique, f.pairs, B * N * N)
     return f
 
 
@@ -77,9 +104,11 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     """The chain rule from d(loss)/d(out) back through _forward's intermediates, which it drops."""
     B, N, P = f.B, f.N, f.P
 
-    # ---- back through the MLP ----
-    d_y = torch.ops.aten.sigmoid_backward(grad_out.reshape(-1, 1), f.out)
-    f.out = None
+    # ---- back through the MLP, once per pair i <= j ----
+    g = grad_out.reshape(-1)
+    g_unique = g.index_select(0, f.pairs.ij).addcmul_(g.index_select(0, f.pairs.ji), f.pairs.off)
+    d_y = torch.ops.aten.sigmoid_backward(g_unique.view(-1, 1), f.out_unique)
+    f.out = f.out_unique = None
     grads = {"mlp.4.bias": d_y.sum(0)}
     if "mlp.4.weight" not in frozen:
         grads["mlp.4.weight"] = mm(d_y.t(), f.h2)
@@ -100,7 +129,7 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     del d_h1
 
     # ---- the symmetrisation and the LayerNorm ----
-    d_xn = _symmetrised(d_s, B, N)
+    d_xn = _to_both_rows(d_s.mul_(f.pairs.share.view(-1, 1)), f.pairs, B * N * N)
     del d_s
     if f.fused_ln:
         d_x, grads["layer_norm.weight"], grads["layer_norm.bias"] = layer_norm_rows.layer_norm_backward(
