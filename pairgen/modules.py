@@ -75,6 +75,11 @@ def _saved_tensor_hooks_active() -> bool:
     return top is not None and top(False) is not None
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype; t itself when it is already (Tensor.to costs a dispatch even with nothing to do)."""
+    return t if t.dtype is dtype else t.to(dtype)
+
+
 SECOND_DERIVATIVE_REFUSED = (
     "pairgen: a second derivative (create_graph=True) through kept intermediates is not supported: their "
     "gradients are computed without an autograd graph. Set the module's recompute_for_backward = True to "
@@ -128,7 +133,7 @@ class SavedClosedForm(torch.autograd.Function):
         autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         out, ctx.saved = module.saving_forward(module, *tensors[:n_inputs], dict(zip(names, tensors[n_inputs:])),
                                                module.backward_precision(tensors[0], autocast))
-        return out
+        return as_dtype(out, module.closed_form_output_dtype(tensors[0], autocast))
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -392,6 +397,11 @@ class KernelModule:
     #: them unless this is True: then the forward is the kernel and the backward recomputes them
     #: from the inputs (the least memory, one forward more). Other ops always recompute.
     recompute_for_backward = False
+    #: Calls no kernel computes (a dtype or an autocast the op has no kernels in) run the op's
+    #: closed form on the GPU (cuBLAS products, fused row kernels), forward and training alike,
+    #: where this is True and the closed form applies, instead of the reference; backward_mode
+    #: "reference" keeps the reference for them.
+    closed_form_without_kernel = False
 
     # Loaded kernels and packed weights belong to this process and device: a copy or a pickle
     # (an EMA copy of the model, torch.save) starts without them and rebuilds them on first use.
@@ -514,7 +524,7 @@ class KernelModule:
             return self.reference_forward(*inputs)
         precision = self.kernel_precision(*inputs)
         if precision is None:
-            return self.reference_forward(*inputs)
+            return self._without_kernel(inputs)
         training = torch.is_grad_enabled() and self._needs_grad(inputs)
         if training and self.trains_through_reference(precision, inputs):
             return self.reference_forward(*inputs)
@@ -529,6 +539,30 @@ class KernelModule:
                 return SavedClosedForm.run(self, inputs)
             return ReferenceBackward.apply(self, len(inputs), variant, *inputs, *self.parameters())
         return self._launch(*inputs, variant=variant)
+
+    def _without_kernel(self, inputs: tuple):
+        """A call no kernel computes: the closed form where closed_form_without_kernel says so
+        and it applies (a training call keeps its intermediates, as SavedClosedForm does), else
+        the reference."""
+        first = inputs[0]
+        if not (self.closed_form_without_kernel and first.is_cuda and first.dtype in CLOSED_FORM_DTYPES
+                and self._backward_mode != "reference" and self.closed_form_applies(inputs)):
+            return self.reference_forward(*inputs)
+        if torch.is_grad_enabled() and self._needs_grad(inputs):
+            if self._saves_for_backward(inputs):
+                return SavedClosedForm.run(self, inputs)
+            return self.reference_forward(*inputs)  # saved-tensor hooks, or recompute_for_backward: no kernel to recompute with
+        autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        params = {name: p.detach() for name, p in self.named_parameters()}
+        out, _ = self.saving_forward(self, *inputs, params, self.backward_precision(first, autocast))
+        return as_dtype(out, self.closed_form_output_dtype(first, autocast))
+
+    def closed_form_output_dtype(self, first: torch.Tensor, autocast: "torch.dtype | None") -> torch.dtype:
+        """The dtype the reference returns for a call whose first input is `first`, under an
+        autocast to `autocast` (None: none): what a closed-form call returns. The autocast dtype
+        when there is one (the reference ends in a Linear's output), else the input's; an op whose
+        reference ends otherwise says so."""
+        return autocast or first.dtype
 
     def _first_use(self, pending: "first_use.Pending", inputs: tuple, precision: str):
         """Settle a default variant against the reference on this call's inputs (first_use.py),

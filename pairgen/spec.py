@@ -122,6 +122,11 @@ class Tolerance:
     rel_l2: float
 
 
+#: The 16-bit accuracy standard (bf16/fp16 modules): relative L2 against float64 of the same
+#: rounded inputs and weights; no elementwise bound (a 16-bit value's own rounding can exceed any).
+SIXTEEN_BIT_TOLERANCE = Tolerance(max_abs=float("inf"), rel_l2=1e-2)
+
+
 @dataclass(frozen=True)
 class Cost:
     bytes: float
@@ -210,9 +215,11 @@ class OpSpec:
         seen = dict.fromkeys(p for s in self.strategies.values() for p in s.precisions)
         return tuple(sorted(seen, key=lambda p: p != "float32"))
 
-    def at(self, precision: str) -> "PrecisionView":
-        """The op seen in one precision: what tuning, dry runs and benches of that precision use."""
-        if precision not in self.precisions:
+    def at(self, precision: str, require_kernels: bool = True) -> "PrecisionView":
+        """The op seen in one precision: what tuning, dry runs and benches of that precision use.
+        require_kernels=False: also a precision no strategy computes in (no strategies, no
+        default points), for a bench of modules in that dtype."""
+        if require_kernels and precision not in self.precisions:
             raise ValueError(f"{self.name} has no kernels in {precision!r}; it has {self.precisions}")
         return PrecisionView(self, precision)
 

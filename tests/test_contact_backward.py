@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from helpers import closed_form_errors, generator, gradient_errors64
+from pairgen import compiler
 from pairgen.modules import SavedClosedForm
-from pairgen.ops.contact import CONTACT
+from pairgen.ops import layer_norm_rows
+from pairgen.ops.contact import CONTACT, backward, fused_backward
 
 
 @pytest.mark.parametrize("widths,B,N,distribution", [({"P": 24, "H": 16}, 2, 13, "normal"),
@@ -67,3 +69,29 @@ def test_the_saving_forward_is_exact_and_its_gradients_meet_the_standard():
     twice.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="recompute_for_backward = True"):
         twice.sum().backward()
+
+
+@pytest.mark.parametrize("kind,cols", [("float32", 128), ("bfloat16", 128), ("float16", 100),
+                                       ("float32", layer_norm_rows.MAX_COLS)])
+def test_the_symmetrised_layer_norm_kernels_render_to_their_signatures_and_compile(kind, cols):
+    """The input LayerNorm fused with the symmetrisation over pairs i <= j (fused_backward.py),
+    for each storage type, at a width no multiple of the warp and the widest it takes: its
+    signatures are the launches', and NVRTC compiles it for sm_90 without spills."""
+    rendered = fused_backward.render(kind, cols)
+    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
+    assert set(compiled.kernels) >= {rendered.kernel_name, f"{rendered.kernel_name}_grad"}
+    assert not compiled.spill_bytes
+
+
+def test_unique_pairs_cover_each_unordered_pair_once():
+    """Every (i, j) of every plane is the ij or the ji row of exactly one pair i <= j; `off`
+    marks the pairs off the diagonal and `share` is each row's part of a pair's gradient."""
+    B, N = 2, 7
+    pairs = backward.unique_pairs(B, N, torch.device("cpu"))
+    assert pairs.ij.numel() == B * N * (N + 1) // 2
+    covered = torch.zeros(B * N * N, dtype=torch.int64)
+    covered.index_add_(0, pairs.ij, torch.ones_like(pairs.ij))
+    covered.index_add_(0, pairs.ji, (pairs.off > 0).long())
+    assert torch.equal(covered, torch.ones_like(covered))
+    assert torch.equal(pairs.off == 0, pairs.ij == pairs.ji)
+    assert torch.equal(pairs.share, torch.where(pairs.off > 0, 0.5, 1.0))

@@ -121,16 +121,3 @@ def test_weights_updated_in_place_are_repacked():
 
 def test_tuned_entries_load_and_run():
     check_tuned_entries(CONTACT)
-
-
-def test_autocast_runs_the_reference_with_its_dtypes():
-    """No low-precision contact kernels yet: under autocast the module is the reference, dtype and all."""
-    gen = generator(31)
-    widths = {"P": 64, "H": 32}
-    module = CONTACT.make_module(widths, gen).cuda()
-    reference = CONTACT.make_reference(module)
-    (x,) = (t.cuda() for t in CONTACT.make_inputs({"B": 2, "N": 17, **widths}, gen))
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        assert module.kernel_precision(x) is None
-        out, expected = module(x), reference(x)
-    assert out.dtype == expected.dtype and torch.equal(out, expected)

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from ..modules import cublas_fp32_mode
+from ..modules import as_dtype, cublas_fp32_mode  # as_dtype: a training step makes about forty such casts
 
 
 # Pair-sized tensors (B·N², C) dominate a backward's memory: these two make one new such tensor
@@ -90,15 +90,9 @@ def closed_form_gradients(compute, x: torch.Tensor, params: dict[str, torch.Tens
     the caller has; "tf32": fp32 with TF32 products; "bfloat16"/"float16": 16-bit tensors, products
     on 16-bit tensor cores with fp32 accumulation, as PyTorch's own 16-bit backward computes."""
     with computing_in(precision) as (dtype, products):
-        grads = compute(_as(x, dtype), {name: _as(p, dtype) for name, p in params.items()}, _as(grad_out, dtype),
+        grads = compute(as_dtype(x, dtype), {name: as_dtype(p, dtype) for name, p in params.items()}, as_dtype(grad_out, dtype),
                         products, *extra)
     return in_dtypes(grads, x.dtype, {name: p.dtype for name, p in params.items()})
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in dtype; t itself when it is already (a training step makes about forty of these calls,
-    and Tensor.to costs a dispatch even when it has nothing to do)."""
-    return t if t.dtype is dtype else t.to(dtype)
 
 
 @contextlib.contextmanager
@@ -117,10 +111,10 @@ def computing_in(precision: str):
 def in_dtypes(grads: dict[str, torch.Tensor], input_dtype: torch.dtype,
               param_dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
     """Each gradient in the dtype of what it is the gradient of (a frozen parameter has none)."""
-    grads["input"] = _as(grads["input"], input_dtype)
+    grads["input"] = as_dtype(grads["input"], input_dtype)
     for name, dtype in param_dtypes.items():
         if name in grads:
-            grads[name] = _as(grads[name], dtype)
+            grads[name] = as_dtype(grads[name], dtype)
     return grads
 
 
@@ -138,8 +132,8 @@ def forward_saving(forward, x: torch.Tensor, params: dict[str, torch.Tensor], pr
     """forward(x, params, products) -> (out, state), run as closed_form_gradients runs a backward
     (the precision's dtype, no autograd): (out, a Saved for gradients_from)."""
     with computing_in(precision) as (dtype, products):
-        weights = {name: _as(p, dtype) for name, p in params.items()}
-        out, state = forward(_as(x, dtype), weights, products)
+        weights = {name: as_dtype(p, dtype) for name, p in params.items()}
+        out, state = forward(as_dtype(x, dtype), weights, products)
     return out, Saved(state, weights, precision, x.dtype, {name: p.dtype for name, p in params.items()})
 
 
@@ -153,5 +147,5 @@ def gradients_from(backward, saved: Saved, grad_out: torch.Tensor) -> dict[str, 
                            "module.recompute_for_backward = True)")
     state, saved.state = saved.state, None
     with computing_in(saved.precision) as (dtype, products):
-        grads = backward(state, saved.weights, _as(grad_out, dtype), products)
+        grads = backward(state, saved.weights, as_dtype(grad_out, dtype), products)
     return in_dtypes(grads, saved.input_dtype, saved.param_dtypes)

@@ -21,6 +21,16 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+#: Blocks per SM of the grid-stride kernels that give each row (or pair) a warp.
+WARP_KERNEL_BLOCKS_PER_SM = 4
+
+
+def warp_per_item_blocks(t: torch.Tensor, items: int) -> int:
+    """Blocks for a warp per item (a row, a pair) on t's device, up to WARP_KERNEL_BLOCKS_PER_SM
+    per SM, past which the kernels loop (grid-stride)."""
+    return max(1, min(-(-items // (THREADS // 32)), sm_count(t.device.index) * WARP_KERNEL_BLOCKS_PER_SM))
+
+
 class FusedTemplate:
     """templates/<op>/<name>.cu.j2, whose kernels are `pairgen_<op>_<name>` plus "_<suffix>"
     (suffix "" names the base kernel). signatures(context) gives each suffix's argument kinds, in

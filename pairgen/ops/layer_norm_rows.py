@@ -8,13 +8,11 @@ from __future__ import annotations
 import torch
 
 from .. import config
-from .fused_kernels import KINDS, THREADS, FusedTemplate, sm_count
+from .fused_kernels import KINDS, THREADS, FusedTemplate, warp_per_item_blocks
 
 SIGNATURES = {"": ("ptr",) * 6 + ("i64",), "grad": ("ptr",) * 10 + ("i64",)}
 #: Widest row taken (a lane holds C / 32 values of each of a few arrays in registers).
 MAX_COLS = 1024
-#: Blocks per SM of the grid-stride kernels.
-BLOCKS_PER_SM = 4
 TEMPLATE = FusedTemplate("common", "layer_norm_rows", lambda context: SIGNATURES)
 
 
@@ -34,7 +32,7 @@ def layer_norm(rows: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps:
     xn = torch.empty_like(rows)
     mean = torch.empty(M, device=rows.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    TEMPLATE.launch(rows, "", _blocks(rows, M), rows.data_ptr(), gamma.data_ptr(), beta.data_ptr(), xn.data_ptr(),
+    TEMPLATE.launch(rows, "", warp_per_item_blocks(rows, M), rows.data_ptr(), gamma.data_ptr(), beta.data_ptr(), xn.data_ptr(),
                     mean.data_ptr(), rstd.data_ptr(), M, cols=C, eps=repr(float(eps)))
     return xn, mean, rstd
 
@@ -47,7 +45,7 @@ def layer_norm_backward(d_xn: torch.Tensor, rows: torch.Tensor, mean: torch.Tens
     (M, C) contiguous, optional): the two places a second path's gradient joins."""
     M, C = rows.shape
     d_rows = torch.empty_like(rows)
-    blocks = _blocks(rows, M)
+    blocks = warp_per_item_blocks(rows, M)
     parts = torch.empty(2, blocks * (THREADS // 32), C, device=rows.device, dtype=torch.float32)
     TEMPLATE.launch(rows, "grad", blocks, d_xn.data_ptr(), 0 if add_before is None else add_before.data_ptr(),
                     rows.data_ptr(), mean.data_ptr(), rstd.data_ptr(), gamma.data_ptr(),
@@ -55,7 +53,3 @@ def layer_norm_backward(d_xn: torch.Tensor, rows: torch.Tensor, mean: torch.Tens
                     parts[1].data_ptr(), M, cols=C, eps=repr(float(eps)))
     return d_rows, parts[0].sum(0), parts[1].sum(0)  # two tensors: gradients may not alias each other
 
-
-def _blocks(t: torch.Tensor, rows: int) -> int:
-    """A warp per row up to BLOCKS_PER_SM blocks per SM, then grid-stride."""
-    return max(1, min(-(-rows // (THREADS // 32)), sm_count(t.device.index) * BLOCKS_PER_SM))

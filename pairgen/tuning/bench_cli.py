@@ -58,6 +58,19 @@ def parse_args(argv=None):
     return parser, args
 
 
+NO_KERNEL_CLOSED_FORM = "closed form (no kernels in this dtype)"
+
+
+def _forward_label(module, inputs: tuple, n: int, device) -> tuple:
+    """(the variant a forward call runs, or None; what the row says it runs)."""
+    kernel_precision = module.kernel_precision(*inputs)
+    if kernel_precision is None:
+        closed = module.closed_form_without_kernel and module.backward_mode != "reference" and inputs[0].is_cuda
+        return None, NO_KERNEL_CLOSED_FORM if closed else "reference (no kernel)"
+    variant = module.variant_for(n, device, kernel_precision)
+    return variant, variant.plan.label if variant else "reference (no kernel)"
+
+
 def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE):
     """One row: pairgen's call, graph replay and host time, each peer's time, and every output's
     error against the float64 reference (pairgen's is also checked against the op's tolerance for
@@ -82,8 +95,7 @@ def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE):
         out = module(*inputs)
         check = compare(out, expected, spec.tolerance[precision])
         row["rel_l2"] = check.rel_l2
-        variant = module.variant_for(shape["N"], device, module.kernel_precision(*inputs))
-        row["variant"] = variant.plan.label if variant else "reference (no kernel)"
+        _, row["variant"] = _forward_label(module, inputs, shape["N"], device)
         row["check"] = str(check)
         call = lambda: module(*inputs)  # noqa: E731
         row["call_us"] = time_cuda(call, device, reps=reps).median_us
@@ -143,11 +155,10 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", reco
         g = torch.randn(module(*inputs).shape, generator=gen).to(device, x.dtype)
     exact = _input_gradient64(spec, module, inputs, g)
     kernel_precision = module.kernel_precision(*inputs)
-    variant = module.variant_for(shape["N"], device, kernel_precision)
-    label = variant.plan.label if variant else "reference (no kernel)"
+    variant, label = _forward_label(module, inputs, shape["N"], device)
     if variant and module.trains_through_reference(kernel_precision, train_inputs):
         label = f"reference (backward_mode {module.backward_mode!r} trains {kernel_precision} calls in PyTorch)"
-    elif variant and module._saves_for_backward(train_inputs):
+    elif (variant or label == NO_KERNEL_CLOSED_FORM) and module._saves_for_backward(train_inputs):
         label = "closed form: its forward keeps the intermediates for its backward (no kernel forward)"
     mode = "train" if backward_mode == "auto" else f"train ({backward_mode})"
     if config.fused_backward():  # kept apart from the PyTorch passes' rows
@@ -259,7 +270,7 @@ def plot(rows, peers, path: Path) -> None:
 def main(argv=None) -> int:
     parser, args = parse_args(argv)
     peers = [p for p in args.peers.split(",") if p]
-    work = selected_shapes(args, parser)
+    work = selected_shapes(args, parser, without_kernels=("bfloat16", "float16"))
     known = {"eager", "compile"}.union(*(get_op(name).extra_peer_names for name in op_names()))
     bad = set(peers) - known
     if bad:

@@ -40,16 +40,22 @@ def add_selection_args(parser: argparse.ArgumentParser) -> None:
                              "precision=); ops without kernels in a precision are skipped")
 
 
-def selected_shapes(args, parser: argparse.ArgumentParser) -> list[tuple]:
+def selected_shapes(args, parser: argparse.ArgumentParser, without_kernels: tuple = ()) -> list[tuple]:
     """(op spec in a precision, shape) pairs from --op/--shape/--preset/--precision. An op named
-    with --op must have kernels in every --precision; unnamed ops without them are left out."""
+    with --op must have kernels in every --precision but those of `without_kernels` (the bench
+    measures modules in those dtypes whatever they run); unnamed ops without them are left out."""
     precisions = args.precision or ["float32"]
+
+    def taken(name: str, precision: str) -> bool:
+        return precision in get_op(name).precisions or precision in without_kernels
+
     if args.op:
         for name in args.op:
-            missing = [p for p in precisions if p not in get_op(name).precisions]
+            missing = [p for p in precisions if not taken(name, p)]
             if missing:
                 parser.error(f"{name} has no kernels in {', '.join(missing)}; it has {', '.join(get_op(name).precisions)}")
-    ops = [get_op(name).at(p) for p in precisions for name in (args.op or op_names()) if p in get_op(name).precisions]
+    ops = [get_op(name).at(p, require_kernels=False) for p in precisions for name in (args.op or op_names())
+           if taken(name, p)]
     if not ops:
         parser.error(f"no op has kernels in {', '.join(precisions)}")
     if args.shape:

@@ -21,8 +21,9 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import closed_form, layer_norm_rows
+from .. import closed_form
 from ..closed_form import column_sums, closed_form_gradients
+from . import fused_backward
 
 
 def gradients(module, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out: torch.Tensor,
@@ -82,17 +83,17 @@ def _relu_backward_(d: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 def _forward(module, x, w, mm) -> SimpleNamespace:
     """The forward's intermediates the chain rule needs."""
     B, N, _, P = x.shape
-    f = SimpleNamespace(B=B, N=N, P=P, eps=module.layer_norm.eps)
-    f.fused_ln = layer_norm_rows.applies(x, P)
-    if f.fused_ln:  # a warp per row (PyTorch's kernel reads these short rows at a fraction of the rate)
+    f = SimpleNamespace(B=B, N=N, P=P, eps=module.layer_norm.eps, pairs=unique_pairs(B, N, x.device))
+    f.fused_ln = fused_backward.applies(x, P)
+    if f.fused_ln:  # a warp per pair, both rows read once (fused_backward.py)
         f.rows = x.reshape(-1, P).contiguous()
-        xn, f.mean, f.rstd = layer_norm_rows.layer_norm(f.rows, w["layer_norm.weight"], w["layer_norm.bias"], f.eps)
+        f.s, f.mean, f.rstd = fused_backward.layer_norm_symmetrised(f.rows, f.pairs, w["layer_norm.weight"],
+                                                                    w["layer_norm.bias"], f.eps)
     else:  # PyTorch's fused LayerNorm, which also gives its backward's pieces
         f.rows = x.reshape(-1, P)
         xn, f.mean, f.rstd = torch.native_layer_norm(f.rows, [P], w["layer_norm.weight"], w["layer_norm.bias"], f.eps)
-    f.pairs = unique_pairs(B, N, x.device)
-    f.s = _symmetrised_unique(xn, f.pairs)
-    del xn
+        f.s = _symmetrised_unique(xn, f.pairs)
+        del xn
     f.h1 = mm.linear(f.s, w["mlp.0.weight"], w["mlp.0.bias"]).relu_()
     f.h2 = mm.linear(f.h1, w["mlp.2.weight"], w["mlp.2.bias"]).relu_()
     f.out_unique = torch.sigmoid(mm.linear(f.h2, w["mlp.4.weight"], w["mlp.4.bias"]))  # (pairs, 1)
@@ -129,12 +130,12 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     del d_h1
 
     # ---- the symmetrisation and the LayerNorm ----
-    d_xn = _to_both_rows(d_s.mul_(f.pairs.share.view(-1, 1)), f.pairs, B * N * N)
-    del d_s
     if f.fused_ln:
-        d_x, grads["layer_norm.weight"], grads["layer_norm.bias"] = layer_norm_rows.layer_norm_backward(
-            d_xn, f.rows, f.mean, f.rstd, w["layer_norm.weight"], f.eps)
+        d_x, grads["layer_norm.weight"], grads["layer_norm.bias"] = fused_backward.layer_norm_symmetrised_backward(
+            d_s, f.rows, f.pairs, f.mean, f.rstd, w["layer_norm.weight"], f.eps)
     else:
+        d_xn = _to_both_rows(d_s.mul_(f.pairs.share.view(-1, 1)), f.pairs, B * N * N)
+        del d_s
         d_x, grads["layer_norm.weight"], grads["layer_norm.bias"] = torch.ops.aten.native_layer_norm_backward(
             d_xn, f.rows, [P], f.mean, f.rstd, w["layer_norm.weight"], w["layer_norm.bias"], [True, True, True])
     grads["input"] = d_x.view(B, N, N, P)

@@ -34,6 +34,7 @@ class ContactHead(KernelModule, ContactHeadReference):
     closed_form = staticmethod(backward.gradients)
     saving_forward = staticmethod(backward.forward_saving)
     saved_gradients = staticmethod(backward.gradients_from)
+    closed_form_without_kernel = True  # 16-bit modules and autocast: no kernels in those dtypes yet
 
     def reference_forward(self, pair_repr):
         return ContactHeadReference.forward(self, pair_repr)

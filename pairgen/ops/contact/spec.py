@@ -8,7 +8,8 @@ Three strategies:
 """
 from __future__ import annotations
 
-from ...spec import (Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, ceil_div,
+from ...spec import (SIXTEEN_BIT_TOLERANCE,
+                     Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, ceil_div,
                      cuda_bool, is_pow2, padded_stride, section_offsets, smem_fits)
 
 #: The kernels' arguments: x, packed weights, out, then B, N and the work count as 64-bit ints.
@@ -182,7 +183,8 @@ class ContactSpec(OpSpec):
         "real": ({"B": 1, "N": 256, "P": 128, "H": 128}, {"B": 1, "N": 512, "P": 128, "H": 128},
                  {"B": 1, "N": 1024, "P": 128, "H": 64}),
     }
-    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5)}
+    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5),  # 16-bit: modules in those dtypes (no kernels)
+                 "bfloat16": SIXTEEN_BIT_TOLERANCE, "float16": SIXTEEN_BIT_TOLERANCE}
 
     def constructor_args(self, widths: dict) -> dict:
         return {"pair_dim": widths["P"], "hidden_dim": widths["H"]}

@@ -104,6 +104,11 @@ class PairReadout(KernelModule, PairReadoutReference):
     saving_forward = staticmethod(backward.forward_saving)
     saved_gradients = staticmethod(backward.gradients_from)
     input_gradients = ("input", "pair_feats", None)
+    closed_form_without_kernel = True  # 16-bit modules and autocast: no kernels in those dtypes yet
+
+    def closed_form_output_dtype(self, first, autocast):
+        """The reference ends in nodes + LayerNorm(...), and autocast runs LayerNorm in fp32."""
+        return torch.promote_types(first.dtype, torch.float32) if autocast else first.dtype
 
     def closed_form_applies(self, inputs: list) -> bool:
         """The closed form takes a bool edge mask (the reference's own type)."""

@@ -11,7 +11,8 @@ Three strategies:
 """
 from __future__ import annotations
 
-from ...spec import (Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, ceil_div,
+from ...spec import (SIXTEEN_BIT_TOLERANCE,
+                     Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, ceil_div,
                      cuda_bool, flat_tile_grid, padded_stride, section_offsets, smem_fits)
 
 #: The pair-max kernel (split, direct): nodes, pair features, mask, weights, uv, scratch, counters,
@@ -358,7 +359,8 @@ class ReadoutSpec(OpSpec):
         "seed": ({"B": 4, "N": 24, "D": 96, "P": 16, "H": 192},),
         "real": ({"B": 8, "N": 64, "D": 128, "P": 32, "H": 256}, {"B": 16, "N": 128, "D": 256, "P": 64, "H": 512}),
     }
-    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5)}
+    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5),  # 16-bit: modules in those dtypes (no kernels)
+                 "bfloat16": SIXTEEN_BIT_TOLERANCE, "float16": SIXTEEN_BIT_TOLERANCE}
 
     def constructor_args(self, widths: dict) -> dict:
         return {"node_dim": widths["D"], "pair_dim": widths["P"], "hidden_dim": widths["H"]}

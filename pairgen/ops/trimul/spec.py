@@ -15,7 +15,8 @@ Three strategies:
 """
 from __future__ import annotations
 
-from ...spec import (Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, ceil_div,
+from ...spec import (SIXTEEN_BIT_TOLERANCE,
+                     Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, ceil_div,
                      cuda_bool, flat_tile_grid, padded_stride, persistent_tile_grid, section_offsets,
                      smem_fits)
 
@@ -354,8 +355,7 @@ class TrimulSpec(OpSpec):
     }
     tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5), "tf32x3": Tolerance(max_abs=1e-4, rel_l2=1e-5),
                  "tf32": Tolerance(max_abs=float("inf"), rel_l2=5e-3),
-                 "bfloat16": Tolerance(max_abs=float("inf"), rel_l2=1e-2),
-                 "float16": Tolerance(max_abs=float("inf"), rel_l2=1e-2)}
+                 "bfloat16": SIXTEEN_BIT_TOLERANCE, "float16": SIXTEEN_BIT_TOLERANCE}
     width_defaults = {"outgoing": 0, "gate_normalized": 0, "bias": 1}  # the reference's defaults
     extra_peer_names = ("cuequivariance",)
 

@@ -1,0 +1,88 @@
+"""GPU: calls no kernel computes (16-bit contact heads and readouts, and both under autocast) run
+the op's closed form (cuBLAS products, fused row kernels) instead of the reference: the output in
+the reference's dtype, within the 16-bit standard against float64 of the same rounded inputs and
+weights (autocast: within cuEquivariance's bf16 error of the fp32 reference), and gradients within
+the 16-bit gradient standard; backward_mode "reference" keeps the reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import closed_form_paths, generator, gradient_errors64
+from pairgen.ops import get_op
+from pairgen.spec import Tolerance
+from pairgen.tuning.check import compare, reference64
+
+pytestmark = pytest.mark.gpu
+
+SIXTEEN_BIT = Tolerance(max_abs=float("inf"), rel_l2=1e-2)
+AUTOCAST = Tolerance(max_abs=float("inf"), rel_l2=2.65e-2)
+#: op -> an odd shape of it (widths and lengths), heavy-tailed enough to matter
+CASES = {"contact": {"B": 2, "N": 29, "P": 64, "H": 48},
+         "readout": {"B": 3, "N": 23, "D": 40, "P": 24, "H": 72}}
+
+
+def _case(op: str, seed: int, dtype: torch.dtype = torch.float32):
+    spec = get_op(op)
+    gen = generator(seed)
+    module = spec.make_module(spec.widths_of(CASES[op]), gen).cuda().to(dtype)
+    inputs = tuple(t.cuda().to(dtype) if t.is_floating_point() else t.cuda()
+                   for t in spec.make_inputs(CASES[op], gen, "cauchy"))
+    return spec, module, inputs
+
+
+def _spy_on_closed_form(module) -> list:
+    """Records each closed-form forward the module runs."""
+    calls, forward = [], module.saving_forward
+    module.saving_forward = lambda *args: calls.append(1) or forward(*args)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_16_bit_modules_run_the_closed_form_at_the_16_bit_standard(op, dtype):
+    _, module, inputs = _case(op, 40, dtype)
+    calls = _spy_on_closed_form(module)
+    with torch.no_grad():
+        out = module(*inputs)
+    assert calls == [1], "the closed form, not the reference"
+    assert out.dtype == dtype
+    result = compare(out, reference64(module, inputs), SIXTEEN_BIT)
+    assert result.ok, result
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_autocast_returns_the_references_dtype_within_the_autocast_standard(op):
+    spec, module, inputs = _case(op, 41)
+    reference = spec.make_reference(module)
+    calls = _spy_on_closed_form(module)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        out, expected = module(*inputs), reference(*inputs)
+    assert calls == [1]
+    assert out.dtype == expected.dtype
+    result = compare(out, reference64(module, inputs), AUTOCAST)
+    assert result.ok, result
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_16_bit_training_keeps_the_intermediates_and_meets_the_16_bit_gradient_standard(op):
+    """The 16-bit gradient standard is max(2e-2, 1.5x the 16-bit reference's own error); this
+    holds the closed form (fp32 arithmetic on the 16-bit values) to 2e-2 alone."""
+    _, module, inputs = _case(op, 42, torch.bfloat16)
+    with torch.no_grad():
+        g = torch.randn(module(*inputs).shape, generator=generator(43)).cuda().bfloat16()
+    errors = {}
+    assert closed_form_paths(module, lambda: errors.update(gradient_errors64(module, module, inputs, g))) == ["saved"]
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 2e-2, f"gradient of {worst}: {errors}"
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_backward_mode_reference_keeps_the_reference(op):
+    spec, module, inputs = _case(op, 44, torch.bfloat16)
+    module.backward_mode = "reference"
+    calls = _spy_on_closed_form(module)
+    with torch.no_grad():
+        out = module(*inputs)
+        expected = spec.make_reference(module)(*inputs)
+    assert calls == [] and torch.equal(out, expected)
