@@ -18,6 +18,7 @@ from .spec import OpSpec
 
 #: The precisions whose modules hold their parameters, and take their inputs, in a 16-bit dtype.
 HALF_PRECISION_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+HALF_DTYPE_NAMES = {dtype: name for name, dtype in HALF_PRECISION_DTYPES.items()}
 
 
 #: Input dtypes the closed-form backwards take (each computes in the dtype its module's
@@ -397,10 +398,10 @@ class KernelModule:
     #: them unless this is True: then the forward is the kernel and the backward recomputes them
     #: from the inputs (the least memory, one forward more). Other ops always recompute.
     recompute_for_backward = False
-    #: Calls no kernel computes (a dtype or an autocast the op has no kernels in) run the op's
-    #: closed form on the GPU (cuBLAS products, fused row kernels), forward and training alike,
-    #: where this is True and the closed form applies, instead of the reference; backward_mode
-    #: "reference" keeps the reference for them.
+    #: Calls no kernel computes (a dtype or an autocast the op has no kernels in) may run the op's
+    #: closed form on the GPU (cuBLAS products, fused row kernels) instead of the reference, where
+    #: this is True and the closed form applies: a forward where closed_form_pays says so, a
+    #: training call where the backward_mode takes the closed form (trains_through_reference).
     closed_form_without_kernel = False
 
     # Loaded kernels and packed weights belong to this process and device: a copy or a pickle
@@ -541,21 +542,29 @@ class KernelModule:
         return self._launch(*inputs, variant=variant)
 
     def _without_kernel(self, inputs: tuple):
-        """A call no kernel computes: the closed form where closed_form_without_kernel says so
-        and it applies (a training call keeps its intermediates, as SavedClosedForm does), else
-        the reference."""
+        """A call no kernel computes: the closed form where closed_form_without_kernel allows it
+        and this call takes it (see there), else the reference."""
         first = inputs[0]
         if not (self.closed_form_without_kernel and first.is_cuda and first.dtype in CLOSED_FORM_DTYPES
-                and self._backward_mode != "reference" and self.closed_form_applies(inputs)):
+                and self.closed_form_applies(inputs)):
             return self.reference_forward(*inputs)
-        if torch.is_grad_enabled() and self._needs_grad(inputs):
-            if self._saves_for_backward(inputs):
-                return SavedClosedForm.run(self, inputs)
-            return self.reference_forward(*inputs)  # saved-tensor hooks, or recompute_for_backward: no kernel to recompute with
         autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        if torch.is_grad_enabled() and self._needs_grad(inputs):
+            precision = HALF_DTYPE_NAMES.get(autocast or first.dtype, "float32")
+            if self.trains_through_reference(precision, inputs) or not self._saves_for_backward(inputs):
+                return self.reference_forward(*inputs)  # also under saved-tensor hooks: no kernel to recompute with
+            return SavedClosedForm.run(self, inputs)
+        if self._backward_mode == "reference" or not self.closed_form_pays(inputs):
+            return self.reference_forward(*inputs)
         params = {name: p.detach() for name, p in self.named_parameters()}
         out, _ = self.saving_forward(self, *inputs, params, self.backward_precision(first, autocast))
         return as_dtype(out, self.closed_form_output_dtype(first, autocast))
+
+    def closed_form_pays(self, inputs: tuple) -> bool:
+        """Whether a forward no kernel computes is faster through the closed form than through the
+        reference (an op with closed_form_without_kernel says where: small calls are bound by the
+        host's time per PyTorch operation, and the closed form issues more of them)."""
+        return False
 
     def closed_form_output_dtype(self, first: torch.Tensor, autocast: "torch.dtype | None") -> torch.dtype:
         """The dtype the reference returns for a call whose first input is `first`, under an
@@ -618,11 +627,15 @@ class KernelModule:
                 and not _saved_tensor_hooks_active())
 
     def backward_precision(self, x: torch.Tensor, autocast: "torch.dtype | None") -> str:
-        """The closed form's products (closed_form.Products): TF32 for 16-bit and autocast calls,
-        whose gradient standard leaves room for it; exact fp32 otherwise, tf32x3 modules included
-        (splitting pair-sized operands into TF32 heads and tails in PyTorch cost more than the
-        tensor cores saved: 18.7 ms against 13.8 ms for trimul N512 on an H200)."""
-        return "tf32" if autocast or x.dtype is not torch.float32 else "ieee"
+        """What the closed form computes in (closed_form.COMPUTE_DTYPES): 16-bit modules in their
+        dtype, and calls under a 16-bit autocast in its dtype (16-bit tensor cores, fp32
+        accumulation and LayerNorm statistics, as PyTorch's own 16-bit forward and backward: the
+        standard they meet is the 16-bit one; computing them in fp32 measured slower than the
+        16-bit reference); exact fp32 otherwise, tf32x3 modules included (splitting pair-sized
+        operands into TF32 heads and tails in PyTorch cost more than the tensor cores saved: 18.7 ms
+        against 13.8 ms for trimul N512 on an H200)."""
+        half = HALF_DTYPE_NAMES.get(autocast or x.dtype)  # autocast's dtype, else a 16-bit module's
+        return half if half is not None else "ieee"
 
     def _run(self, variant, *tensors) -> None:
         """The variant's strategy runs it on prepared tensors (inputs..., out)."""

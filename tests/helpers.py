@@ -49,6 +49,27 @@ def gradient_errors64(call, module, inputs: tuple, g: torch.Tensor) -> dict[str,
     return errors
 
 
+def assert_16_bit_gradients_meet_the_standard(module, inputs: tuple, g: torch.Tensor, ours: list) -> None:
+    """The 16-bit gradient standard: each of `ours` (the gradients of the floating inputs, then of
+    every parameter, of the loss (out * g).sum() for a 16-bit module) within relative L2
+    max(2e-2, 1.5x the error of the PyTorch reference run in the same dtype) of float64 autograd."""
+    def grads(net, ins, g_in):
+        leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in ins]
+        (net(*leaves) * g_in).sum().backward()
+        return [leaf.grad for leaf in leaves if leaf.is_floating_point()] + [p.grad for p in net.parameters()]
+
+    spec = module.op
+    exact = grads(spec.make_reference(module).double(), [t.double() if t.is_floating_point() else t for t in inputs],
+                  g.double())
+    same_dtype = grads(spec.make_reference(module).to(g.dtype), inputs, g)
+    names = [f"input {k}" for k, t in enumerate(inputs) if t.is_floating_point()] + [n for n, _ in module.named_parameters()]
+    assert len(ours) == len(names) == len(exact)
+    for name, mine, theirs, e in zip(names, ours, same_dtype, exact):
+        assert mine is not None and mine.dtype is g.dtype, f"gradient of {name}: {mine if mine is None else mine.dtype}"
+        err, ref_err = ((mine.double() - e).norm() / e.norm()).item(), ((theirs.double() - e).norm() / e.norm()).item()
+        assert err <= max(2e-2, 1.5 * ref_err), f"gradient of {name}: {err} (the {g.dtype} reference: {ref_err})"
+
+
 def closed_form_paths(module, run) -> list[str]:
     """Which closed-form backwards run() took through the module, in order: "saved" (the forward
     kept its intermediates: SavedClosedForm) or "recomputed" (the kernel forward, then the closed

@@ -1,14 +1,17 @@
-"""GPU: calls no kernel computes (16-bit contact heads and readouts, and both under autocast) run
-the op's closed form (cuBLAS products, fused row kernels) instead of the reference: the output in
-the reference's dtype, within the 16-bit standard against float64 of the same rounded inputs and
-weights (autocast: within cuEquivariance's bf16 error of the fp32 reference), and gradients within
-the 16-bit gradient standard; backward_mode "reference" keeps the reference."""
+"""GPU: calls no kernel computes (16-bit contact heads, and contact heads under autocast) run the
+op's closed form in that dtype (cuBLAS products, fused row kernels) where it pays (forwards from
+MIN_16_BIT_FORWARD_PAIRS, lowered here to take these odd small shapes; training with
+backward_mode "closed_form"): the output in the reference's dtype, within the 16-bit standard
+against float64 of the same rounded inputs and weights (autocast: within cuEquivariance's bf16
+error of the fp32 reference), and gradients within the 16-bit gradient standard; backward_mode
+"reference" keeps the reference. (16-bit readouts keep the reference: their closed form measured
+slower.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import closed_form_paths, generator, gradient_errors64
+from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_paths, generator
 from pairgen.ops import get_op
 from pairgen.spec import Tolerance
 from pairgen.tuning.check import compare, reference64
@@ -18,14 +21,14 @@ pytestmark = pytest.mark.gpu
 SIXTEEN_BIT = Tolerance(max_abs=float("inf"), rel_l2=1e-2)
 AUTOCAST = Tolerance(max_abs=float("inf"), rel_l2=2.65e-2)
 #: op -> an odd shape of it (widths and lengths), heavy-tailed enough to matter
-CASES = {"contact": {"B": 2, "N": 29, "P": 64, "H": 48},
-         "readout": {"B": 3, "N": 23, "D": 40, "P": 24, "H": 72}}
+CASES = {"contact": {"B": 2, "N": 29, "P": 64, "H": 48}}
 
 
 def _case(op: str, seed: int, dtype: torch.dtype = torch.float32):
     spec = get_op(op)
     gen = generator(seed)
     module = spec.make_module(spec.widths_of(CASES[op]), gen).cuda().to(dtype)
+    module.MIN_16_BIT_FORWARD_PAIRS = 0  # every forward takes the closed form
     inputs = tuple(t.cuda().to(dtype) if t.is_floating_point() else t.cuda()
                    for t in spec.make_inputs(CASES[op], gen, "cauchy"))
     return spec, module, inputs
@@ -66,15 +69,18 @@ def test_autocast_returns_the_references_dtype_within_the_autocast_standard(op):
 
 @pytest.mark.parametrize("op", sorted(CASES))
 def test_16_bit_training_keeps_the_intermediates_and_meets_the_16_bit_gradient_standard(op):
-    """The 16-bit gradient standard is max(2e-2, 1.5x the 16-bit reference's own error); this
-    holds the closed form (fp32 arithmetic on the 16-bit values) to 2e-2 alone."""
     _, module, inputs = _case(op, 42, torch.bfloat16)
+    module.backward_mode = "closed_form"  # "auto" trains 16-bit contact heads through the reference
     with torch.no_grad():
         g = torch.randn(module(*inputs).shape, generator=generator(43)).cuda().bfloat16()
-    errors = {}
-    assert closed_form_paths(module, lambda: errors.update(gradient_errors64(module, module, inputs, g))) == ["saved"]
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= 2e-2, f"gradient of {worst}: {errors}"
+    leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
+
+    def step():
+        (module(*leaves) * g).sum().backward()
+
+    assert closed_form_paths(module, step) == ["saved"]
+    ours = [leaf.grad for leaf in leaves if leaf.is_floating_point()] + [p.grad for p in module.parameters()]
+    assert_16_bit_gradients_meet_the_standard(module, inputs, g, ours)
 
 
 @pytest.mark.parametrize("op", sorted(CASES))
@@ -84,5 +90,5 @@ def test_backward_mode_reference_keeps_the_reference(op):
     calls = _spy_on_closed_form(module)
     with torch.no_grad():
         out = module(*inputs)
-        expected = spec.make_reference(module)(*inputs)
+        expected = spec.make_reference(module).to(torch.bfloat16)(*inputs)
     assert calls == [] and torch.equal(out, expected)

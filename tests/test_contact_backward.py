@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import closed_form_errors, generator, gradient_errors64
+from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_errors, generator, gradient_errors64
 from pairgen import compiler
 from pairgen.modules import SavedClosedForm
 from pairgen.ops import layer_norm_rows
@@ -31,19 +31,7 @@ def test_a_16_bit_module_meets_the_16_bit_standard():
     (x,) = CONTACT.make_inputs({"B": 2, "N": 17, **widths}, gen)
     x, g = x.bfloat16(), torch.randn((2, 17, 17), generator=gen).bfloat16()
     ours = module.analytic_gradients([x], [p.detach() for p in module.parameters()], g)
-    assert all(t.dtype is torch.bfloat16 for t in ours)
-    reference = CONTACT.make_reference(module)
-
-    def grads(net, x_in, g_in):
-        leaf = x_in.clone().requires_grad_()
-        (net(leaf) * g_in).sum().backward()
-        return [leaf.grad] + [p.grad for p in net.parameters()]
-
-    exact = grads(reference.double(), x.double(), g.double())
-    same_dtype = grads(CONTACT.make_reference(module).bfloat16(), x, g)
-    for k, (mine, theirs, e) in enumerate(zip(ours, same_dtype, exact)):
-        err, ref_err = ((mine.double() - e).norm() / e.norm()).item(), ((theirs.double() - e).norm() / e.norm()).item()
-        assert err <= max(2e-2, 1.5 * ref_err), f"gradient {k}: {err} (the bf16 reference: {ref_err})"
+    assert_16_bit_gradients_meet_the_standard(module, (x,), g, ours)
 
 
 def test_the_saving_forward_is_exact_and_its_gradients_meet_the_standard():
@@ -95,3 +83,17 @@ def test_unique_pairs_cover_each_unordered_pair_once():
     assert torch.equal(covered, torch.ones_like(covered))
     assert torch.equal(pairs.off == 0, pairs.ij == pairs.ji)
     assert torch.equal(pairs.share, torch.where(pairs.off > 0, 0.5, 1.0))
+
+
+def test_16_bit_forwards_take_the_closed_form_from_the_measured_size_and_training_keeps_the_reference():
+    """Without 16-bit kernels, a forward from MIN_16_BIT_FORWARD_PAIRS pairs runs the closed form
+    (below it the host's time per PyTorch operation favours the reference); "auto" trains 16-bit
+    calls through the reference, "closed_form" through the closed form."""
+    module = CONTACT.make_module({"P": 8, "H": 8}, generator(62)).bfloat16()
+    threshold = module.MIN_16_BIT_FORWARD_PAIRS
+    assert threshold == 2**17
+    below, at = (torch.empty(1, n, n, 8, dtype=torch.bfloat16) for n in (256, 363))
+    assert not module.closed_form_pays((below,)) and module.closed_form_pays((at,))
+    assert module.trains_through_reference("bfloat16", (at,))
+    module.backward_mode = "closed_form"
+    assert not module.trains_through_reference("bfloat16", (at,))

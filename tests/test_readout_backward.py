@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import closed_form_errors, generator, gradient_errors64
+from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_errors, generator, gradient_errors64
 from pairgen.modules import SavedClosedForm
 from pairgen.ops.readout import READOUT
 
@@ -23,6 +23,19 @@ def test_closed_form_gradients_meet_the_fp32_standard(widths, B, N, distribution
     assert {"input 0", "input 1"} <= set(errors), "gradients for nodes and pair features"
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 2e-5, f"gradient of {worst}: {errors}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_module_meets_the_16_bit_standard(dtype):
+    """Computed in the module's dtype (16-bit products, fp32 LayerNorm statistics)."""
+    gen = generator(61)
+    widths = {"D": 24, "P": 8, "H": 40}
+    module = READOUT.make_module(widths, gen).to(dtype)
+    inputs = tuple(t.to(dtype) if t.is_floating_point() else t
+                   for t in READOUT.make_inputs({"B": 2, "N": 11, **widths}, gen))
+    g = torch.randn((2, 11, 24), generator=gen).to(dtype)
+    ours = module.analytic_gradients(list(inputs), [p.detach() for p in module.parameters()], g)
+    assert_16_bit_gradients_meet_the_standard(module, inputs, g, [t for t in ours if t is not None])
 
 
 def test_ties_in_the_max_share_the_gradient_as_the_reference_does():

@@ -65,7 +65,8 @@ def _forward_label(module, inputs: tuple, n: int, device) -> tuple:
     """(the variant a forward call runs, or None; what the row says it runs)."""
     kernel_precision = module.kernel_precision(*inputs)
     if kernel_precision is None:
-        closed = module.closed_form_without_kernel and module.backward_mode != "reference" and inputs[0].is_cuda
+        closed = (module.closed_form_without_kernel and module.backward_mode != "reference" and inputs[0].is_cuda
+                  and module.closed_form_pays(inputs))
         return None, NO_KERNEL_CLOSED_FORM if closed else "reference (no kernel)"
     variant = module.variant_for(n, device, kernel_precision)
     return variant, variant.plan.label if variant else "reference (no kernel)"
@@ -156,9 +157,13 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", reco
     exact = _input_gradient64(spec, module, inputs, g)
     kernel_precision = module.kernel_precision(*inputs)
     variant, label = _forward_label(module, inputs, shape["N"], device)
-    if variant and module.trains_through_reference(kernel_precision, train_inputs):
+    no_kernel_closed_form = (variant is None and module.closed_form_without_kernel and x.is_cuda
+                             and not module.trains_through_reference(precision, train_inputs))
+    if variant is None and not no_kernel_closed_form:
+        label = "reference (no kernel)"
+    elif variant and module.trains_through_reference(kernel_precision, train_inputs):
         label = f"reference (backward_mode {module.backward_mode!r} trains {kernel_precision} calls in PyTorch)"
-    elif (variant or label == NO_KERNEL_CLOSED_FORM) and module._saves_for_backward(train_inputs):
+    elif module._saves_for_backward(train_inputs):
         label = "closed form: its forward keeps the intermediates for its backward (no kernel forward)"
     mode = "train" if backward_mode == "auto" else f"train ({backward_mode})"
     if config.fused_backward():  # kept apart from the PyTorch passes' rows

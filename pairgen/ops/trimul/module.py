@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import (HALF_PRECISION_DTYPES, KernelModule, PackedParameters, as_mask, check_float_tensor,
+from ...modules import (HALF_DTYPE_NAMES, KernelModule, PackedParameters, as_mask, check_float_tensor,
                         check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul)
 from ... import config
 from . import backward
@@ -13,7 +13,6 @@ from .spec import BMM, FUSED, MMA, TRIMUL, mma_weight_offsets, weight_offsets
 #: precision= of an fp32 module -> the tuned key's dtype its kernels compute in.
 FP32_PRECISIONS = {"ieee": "float32", "tf32x3": "tf32x3", "tf32": "tf32"}
 #: A 16-bit input dtype (the module's, or autocast's for an fp32 module) -> its precision.
-HALF_DTYPES = {dtype: name for name, dtype in HALF_PRECISION_DTYPES.items()}
 #: Precision -> the dtype of the mma kernels' operands (packed weights, a, b, the triangle sums).
 OPERAND_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "tf32": torch.float32,
                   "tf32x3": torch.float32}
@@ -96,7 +95,7 @@ def run_mma(module: "TriangleMultiplication", variant, x, mask, out) -> None:
             int(mask.dtype is torch.float32))
     shape = (B * H, N, copies * N) if module._outgoing else (B * H, copies * N, N)
     ar, br = ab[0].view(shape), ab[1].view(shape)
-    if precision in HALF_DTYPES.values():
+    if precision in HALF_DTYPE_NAMES.values():
         z = triangle_bmm(ar, br, module._outgoing)  # fp32 accumulation, output in the operands' dtype
     else:
         with cublas_fp32_mode(tf32=True):
@@ -198,8 +197,8 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
             return None
         autocast = torch.is_autocast_enabled("cuda")
         if x.dtype is torch.float32:
-            return HALF_DTYPES.get(torch.get_autocast_dtype("cuda")) if autocast else FP32_PRECISIONS[self._precision]
-        precision = HALF_DTYPES.get(x.dtype)
+            return HALF_DTYPE_NAMES.get(torch.get_autocast_dtype("cuda")) if autocast else FP32_PRECISIONS[self._precision]
+        precision = HALF_DTYPE_NAMES.get(x.dtype)
         if autocast and torch.get_autocast_dtype("cuda") is not x.dtype:
             return None
         return precision
@@ -227,15 +226,9 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         return not inputs[1].requires_grad
 
     def backward_precision(self, x, autocast: "torch.dtype | None") -> str:
-        """16-bit modules compute their closed form in their dtype (backward.py), and so do calls
-        under a 16-bit autocast, in its dtype (the standard they meet is the 16-bit one, and 16-bit
-        tensor cores are several times TF32's rate); `tf32` modules with TF32 products (their
-        promise is TF32's accuracy); the rest as every op does (KernelModule.backward_precision:
-        tf32x3 modules take exact fp32)."""
-        half = HALF_DTYPES.get(autocast or x.dtype)  # autocast's dtype, else a 16-bit module's
-        if half is not None:
-            return half
-        if not autocast and self._precision == "tf32":
+        """As every op's (KernelModule.backward_precision), but `tf32` modules with TF32 products
+        (their promise is TF32's accuracy)."""
+        if not autocast and x.dtype is torch.float32 and self._precision == "tf32":
             return "tf32"
         return super().backward_precision(x, autocast)
 
