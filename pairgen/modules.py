@@ -542,14 +542,22 @@ class KernelModule:
         return self._launch(*inputs, variant=variant)
 
     def _without_kernel(self, inputs: tuple):
-        """A call no kernel computes: the closed form where closed_form_without_kernel allows it
-        and this call takes it (see there), else the reference."""
+        """A call no kernel computes in its own dtype: a forward the op's fp32 kernel takes on the
+        inputs made fp32 where fp32_kernel_pays says so; else the closed form where
+        closed_form_without_kernel allows it and this call takes it (see there); else the
+        reference."""
         first = inputs[0]
-        if not (self.closed_form_without_kernel and first.is_cuda and first.dtype in CLOSED_FORM_DTYPES
-                and self.closed_form_applies(inputs)):
+        if not (first.is_cuda and first.dtype in CLOSED_FORM_DTYPES):
             return self.reference_forward(*inputs)
         autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-        if torch.is_grad_enabled() and self._needs_grad(inputs):
+        training = torch.is_grad_enabled() and self._needs_grad(inputs)
+        if not training and self._backward_mode != "reference" and self.fp32_kernel_pays(inputs):
+            out = self._fp32_kernel_call(inputs)
+            if out is not None:
+                return as_dtype(out, self.closed_form_output_dtype(first, autocast))
+        if not (self.closed_form_without_kernel and self.closed_form_applies(inputs)):
+            return self.reference_forward(*inputs)
+        if training:
             precision = HALF_DTYPE_NAMES.get(autocast or first.dtype, "float32")
             if self.trains_through_reference(precision, inputs) or not self._saves_for_backward(inputs):
                 return self.reference_forward(*inputs)  # also under saved-tensor hooks: no kernel to recompute with
@@ -559,6 +567,29 @@ class KernelModule:
         params = {name: p.detach() for name, p in self.named_parameters()}
         out, _ = self.saving_forward(self, *inputs, params, self.backward_precision(first, autocast))
         return as_dtype(out, self.closed_form_output_dtype(first, autocast))
+
+    def fp32_kernel_pays(self, inputs: tuple) -> bool:
+        """Whether a forward no kernel computes in its own dtype (16 bits, autocast) is faster
+        through the op's exact fp32 kernel on the inputs made fp32 (weights packed in fp32, as
+        always) than through the reference in that dtype; the op says where. Its result is exact
+        fp32 of the rounded inputs, in the reference's dtype."""
+        return False
+
+    def _fp32_kernel_call(self, inputs: tuple) -> "torch.Tensor | None":
+        """The fp32 kernel's output on the inputs made fp32; None where no variant serves them,
+        or where the variant is a default whose first-use check against the reference has not
+        run (that check times the fp32 reference, which a 16-bit module cannot run). Under an
+        autocast, none applies inside (a strategy's own PyTorch products stay fp32)."""
+        wide = tuple(as_dtype(t, torch.float32) if t.is_floating_point() else t for t in inputs)
+        if not self.uses_kernel(*wide):
+            return None
+        first = wide[0]
+        off = torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else contextlib.nullcontext()
+        with off:
+            variant = self._choice_for(first.shape[1], first.get_device(), "float32")
+            if variant is None or type(variant) is first_use.Pending:
+                return None
+            return self._launch(*wide, variant=variant)
 
     def closed_form_pays(self, inputs: tuple) -> bool:
         """Whether a forward no kernel computes is faster through the closed form than through the

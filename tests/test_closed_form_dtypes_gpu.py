@@ -92,3 +92,57 @@ def test_backward_mode_reference_keeps_the_reference(op):
         out = module(*inputs)
         expected = spec.make_reference(module).to(torch.bfloat16)(*inputs)
     assert calls == [] and torch.equal(out, expected)
+
+
+#: op -> an odd small shape at widths with tuned fp32 entries (below the ops' size thresholds)
+SMALL = {"contact": {"B": 2, "N": 29, "P": 64, "H": 32},
+         "readout": {"B": 3, "N": 23, "D": 96, "P": 16, "H": 192}}
+
+
+def _small_case(op: str, seed: int, dtype: torch.dtype):
+    spec = get_op(op)
+    gen = generator(seed)
+    module = spec.make_module(spec.widths_of(SMALL[op]), gen).cuda().to(dtype)
+    inputs = tuple(t.cuda().to(dtype) if t.is_floating_point() else t.cuda()
+                   for t in spec.make_inputs(SMALL[op], gen, "cauchy"))
+    launched = []
+    launch = module._launch
+    module._launch = lambda *args, **kw: launched.append(args[0].dtype) or launch(*args, **kw)
+    return spec, module, inputs, launched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", sorted(SMALL))
+def test_small_16_bit_forwards_run_the_fp32_kernel_on_inputs_made_fp32(op, dtype):
+    """Below the size where the closed form pays, a 16-bit forward is the exact fp32 kernel on the
+    rounded inputs (the weights are packed in fp32 anyway), returned in the module's dtype."""
+    _, module, inputs, launched = _small_case(op, 45, dtype)
+    assert module.fp32_kernel_pays(inputs)
+    with torch.no_grad():
+        out = module(*inputs)
+    assert launched == [torch.float32] and out.dtype == dtype
+    result = compare(out, reference64(module, inputs), SIXTEEN_BIT)
+    assert result.ok, result
+
+
+@pytest.mark.parametrize("op", sorted(SMALL))
+def test_small_autocast_forwards_run_the_fp32_kernel_in_the_references_dtype(op):
+    spec, module, inputs, launched = _small_case(op, 46, torch.float32)
+    reference = spec.make_reference(module)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        out, expected = module(*inputs), reference(*inputs)
+    assert launched == [torch.float32] and out.dtype == expected.dtype
+    result = compare(out, reference64(module, inputs), AUTOCAST)
+    assert result.ok, result
+
+
+@pytest.mark.parametrize("op", sorted(SMALL))
+def test_small_16_bit_training_and_backward_mode_reference_keep_the_reference(op):
+    spec, module, inputs, launched = _small_case(op, 47, torch.bfloat16)
+    leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    module(*leaves).float().sum().backward()  # "auto" trains 16-bit calls of these ops in PyTorch
+    module.backward_mode = "reference"
+    with torch.no_grad():
+        out = module(*inputs)
+        expected = spec.make_reference(module).to(torch.bfloat16)(*inputs)
+    assert launched == [] and torch.equal(out, expected)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..ops import get_op, op_names
-from .. import config
+from .. import config, first_use
 from ..spec import precision_of
 from .cli import add_selection_args, selected_shapes, shape_label
 
@@ -65,8 +65,12 @@ def _forward_label(module, inputs: tuple, n: int, device) -> tuple:
     """(the variant a forward call runs, or None; what the row says it runs)."""
     kernel_precision = module.kernel_precision(*inputs)
     if kernel_precision is None:
-        closed = (module.closed_form_without_kernel and module.backward_mode != "reference" and inputs[0].is_cuda
-                  and module.closed_form_pays(inputs))
+        usable = module.backward_mode != "reference" and inputs[0].is_cuda
+        if usable and module.fp32_kernel_pays(inputs):
+            wide = module._choice_for(n, device, "float32")
+            if wide is not None and not isinstance(wide, first_use.Pending):
+                return None, f"fp32 kernel on inputs made fp32: {wide.plan.label}"
+        closed = usable and module.closed_form_without_kernel and module.closed_form_pays(inputs)
         return None, NO_KERNEL_CLOSED_FORM if closed else "reference (no kernel)"
     variant = module.variant_for(n, device, kernel_precision)
     return variant, variant.plan.label if variant else "reference (no kernel)"

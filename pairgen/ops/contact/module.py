@@ -35,16 +35,19 @@ class ContactHead(KernelModule, ContactHeadReference):
     saving_forward = staticmethod(backward.forward_saving)
     saved_gradients = staticmethod(backward.gradients_from)
     closed_form_without_kernel = True  # 16-bit modules and autocast: no kernels in those dtypes yet
-    #: From this many pairs (B*N*N) a 16-bit forward runs the closed form. Measured on the H200
-    #: (bf16, P=H=128): N512 (2^18 pairs) 188 µs against the reference's 652, N1024 413 against
-    #: 1991; N256 (2^16) 307 against 177, where both are bound by the host's time per PyTorch
-    #: operation and the closed form issues more of them. Training keeps the reference ("auto"):
-    #: forward + backward at N512 measured 1929 µs against its 1755.
+    #: From this many pairs (B*N*N) a 16-bit forward runs the closed form, below it the fp32
+    #: kernel on the input made fp32. Measured on the H200 (bf16, P=H=128; µs): the closed form at
+    #: N512 (2^18 pairs) 188 against the bf16 reference's 652, at N1024 413 against 1991, but at
+    #: N256 (2^16) 307 against 177, where both are bound by the host's time per PyTorch operation;
+    #: the fp32 kernel at N256 takes 81 (N512: 264). Training keeps the reference ("auto"):
+    #: forward + backward at N512 measured 1929 against its 1755.
     MIN_16_BIT_FORWARD_PAIRS = 2**17
 
     def closed_form_pays(self, inputs) -> bool:
-        x = inputs[0]
-        return x.shape[0] * x.shape[1] * x.shape[2] >= self.MIN_16_BIT_FORWARD_PAIRS
+        return _pairs(inputs[0]) >= self.MIN_16_BIT_FORWARD_PAIRS
+
+    def fp32_kernel_pays(self, inputs) -> bool:
+        return _pairs(inputs[0]) < self.MIN_16_BIT_FORWARD_PAIRS
 
     def reference_forward(self, pair_repr):
         return ContactHeadReference.forward(self, pair_repr)
@@ -89,3 +92,7 @@ class ContactHead(KernelModule, ContactHeadReference):
             return out
         self._run(variant or self.variant_for(N, x.get_device()), x, out)
         return out
+
+
+def _pairs(x: torch.Tensor) -> int:
+    return x.shape[0] * x.shape[1] * x.shape[2]
