@@ -8,6 +8,7 @@ Recognised by their parameter names (the projects' own classes, or anything laid
 | AlphaFold 2 / OpenFold | `linear_a_p`, `linear_a_g`, `linear_b_p`, `linear_b_g`, `linear_g`, `linear_z`, `layer_norm_in`, `layer_norm_out` | on the normalised input | as the source has them | shared: the pairgen module holds the source's own `Parameter` objects (training either trains both) |
 | AlphaFold 3 / Boltz | `norm_in`, `p_in`, `g_in` (fused, 2H rows: a's H, then b's), `norm_out`, `p_out`, `g_out` | on the normalised input | as the source has them | copied: pairgen keeps a and b apart, so the fused rows are split into new tensors |
 | OpenFold 3, fused (`FusedTriangleMultiplicationOutgoing/Incoming`) | `linear_ab_p`, `linear_ab_g` (fused as AlphaFold 3's `p_in`, `g_in`), `linear_z`, `linear_g`, `layer_norm_in`, `layer_norm_out` | on the normalised input | as the source has them | copied, as the AlphaFold 3 form |
+| lucidrains' triangle-multiplicative-module (and its copies, e.g. IgFold's) | `norm`, `left_proj`, `right_proj`, `left_gate`, `right_gate`, `out_gate` (Linear(P, H): the gate in hidden width, on the normalised triangle sums before `to_out`), `to_out_norm`, `to_out`, `mix_einsum_eq` | on the normalised input, placed in hidden width (`gate_at="hidden"`) | all | copied; the incoming direction's "left" is pairgen's b |
 | alphafold3-pytorch | its `PreLayerNorm` wrapper (`norm`) around `TriangleMultiplication` (`fn`: `left_right_proj` = Linear(P, 4H) + GLU, `out_gate`, `to_out_norm`, `to_out`); needs P = H, as that module itself does | on the normalised input | none | copied (the GLU's rows are split); the incoming direction's "left" is pairgen's b |
 
 The direction comes from the source (`_outgoing`, else its class name containing "Outgoing" or
@@ -29,6 +30,8 @@ _OF3_FUSED_NAMES = {"norm_in": "layer_norm_in", "p_in": "linear_ab_p", "g_in": "
                     "norm_out": "layer_norm_out", "p_out": "linear_z", "g_out": "linear_g"}
 _OF3_FUSED = tuple(_OF3_FUSED_NAMES.values())
 _AF3_PYTORCH = ("left_right_proj", "out_gate", "to_out_norm", "to_out", "mix_einsum_eq")
+_LUCIDRAINS = ("norm", "left_proj", "right_proj", "left_gate", "right_gate", "out_gate", "to_out_norm", "to_out",
+               "mix_einsum_eq")
 
 
 def adapt(source: nn.Module, direction: str | None = None):
@@ -42,9 +45,11 @@ def adapt(source: nn.Module, direction: str | None = None):
         return _from_af3(source, direction or _direction_of(source), _OF3_FUSED_NAMES)
     if _is_af3_pytorch(source):
         return _from_af3_pytorch(source)
+    if all(hasattr(source, name) for name in _LUCIDRAINS):
+        return _from_lucidrains(source)
     raise ValueError(f"pairgen.adapt does not recognise {type(source).__name__}: expected the parameters of the "
                      f"OpenFold form {_OPENFOLD}, of the AlphaFold 3 / Boltz form {_AF3}, of OpenFold 3's fused "
-                     f"form {_OF3_FUSED}, or alphafold3-pytorch's "
+                     f"form {_OF3_FUSED}, of lucidrains' form {_LUCIDRAINS}, or alphafold3-pytorch's "
                      f"PreLayerNorm(norm, fn) around a module with {_AF3_PYTORCH}")
 
 
@@ -109,8 +114,9 @@ def _is_af3_pytorch(source: nn.Module) -> bool:
         all(hasattr(fn, name) for name in _AF3_PYTORCH)
 
 
-def _af3_pytorch_direction(fn: nn.Module) -> str:
-    """From its einsum: '... i k d, ... j k d' (outgoing) or '... k j d, ... k i d' (incoming)."""
+def _einsum_direction(fn: nn.Module) -> str:
+    """From its einsum (alphafold3-pytorch's and lucidrains' forms): '... i k d, ... j k d'
+    (outgoing) or '... k j d, ... k i d' (incoming)."""
     inputs = fn.mix_einsum_eq.replace(" ", "").split("->")[0].split(",")
     return "outgoing" if inputs[0].endswith("ikd") else "incoming"
 
@@ -123,7 +129,7 @@ def _from_af3_pytorch(source: nn.Module):
     if fn.out_gate.weight.shape != (P, P):
         raise ValueError(f"alphafold3-pytorch's TriangleMultiplication gates its output in width dim_hidden={H}; it "
                          f"runs only with dim_hidden == dim (got dim={P}), and so does pairgen's adaptation")
-    direction = _af3_pytorch_direction(fn)
+    direction = _einsum_direction(fn)
     left = {"proj": w[0:H], "gate": w[2 * H:3 * H]}
     right = {"proj": w[H:2 * H], "gate": w[3 * H:4 * H]}
     # outgoing sums left[i,k]·right[j,k]: a = left; incoming sums left[k,j]·right[k,i]: a = right.
@@ -264,7 +270,7 @@ def _stand_in_for(module: nn.Module):
             _check_eps(module.norm, module.fn.to_out_norm)
         except ValueError as exc:
             return str(exc)
-        return PatchedAF3Pytorch, _af3_pytorch_direction(module.fn)
+        return PatchedAF3Pytorch, _einsum_direction(module.fn)
     form = PatchedOpenFold if all(hasattr(module, n) for n in _OPENFOLD) else \
         PatchedAF3 if all(hasattr(module, n) for n in _AF3) else \
         PatchedOpenFold3Fused if all(hasattr(module, n) for n in _OF3_FUSED) else None
@@ -310,3 +316,24 @@ def unpatch(model: nn.Module) -> int:
             setattr(model.get_submodule(parent_name), child, module.source)
             count += 1
     return count
+
+
+def _from_lucidrains(source: nn.Module):
+    """lucidrains' TriangleMultiplicativeModule: LayerNorm, gated left/right projections (mask on
+    the projections), the einsum, to_out_norm, the out gate in hidden width, to_out; every Linear
+    with a bias."""
+    s = source
+    _check_eps(s.norm, s.to_out_norm)
+    H, P = s.left_proj.weight.shape
+    linears = (s.left_proj, s.right_proj, s.left_gate, s.right_gate, s.out_gate, s.to_out)
+    if any(linear.bias is None for linear in linears):
+        raise ValueError("lucidrains' form has a bias on every Linear; this module lacks one")
+    direction = _einsum_direction(s)
+    left, right = {"proj": s.left_proj, "gate": s.left_gate}, {"proj": s.right_proj, "gate": s.right_gate}
+    # outgoing sums left[i,k]·right[j,k]: a = left; incoming sums left[k,j]·right[k,i]: a = right.
+    a, b = (left, right) if direction == "outgoing" else (right, left)
+    pairs = {"layer_norm_in": s.norm, "layer_norm_out": s.to_out_norm, "out_proj": s.to_out, "out_gate": s.out_gate,
+             "proj_a": a["proj"], "gate_a": a["gate"], "proj_b": b["proj"], "gate_b": b["gate"]}
+    values = {f"{ours}.{name}": getattr(sub, name).detach().clone() for ours, sub in pairs.items()
+              for name in ("weight", "bias")}
+    return assign_parameters(empty_trimul(P, H, direction, bias=True, gate_at="hidden"), values)

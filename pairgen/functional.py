@@ -225,13 +225,14 @@ def _build(weights: dict, direction: str, precision: str, x):
     return assign_parameters(empty_trimul(P, H, direction, bias, precision), values)
 
 
-def empty_trimul(P: int, H: int, direction: str, bias: bool, precision: str = "ieee"):
+def empty_trimul(P: int, H: int, direction: str, bias: bool, precision: str = "ieee", gate_at: str = "output"):
     """A TriangleMultiplication (gate on the normalised input) with no storage: every parameter is
     assigned next (assign_parameters), so nothing is initialised at random."""
     from .ops.trimul import TriangleMultiplication
 
     with torch.device("meta"):
-        return TriangleMultiplication(P, H, direction=direction, gate_on="normalized", bias=bias, precision=precision)
+        return TriangleMultiplication(P, H, direction=direction, gate_on="normalized", bias=bias, precision=precision,
+                                      gate_at=gate_at)
 
 
 def assign_parameters(module: torch.nn.Module, values: dict) -> torch.nn.Module:

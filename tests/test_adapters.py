@@ -279,3 +279,51 @@ def test_patch_takes_the_alphafold3_pytorch_form_with_its_token_mask():
         model["tri_out"].source.fn.to_out[0].weight.mul_(3.0)  # an update reaches the stand-in's copies
         torch.testing.assert_close(model["tri_out"](x, mask=tokens), model["tri_out"].source(x, mask=tokens),
                                    rtol=1e-5, atol=1e-5)
+
+
+class LucidrainsTriangleMultiplicativeModule(nn.Module):
+    """lucidrains' triangle-multiplicative-module (TriangleMultiplicativeModule), re-written from its
+    public source (IgFold and others carry copies): LayerNorm; left/right projections times the mask,
+    then times their sigmoid gates; outgoing sums left[i,k]·right[j,k], ingoing left[k,j]·right[k,i];
+    to_out_norm, times sigmoid(out_gate(x)) in hidden width, then to_out. Every Linear has a bias."""
+
+    def __init__(self, *, dim, hidden_dim=None, mix="ingoing"):
+        super().__init__()
+        hidden_dim = hidden_dim or dim
+        self.norm = nn.LayerNorm(dim)
+        self.left_proj, self.right_proj = nn.Linear(dim, hidden_dim), nn.Linear(dim, hidden_dim)
+        self.left_gate, self.right_gate = nn.Linear(dim, hidden_dim), nn.Linear(dim, hidden_dim)
+        self.out_gate = nn.Linear(dim, hidden_dim)
+        self.mix_einsum_eq = "... i k d, ... j k d -> ... i j d" if mix == "outgoing" else "... k j d, ... k i d -> ... i j d"
+        self.to_out_norm = nn.LayerNorm(hidden_dim)
+        self.to_out = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x, mask=None):
+        if mask is not None:
+            mask = mask[..., None]
+        x = self.norm(x)
+        left, right = self.left_proj(x), self.right_proj(x)
+        if mask is not None:
+            left, right = left * mask, right * mask
+        left = left * self.left_gate(x).sigmoid()
+        right = right * self.right_gate(x).sigmoid()
+        out = torch.einsum(self.mix_einsum_eq.replace(" ", ""), left, right)
+        return self.to_out(self.to_out_norm(out) * self.out_gate(x).sigmoid())
+
+
+@pytest.mark.parametrize("mix", ["outgoing", "ingoing"])
+def test_lucidrains_form_is_adapted_with_the_gate_in_hidden_width(mix):
+    """P != H, so the gate's width tells the placements apart; the module runs the reference (no
+    kernel computes the hidden placement yet) and its state_dict loads into a reference of the
+    same options."""
+    source = _randomize(LucidrainsTriangleMultiplicativeModule(dim=24, hidden_dim=16, mix=mix), 13)
+    adapted = pairgen.adapt(source)
+    assert adapted.direction == ("outgoing" if mix == "outgoing" else "incoming")
+    assert adapted.gate_on == "normalized" and adapted.gate_at == "hidden" and adapted.widths["bias"]
+    assert adapted.out_gate.weight.shape == (16, 24)
+    x, mask = _inputs(24, 14)
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(x, mask), source(x, mask), rtol=1e-5, atol=1e-5)
+        reference = pairgen.TriangleMultiplicationReference(24, 16, adapted.direction, "normalized", gate_at="hidden")
+        reference.load_state_dict(adapted.state_dict())
+        torch.testing.assert_close(reference(x, mask), source(x, mask), rtol=1e-5, atol=1e-5)

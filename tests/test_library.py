@@ -29,6 +29,17 @@ def test_opcheck(op):
     torch.library.opcheck(getattr(torch.ops.pairgen, op).default, args)
 
 
+def test_opcheck_with_the_hidden_gate_placement():
+    """A module no kernel serves (gate_at="hidden") is an operator like the others: its fake
+    implementation and registered autograd agree with the reference it runs."""
+    from pairgen import TriangleMultiplication
+
+    module = TriangleMultiplication(16, 8, "outgoing", "normalized", gate_at="hidden")
+    _, inputs = _module_and_inputs("trimul", 5)
+    args = (list(inputs), list(module.parameters()), library.register(module))
+    torch.library.opcheck(torch.ops.pairgen.trimul.default, args)
+
+
 def test_opcheck_with_a_float_mask():
     module, (x, mask) = _module_and_inputs("trimul", 4)
     args = ([x, mask.float()], list(module.parameters()), library.register(module))

@@ -106,7 +106,9 @@ def test_defaults_are_the_ops_md_listing():
     ref = TriangleMultiplicationReference(16, 8)
     assert (ref.direction, ref.gate_on) == ("incoming", "input")
     assert all(getattr(ref, n).bias is not None for n in ("proj_a", "gate_a", "proj_b", "gate_b", "out_proj", "out_gate"))
-    assert options_of(TRIMUL.presets["seed"][0]) == {"direction": "incoming", "gate_on": "input", "bias": True}
+    assert options_of(TRIMUL.presets["seed"][0]) == {"direction": "incoming", "gate_on": "input", "bias": True,
+                                                     "gate_at": "output"}
+    assert ref.gate_at == "output" and ref.out_gate.weight.shape == (16, 16)
 
 
 def test_directions_differ_and_a_symmetric_check_would_hide_it():
@@ -286,3 +288,44 @@ def test_copies_and_pickles_drop_runtime_state():
     assert clone._weights.parameters()[0] is clone.layer_norm_in.weight, "the copy packs its own parameters"
     inputs = (torch.randn(1, 5, 5, 16), random_mask(1, 5, generator(0)))
     assert_copy_and_pickle_compute_the_reference(module, clone, inputs)
+
+
+def test_the_hidden_gate_placement():
+    """gate_at="hidden": the out gate, in hidden width, multiplies the normalised triangle sums
+    before the output projection (lucidrains' form); "output" stays the default; a module with it
+    computes what its reference does on the CPU, asks no kernel (no widths key the kernels know),
+    and takes no closed form."""
+    import pytest
+    import torch
+
+    from pairgen import TriangleMultiplication, TriangleMultiplicationReference
+    from pairgen.ops.trimul import TRIMUL
+
+    with pytest.raises(ValueError, match="gate_at"):
+        TriangleMultiplicationReference(8, 4, gate_at="input")
+    assert TriangleMultiplicationReference(8, 4).gate_at == "output"
+    gen = torch.Generator().manual_seed(3)
+    module = TriangleMultiplication(8, 4, "outgoing", "normalized", gate_at="hidden")
+    for p in module.parameters():
+        torch.nn.init.normal_(p, generator=gen)
+    assert module.out_gate.weight.shape == (4, 8) and module.widths["gate_hidden"] == 1
+    x = torch.randn(2, 5, 5, 8, generator=gen)
+    mask = torch.rand(2, 5, 5, generator=gen) > 0.3
+    reference = TRIMUL.make_reference(module)
+    assert reference.gate_at == "hidden"
+    ref = TriangleMultiplicationReference.forward(module, x, mask)
+    zn = module.layer_norm_out(torch.einsum("bikh,bjkh->bijh", *_gated(module, x, mask)))
+    by_hand = module.out_proj(zn * torch.sigmoid(module.out_gate(module.layer_norm_in(x))))
+    torch.testing.assert_close(ref, by_hand)
+    torch.testing.assert_close(module(x, mask), reference(x, mask))
+    assert not module.closed_form_applies([x, mask])
+    assert "gate_hidden" not in TriangleMultiplication(8, 4).widths, "the output placement keeps its tuned keys"
+
+
+def _gated(module, x, mask):
+    import torch
+
+    xn = module.layer_norm_in(x)
+    m = mask.unsqueeze(-1).float()
+    return (module.proj_a(xn) * torch.sigmoid(module.gate_a(xn)) * m,
+            module.proj_b(xn) * torch.sigmoid(module.gate_b(xn)) * m)

@@ -148,11 +148,13 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
     _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_barrier", "_mma_packs")
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "incoming", gate_on: str = "input",
-                 bias: bool = True, precision: str = "ieee"):
-        super().__init__(pair_dim, hidden_dim, direction=direction, gate_on=gate_on, bias=bias)
+                 bias: bool = True, precision: str = "ieee", *, gate_at: str = "output"):
+        super().__init__(pair_dim, hidden_dim, direction=direction, gate_on=gate_on, bias=bias, gate_at=gate_at)
         self.precision = precision
         self.widths = {"P": int(pair_dim), "H": int(hidden_dim), "outgoing": int(direction == "outgoing"),
                        "gate_normalized": int(gate_on == "normalized"), "bias": int(bias)}
+        if gate_at == "hidden":  # only then: the output placement's widths stay the tuned keys they were
+            self.widths["gate_hidden"] = 1
         self._outgoing = direction == "outgoing"
         self._barrier = None   # fused: (device index, the grid barrier's two ints)
         # Every parameter in state_dict order (no bias slots without bias), packed by pack_weights.
@@ -192,8 +194,9 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
     def kernel_precision(self, x, mask) -> str | None:
         """float32 in the module's precision, or autocast's dtype under torch.autocast("cuda");
         bfloat16/float16 in their own; None (the reference) on CPU, for other dtypes, for a 16-bit
-        input under an autocast of the other 16-bit dtype, and past 2^31 pairs (32-bit indices)."""
-        if not x.is_cuda or x.shape[0] * x.shape[1] * x.shape[1] >= 2**31:
+        input under an autocast of the other 16-bit dtype, past 2^31 pairs (32-bit indices), and
+        for the hidden gate placement (gate_at="hidden": no kernel computes it yet)."""
+        if not x.is_cuda or x.shape[0] * x.shape[1] * x.shape[1] >= 2**31 or self.gate_at == "hidden":
             return None
         autocast = torch.is_autocast_enabled("cuda")
         if x.dtype is torch.float32:
@@ -222,8 +225,9 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
     input_gradients = ("input", None)
 
     def closed_form_applies(self, inputs: list) -> bool:
-        """A floating mask that wants its own gradient recomputes the reference."""
-        return not inputs[1].requires_grad
+        """A floating mask that wants its own gradient recomputes the reference, and so does the
+        hidden gate placement (the closed form computes the output placement)."""
+        return not inputs[1].requires_grad and self.gate_at == "output"
 
     def backward_precision(self, x, autocast: "torch.dtype | None") -> str:
         """As every op's (KernelModule.backward_precision), but `tf32` modules with TF32 products

@@ -9,12 +9,16 @@ from ...testdata import random_tensor
 
 DIRECTIONS = ("incoming", "outgoing")
 GATE_INPUTS = ("input", "normalized")
+#: Where the output gate acts: on the output, in pair width (the original listing), or on the
+#: normalised triangle sums, in hidden width, before the output projection (the form of lucidrains'
+#: triangle-multiplicative-module).
+GATE_PLACEMENTS = ("output", "hidden")
 
 
 class TriangleMultiplicationReference(nn.Module):
-    """The definition with its three options; the defaults are the original listing verbatim."""
+    """The definition with its options; the defaults are the original listing verbatim."""
 
-    def __init__(self, pair_dim, hidden_dim, direction="incoming", gate_on="input", bias=True):
+    def __init__(self, pair_dim, hidden_dim, direction="incoming", gate_on="input", bias=True, *, gate_at="output"):
         super().__init__()
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
@@ -22,7 +26,9 @@ class TriangleMultiplicationReference(nn.Module):
             raise ValueError(f"gate_on must be one of {GATE_INPUTS}, got {gate_on!r}")
         if not isinstance(bias, bool):
             raise ValueError(f"bias must be True or False, got {bias!r}")
-        self.direction, self.gate_on = direction, gate_on
+        if gate_at not in GATE_PLACEMENTS:
+            raise ValueError(f"gate_at must be one of {GATE_PLACEMENTS}, got {gate_at!r}")
+        self.direction, self.gate_on, self.gate_at = direction, gate_on, gate_at
         self.layer_norm_in = nn.LayerNorm(pair_dim)
         self.proj_a = nn.Linear(pair_dim, hidden_dim, bias=bias)
         self.gate_a = nn.Linear(pair_dim, hidden_dim, bias=bias)
@@ -30,7 +36,7 @@ class TriangleMultiplicationReference(nn.Module):
         self.gate_b = nn.Linear(pair_dim, hidden_dim, bias=bias)
         self.layer_norm_out = nn.LayerNorm(hidden_dim)
         self.out_proj = nn.Linear(hidden_dim, pair_dim, bias=bias)
-        self.out_gate = nn.Linear(pair_dim, pair_dim, bias=bias)
+        self.out_gate = nn.Linear(pair_dim, hidden_dim if gate_at == "hidden" else pair_dim, bias=bias)
 
     def forward(self, pair_repr, pair_mask):  # (B,N,N,P), (B,N,N) float 0/1 or bool
         x = self.layer_norm_in(pair_repr)
@@ -41,9 +47,11 @@ class TriangleMultiplicationReference(nn.Module):
             out = torch.einsum("bkih,bkjh->bijh", a, b)  # sum over the FIRST index
         else:
             out = torch.einsum("bikh,bjkh->bijh", a, b)
-        out = self.out_proj(self.layer_norm_out(out))
         gate_input = x if self.gate_on == "normalized" else pair_repr  # default: the RAW input
-        return out * torch.sigmoid(self.out_gate(gate_input))
+        gate = torch.sigmoid(self.out_gate(gate_input))
+        if self.gate_at == "hidden":
+            return self.out_proj(self.layer_norm_out(out) * gate)
+        return self.out_proj(self.layer_norm_out(out)) * gate
 
 
 def random_mask(B: int, N: int, generator: torch.Generator, keep: float = 0.8) -> torch.Tensor:

@@ -307,10 +307,12 @@ MMA = Strategy(
 
 
 def options_of(widths: dict) -> dict:
-    """Constructor options from the 0/1 entries of a widths dict (absent: the defaults)."""
+    """Constructor options from the 0/1 entries of a widths dict (absent: the defaults).
+    "gate_hidden" is present only in a module's widths, never in a tuned key: no kernel computes
+    the hidden gate placement yet."""
     return {"direction": "outgoing" if widths.get("outgoing", 0) else "incoming",
             "gate_on": "normalized" if widths.get("gate_normalized", 0) else "input",
-            "bias": bool(widths.get("bias", 1))}
+            "bias": bool(widths.get("bias", 1)), "gate_at": "hidden" if widths.get("gate_hidden", 0) else "output"}
 
 
 class TrimulSpec(OpSpec):
