@@ -107,9 +107,12 @@ def graphless_gradients(grad_out: torch.Tensor, grads: list) -> list:
     (grad mode on during the backward), tied to `grad_out` through a node that refuses to be
     differentiated."""
     present = [i for i, g in enumerate(grads) if g is not None]
-    if not (torch.is_grad_enabled() and grad_out.requires_grad and present):
+    if not (torch.is_grad_enabled() and present):
         return grads
-    tied = _RefuseSecondDerivative.apply(grad_out, *(grads[i] for i in present))
+    # An incoming gradient with no graph of its own (d(out.sum())/d(out)) still gets a refusing
+    # node: the gradients depend on the inputs, and differentiating them must not pass for zero.
+    tie = grad_out if grad_out.requires_grad else grad_out.detach().requires_grad_()
+    tied = _RefuseSecondDerivative.apply(tie, *(grads[i] for i in present))
     out = list(grads)
     for i, g in zip(present, tied):
         out[i] = g

@@ -245,6 +245,10 @@ def test_a_second_derivative_through_the_kept_intermediates_is_refused_not_zero(
         torch.autograd.grad(grad_x.square().sum(), x, retain_graph=True)
     with pytest.raises(RuntimeError, match="second derivative"):
         grad_x.sum().backward()
+    linear = _saving_call(module)(x, mask)  # d(sum)/d(out) has no graph: the refusal still stands
+    (grad_lin,) = torch.autograd.grad(linear.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="second derivative"):
+        grad_lin.sum().backward()
     plain = _saving_call(module)(x, mask)
     (first,) = torch.autograd.grad(plain.square().sum(), x)
     assert first.grad_fn is None and torch.equal(first, grad_x.detach()), "a plain backward is untouched"
