@@ -274,3 +274,28 @@ def test_create_graph_through_the_recomputing_path_gives_the_references_second_d
     reference64 = TRIMUL.make_reference(module).double()
     exact = second_derivative(lambda t: reference64(t, mask), x.double())
     assert ((ours.double() - exact).norm() / exact.norm()).item() <= 2e-5
+
+
+@pytest.mark.parametrize("outgoing,gate_normalized,bias", [(0, 0, 1), (1, 1, 0)])
+def test_the_hidden_gate_placement_in_closed_form(outgoing, gate_normalized, bias):
+    """The closed form of gate_at="hidden" (the gate on LN_out(z), in hidden width, before the
+    output projection), recomputing and kept: every gradient within the fp32 standard of float64
+    autograd, the kept forward's output within the forward standard. The module does not take it
+    yet (closed_form_applies: not measured on a GPU); here it is called directly."""
+    widths = {"P": 24, "H": 16, "outgoing": outgoing, "gate_normalized": gate_normalized, "bias": bias,
+              "gate_hidden": 1}
+    gen = generator(120 + outgoing)
+    module = TRIMUL.make_module(widths, gen)
+    assert module.gate_at == "hidden" and not module.closed_form_applies([None, torch.zeros(1)])
+    x, mask = TRIMUL.make_inputs({"B": 2, "N": 11, **widths}, gen, "cauchy")
+    g = torch.randn(x.shape, generator=gen)
+    module.closed_form_applies = lambda inputs: True  # the math, which the module does not take yet
+    errors = closed_form_errors(module, (x, mask), g)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= STANDARD, f"recomputed: gradient of {worst}: {errors}"
+    out = _saving_call(module)(x.clone().requires_grad_(), mask)
+    exact = TRIMUL.make_reference(module).double()(x.double(), mask)
+    assert ((out.double() - exact).norm() / exact.norm()).item() <= 1e-5
+    kept = gradient_errors64(_saving_call(module), module, (x, mask), g)
+    worst = max(kept, key=kept.get)
+    assert kept[worst] <= STANDARD, f"kept: gradient of {worst}: {kept}"

@@ -11,6 +11,7 @@ but the input and mask (the autograd graph of the reference saves about a dozen 
 pair's size), and each product of the backward is one large matrix product:
 
   out = o * s,  o = LN_out(z) Wo^T + bo,  s = sigmoid(gate_in Wg^T + bg)
+    (the hidden gate placement: out = (LN_out(z) * s) Wo^T + bo, s in hidden width)
   z[b,:,:,h] = A_h B_h^T (outgoing) or A_h^T B_h (incoming), A = pa * sigmoid(ga) * mask, B alike
   [pa ga pb gb] = LN_in(x) W4^T + b4
 
@@ -55,6 +56,9 @@ def forward_saving(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str
     needs). The training path that keeps its intermediates instead of recomputing them."""
     def forward(x_in, w, mm):
         state = _forward(module, x_in, mask, w, mm, keep_operands=True)
+        if state.hidden:  # o is the output: the backward does not need it
+            out, state.o = state.o, None
+            return out.view(x_in.shape), state
         return torch.sigmoid(state.u).mul_(state.o).view(x_in.shape), state
     return closed_form.forward_saving(forward, x, params, precision)
 
@@ -86,7 +90,8 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False) -> SimpleNames
     NN = N * N
     H = w["proj_a.weight"].shape[0]
     f = SimpleNamespace(B=B, N=N, P=P, H=H, NN=NN, bias="proj_a.bias" in w,
-                        outgoing=module.direction == "outgoing", gate_normalized=module.gate_on == "normalized")
+                        outgoing=module.direction == "outgoing", gate_normalized=module.gate_on == "normalized",
+                        hidden=getattr(module, "gate_at", "output") == "hidden")
 
     # ---- the input LayerNorm and the four projections, channels first: (B, 4H, N*N) ----
     f.fused = fused_backward.enabled(x)
@@ -125,6 +130,12 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False) -> SimpleNames
         f.zn, f.mean_out, f.rstd_out = torch.native_layer_norm(f.z, [H], *f.ln_out)
     f.gate_in = f.xn if f.gate_normalized else f.rows
     f.u = mm.linear(f.gate_in, w["out_gate.weight"], w.get("out_gate.bias"))  # the out gate's pre-activation
+    if f.hidden:  # the gate on LN_out(z), in hidden width, before the output projection
+        f.s = torch.sigmoid(f.u)
+        f.u = None
+        f.zg = f.zn * f.s
+        f.o = mm.linear(f.zg, w["out_proj.weight"], w.get("out_proj.bias")) if keep_operands else None
+        return f
     f.o = mm.linear(f.zn, w["out_proj.weight"], w.get("out_proj.bias"))
     return f
 
@@ -140,14 +151,10 @@ def _operands(f: SimpleNamespace, apply: bool = False) -> tuple[torch.Tensor, to
     return torch.mul(pa, sa).mul_(f.keep).view(B * H, N, N), torch.mul(pb, sb).mul_(f.keep).view(B * H, N, N)
 
 
-def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, torch.Tensor]:
-    """The chain rule from d(loss)/d(out) back through _forward's intermediates, which it
-    overwrites (the gradients take their storage)."""
-    B, N, P, H, NN = f.B, f.N, f.P, f.H, f.NN
-    grads = {}
-    g = grad_out.reshape(-1, P)
-
-    # ---- out = o * sigmoid(u): d_gate = d(loss)/d(u), d_o = d(loss)/d(o), in place ----
+def _output_gate_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> tuple:
+    """out = o * sigmoid(u): the output projection's and gate's gradients into `grads`; returns
+    (d(loss)/d(LN_out(z)), d(loss)/d(gate_in)). d_gate = d(loss)/d(u) and d_o = d(loss)/d(o) are
+    made in o's and u's storage."""
     if f.fused:
         fused_backward.out_gate(f.o, f.u, g.contiguous())
         d_gate, d_o = f.o, f.u
@@ -166,8 +173,40 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     d_gate_in = mm(d_gate, w["out_gate.weight"])  # (B*N*N, P)
     del d_gate
     f.zn = f.gate_in = None
-    d_zn = mm(d_o, w["out_proj.weight"])
-    del d_o
+    return mm(d_o, w["out_proj.weight"]), d_gate_in
+
+
+def _hidden_gate_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> tuple:
+    """out = (zn * s) Wo^T + bo, s = sigmoid(u) in hidden width: as _output_gate_backward. The
+    gate's gradient d(loss)/d(u) = d_zg * zn * s (1 - s) is made in zn's storage once d_zn is out."""
+    if "out_proj.weight" not in frozen:
+        grads["out_proj.weight"] = mm(g.t(), f.zg)
+    if f.bias:
+        grads["out_proj.bias"] = column_sums(g)
+    f.zg = None
+    d_zg = mm(g, w["out_proj.weight"])  # (B*N*N, H)
+    d_zn = torch.mul(d_zg, f.s)
+    d_u = torch.ops.aten.sigmoid_backward.grad_input(d_zg.mul_(f.zn), f.s, grad_input=d_zg)
+    f.zn = f.s = None
+    if "out_gate.weight" not in frozen:
+        grads["out_gate.weight"] = mm(d_u.t(), f.gate_in)
+    if f.bias:
+        grads["out_gate.bias"] = column_sums(d_u)
+    f.gate_in = None
+    return d_zn, mm(d_u, w["out_gate.weight"])
+
+
+def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, torch.Tensor]:
+    """The chain rule from d(loss)/d(out) back through _forward's intermediates, which it
+    overwrites (the gradients take their storage)."""
+    B, N, P, H, NN = f.B, f.N, f.P, f.H, f.NN
+    grads = {}
+    g = grad_out.reshape(-1, P)
+
+    if f.hidden:
+        d_zn, d_gate_in = _hidden_gate_backward(f, w, g, grads, mm, frozen)
+    else:
+        d_zn, d_gate_in = _output_gate_backward(f, w, g, grads, mm, frozen)
     ln_out = f.ln_out
     if f.fused_ln:  # d z straight into the channels-first layout the triangle products take
         d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = \
