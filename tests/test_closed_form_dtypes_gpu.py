@@ -146,3 +146,19 @@ def test_small_16_bit_training_and_backward_mode_reference_keep_the_reference(op
         out = module(*inputs)
         expected = spec.make_reference(module).to(torch.bfloat16)(*inputs)
     assert launched == [] and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("op", sorted(SMALL))
+def test_pairgen_disable_runs_the_reference_for_calls_without_a_kernel_too(op, monkeypatch):
+    from pairgen import runtime
+
+    monkeypatch.setenv("PAIRGEN_DISABLE", "1")
+    runtime.clear_caches()
+    spec, module, inputs, launched = _small_case(op, 48, torch.bfloat16)
+    module.MIN_16_BIT_FORWARD_PAIRS = 0  # the contact head would otherwise take its closed form
+    calls = _spy_on_closed_form(module)
+    with torch.no_grad():
+        out = module(*inputs)
+        expected = spec.make_reference(module).to(torch.bfloat16)(*inputs)
+    runtime.clear_caches()
+    assert launched == [] and calls == [] and torch.equal(out, expected)
