@@ -25,10 +25,10 @@ def sm_count(device_index: int) -> int:
 WARP_KERNEL_BLOCKS_PER_SM = 4
 
 
-def warp_per_item_blocks(t: torch.Tensor, items: int) -> int:
-    """Blocks for a warp per item (a row, a pair) on t's device, up to WARP_KERNEL_BLOCKS_PER_SM
-    per SM, past which the kernels loop (grid-stride)."""
-    return max(1, min(-(-items // (THREADS // 32)), sm_count(t.device.index) * WARP_KERNEL_BLOCKS_PER_SM))
+def warp_per_item_blocks(t: torch.Tensor, items: int, blocks_per_sm: int = WARP_KERNEL_BLOCKS_PER_SM) -> int:
+    """Blocks for a warp per item (a row, a pair) on t's device, up to blocks_per_sm per SM, past
+    which the kernels loop (grid-stride)."""
+    return max(1, min(-(-items // (THREADS // 32)), sm_count(t.device.index) * blocks_per_sm))
 
 
 class FusedTemplate:

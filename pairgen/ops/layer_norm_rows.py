@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import config
-from .fused_kernels import KINDS, THREADS, FusedTemplate, warp_per_item_blocks
+from .fused_kernels import KINDS, THREADS, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, warp_per_item_blocks
 
 SIGNATURES = {"": ("ptr",) * 6 + ("i64",), "grad": ("ptr",) * 10 + ("i64",)}
 #: Widest row taken (a lane holds C / 32 values of each of a few arrays in registers).
@@ -25,27 +25,29 @@ def render(kind: str, cols: int, eps: float = 1e-5):
     return TEMPLATE.render(kind, cols=cols, eps=repr(float(eps)))
 
 
-def layer_norm(rows: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float) -> tuple:
+def layer_norm(rows: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
+               blocks_per_sm: int = WARP_KERNEL_BLOCKS_PER_SM) -> tuple:
     """LayerNorm over the last dim of rows (M, C) contiguous: (xn (M, C), mean and 1/std (M,) in
     fp32), as torch.native_layer_norm returns them."""
     M, C = rows.shape
     xn = torch.empty_like(rows)
     mean = torch.empty(M, device=rows.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    TEMPLATE.launch(rows, "", warp_per_item_blocks(rows, M), rows.data_ptr(), gamma.data_ptr(), beta.data_ptr(), xn.data_ptr(),
+    TEMPLATE.launch(rows, "", warp_per_item_blocks(rows, M, blocks_per_sm), rows.data_ptr(), gamma.data_ptr(), beta.data_ptr(), xn.data_ptr(),
                     mean.data_ptr(), rstd.data_ptr(), M, cols=C, eps=repr(float(eps)))
     return xn, mean, rstd
 
 
 def layer_norm_backward(d_xn: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                         gamma: torch.Tensor, eps: float, add_before: torch.Tensor | None = None,
-                        add_after: torch.Tensor | None = None) -> tuple:
+                        add_after: torch.Tensor | None = None,
+                        blocks_per_sm: int = WARP_KERNEL_BLOCKS_PER_SM) -> tuple:
     """The backward of layer_norm: (d rows, d gamma, d beta; the affine gradients in fp32 from each
     warp's partial sums), d xn taken as d_xn + add_before, and add_after added to d rows (both
     (M, C) contiguous, optional): the two places a second path's gradient joins."""
     M, C = rows.shape
     d_rows = torch.empty_like(rows)
-    blocks = warp_per_item_blocks(rows, M)
+    blocks = warp_per_item_blocks(rows, M, blocks_per_sm)
     parts = torch.empty(2, blocks * (THREADS // 32), C, device=rows.device, dtype=torch.float32)
     TEMPLATE.launch(rows, "grad", blocks, d_xn.data_ptr(), 0 if add_before is None else add_before.data_ptr(),
                     rows.data_ptr(), mean.data_ptr(), rstd.data_ptr(), gamma.data_ptr(),

@@ -46,6 +46,10 @@ def parse_args(argv=None):
     mode.add_argument("--status", action="store_true", help="list tuned entries and whether they are stale")
     mode.add_argument("--stale", action="store_true", help="re-tune this GPU's stale entries")
     mode.add_argument("--dry-run", action="store_true", help="render and compile every strategy, then exit")
+    mode.add_argument("--backward", action="store_true",
+                      help="tune the training path instead: the closed forms' fused kernels (trimul, contact), every "
+                           "point of their small space timed as a forward + backward step, the fastest whose "
+                           "gradients agree with the defaults' written to tuned/<gpu>/<op>_backward.json")
     mode.add_argument("--explain", action="store_true",
                       help="say what a module runs for each selected shape on this GPU (or on --gpu/--arch): "
                            "tuned, nearest bucket, same-architecture GPU or default; its parameters, time and file")
@@ -105,9 +109,10 @@ def status(info=None) -> int:
     """Every tuned folder lookups read, in order, and each entry's state; then which entries apply
     on this GPU (or on `info`, a GPU described by hand)."""
     from pairgen import config, runtime
-    from pairgen.ops import get_op
+    from pairgen.ops import backward_tuning, get_op
     from pairgen.tuned import all_databases
 
+    backward_dbs = {backward_tuning.db_name(op): op for op in backward_tuning.OPS}
     totals = {"stale": 0, "invalid": 0}
     seen: dict[tuple, Path] = {}  # (gpu, op, key) -> the folder whose entry lookups use
     for root in config.tuned_read_dirs():
@@ -122,9 +127,11 @@ def status(info=None) -> int:
             entries = db.entries()
             if db.problem:
                 print(f"| {db.gpu_slug} | {db.op} | – | – | – | – | – | – | IGNORED: {db.problem} |")
-            spec = get_op(db.op)
+            backward_op = backward_dbs.get(db.op)  # the training path's entries (pairgen-tune --backward)
+            spec = None if backward_op else get_op(db.op)
             for e in entries:
-                state = runtime.entry_state(spec, e)  # "ok", "stale", or "invalid: why"
+                # "ok", "stale", or "invalid: why"
+                state = backward_tuning.entry_state(backward_op, e) if backward_op else runtime.entry_state(spec, e)
                 kind = state.split(":")[0]
                 if kind in totals:
                     totals[kind] += 1
@@ -141,7 +148,8 @@ def status(info=None) -> int:
                       f"| {e.get('us', '–')} | {ratio('eager')} | {ratio('compile')} | {cell} |")
     stale, invalid = totals["stale"], totals["invalid"]
     print(f"\n{stale} stale entr{'y' if stale == 1 else 'ies'}" + (f", {invalid} invalid" if invalid else "")
-          + ("; re-tune them with: pairgen-tune --stale" if stale or invalid else ""))
+          + ("; re-tune them with: pairgen-tune --stale (the training path's, *_backward: pairgen-tune "
+             "--backward)" if stale or invalid else ""))
     print(first_use_verdicts())
     info = info or this_gpu()
     if info is not None:
@@ -622,6 +630,12 @@ def main(argv=None) -> int:
             print("nothing is stale for this GPU")
             return 0
         return tune(work, args)
+    if args.backward:
+        if gpu_missing("tuning the training path"):
+            return 2
+        from .backward_tune import main as tune_backward
+
+        return tune_backward(selected_shapes(args, parser, without_kernels=("bfloat16", "float16")))
     work = selected_shapes(args, parser)
     if args.explain:
         info = described_gpu(args) or this_gpu()

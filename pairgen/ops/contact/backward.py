@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import closed_form
+from .. import backward_tuning, closed_form
 from ..closed_form import column_sums, closed_form_gradients
 from . import fused_backward
 
@@ -85,10 +85,11 @@ def _forward(module, x, w, mm) -> SimpleNamespace:
     B, N, _, P = x.shape
     f = SimpleNamespace(B=B, N=N, P=P, eps=module.layer_norm.eps, pairs=unique_pairs(B, N, x.device))
     f.fused_ln = fused_backward.applies(x, P)
+    f.tuning = backward_tuning.for_call(module, x)  # the fused kernels' launch shape (tuned, or the default)
     if f.fused_ln:  # a warp per pair, both rows read once (fused_backward.py)
         f.rows = x.reshape(-1, P).contiguous()
         f.s, f.mean, f.rstd = fused_backward.layer_norm_symmetrised(f.rows, f.pairs, w["layer_norm.weight"],
-                                                                    w["layer_norm.bias"], f.eps)
+                                                                    w["layer_norm.bias"], f.eps, f.tuning)
     else:  # PyTorch's fused LayerNorm, which also gives its backward's pieces
         f.rows = x.reshape(-1, P)
         xn, f.mean, f.rstd = torch.native_layer_norm(f.rows, [P], w["layer_norm.weight"], w["layer_norm.bias"], f.eps)
@@ -132,7 +133,7 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     # ---- the symmetrisation and the LayerNorm ----
     if f.fused_ln:
         d_x, grads["layer_norm.weight"], grads["layer_norm.bias"] = fused_backward.layer_norm_symmetrised_backward(
-            d_s, f.rows, f.pairs, f.mean, f.rstd, w["layer_norm.weight"], f.eps)
+            d_s, f.rows, f.pairs, f.mean, f.rstd, w["layer_norm.weight"], f.eps, f.tuning)
     else:
         d_xn = _to_both_rows(d_s.mul_(f.pairs.share.view(-1, 1)), f.pairs, B * N * N)
         del d_s

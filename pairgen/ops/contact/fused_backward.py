@@ -11,13 +11,17 @@ from __future__ import annotations
 import torch
 
 from .. import layer_norm_rows
-from ..fused_kernels import THREADS, FusedTemplate, warp_per_item_blocks
+from ..fused_kernels import THREADS, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, warp_per_item_blocks
 
 #: Whether these kernels take rows like t of width cols: the row LayerNorm's conditions (CUDA, a
 #: stored dtype, a row that fits in a warp's registers, PAIRGEN_FUSED_BACKWARD not 0).
 applies = layer_norm_rows.applies
 
 SIGNATURES = {"": ("ptr",) * 8 + ("i64",), "grad": ("ptr",) * 10 + ("i64",)}
+#: The launch shape a tuned backward entry chooses (pairgen/ops/backward_tuning.py), and the
+#: default where there is none: blocks per SM of the warp-per-pair kernels ("row_blocks").
+TUNING_SPACE = {"row_blocks": (2, 4, 8, 16)}
+TUNING_DEFAULT = {"row_blocks": WARP_KERNEL_BLOCKS_PER_SM}
 TEMPLATE = FusedTemplate("contact", "symmetric_ln", lambda context: SIGNATURES)
 
 
@@ -25,8 +29,13 @@ def render(kind: str, cols: int, eps: float = 1e-5):
     return TEMPLATE.render(kind, cols=cols, eps=repr(float(eps)))
 
 
+def tuning_sources(kind: str, tuning: dict, widths: dict) -> list:
+    """The rendered sources a tuning's kernels run at these widths (see trimul's)."""
+    return [render(kind, widths["P"])]
+
+
 def layer_norm_symmetrised(rows: torch.Tensor, pairs, gamma: torch.Tensor, beta: torch.Tensor,
-                           eps: float) -> tuple:
+                           eps: float, tuning: dict = TUNING_DEFAULT) -> tuple:
     """rows (B*N*N, C) contiguous and pairs a backward.UniquePairs: (s (pairs, C), the mean and
     1/std of every row (B*N*N,) in fp32)."""
     M, C = rows.shape
@@ -34,20 +43,21 @@ def layer_norm_symmetrised(rows: torch.Tensor, pairs, gamma: torch.Tensor, beta:
     s = rows.new_empty(count, C)
     mean = torch.empty(M, device=rows.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    TEMPLATE.launch(rows, "", warp_per_item_blocks(rows, count), rows.data_ptr(), pairs.ij.data_ptr(), pairs.ji.data_ptr(),
+    TEMPLATE.launch(rows, "", warp_per_item_blocks(rows, count, tuning["row_blocks"]), rows.data_ptr(), pairs.ij.data_ptr(), pairs.ji.data_ptr(),
                     gamma.data_ptr(), beta.data_ptr(), s.data_ptr(), mean.data_ptr(), rstd.data_ptr(), count,
                     cols=C, eps=repr(float(eps)))
     return s, mean, rstd
 
 
 def layer_norm_symmetrised_backward(d_s: torch.Tensor, rows: torch.Tensor, pairs, mean: torch.Tensor,
-                                    rstd: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple:
+                                    rstd: torch.Tensor, gamma: torch.Tensor, eps: float,
+                                    tuning: dict = TUNING_DEFAULT) -> tuple:
     """The backward of layer_norm_symmetrised: (d rows (B*N*N, C), d gamma, d beta; the affine
     gradients in fp32 from each warp's partial sums)."""
     M, C = rows.shape
     count = pairs.ij.numel()
     d_rows = torch.empty_like(rows)
-    blocks = warp_per_item_blocks(rows, count)
+    blocks = warp_per_item_blocks(rows, count, tuning["row_blocks"])
     parts = torch.empty(2, blocks * (THREADS // 32), C, device=rows.device, dtype=torch.float32)
     TEMPLATE.launch(rows, "grad", blocks, d_s.data_ptr(), pairs.ij.data_ptr(), pairs.ji.data_ptr(),
                     rows.data_ptr(), mean.data_ptr(), rstd.data_ptr(), gamma.data_ptr(), d_rows.data_ptr(),

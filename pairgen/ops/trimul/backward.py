@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import closed_form, layer_norm_rows
+from .. import backward_tuning, closed_form, layer_norm_rows
 from ..closed_form import channel_sums, closed_form_gradients, column_sums
 from . import fused_backward
 
@@ -95,12 +95,14 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False) -> SimpleNames
 
     # ---- the input LayerNorm and the four projections, channels first: (B, 4H, N*N) ----
     f.fused = fused_backward.enabled(x)
+    f.tuning = backward_tuning.for_call(module, x)  # the fused kernels' launch shapes (tuned, or the defaults)
     f.eps_in = module.layer_norm_in.eps
     f.fused_ln_in = layer_norm_rows.applies(x, P)
     if f.fused_ln_in:  # a warp per row (PyTorch's kernel reads these short rows at a fraction of the rate)
         f.rows = x.reshape(-1, P).contiguous()
         f.xn, f.mean_in, f.rstd_in = layer_norm_rows.layer_norm(f.rows, w["layer_norm_in.weight"],
-                                                                w["layer_norm_in.bias"], f.eps_in)
+                                                                w["layer_norm_in.bias"], f.eps_in,
+                                                                f.tuning["row_blocks"])
     else:
         f.rows = x.reshape(-1, P)
         f.xn, f.mean_in, f.rstd_in = torch.native_layer_norm(f.rows, [P], w["layer_norm_in.weight"],
@@ -122,9 +124,10 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False) -> SimpleNames
 
     # ---- the output LayerNorm, the output projection and gate, one row per pair ----
     f.ln_out = (w["layer_norm_out.weight"], w["layer_norm_out.bias"], module.layer_norm_out.eps)
-    f.fused_ln = f.fused and fused_backward.layer_norm_fits(H)
+    f.fused_ln = f.fused and fused_backward.layer_norm_fits(H, f.tuning)
     if f.fused_ln:  # read channels first, written one row per pair: no transposing copy
-        f.zn, f.mean_out, f.rstd_out = fused_backward.layer_norm_channels_first(f.z.view(B, H, NN), *f.ln_out)
+        f.zn, f.mean_out, f.rstd_out = fused_backward.layer_norm_channels_first(f.z.view(B, H, NN), *f.ln_out,
+                                                                                 f.tuning)
     else:
         f.z = _channels_last(f.z, B, N)
         f.zn, f.mean_out, f.rstd_out = torch.native_layer_norm(f.z, [H], *f.ln_out)
@@ -145,7 +148,7 @@ def _operands(f: SimpleNamespace, apply: bool = False) -> tuple[torch.Tensor, to
     sigmoid in place first, which the forward does once)."""
     B, H, N = f.B, f.H, f.N
     if f.fused:
-        a, b = fused_backward.gates(f.proj, f.b4, f.keep, apply)
+        a, b = fused_backward.gates(f.proj, f.b4, f.keep, apply, f.tuning)
         return a.view(B * H, N, N), b.view(B * H, N, N)
     pa, sa, pb, sb = f.proj.unbind(1)
     return torch.mul(pa, sa).mul_(f.keep).view(B * H, N, N), torch.mul(pb, sb).mul_(f.keep).view(B * H, N, N)
@@ -156,7 +159,7 @@ def _output_gate_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> 
     (d(loss)/d(LN_out(z)), d(loss)/d(gate_in)). d_gate = d(loss)/d(u) and d_o = d(loss)/d(o) are
     made in o's and u's storage."""
     if f.fused:
-        fused_backward.out_gate(f.o, f.u, g.contiguous())
+        fused_backward.out_gate(f.o, f.u, g.contiguous(), f.tuning)
         d_gate, d_o = f.o, f.u
     else:
         s = f.u.sigmoid_()
@@ -211,7 +214,7 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     if f.fused_ln:  # d z straight into the channels-first layout the triangle products take
         d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = \
             fused_backward.layer_norm_channels_first_backward(d_zn, f.z.view(B, H, NN), f.mean_out, f.rstd_out,
-                                                              ln_out[0], ln_out[2])
+                                                              ln_out[0], ln_out[2], f.tuning)
         d_z = d_z.view(B * H, N, N)
     else:
         d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = torch.ops.aten.native_layer_norm_backward(
@@ -232,7 +235,7 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     proj, keep = f.proj, f.keep
     for slot, product in products:  # slot: the value's place in proj, its gate's is slot + 1
         if f.fused:
-            fused_backward.gates_grad(product(), proj, keep, slot)
+            fused_backward.gates_grad(product(), proj, keep, slot, f.tuning)
             continue
         d = product().view(B, H, NN).mul_(keep)  # d(loss)/d(a) (or b)
         p, sig = proj[:, slot], proj[:, slot + 1]
@@ -262,7 +265,8 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     if f.fused_ln_in:
         d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = layer_norm_rows.layer_norm_backward(
             d_xn.view(-1, P), f.rows, f.mean_in, f.rstd_in, w["layer_norm_in.weight"], f.eps_in,
-            add_before=d_gate_in if f.gate_normalized else None, add_after=None if f.gate_normalized else d_gate_in)
+            add_before=d_gate_in if f.gate_normalized else None, add_after=None if f.gate_normalized else d_gate_in,
+            blocks_per_sm=f.tuning["row_blocks"])
     else:
         if f.gate_normalized:
             d_xn.view(-1, P).add_(d_gate_in)

@@ -14,12 +14,14 @@ import torch
 from ... import config
 from ..fused_kernels import KINDS, THREADS, FusedTemplate, sm_count
 
-ITEMS = 4
-#: Pairs per block of the LayerNorm kernels, and the shared memory they stay within (no opt-in).
-LN_TILE = 16
-LN_SMEM_LIMIT = 48 * 1024 - 2 * LN_TILE * 4
-#: Blocks of the grid-stride output-gate kernel per SM.
-OUT_GATE_BLOCKS_PER_SM = 8
+#: The launch shapes a tuned backward entry chooses (pairgen/ops/backward_tuning.py), and the
+#: defaults where there is none: elements per thread of the elementwise kernels ("items"), pairs
+#: per block of the output LayerNorm kernels ("ln_tile"), blocks per SM of the grid-stride
+#: output-gate kernel ("out_gate_blocks") and of the warp-per-row input LayerNorm ("row_blocks").
+TUNING_SPACE = {"items": (2, 4, 8), "ln_tile": (8, 16, 32), "out_gate_blocks": (4, 8, 16), "row_blocks": (2, 4, 8)}
+TUNING_DEFAULT = {"items": 4, "ln_tile": 16, "out_gate_blocks": 8, "row_blocks": 4}
+#: The output LayerNorm kernels stay within a block's default shared memory (no opt-in).
+SMEM_LIMIT = 48 * 1024
 #: Each kernel's argument kinds, in order, as the launches below pass them; render() checks them
 #: against the source's `extern "C"` signatures.
 SIGNATURES = {"gates": ("ptr",) * 5 + ("i32", "i64", "i32", "i32"),
@@ -36,85 +38,99 @@ def enabled(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype in KINDS and config.fused_backward()
 
 
-def render(kind: str, eps: float = 1e-5):
-    """The kernels' source for one storage type and LayerNorm epsilon, its signatures checked
-    against SIGNATURES."""
-    return TEMPLATE.render(kind, **_context(eps))
+def render(kind: str, eps: float = 1e-5, tuning: dict = TUNING_DEFAULT):
+    """The kernels' source for one storage type, LayerNorm epsilon and tuning, its signatures
+    checked against SIGNATURES."""
+    return TEMPLATE.render(kind, **_context(eps, tuning))
 
 
-def _context(eps: float) -> dict:
-    return {"items": ITEMS, "ln_tile": LN_TILE, "eps": repr(float(eps))}
+def tuning_sources(kind: str, tuning: dict, widths: dict) -> list:
+    """The rendered sources a tuning's kernels run at these widths (the default LayerNorm
+    epsilon): what a tuned backward entry records the hash of, so that it goes stale when they
+    change."""
+    from .. import layer_norm_rows
+
+    return [render(kind, tuning=tuning), layer_norm_rows.render(kind, widths["P"])]
 
 
-def _launch(t: torch.Tensor, suffix: str, blocks: int, *args: int, smem: int = 0, eps: float = 1e-5) -> None:
-    TEMPLATE.launch(t, suffix, blocks, *args, smem=smem, **_context(eps))
+def _context(eps: float, tuning: dict) -> dict:
+    return {"items": tuning["items"], "ln_tile": tuning["ln_tile"], "eps": repr(float(eps))}
 
 
-def _plane_blocks(plane: int) -> int:
-    return -(-plane // (THREADS * ITEMS))
+def _launch(t: torch.Tensor, tuning: dict, suffix: str, blocks: int, *args: int, smem: int = 0,
+            eps: float = 1e-5) -> None:
+    TEMPLATE.launch(t, suffix, blocks, *args, smem=smem, **_context(eps, tuning))
 
 
-def gates(proj: torch.Tensor, bias4: torch.Tensor | None, keep: torch.Tensor, apply: bool) -> tuple:
+def _plane_blocks(plane: int, tuning: dict) -> int:
+    return -(-plane // (THREADS * tuning["items"]))
+
+
+def gates(proj: torch.Tensor, bias4: torch.Tensor | None, keep: torch.Tensor, apply: bool,
+          tuning: dict = TUNING_DEFAULT) -> tuple:
     """proj (B, 4, H, L) contiguous: with `apply`, bias added and the gates' sigmoid taken in
     place; returns a, b = value * sigmoid(gate) * keep as (B*H, L) each (keep: (B, L))."""
     B, _, H, L = proj.shape
     a = proj.new_empty(B * H, L)
     b = proj.new_empty(B * H, L)
-    per_plane = _plane_blocks(L)
-    _launch(proj, "gates", B * H * per_plane, proj.data_ptr(), 0 if bias4 is None else bias4.data_ptr(),
+    per_plane = _plane_blocks(L, tuning)
+    _launch(proj, tuning, "gates", B * H * per_plane, proj.data_ptr(), 0 if bias4 is None else bias4.data_ptr(),
             keep.data_ptr(), a.data_ptr(), b.data_ptr(), H, L, per_plane, int(apply))
     return a, b
 
 
-def gates_grad(da: torch.Tensor, proj: torch.Tensor, keep: torch.Tensor, slot: int) -> None:
+def gates_grad(da: torch.Tensor, proj: torch.Tensor, keep: torch.Tensor, slot: int,
+               tuning: dict = TUNING_DEFAULT) -> None:
     """da (B*H, L) the gradient of a (slot 0) or b (slot 2): proj's slot becomes the value's
     gradient and slot + 1 the gate's, in place."""
     B, _, H, L = proj.shape
-    per_plane = _plane_blocks(L)
-    _launch(proj, "gates_grad", B * H * per_plane, da.data_ptr(), proj.data_ptr(), keep.data_ptr(), H, L,
+    per_plane = _plane_blocks(L, tuning)
+    _launch(proj, tuning, "gates_grad", B * H * per_plane, da.data_ptr(), proj.data_ptr(), keep.data_ptr(), H, L,
             per_plane, slot)
 
 
-def out_gate(o: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> None:
+def out_gate(o: torch.Tensor, u: torch.Tensor, g: torch.Tensor, tuning: dict = TUNING_DEFAULT) -> None:
     """o, u (the out gate's pre-activation), g contiguous, same shape: o becomes the gradient of
     u, u the gradient of o, in place."""
-    blocks = min(_plane_blocks(o.numel()), sm_count(o.device.index) * OUT_GATE_BLOCKS_PER_SM)
-    _launch(o, "out_gate", blocks, o.data_ptr(), u.data_ptr(), g.data_ptr(), o.numel())
+    blocks = min(_plane_blocks(o.numel(), tuning), sm_count(o.device.index) * tuning["out_gate_blocks"])
+    _launch(o, tuning, "out_gate", blocks, o.data_ptr(), u.data_ptr(), g.data_ptr(), o.numel())
 
 
-def _ln_smem(hidden: int, tiles: int) -> int:
-    return tiles * hidden * (LN_TILE + 1) * 4
+def _ln_smem(hidden: int, tiles: int, ln_tile: int) -> int:
+    return tiles * hidden * (ln_tile + 1) * 4
 
 
-def layer_norm_fits(hidden: int) -> bool:
-    """Whether the LayerNorm kernels' tiles (two of hidden x LN_TILE, fp32) fit in a block's
-    default shared memory; wider hidden widths keep PyTorch's LayerNorm and transposing copies."""
-    return _ln_smem(hidden, 2) <= LN_SMEM_LIMIT
+def layer_norm_fits(hidden: int, tuning: dict = TUNING_DEFAULT) -> bool:
+    """Whether the LayerNorm kernels' tiles (two of hidden x ln_tile, fp32, and their statistics)
+    fit in a block's default shared memory; wider hidden widths keep PyTorch's LayerNorm and
+    transposing copies."""
+    return _ln_smem(hidden, 2, tuning["ln_tile"]) <= SMEM_LIMIT - 2 * tuning["ln_tile"] * 4
 
 
-def layer_norm_channels_first(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float) -> tuple:
+def layer_norm_channels_first(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
+                              tuning: dict = TUNING_DEFAULT) -> tuple:
     """LayerNorm over dim 1 of z (B, H, L) contiguous: (zn (B*L, H) one row per pair, mean and
     1/std (B*L,) in fp32)."""
     B, H, L = z.shape
     zn = z.new_empty(B * L, H)
     mean = torch.empty(B * L, device=z.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    tiles = -(-L // LN_TILE)
-    _launch(z, "ln", B * tiles, z.data_ptr(), gamma.data_ptr(), beta.data_ptr(), zn.data_ptr(), mean.data_ptr(),
-            rstd.data_ptr(), H, L, tiles, smem=_ln_smem(H, 1), eps=eps)
+    tiles = -(-L // tuning["ln_tile"])
+    _launch(z, tuning, "ln", B * tiles, z.data_ptr(), gamma.data_ptr(), beta.data_ptr(), zn.data_ptr(),
+            mean.data_ptr(), rstd.data_ptr(), H, L, tiles, smem=_ln_smem(H, 1, tuning["ln_tile"]), eps=eps)
     return zn, mean, rstd
 
 
 def layer_norm_channels_first_backward(d_zn: torch.Tensor, z: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                                       gamma: torch.Tensor, eps: float) -> tuple:
+                                       gamma: torch.Tensor, eps: float, tuning: dict = TUNING_DEFAULT) -> tuple:
     """The backward of layer_norm_channels_first: (d z (B, H, L), d gamma (H,), d beta (H,)), the
     affine gradients in fp32 (each block's partial sums, added here)."""
     B, H, L = z.shape
     d_z = torch.empty_like(z)
-    tiles = -(-L // LN_TILE)
+    tiles = -(-L // tuning["ln_tile"])
     parts = torch.empty(2, B * tiles, H, device=z.device, dtype=torch.float32)
-    _launch(z, "ln_grad", B * tiles, d_zn.data_ptr(), z.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+    _launch(z, tuning, "ln_grad", B * tiles, d_zn.data_ptr(), z.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
             gamma.data_ptr(), d_z.data_ptr(), parts[0].data_ptr(), parts[1].data_ptr(), H, L, tiles,
-            smem=_ln_smem(H, 2), eps=eps)
+            smem=_ln_smem(H, 2, tuning["ln_tile"]), eps=eps)
     return d_z, parts[0].sum(0), parts[1].sum(0)  # two tensors: gradients may not alias each other
 

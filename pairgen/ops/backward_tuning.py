@@ -1,0 +1,135 @@
+"""Tuned launch shapes of the closed forms' fused kernels: the training path's own search space.
+
+An op whose closed form runs fused kernels (`pairgen/ops/<op>/fused_backward.py`) declares
+`TUNING_SPACE` (parameter -> its choices), `TUNING_DEFAULT`, and `tuning_sources(kind, tuning,
+widths)` (the rendered sources those kernels run). `pairgen-tune --backward`
+(pairgen/tuning/backward_tune.py) times a training step at every point of the space and keeps the
+fastest whose gradients agree with the default's, as an entry of `tuned/<gpu>/<op>_backward.json`
+keyed as forward entries are: the storage dtype the fused kernels run in ("float32", "bfloat16",
+"float16"), the module's widths, the N bucket. A call takes the entry of its bucket, else the
+nearest bucket's. An entry is stale when today's sources at its parameters hash differently from
+the ones it was tuned with, invalid when its parameters are outside today's space: either way the
+call runs the defaults (a warning names the file once), and `pairgen-tune --status` lists it.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import itertools
+import math
+import warnings
+
+from .. import config, runtime
+from ..spec import n_bucket
+from ..tuned import TunedDB, make_key
+
+#: Ops with fused closed-form kernels -> the module declaring their tuning.
+OPS = {"trimul": "pairgen.ops.trimul.fused_backward", "contact": "pairgen.ops.contact.fused_backward"}
+#: The strategy name backward entries carry (the tuned database's schema wants one).
+STRATEGY = "fused_backward"
+#: Lookups remembered per process (one per op, dtype, widths, bucket and device): bounded, since
+#: every protein has its own N; past it the oldest half is forgotten.
+MAX_CACHED = 256
+
+_cache: dict[tuple, dict] = {}
+_warned: set[str] = set()
+
+
+def db_name(op: str) -> str:
+    """The tuned database of an op's backward entries (tuned/<gpu>/<op>_backward.json)."""
+    return f"{op}_backward"
+
+
+def declared(op: str):
+    """The module declaring an op's TUNING_SPACE, TUNING_DEFAULT and tuning_sources."""
+    return importlib.import_module(OPS[op])
+
+
+def points(op: str) -> list[dict]:
+    """Every point of the op's space, the default first."""
+    space, default = declared(op).TUNING_SPACE, declared(op).TUNING_DEFAULT
+    names = sorted(space)
+    rest = [dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names))]
+    return [dict(default)] + [p for p in rest if p != default]
+
+
+def sources_sha256(op: str, kind: str, tuning: dict, widths: dict) -> str:
+    """sha256 over the rendered sources the tuning's kernels run: what staleness compares."""
+    digest = hashlib.sha256()
+    for rendered in declared(op).tuning_sources(kind, tuning, widths):
+        digest.update(rendered.source.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def template_sha256(op: str, kind: str, widths: dict) -> str:
+    """sha256 over the templates (and what they include) those sources come from."""
+    digest = hashlib.sha256()
+    for rendered in declared(op).tuning_sources(kind, declared(op).TUNING_DEFAULT, widths):
+        digest.update(rendered.template_sha256.encode())
+    return digest.hexdigest()
+
+
+def entry_state(op: str, entry: dict) -> str:
+    """"ok", "stale" (today's sources at its parameters differ) or "invalid" (parameters outside
+    today's space, or not all of them)."""
+    space, params = declared(op).TUNING_SPACE, entry["params"]
+    if set(params) != set(space) or any(params[k] not in space[k] for k in space):
+        return "invalid"
+    key = entry["key"]
+    if entry.get("source_sha256") != sources_sha256(op, key["dtype"], params, key["widths"]):
+        return "stale"
+    return "ok"
+
+
+def databases(op: str, slug: str) -> list[TunedDB]:
+    """This GPU's backward databases, in lookup order (config.tuned_read_dirs)."""
+    return [TunedDB(db_name(op), slug, root) for root in config.tuned_read_dirs()]
+
+
+def lookup(op: str, kind: str, widths: dict, n: int, slug: str) -> tuple[dict, dict | None, str]:
+    """(the tuning a call runs, the entry it came from or None, its state or "default")."""
+    bucket = n_bucket(n)
+    want = make_key(kind, widths, bucket)
+    for db in databases(op, slug):
+        mine = [e for e in db.entries() if e["key"]["dtype"] == want["dtype"] and e["key"]["widths"] == want["widths"]]
+        if not mine:
+            continue
+        entry = min(mine, key=lambda e: (abs(math.log2(e["key"]["n_bucket"]) - math.log2(bucket)),
+                                         e["key"]["n_bucket"]))
+        state = entry_state(op, entry)
+        if state == "ok":
+            return dict(entry["params"]), entry, state
+        if str(db.path) not in _warned:
+            _warned.add(str(db.path))
+            warnings.warn(f"pairgen: {db.path}: a backward entry for {kind} {widths} is {state}; the defaults "
+                          "run (re-tune with pairgen-tune --backward)")
+        return dict(declared(op).TUNING_DEFAULT), entry, state
+    return dict(declared(op).TUNING_DEFAULT), None, "default"
+
+
+def tuning_for(op: str, kind: str, widths: dict, n: int, device_index: int) -> dict:
+    """The tuning a training call of this op, dtype, widths and length runs on this device
+    (cached per N bucket; runtime.clear_caches() forgets it)."""
+    key = (op, kind, tuple(sorted(widths.items())), n_bucket(n), device_index, runtime.generation())
+    found = _cache.get(key)
+    if found is None:
+        if len(_cache) >= MAX_CACHED:
+            for old in list(_cache)[: MAX_CACHED // 2]:
+                del _cache[old]
+        found = _cache[key] = lookup(op, kind, widths, n, runtime.device_info(device_index).slug)[0]
+    return found
+
+
+def for_call(module, x) -> dict:
+    """The tuning of a closed form's call on x (its rows in the compute dtype): the module's
+    forced one (the tuner's `_backward_tuning`), else the tuned entry's on a GPU, else the
+    defaults."""
+    forced = module.__dict__.get("_backward_tuning")
+    if forced is not None:
+        return forced
+    from .fused_kernels import KINDS
+
+    op = module.op.name
+    if not x.is_cuda or x.dtype not in KINDS:
+        return declared(op).TUNING_DEFAULT
+    return tuning_for(op, KINDS[x.dtype], module.widths, x.shape[1], x.device.index)
