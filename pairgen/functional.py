@@ -24,6 +24,8 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
+from .modules import current_autocast, graphless_gradients
+
 #: Weight sets whose modules are kept (least recently used first out).
 MAX_MODULES = 16
 KERNEL_EPS = 1e-5
@@ -68,8 +70,7 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
         module = _module_for(weights, direction, _PRECISIONS[precision], x)
         if wants_grad:  # the closed form, its gradients mapped onto the caller's tensors
             names = [n for n, w in weights.items() if w is not None]
-            autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-            out = _ClosedFormForCaller.apply(module, names, autocast, x, mask, *(weights[n] for n in names))
+            out = _ClosedFormForCaller.apply(module, names, current_autocast(), x, mask, *(weights[n] for n in names))
         else:
             out = module(x, mask)
     return out if batched else out.squeeze(0)
@@ -88,15 +89,13 @@ class _ClosedFormForCaller(torch.autograd.Function):
         ctx.module, ctx.names, ctx.autocast, ctx.saved = module, names, autocast, None
         if module._saves_for_backward([x, mask]):
             params = {path: p.detach() for path, p in module.named_parameters()}
-            out, ctx.saved = module.saving_forward(module, x, mask, params, module.backward_precision(x, autocast))
+            out, ctx.saved = module.closed_form_forward((x, mask), params)
             return out
         ctx.save_for_backward(x, mask)
         return module(x, mask)
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .modules import graphless_gradients
-
         module = ctx.module
         with torch.no_grad():
             if ctx.saved is not None:

@@ -76,6 +76,16 @@ def _saved_tensor_hooks_active() -> bool:
     return top is not None and top(False) is not None
 
 
+def current_autocast() -> "torch.dtype | None":
+    """The dtype of the CUDA autocast in effect, or None."""
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+
+
+def autocast_off():
+    """A context with the CUDA autocast off (a null context where none is on)."""
+    return torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else contextlib.nullcontext()
+
+
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in dtype; t itself when it is already (Tensor.to costs a dispatch even with nothing to do)."""
     return t if t.dtype is dtype else t.to(dtype)
@@ -134,10 +144,8 @@ class SavedClosedForm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, n_inputs, names, *tensors):
         ctx.module, ctx.n_inputs, ctx.names = module, n_inputs, names
-        autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-        out, ctx.saved = module.saving_forward(module, *tensors[:n_inputs], dict(zip(names, tensors[n_inputs:])),
-                                               module.backward_precision(tensors[0], autocast))
-        return as_dtype(out, module.closed_form_output_dtype(tensors[0], autocast))
+        out, ctx.saved = module.closed_form_forward(tensors[:n_inputs], dict(zip(names, tensors[n_inputs:])))
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -545,31 +553,45 @@ class KernelModule:
         return self._launch(*inputs, variant=variant)
 
     def _without_kernel(self, inputs: tuple):
-        """A call no kernel computes in its own dtype: a forward the op's fp32 kernel takes on the
-        inputs made fp32 where fp32_kernel_pays says so; else the closed form where
-        closed_form_without_kernel allows it and this call takes it (see there); else the
-        reference."""
-        first = inputs[0]
-        if not (first.is_cuda and first.dtype in CLOSED_FORM_DTYPES) or config.disabled():
-            return self.reference_forward(*inputs)  # PAIRGEN_DISABLE: the reference, as everywhere
-        autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        """A call no kernel computes in its own dtype, run as without_kernel_path says."""
         training = torch.is_grad_enabled() and self._needs_grad(inputs)
-        if not training and self._backward_mode != "reference" and self.fp32_kernel_pays(inputs):
-            out = self._fp32_kernel_call(inputs)
-            if out is not None:
-                return as_dtype(out, self.closed_form_output_dtype(first, autocast))
-        if not (self.closed_form_without_kernel and self.closed_form_applies(inputs)):
+        path, fp32_call = self.without_kernel_path(inputs, training)
+        if path == "fp32 kernel":
+            variant, wide = fp32_call
+            with autocast_off():  # a strategy's own PyTorch products stay fp32
+                out = self._launch(*wide, variant=variant)
+            return as_dtype(out, self.closed_form_output_dtype(inputs[0], current_autocast()))
+        if path == "reference":
             return self.reference_forward(*inputs)
         if training:
-            precision = HALF_DTYPE_NAMES.get(autocast or first.dtype, "float32")
-            if self.trains_through_reference(precision, inputs) or not self._saves_for_backward(inputs):
-                return self.reference_forward(*inputs)  # also under saved-tensor hooks: no kernel to recompute with
             return SavedClosedForm.run(self, inputs)
-        if self._backward_mode == "reference" or not self.closed_form_pays(inputs):
-            return self.reference_forward(*inputs)
-        params = {name: p.detach() for name, p in self.named_parameters()}
-        out, _ = self.saving_forward(self, *inputs, params, self.backward_precision(first, autocast))
-        return as_dtype(out, self.closed_form_output_dtype(first, autocast))
+        return self.closed_form_forward(inputs, {name: p.detach() for name, p in self.named_parameters()})[0]
+
+    def without_kernel_path(self, inputs: tuple, training: bool) -> tuple:
+        """What a call no kernel computes in its own dtype (16 bits, autocast) runs, as (path,
+        detail): ("fp32 kernel", (its variant, the inputs made fp32)) for a forward where
+        fp32_kernel_pays and a variant that has passed its first-use check serves them (that check
+        times the fp32 reference, which a 16-bit module cannot run); ("closed form", None) where
+        closed_form_without_kernel allows it and the call takes it (a forward: closed_form_pays; a
+        training call: not trains_through_reference, and the intermediates can be kept);
+        ("reference", None) otherwise, and always under PAIRGEN_DISABLE."""
+        first = inputs[0]
+        if not (first.is_cuda and first.dtype in CLOSED_FORM_DTYPES) or config.disabled():
+            return "reference", None
+        if not training and self._backward_mode != "reference" and self.fp32_kernel_pays(inputs):
+            wide = tuple(as_dtype(t, torch.float32) if t.is_floating_point() else t for t in inputs)
+            if self.uses_kernel(*wide):
+                variant = self._choice_for(first.shape[1], first.get_device(), "float32")
+                if variant is not None and type(variant) is not first_use.Pending:
+                    return "fp32 kernel", (variant, wide)
+        if not (self.closed_form_without_kernel and self.closed_form_applies(inputs)):
+            return "reference", None
+        if training:
+            precision = HALF_DTYPE_NAMES.get(current_autocast() or first.dtype, "float32")
+            takes = not self.trains_through_reference(precision, inputs) and self._saves_for_backward(inputs)
+        else:
+            takes = self._backward_mode != "reference" and self.closed_form_pays(inputs)
+        return ("closed form" if takes else "reference"), None
 
     def fp32_kernel_pays(self, inputs: tuple) -> bool:
         """Whether a forward no kernel computes in its own dtype (16 bits, autocast) is faster
@@ -578,21 +600,13 @@ class KernelModule:
         fp32 of the rounded inputs, in the reference's dtype."""
         return False
 
-    def _fp32_kernel_call(self, inputs: tuple) -> "torch.Tensor | None":
-        """The fp32 kernel's output on the inputs made fp32; None where no variant serves them,
-        or where the variant is a default whose first-use check against the reference has not
-        run (that check times the fp32 reference, which a 16-bit module cannot run). Under an
-        autocast, none applies inside (a strategy's own PyTorch products stay fp32)."""
-        wide = tuple(as_dtype(t, torch.float32) if t.is_floating_point() else t for t in inputs)
-        if not self.uses_kernel(*wide):
-            return None
-        first = wide[0]
-        off = torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else contextlib.nullcontext()
-        with off:
-            variant = self._choice_for(first.shape[1], first.get_device(), "float32")
-            if variant is None or type(variant) is first_use.Pending:
-                return None
-            return self._launch(*wide, variant=variant)
+    def closed_form_forward(self, inputs: tuple, params: dict) -> tuple:
+        """The op's forward computed the closed form's way (saving_forward) on `inputs` and
+        `params` (by name), in the precision backward_precision names under the current autocast:
+        (the output in the reference's dtype, what saved_gradients needs)."""
+        autocast = current_autocast()
+        out, saved = self.saving_forward(self, *inputs, params, self.backward_precision(inputs[0], autocast))
+        return as_dtype(out, self.closed_form_output_dtype(inputs[0], autocast)), saved
 
     def closed_form_pays(self, inputs: tuple) -> bool:
         """Whether a forward no kernel computes is faster through the closed form than through the

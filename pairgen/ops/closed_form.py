@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from ..modules import as_dtype, cublas_fp32_mode  # as_dtype: a training step makes about forty such casts
+from ..modules import as_dtype, autocast_off, cublas_fp32_mode  # as_dtype: a training step makes about forty such casts
 
 
 # Pair-sized tensors (B·N², C) dominate a backward's memory: these two make one new such tensor
@@ -103,8 +103,7 @@ def computing_in(precision: str):
         raise ValueError(f"precision must be one of {', '.join(map(repr, COMPUTE_DTYPES))}, got {precision!r}")
     # autocast off: the closed form chooses its dtypes itself (a forward computed under the
     # caller's autocast would otherwise have its LayerNorms lifted to fp32)
-    autocast = torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else contextlib.nullcontext()
-    with torch.no_grad(), autocast, cublas_fp32_mode(precision == "tf32"):
+    with torch.no_grad(), autocast_off(), cublas_fp32_mode(precision == "tf32"):
         yield COMPUTE_DTYPES[precision], Products()
 
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..ops import get_op, op_names
-from .. import config, first_use
+from .. import config
 from ..spec import precision_of
 from .cli import add_selection_args, selected_shapes, shape_label
 
@@ -58,20 +58,14 @@ def parse_args(argv=None):
     return parser, args
 
 
-NO_KERNEL_CLOSED_FORM = "closed form (no kernels in this dtype)"
-
-
 def _forward_label(module, inputs: tuple, n: int, device) -> tuple:
     """(the variant a forward call runs, or None; what the row says it runs)."""
     kernel_precision = module.kernel_precision(*inputs)
     if kernel_precision is None:
-        usable = module.backward_mode != "reference" and inputs[0].is_cuda
-        if usable and module.fp32_kernel_pays(inputs):
-            wide = module._choice_for(n, device, "float32")
-            if wide is not None and not isinstance(wide, first_use.Pending):
-                return None, f"fp32 kernel on inputs made fp32: {wide.plan.label}"
-        closed = usable and module.closed_form_without_kernel and module.closed_form_pays(inputs)
-        return None, NO_KERNEL_CLOSED_FORM if closed else "reference (no kernel)"
+        path, detail = module.without_kernel_path(inputs, training=False)
+        if path == "fp32 kernel":
+            return None, f"fp32 kernel on inputs made fp32: {detail[0].plan.label}"
+        return None, "closed form (no kernels in this dtype)" if path == "closed form" else "reference (no kernel)"
     variant = module.variant_for(n, device, kernel_precision)
     return variant, variant.plan.label if variant else "reference (no kernel)"
 
@@ -161,14 +155,14 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", reco
     exact = _input_gradient64(spec, module, inputs, g)
     kernel_precision = module.kernel_precision(*inputs)
     variant, label = _forward_label(module, inputs, shape["N"], device)
-    no_kernel_closed_form = (variant is None and module.closed_form_without_kernel and x.is_cuda
-                             and not module.trains_through_reference(precision, train_inputs))
-    if variant is None and not no_kernel_closed_form:
-        label = "reference (no kernel)"
+    kept = "closed form: its forward keeps the intermediates for its backward (no kernel forward)"
+    if kernel_precision is None:
+        label = kept if module.without_kernel_path(train_inputs, training=True)[0] == "closed form" \
+            else "reference (no kernel)"
     elif variant and module.trains_through_reference(kernel_precision, train_inputs):
         label = f"reference (backward_mode {module.backward_mode!r} trains {kernel_precision} calls in PyTorch)"
-    elif module._saves_for_backward(train_inputs):
-        label = "closed form: its forward keeps the intermediates for its backward (no kernel forward)"
+    elif variant and module._saves_for_backward(train_inputs):
+        label = kept
     mode = "train" if backward_mode == "auto" else f"train ({backward_mode})"
     if config.fused_backward():  # kept apart from the PyTorch passes' rows
         mode += " +fused"

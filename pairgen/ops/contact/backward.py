@@ -1,4 +1,5 @@
-"""The contact head's gradients in closed form, computed in fp32 (closed_form.closed_form_gradients).
+"""The contact head's gradients in closed form (closed_form.closed_form_gradients): in fp32 for fp32
+modules, in the dtype of 16-bit modules and of a 16-bit autocast (LayerNorm statistics in fp32).
 
   xn = LN(x) per pair,  s = (xn + xn^T) / 2 over (i, j),
   h1 = relu(s W1^T + b1),  h2 = relu(h1 W2^T + b2),  out = sigmoid(h2 W3^T + b3)
@@ -39,7 +40,7 @@ def forward_saving(module, x: torch.Tensor, params: dict[str, torch.Tensor], pre
     """The forward computed the closed form's way: (out, what gradients_from() needs)."""
     def forward(x32, w, mm):
         f = _forward(module, x32, w, mm)
-        return f.out.view(f.B, f.N, f.N), f
+        return _to_both_rows(f.out_unique, f.pairs, f.B * f.N * f.N).view(f.B, f.N, f.N), f
     return closed_form.forward_saving(forward, x, params, precision)
 
 
@@ -98,7 +99,6 @@ def _forward(module, x, w, mm) -> SimpleNamespace:
     f.h1 = mm.linear(f.s, w["mlp.0.weight"], w["mlp.0.bias"]).relu_()
     f.h2 = mm.linear(f.h1, w["mlp.2.weight"], w["mlp.2.bias"]).relu_()
     f.out_unique = torch.sigmoid(mm.linear(f.h2, w["mlp.4.weight"], w["mlp.4.bias"]))  # (pairs, 1)
-    f.out = _to_both_rows(f.out_unique, f.pairs, B * N * N)
     return f
 
 
@@ -110,7 +110,7 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     g = grad_out.reshape(-1)
     g_unique = g.index_select(0, f.pairs.ij).addcmul_(g.index_select(0, f.pairs.ji), f.pairs.off)
     d_y = torch.ops.aten.sigmoid_backward(g_unique.view(-1, 1), f.out_unique)
-    f.out = f.out_unique = None
+    f.out_unique = None
     grads = {"mlp.4.bias": d_y.sum(0)}
     if "mlp.4.weight" not in frozen:
         grads["mlp.4.weight"] = mm(d_y.t(), f.h2)

@@ -1,14 +1,15 @@
 """The triangle update's gradients in closed form: exact fp32 (cuBLAS with TF32 off, whatever the
-process allows) for fp32 modules; in a 16-bit module's dtype for 16-bit modules (products on
-16-bit tensor cores with fp32 accumulation, LayerNorm statistics in fp32, as PyTorch's own 16-bit
-backward does); TF32 products for autocast and `tf32` modules.
+process allows) for fp32 modules; in a 16-bit module's dtype for 16-bit modules, and in the
+autocast's dtype under a 16-bit autocast (products on 16-bit tensor cores with fp32 accumulation,
+LayerNorm statistics in fp32, as PyTorch's own 16-bit backward does); TF32 products for `tf32`
+modules.
 
-The forward kernels keep no intermediates, so the backward recomputes what it needs from the
-input and the weights (the input LayerNorm, the four projections and gates, the triangle sums, the
-output LayerNorm, the output projection and gate) and then applies the chain rule by hand. Compared
-with recomputing the reference under autograd, nothing is kept between the forward and the backward
-but the input and mask (the autograd graph of the reference saves about a dozen tensors of the
-pair's size), and each product of the backward is one large matrix product:
+A training call's forward computes the op this way and keeps the intermediates the chain rule needs
+(forward_saving, then gradients_from); with the module's recompute_for_backward the forward is the
+kernel, which keeps nothing, and the backward recomputes them from the input and the weights (the
+input LayerNorm, the four projections and gates, the triangle sums, the output LayerNorm, the
+output projection and gate: gradients). Either way each product of the backward is one large
+matrix product:
 
   out = o * s,  o = LN_out(z) Wo^T + bo,  s = sigmoid(gate_in Wg^T + bg)
     (the hidden gate placement: out = (LN_out(z) * s) Wo^T + bo, s in hidden width)
@@ -19,9 +20,10 @@ Layout: the triangle sums want one N x N matrix per channel ("channels first", (
 LayerNorms, the output gate and the input's gradient want one row per pair ("channels last",
 (B*N*N, C)). Products between the two let cuBLAS read one operand transposed, so the projections
 land channels first and the input projections' gradient channels last without a copy; the two
-copies left are z to channels last and its gradient back. Both LayerNorms and their backwards are
-PyTorch's fused kernels (statistics and the backward's sums in fp32 whatever the dtype), and the
-other elementwise passes run over contiguous memory.
+copies left are z to channels last and its gradient back (none with the fused kernels, whose
+output LayerNorm reads and writes across the two layouts). The LayerNorms keep their statistics
+and their backward's sums in fp32 whatever the dtype; with PAIRGEN_FUSED_BACKWARD=0 they and the
+other elementwise passes are PyTorch's.
 
 Names follow the formulas: d<name> is the gradient of the loss with respect to <name>.
 """
@@ -91,7 +93,7 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False) -> SimpleNames
     H = w["proj_a.weight"].shape[0]
     f = SimpleNamespace(B=B, N=N, P=P, H=H, NN=NN, bias="proj_a.bias" in w,
                         outgoing=module.direction == "outgoing", gate_normalized=module.gate_on == "normalized",
-                        hidden=getattr(module, "gate_at", "output") == "hidden")
+                        hidden=module.gate_at == "hidden")
 
     # ---- the input LayerNorm and the four projections, channels first: (B, 4H, N*N) ----
     f.fused = fused_backward.enabled(x)
