@@ -250,8 +250,23 @@ def _check_cubin(cubin: bytes, arch: str) -> None:
                            "expected a real GPU target sm_XY such as sm_90 (not compute_XY)")
 
 
+#: A template whose kernels use an architecture's own features (Hopper's wgmma) says so with this
+#: line; they then compile for that architecture's feature target (sm_90 -> sm_90a), whose code
+#: runs on that architecture only (the strategy's restrictions keep it there).
+ARCH_SPECIFIC_MARKER = "// pairgen: arch-specific (sm_90a)"
+
+
+def target_for(source: str, arch: str) -> str:
+    """The target `source` compiles for on `arch`: its feature target where it asks for one."""
+    if ARCH_SPECIFIC_MARKER in source and not arch.endswith("a"):
+        return arch + "a"
+    return arch
+
+
 def compile_source(source: str, kernel_name: str, arch: str, use_cache: bool = True) -> Compiled:
-    """Compile `source` for `arch` (e.g. "sm_90"), or take it from the disk cache."""
+    """Compile `source` for `arch` (e.g. "sm_90"; its feature target where the source asks for one,
+    see target_for), or take it from the disk cache."""
+    arch = target_for(source, arch)
     key = cache_key(source, arch)
     cached = _read_cache(key) if use_cache else None
     if cached is not None:

@@ -45,7 +45,7 @@ def device_info(index: int = 0) -> DeviceInfo:
     smem_block = getattr(props, "shared_memory_per_block_optin", DeviceLimits.max_smem_per_block)
     smem_sm = getattr(props, "shared_memory_per_multiprocessor", DeviceLimits.smem_per_sm)
     threads_sm = getattr(props, "max_threads_per_multi_processor", DeviceLimits.max_threads_per_sm)
-    limits = DeviceLimits(smem_block, smem_sm, threads_sm, props.multi_processor_count)
+    limits = DeviceLimits(smem_block, smem_sm, threads_sm, props.multi_processor_count, arch)
     return DeviceInfo(index, props.name, slugify(props.name), arch, limits, (props.major, props.minor))
 
 

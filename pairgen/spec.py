@@ -31,6 +31,7 @@ class DeviceLimits:
     smem_per_sm: int = 228 * 1024
     max_threads_per_sm: int = 2048
     sm_count: int = 132
+    arch: str = "sm_90"  # the device's compute capability as a target name
 
 
 #: (B, N, SM count, blocks of this kernel resident per SM) -> (blocks to launch, the trailing

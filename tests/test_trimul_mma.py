@@ -52,7 +52,7 @@ def test_precision_is_part_of_the_plan_and_the_source():
 
 def test_precision_views_filter_strategies_and_defaults():
     view = TRIMUL.at("bfloat16")
-    assert list(view.strategies) == ["mma"] and all(s == "mma" for s, _ in view.default_points)
+    assert list(view.strategies) == ["mma", "wgmma"] and all(s in view.strategies for s, _ in view.default_points)
     assert view.plan("mma", view.default_points[0][1], MODEL).precision == "bfloat16"
     assert set(TRIMUL.at("float32").strategies) == {"bmm", "fused"}
     assert set(TRIMUL.at("tf32x3").strategies) == {"bmm", "fused", "mma"}

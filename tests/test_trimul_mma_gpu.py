@@ -39,7 +39,22 @@ def _cases():
     return cases
 
 
-CASES = _cases()
+def _wgmma_cases():
+    """The Hopper strategy (16-bit only): sampled points at the seed's and the models' widths, and
+    every option set at P = 48, H = 24 (k padded to whole steps)."""
+    cases = []
+    for precision in ("bfloat16", "float16"):
+        view = TRIMUL.at(precision)
+        for widths in ({"P": 64, "H": 32, **OPTION_SETS[0]}, {"P": 128, "H": 128, **OPTION_SETS[-1]}):
+            for plan in sampled_plans(view, "wgmma", widths, 2, seed=13):
+                cases.append(pytest.param(plan, id=f"wgmma-{precision}-P{widths['P']}-{plan.label}"))
+        for k, options in enumerate(OPTION_SETS):
+            plan = sampled_plans(view, "wgmma", {"P": 48, "H": 24, **options}, 1, seed=k)[0]
+            cases.append(pytest.param(plan, id=f"wgmma-{precision}-P48-opts{k}"))
+    return cases
+
+
+CASES = _cases() + _wgmma_cases()
 variants = compiled_cases(CASES)
 
 

@@ -8,7 +8,7 @@ from ...modules import (HALF_DTYPE_NAMES, KernelModule, PackedParameters, as_mas
 from ... import config
 from . import backward
 from .reference import TriangleMultiplicationReference
-from .spec import BMM, FUSED, MMA, TRIMUL, mma_weight_offsets, weight_offsets
+from .spec import BMM, FUSED, MMA, TRIMUL, WGMMA, k_padded, mma_weight_offsets, weight_offsets, wgmma_weight_offsets
 
 #: precision= of an fp32 module -> the tuned key's dtype its kernels compute in.
 FP32_PRECISIONS = {"ieee": "float32", "tf32x3": "tf32x3", "tf32": "tf32"}
@@ -78,8 +78,60 @@ def pack_mma_weights(params: dict[str, torch.Tensor], P: int, H: int, bias: bool
     return packed
 
 
+def _folded(weight: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, bias, dtype: torch.dtype,
+            k_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A linear layer after a LayerNorm, as the wgmma kernels compute it: LN(x) W^T + bias =
+    rstd (x (gamma o W)^T - mean c1) + c2. Returns gamma o W rounded to `dtype` with k zero-padded to
+    k_pad, c1 = its row sums taken from the ROUNDED values (so that the mean's share cancels as it
+    would after normalising), and c2 = W beta + bias; c1 and c2 in fp32, summed in float64."""
+    w64 = weight.detach().double()
+    folded = (w64 * gamma.detach().double()).to(dtype)
+    c1 = folded.double().sum(dim=1)
+    c2 = w64 @ beta.detach().double() + (bias.detach().double() if bias is not None else 0.0)
+    padded = torch.nn.functional.pad(folded, (0, k_pad - folded.shape[1]))
+    return padded, c1.float(), c2.float()
+
+
+def pack_wgmma_weights(params: dict[str, torch.Tensor], P: int, H: int, bias: bool, gate_normalized: bool,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """The parameters in the wgmma kernels' layout (wgmma_weight_offsets), as bytes: each linear
+    layer folded with the LayerNorm before it (_folded): Wp (rows interleaved per channel as
+    pack_mma_weights's) with layer_norm_in, Wout with layer_norm_out, Wgate with layer_norm_in when
+    the gate reads the normalised input (else Wgate as it is: c1 = 0, c2 = its bias)."""
+    off = wgmma_weight_offsets(P, H, torch.empty(0, dtype=dtype).element_size())
+    f = {name: p.detach() for name, p in params.items()}
+    b = (lambda name: f[name]) if bias else (lambda name: None)
+    ln_in = (f["layer_norm_in.weight"], f["layer_norm_in.bias"])
+    wp = torch.stack([f[f"{n}.weight"] for n in _FOUR], dim=1).reshape(4 * H, P)
+    bp = torch.stack([f[f"{n}.bias"] for n in _FOUR], dim=1).reshape(-1) if bias else None
+    sections = dict(zip(("wp", "c1p", "c2p"), _folded(wp, *ln_in, bp, dtype, k_padded(P))))
+    sections.update(zip(("wo", "c1o", "c2o"), _folded(f["out_proj.weight"], f["layer_norm_out.weight"],
+                                                      f["layer_norm_out.bias"], b("out_proj.bias"), dtype, k_padded(H))))
+    wg = f["out_gate.weight"]
+    if gate_normalized:
+        sections.update(zip(("wg", "c1g", "c2g"), _folded(wg, *ln_in, b("out_gate.bias"), dtype, k_padded(P))))
+    else:
+        zero = torch.zeros(P, device=wg.device, dtype=torch.float32)
+        sections.update(wg=torch.nn.functional.pad(wg.to(dtype), (0, k_padded(P) - P)), c1g=zero,
+                        c2g=f["out_gate.bias"].float() if bias else zero)
+    packed = torch.zeros(off["total"], device=wp.device, dtype=torch.uint8)
+    for name, value in sections.items():
+        raw = value.contiguous().reshape(-1).view(torch.uint8)
+        packed[off[name]: off[name] + raw.numel()] = raw
+    return packed
+
+
+#: Strategy -> (parameters by state_dict name, the module's widths, operand dtype) -> packed bytes.
+TENSOR_CORE_PACKERS = {
+    MMA.name: lambda params, w, dtype: pack_mma_weights(params, w["P"], w["H"], bool(w["bias"]), dtype),
+    WGMMA.name: lambda params, w, dtype: pack_wgmma_weights(params, w["P"], w["H"], bool(w["bias"]),
+                                                            bool(w["gate_normalized"]), dtype),
+}
+
+
 def run_mma(module: "TriangleMultiplication", variant, x, mask, out) -> None:
-    """Projection kernel (tensor cores) -> cuBLAS bmm in the same precision -> output kernel.
+    """Projection kernel (tensor cores) -> cuBLAS bmm in the same precision -> output kernel; the
+    mma and wgmma strategies alike, each with its own packed weights.
     tf32x3's a and b hold three blocks each along the contracted index (mma.cu.j2), so one TF32
     GEMM over 3N sums hi·hi + hi·lo + lo·hi."""
     B, N = x.shape[0], x.shape[1]
@@ -87,7 +139,7 @@ def run_mma(module: "TriangleMultiplication", variant, x, mask, out) -> None:
     project, output = variant.launches(x.get_device(), B, N)
     copies = 3 if precision == "tf32x3" else 1
     ab = torch.empty((2, B * H, copies * N * N), device=x.device, dtype=OPERAND_DTYPES[precision])
-    w_ptr = module._mma_weights(precision).get().data_ptr()
+    w_ptr = module._tensor_core_weights(variant.plan.strategy, precision).get().data_ptr()
     if x.dtype is not ab.dtype:
         x = x.to(ab.dtype)  # an fp32 input under autocast: the kernels read x in the operand type
     x_ptr = x.data_ptr()
@@ -144,7 +196,7 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
     """
 
     op = TRIMUL
-    runners = {BMM.name: run_bmm, FUSED.name: run_fused, MMA.name: run_mma}
+    runners = {BMM.name: run_bmm, FUSED.name: run_fused, MMA.name: run_mma, WGMMA.name: run_mma}
     _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_barrier", "_mma_packs")
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "incoming", gate_on: str = "input",
@@ -163,7 +215,7 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         self._param_names = tuple(f"{sub}.{name}" for sub, name in paths)
         self._weights = PackedParameters(self, paths, self._pack)
         self._paths = paths
-        self._mma_packs = None  # operand dtype -> PackedParameters for the mma kernels
+        self._mma_packs = None  # (strategy, operand dtype) -> PackedParameters for the tensor-core kernels
 
     @property
     def precision(self) -> str:
@@ -206,17 +258,18 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
             return None
         return precision
 
-    def _mma_weights(self, precision: str) -> PackedParameters:
-        """The mma kernels' packed weights in this precision's operand dtype, rebuilt only after a
-        parameter changed (an fp32 module under autocast casts them once per parameter version)."""
+    def _tensor_core_weights(self, strategy: str, precision: str) -> PackedParameters:
+        """The mma or wgmma kernels' packed weights in this precision's operand dtype, rebuilt only
+        after a parameter changed (an fp32 module under autocast casts them once per parameter version)."""
         dtype = OPERAND_DTYPES[precision]
         packs = self._mma_packs
         if packs is None:
             packs = self._mma_packs = {}
-        pack = packs.get(dtype)
+        pack = packs.get((strategy, dtype))
         if pack is None:
-            pack = packs[dtype] = PackedParameters(self, self._paths, lambda params, d=dtype: pack_mma_weights(
-                dict(zip(self._param_names, params)), self.widths["P"], self.widths["H"], bool(self.widths["bias"]), d))
+            packer, widths = TENSOR_CORE_PACKERS[strategy], self.widths
+            pack = packs[(strategy, dtype)] = PackedParameters(
+                self, self._paths, lambda params: packer(dict(zip(self._param_names, params)), widths, dtype))
         return pack
 
     closed_form = staticmethod(backward.gradients)

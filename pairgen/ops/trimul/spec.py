@@ -306,6 +306,94 @@ MMA = Strategy(
 )
 
 
+# ---- warpgroup tensor cores (wgmma, sm_90a) -----------------------------------------------------
+
+#: The rows of a wgmma kernel's tile: one warpgroup's m64 product.
+WGMMA_ROWS = 64
+
+
+def k_padded(width: int) -> int:
+    """A K extent padded to whole 16-element k-steps (wgmma.cu.j2's P_PAD, H_PAD)."""
+    return align(width, 16)
+
+
+def wgmma_weight_offsets(P: int, H: int, elem_bytes: int) -> dict[str, int]:
+    """Byte offsets of the wgmma kernels' packed weights (shared with templates/trimul/wgmma.cu.j2),
+    each section 16-byte aligned: the matrices n-major with k padded to whole k-steps, in the operand
+    type, the LayerNorms' gamma folded in (Wp's rows interleaved per channel as the mma strategy's);
+    per output column, c1 = the row sum of the folded matrix and c2 = W beta + bias, in fp32."""
+    sizes = [("wp", 4 * H * k_padded(P) * elem_bytes), ("wo", P * k_padded(H) * elem_bytes),
+             ("wg", P * k_padded(P) * elem_bytes),
+             ("c1p", 16 * H), ("c2p", 16 * H), ("c1o", 4 * P), ("c2o", 4 * P), ("c1g", 4 * P), ("c2g", 4 * P)]
+    offsets, at = {}, 0
+    for name, size in sizes:
+        offsets[name] = at
+        at = align(at + size, 16)
+    offsets["total"] = at
+    return offsets
+
+
+def _wgmma_grid(groups: int):
+    """Persistent blocks of `groups` warpgroups, each warpgroup taking 64-row tiles in turn: at most
+    as many blocks as are resident at once, and no more than the tiles need."""
+
+    def grid(B, N, sms, resident, _groups=groups):
+        tiles = ceil_div(B * N * N, WGMMA_ROWS)
+        return max(1, min(ceil_div(tiles, _groups), max(1, resident) * sms)), (B, N, tiles)
+
+    return grid
+
+
+def _derive_wgmma(params: dict, w: dict, name: str):
+    P, H, precision = w["P"], w["H"], w["precision"]
+    eb = element_bytes(precision)
+    x_tile, z_tile = WGMMA_ROWS * k_padded(P) * eb, WGMMA_ROWS * k_padded(H) * eb
+    # resident Wp; per warpgroup two x tiles (the next one is fetched while this one computes) and
+    # the staging of a pass's a, b (p_wn / 2 slots of 72 elements)
+    project_smem = 4 * H * k_padded(P) * eb + params["p_groups"] * (2 * x_tile + params["p_wn"] // 2 * 72 * eb)
+    # resident Wout and Wgate; per warpgroup two x tiles and a z tile
+    output_smem = P * (k_padded(H) + k_padded(P)) * eb + params["o_groups"] * (2 * x_tile + z_tile)
+    context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
+               "off": wgmma_weight_offsets(P, H, eb), "p_groups": params["p_groups"], "p_wn": params["p_wn"],
+               "o_groups": params["o_groups"], "o_wn": params["o_wn"],
+               "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
+    return context, (Kernel(name, 128 * params["p_groups"], project_smem, MMA_PROJECT_ARGS, _wgmma_grid(params["p_groups"])),
+                     Kernel(f"{name}_output", 128 * params["o_groups"], output_smem, MMA_OUTPUT_ARGS,
+                            _wgmma_grid(params["o_groups"])))
+
+
+def _on_sm90(plan: Plan, limits: DeviceLimits) -> bool:
+    return limits.arch == "sm_90"
+
+
+def _wgmma_columns_divide(plan: Plan, limits: DeviceLimits) -> bool:
+    """Whole 16-byte chunks per row, and passes that tile the projection's 4H and the output's P columns."""
+    P, H = plan.widths["P"], plan.widths["H"]
+    return P % 8 == 0 and H % 8 == 0 and (4 * H) % plan.params["p_wn"] == 0 and P % plan.params["o_wn"] == 0
+
+
+def _wgmma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
+    """At most 128 fp32 accumulators per thread (the output kernel holds two products')."""
+    return plan.params["p_wn"] // 2 <= 128 and plan.params["o_wn"] <= 128
+
+
+WGMMA = Strategy(
+    name="wgmma",
+    summary="Hopper tensor cores: wgmma projection kernel (LayerNorm folded into its epilogue) -> cuBLAS bmm -> "
+            "wgmma output kernel",
+    # Per kernel: warpgroups per block (each works alone on 64-row tiles, sharing the block's
+    # resident weights) and the columns of one wgmma pass (its n: wn / 2 accumulators per thread).
+    space={"p_groups": (1, 2), "p_wn": (32, 64, 128, 256), "o_groups": (1, 2, 3), "o_wn": (16, 32, 64, 128)},
+    derive=_derive_wgmma,
+    restrictions=(Restriction("wgmma needs sm_90 (its sm_90a features do not run on later architectures)", _on_sm90),
+                  Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
+                              _wgmma_columns_divide),
+                  Restriction("at most 128 accumulators per thread", _wgmma_accumulators_fit),
+                  Restriction("shared memory exceeds the per-block limit", smem_fits)),
+    precisions=HALF_PRECISIONS,
+)
+
+
 def options_of(widths: dict) -> dict:
     """Constructor options from the 0/1 entries of a widths dict (absent: the defaults).
     "gate_hidden" is present only in a module's widths, never in a tuned key: no kernel computes
@@ -322,7 +410,7 @@ class TrimulSpec(OpSpec):
     name = "trimul"
     # The options are compile-time and part of the tuned key, as 0/1 next to the widths.
     width_names = ("P", "H", "outgoing", "gate_normalized", "bias")
-    strategies = {s.name: s for s in (BMM, FUSED, MMA)}
+    strategies = {s.name: s for s in (BMM, FUSED, MMA, WGMMA)}
     default_points = (
         # P a multiple of 64, H of 32 (the real models): 128-column chunks of 4H, 8x8 micro-tiles.
         ("bmm", {"p_tile": 128, "p_tm": 8, "p_tn": 8, "p_weights_smem": False, "o_tile": 64, "o_tm": 4, "o_tn": 4,

@@ -1,0 +1,142 @@
+"""The triangle update's Hopper strategy (wgmma) on the CPU: its kernels compiling for sm_90a without
+spills, its restrictions (sm_90 only, 16-bit only, whole chunks), the shared-memory contract, and
+its folded LayerNorms: the packed weights, run through the kernels' arithmetic in float64 here,
+reproduce the float64 reference within the 16-bit standard for every option set, padded widths,
+heavy-tailed inputs and empty rows."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from pairgen import codegen, compiler
+from pairgen.ops.trimul import TRIMUL
+from pairgen.ops.trimul.module import pack_wgmma_weights
+from pairgen.ops.trimul.spec import k_padded, wgmma_weight_offsets
+from pairgen.spec import SIXTEEN_BIT_TOLERANCE, DeviceLimits
+from pairgen.tuning.check import compare, reference64
+
+SEED = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}
+MODEL = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+ODD = {"P": 48, "H": 24, "outgoing": 0, "gate_normalized": 1, "bias": 1}   # k padded: H 24 -> 32
+OPTION_SETS = [{"outgoing": o, "gate_normalized": g, "bias": b} for o, g, b in itertools.product((0, 1), (0, 1), (1, 0))]
+
+
+def _sampled(widths: dict, precision: str, k: int = 2):
+    return TRIMUL.at(precision).sample_plans("wgmma", widths, k, random.Random(f"wgmma{precision}{widths['P']}"))
+
+
+@pytest.fixture(scope="module")
+def compiled_wgmma():
+    plans = [p for precision in ("bfloat16", "float16") for widths in (SEED, MODEL, ODD) for p in _sampled(widths, precision)]
+    jobs = [(r.source, r.kernel_name, "sm_90") for r in map(codegen.render_plan, plans)]
+    with compiler.compile_pool(2) as pool:
+        return list(zip(plans, compiler.compile_many(jobs, pool)))
+
+
+def test_sampled_points_compile_for_sm90a_without_spills(compiled_wgmma):
+    assert len(compiled_wgmma) == 12
+    for plan, result in compiled_wgmma:
+        assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
+        assert result.arch == "sm_90a"   # the template asks for Hopper's feature target
+        assert set(result.kernels) == {"pairgen_trimul_wgmma", "pairgen_trimul_wgmma_output"}
+        assert result.spill_bytes == 0, f"{plan.label}: {result.summary()}"
+
+
+def test_the_feature_target_is_taken_only_where_a_source_asks_for_it():
+    assert compiler.target_for(f"{compiler.ARCH_SPECIFIC_MARKER}\n__global__ void k() {{}}", "sm_90") == "sm_90a"
+    assert compiler.target_for("__global__ void k() {}", "sm_90") == "sm_90"
+    assert compiler.target_for(compiler.ARCH_SPECIFIC_MARKER, "sm_90a") == "sm_90a"
+
+
+def test_restrictions_keep_it_on_hopper_in_16_bit_with_whole_chunks():
+    plan = TRIMUL.feasible_plans("wgmma", MODEL, DeviceLimits(), "bfloat16")[0]
+    assert TRIMUL.infeasible(plan, DeviceLimits(arch="sm_100")) == [
+        "wgmma needs sm_90 (its sm_90a features do not run on later architectures)"]
+    with pytest.raises(ValueError, match="does not compute in"):
+        TRIMUL.plan("wgmma", plan.params, MODEL, "tf32x3")
+    assert not TRIMUL.feasible_plans("wgmma", {**MODEL, "P": 44}, DeviceLimits(), "bfloat16")
+    # a pass of 256 columns does not tile P = 48's output, 32 does not tile 4H = 96 in 64s
+    assert all(p.params["o_wn"] in (16,) and p.params["p_wn"] == 32
+               for p in TRIMUL.feasible_plans("wgmma", ODD, DeviceLimits(), "bfloat16"))
+
+
+def test_a_plan_whose_shared_memory_disagrees_with_its_template_does_not_build():
+    plan = TRIMUL.feasible_plans("wgmma", MODEL, DeviceLimits(), "bfloat16")[0]
+    plan.context = {**plan.context, "o_smem": plan.context["o_smem"] + 16}
+    rendered = codegen.render_template(plan.op, plan.strategy, plan.params, plan.widths, plan.context, plan.precision)
+    with pytest.raises(compiler.CompileError, match="output shared memory differs"):
+        compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90", use_cache=False)
+
+
+def _sections(packed: torch.Tensor, P: int, H: int, dtype: torch.dtype) -> dict:
+    off = wgmma_weight_offsets(P, H, torch.empty(0, dtype=dtype).element_size())
+    assert packed.numel() == off["total"] and all(v % 16 == 0 for v in off.values())
+
+    def matrix(name, rows, cols):
+        n = rows * cols * torch.empty(0, dtype=dtype).element_size()
+        return packed[off[name]: off[name] + n].view(dtype).reshape(rows, cols).double()
+
+    def vector(name, size):
+        return packed[off[name]: off[name] + 4 * size].view(torch.float32).double()
+
+    return {"wp": matrix("wp", 4 * H, k_padded(P)), "wo": matrix("wo", P, k_padded(H)), "wg": matrix("wg", P, k_padded(P)),
+            **{f"c{i}{s}": vector(f"c{i}{s}", 4 * H if s == "p" else P) for i in (1, 2) for s in "pog"}}
+
+
+def _stats(rows: torch.Tensor):
+    mean = rows.mean(dim=-1, keepdim=True)
+    return mean, (((rows - mean) ** 2).mean(dim=-1, keepdim=True) + 1e-5).rsqrt()
+
+
+def _kernels_in_float64(s: dict, x: torch.Tensor, mask: torch.Tensor, widths: dict, dtype: torch.dtype):
+    """The two kernels' arithmetic (wgmma.cu.j2) and the contraction between them, in float64, with
+    the roundings the GPU applies (a, b and the triangle sums stored in `dtype`)."""
+    P, H = widths["P"], widths["H"]
+    x = x.double()
+    mean, rstd = _stats(x)
+    xp = torch.nn.functional.pad(x, (0, k_padded(P) - P))
+    pg = (rstd * (xp @ s["wp"].T - mean * s["c1p"]) + s["c2p"]).unflatten(-1, (H, 4))
+    m = mask.double().unsqueeze(-1)
+    a = (pg[..., 0] * torch.sigmoid(pg[..., 1]) * m).to(dtype).double()
+    b = (pg[..., 2] * torch.sigmoid(pg[..., 3]) * m).to(dtype).double()
+    eq = "bikh,bjkh->bijh" if widths["outgoing"] else "bkih,bkjh->bijh"
+    z = torch.einsum(eq, a, b).to(dtype).double()
+    zmean, zrstd = _stats(z)
+    zp = torch.nn.functional.pad(z, (0, k_padded(H) - H))
+    o = zrstd * (zp @ s["wo"].T - zmean * s["c1o"]) + s["c2o"]
+    xmean, xrstd = _stats(x) if widths["gate_normalized"] else (0.0, 1.0)
+    g = xrstd * (xp @ s["wg"].T - xmean * s["c1g"]) + s["c2g"]
+    return o * torch.sigmoid(g)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_folded_layer_norms_reproduce_the_reference(dtype, options):
+    """Heavy-tailed inputs with an offset (the mean's share must cancel), a masked row, a padded k."""
+    widths = {"P": 48, "H": 24, **options}
+    gen = torch.Generator().manual_seed(7)
+    module = TRIMUL.make_module(widths, gen).to(dtype)
+    x, mask = TRIMUL.make_inputs({"B": 2, "N": 11, **widths}, gen)
+    x = (x + 3.0 * torch.empty_like(x).cauchy_(generator=gen).clamp(-50, 50) + 4.0).to(dtype)
+    mask[1, 4, :] = False
+    packed = pack_wgmma_weights(dict(module.named_parameters()), 48, 24, bool(options["bias"]),
+                                bool(options["gate_normalized"]), dtype)
+    out = _kernels_in_float64(_sections(packed, 48, 24, dtype), x, mask, widths, dtype)
+    result = compare(out.to(dtype), reference64(module, (x, mask)), SIXTEEN_BIT_TOLERANCE)
+    assert result.ok and result.rel_l2 < 5e-3, str(result)
+
+
+def test_packing_folds_gamma_and_sums_c1_from_the_rounded_matrix():
+    widths = {"P": 48, "H": 24, **OPTION_SETS[0]}
+    module = TRIMUL.make_module(widths, torch.Generator().manual_seed(1))
+    params = dict(module.named_parameters())
+    s = _sections(pack_wgmma_weights(params, 48, 24, True, True, torch.bfloat16), 48, 24, torch.bfloat16)
+    gamma, beta = params["layer_norm_out.weight"].detach().double(), params["layer_norm_out.bias"].detach().double()
+    wo = params["out_proj.weight"].detach().double()
+    assert torch.equal(s["wo"][:, :24], (wo * gamma).to(torch.bfloat16).double())
+    assert torch.equal(s["wo"][:, 24:], torch.zeros(48, 8, dtype=torch.float64))   # k padding
+    assert torch.allclose(s["c1o"], s["wo"].sum(dim=1).float().double())
+    assert torch.allclose(s["c2o"], (wo @ beta + params["out_proj.bias"].detach().double()).float().double())
