@@ -350,11 +350,13 @@ def _derive_wgmma(params: dict, w: dict, name: str):
     x_tile, z_tile = WGMMA_ROWS * k_padded(P) * eb, WGMMA_ROWS * k_padded(H) * eb
     # resident Wp; per warpgroup two x tiles (the next one is fetched while this one computes) and
     # the staging of a pass's a, b (p_wn / 2 slots of 72 elements)
-    project_smem = 4 * H * k_padded(P) * eb + params["p_groups"] * (2 * x_tile + params["p_wn"] // 2 * 72 * eb)
+    project_smem = (4 * H * k_padded(P) * eb
+                    + params["p_groups"] * (params["p_stages"] * x_tile + params["p_wn"] // 2 * 72 * eb))
     # resident Wout and Wgate; per warpgroup two x tiles and a z tile
     output_smem = P * (k_padded(H) + k_padded(P)) * eb + params["o_groups"] * (2 * x_tile + z_tile)
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
                "off": wgmma_weight_offsets(P, H, eb), "p_groups": params["p_groups"], "p_wn": params["p_wn"],
+               "p_stages": params["p_stages"],
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
     return context, (Kernel(name, 128 * params["p_groups"], project_smem, MMA_PROJECT_ARGS, _wgmma_grid(params["p_groups"])),
@@ -373,8 +375,11 @@ def _wgmma_columns_divide(plan: Plan, limits: DeviceLimits) -> bool:
 
 
 def _wgmma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
-    """At most 128 fp32 accumulators per thread (the output kernel holds two products')."""
-    return plan.params["p_wn"] // 2 <= 128 and plan.params["o_wn"] <= 128
+    """At most 128 fp32 accumulators per thread (the output kernel holds two products'), and at
+    most 64 where a block has 4 warpgroups (65536 registers per SM: 128 per thread)."""
+    p, o = plan.params["p_wn"] // 2, plan.params["o_wn"]
+    return (p <= (64 if plan.params["p_groups"] == 4 else 128)
+            and o <= (64 if plan.params["o_groups"] == 4 else 128))
 
 
 WGMMA = Strategy(
@@ -382,8 +387,10 @@ WGMMA = Strategy(
     summary="Hopper tensor cores: wgmma projection kernel (LayerNorm folded into its epilogue) -> cuBLAS bmm -> "
             "wgmma output kernel",
     # Per kernel: warpgroups per block (each works alone on 64-row tiles, sharing the block's
-    # resident weights) and the columns of one wgmma pass (its n: wn / 2 accumulators per thread).
-    space={"p_groups": (1, 2), "p_wn": (32, 64, 128, 256), "o_groups": (1, 2, 3), "o_wn": (16, 32, 64, 128)},
+    # resident weights) and the columns of one wgmma pass (its n: wn / 2 accumulators per thread);
+    # the projection's x tiles per warpgroup (2: the next one in flight; 1: room for more groups).
+    space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128, 256), "p_stages": (1, 2),
+           "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128)},
     derive=_derive_wgmma,
     restrictions=(Restriction("wgmma needs sm_90 (its sm_90a features do not run on later architectures)", _on_sm90),
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
