@@ -23,14 +23,17 @@ MODEL = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
 
 
 def test_every_precision_has_a_default_at_every_preset_width():
-    """16-bit precisions run the mma strategy; tf32x3 and tf32 may also run exact fp32 (bmm, fused),
-    which keeps their accuracy promise, and do by default until a tuning finds mma faster."""
+    """16-bit precisions run tensor cores (wgmma on sm_90, else mma); tf32x3 and tf32 may also run
+    exact fp32 (bmm, fused), which keeps their accuracy promise, and do by default until a tuning
+    finds mma faster."""
     for shapes in TRIMUL.presets.values():
         for shape in shapes:
             for precision in PRECISIONS:
                 plan = TRIMUL.default_plan(TRIMUL.widths_of(shape), DeviceLimits(), precision)
                 assert plan is not None and plan.precision == precision
-                assert plan.strategy == "mma" or precision in ("tf32x3", "tf32")
+                assert plan.strategy in ("mma", "wgmma") or precision in ("tf32x3", "tf32")
+                on_ampere = TRIMUL.default_plan(TRIMUL.widths_of(shape), DeviceLimits(arch="sm_80"), precision)
+                assert on_ampere.strategy != "wgmma"
 
 
 def test_widths_the_tensor_cores_cannot_tile_fall_back_to_the_reference():
@@ -41,11 +44,11 @@ def test_widths_the_tensor_cores_cannot_tile_fall_back_to_the_reference():
 
 def test_precision_is_part_of_the_plan_and_the_source():
     bf16 = TRIMUL.default_plan(MODEL, DeviceLimits(), "bfloat16")
-    fp16 = TRIMUL.plan("mma", bf16.params, MODEL, "float16")
+    fp16 = TRIMUL.plan(bf16.strategy, bf16.params, MODEL, "float16")
     assert "[bfloat16]" in bf16.label and "[float16]" in fp16.label
     assert codegen.render_plan(bf16).source != codegen.render_plan(fp16).source
     with pytest.raises(ValueError, match="does not compute in"):
-        TRIMUL.plan("mma", bf16.params, MODEL, "float32")
+        TRIMUL.plan(bf16.strategy, bf16.params, MODEL, "float32")
     with pytest.raises(ValueError, match="does not compute in"):
         TRIMUL.plan("bmm", TRIMUL.default_points[0][1], MODEL, "bfloat16")
 
@@ -53,7 +56,7 @@ def test_precision_is_part_of_the_plan_and_the_source():
 def test_precision_views_filter_strategies_and_defaults():
     view = TRIMUL.at("bfloat16")
     assert list(view.strategies) == ["mma", "wgmma"] and all(s in view.strategies for s, _ in view.default_points)
-    assert view.plan("mma", view.default_points[0][1], MODEL).precision == "bfloat16"
+    assert view.plan(*view.default_points[0], MODEL).precision == "bfloat16"
     assert set(TRIMUL.at("float32").strategies) == {"bmm", "fused"}
     assert set(TRIMUL.at("tf32x3").strategies) == {"bmm", "fused", "mma"}
     assert TRIMUL.precisions[0] == "float32" and set(TRIMUL.precisions) == {"float32", *PRECISIONS}
@@ -196,7 +199,7 @@ def test_one_point_in_two_precisions_builds_two_variants():
     from pairgen import runtime
 
     bf16 = TRIMUL.default_plan(SEED, DeviceLimits(), "bfloat16")
-    fp16 = TRIMUL.plan("mma", bf16.params, SEED, "float16")
+    fp16 = TRIMUL.plan(bf16.strategy, bf16.params, SEED, "float16")
     assert runtime._by_plan(bf16, "sm_90").plan.precision == "bfloat16"
     assert runtime._by_plan(fp16, "sm_90").plan.precision == "float16"
 
