@@ -141,3 +141,16 @@ def test_packing_folds_gamma_and_sums_c1_from_the_rounded_matrix():
     assert torch.equal(s["wo"][:, 24:], torch.zeros(48, 8, dtype=torch.float64))   # k padding
     assert torch.allclose(s["c1o"], s["wo"].sum(dim=1).float().double())
     assert torch.allclose(s["c2o"], (wo @ beta + params["out_proj.bias"].detach().double()).float().double())
+
+
+def test_default_points_keep_their_products_asynchronous():
+    """ptxas serializes every wgmma of a kernel (a wait after each) when it cannot prove that no
+    other instruction touches an accumulator while its product runs, and says so only as a remark
+    (C7514): the projection's two accumulator sets overlap the tensor cores with the epilogue only
+    as long as that remark stays away."""
+    for precision in ("bfloat16", "float16"):
+        for widths in (SEED, MODEL):
+            plan = TRIMUL.default_plan(widths, DeviceLimits(), precision)
+            assert plan.strategy == "wgmma"
+            _, log = compiler._nvrtc_compile(codegen.render_plan(plan).source, "wgmma.cu", "sm_90a")
+            assert "wgmma" in log and "serialized" not in log and "injected" not in log, log

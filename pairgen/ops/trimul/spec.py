@@ -348,15 +348,17 @@ def _derive_wgmma(params: dict, w: dict, name: str):
     P, H, precision = w["P"], w["H"], w["precision"]
     eb = element_bytes(precision)
     x_tile, z_tile = WGMMA_ROWS * k_padded(P) * eb, WGMMA_ROWS * k_padded(H) * eb
-    # resident Wp; per warpgroup two x tiles (the next one is fetched while this one computes) and
-    # the staging of a pass's a, b (p_wn / 2 slots of 72 elements)
+    # resident Wp; per warpgroup p_stages x tiles and, per warp, the staging of a pass's a, b
+    # (p_wn / 2 slots of 24 elements: its 16 rows, padded)
     project_smem = (4 * H * k_padded(P) * eb
-                    + params["p_groups"] * (params["p_stages"] * x_tile + params["p_wn"] // 2 * 72 * eb))
-    # resident Wout and Wgate; per warpgroup two x tiles and a z tile
-    output_smem = P * (k_padded(H) + k_padded(P)) * eb + params["o_groups"] * (2 * x_tile + z_tile)
+                    + params["p_groups"] * (params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb))
+    # resident Wout and Wgate; per warpgroup o_stages x tiles, the triangle sums as they lie in
+    # memory ([H][64]) and in the core layout, and the rows' partial statistics ([4][64] fp32)
+    output_smem = (P * (k_padded(H) + k_padded(P)) * eb
+                   + params["o_groups"] * (params["o_stages"] * x_tile + WGMMA_ROWS * H * eb + z_tile + 4 * 64 * 4))
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
                "off": wgmma_weight_offsets(P, H, eb), "p_groups": params["p_groups"], "p_wn": params["p_wn"],
-               "p_stages": params["p_stages"],
+               "p_stages": params["p_stages"], "o_stages": params["o_stages"],
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
     return context, (Kernel(name, 128 * params["p_groups"], project_smem, MMA_PROJECT_ARGS, _wgmma_grid(params["p_groups"])),
@@ -375,9 +377,10 @@ def _wgmma_columns_divide(plan: Plan, limits: DeviceLimits) -> bool:
 
 
 def _wgmma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
-    """At most 128 fp32 accumulators per thread (the output kernel holds two products'), and at
-    most 64 where a block has 4 warpgroups (65536 registers per SM: 128 per thread)."""
-    p, o = plan.params["p_wn"] // 2, plan.params["o_wn"]
+    """At most 128 fp32 accumulators per thread (the projection holds two passes', the output kernel
+    two products'), and at most 64 where a block has 4 warpgroups (65536 registers per SM: 128 per
+    thread)."""
+    p, o = plan.params["p_wn"], plan.params["o_wn"]
     return (p <= (64 if plan.params["p_groups"] == 4 else 128)
             and o <= (64 if plan.params["o_groups"] == 4 else 128))
 
@@ -388,9 +391,9 @@ WGMMA = Strategy(
             "wgmma output kernel",
     # Per kernel: warpgroups per block (each works alone on 64-row tiles, sharing the block's
     # resident weights) and the columns of one wgmma pass (its n: wn / 2 accumulators per thread);
-    # the projection's x tiles per warpgroup (2: the next one in flight; 1: room for more groups).
-    space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128, 256), "p_stages": (1, 2),
-           "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128)},
+    # each kernel's x tiles per warpgroup (2: the next one in flight; 1: room for more groups).
+    space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
+           "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2)},
     derive=_derive_wgmma,
     restrictions=(Restriction("wgmma needs sm_90 (its sm_90a features do not run on later architectures)", _on_sm90),
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -429,9 +432,9 @@ class TrimulSpec(OpSpec):
         # Hopper tensor cores (16-bit, sm_90): 3-4 warpgroups per SM with one x tile each beat two
         # with the next tile in flight (H200, B1 N512 P=H=128 bf16: 415-423 us against 428; mma 498);
         # then passes small enough for any P a multiple of 16 and H of 8.
-        ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 64, "o_groups": 3, "o_wn": 64}),
-        ("wgmma", {"p_groups": 3, "p_stages": 1, "p_wn": 64, "o_groups": 3, "o_wn": 64}),
-        ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16}),
+        ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 64, "o_groups": 3, "o_wn": 64, "o_stages": 1}),
+        ("wgmma", {"p_groups": 3, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 64, "o_stages": 2}),
+        ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1}),
         # Tensor cores: weights resident in shared memory where they fit (bf16/fp16 at P = H = 128),
         # else staged per pass; 8 warps per kernel, 64x32 warp tiles in the projection, 32x32 in
         # the output (a block per SM: enough warps to keep loads in flight).
