@@ -348,17 +348,19 @@ def _derive_wgmma(params: dict, w: dict, name: str):
     P, H, precision = w["P"], w["H"], w["precision"]
     eb = element_bytes(precision)
     x_tile, z_tile = WGMMA_ROWS * k_padded(P) * eb, WGMMA_ROWS * k_padded(H) * eb
-    # resident Wp; per warpgroup p_stages x tiles and, per warp, the staging of a pass's a, b
-    # (p_wn / 2 slots of 24 elements: its 16 rows, padded)
-    project_smem = (4 * H * k_padded(P) * eb
-                    + params["p_groups"] * (params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb))
-    # resident Wout and Wgate; per warpgroup o_stages x tiles, the triangle sums as they lie in
-    # memory ([H][64]) and in the core layout, and the rows' partial statistics ([4][64] fp32)
-    output_smem = (P * (k_padded(H) + k_padded(P)) * eb
-                   + params["o_groups"] * (params["o_stages"] * x_tile + WGMMA_ROWS * H * eb + z_tile + 4 * 64 * 4))
+    # Every region 1024-byte aligned (the 128-byte swizzle's atoms). Resident Wp; per warpgroup
+    # p_stages x tiles and, per warp, the staging of a pass's a, b (p_wn / 2 slots of 24 elements:
+    # its 16 rows, padded).
+    project_smem = (align(4 * H * k_padded(P) * eb, 1024)
+                    + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb, 1024))
+    # Resident Wout and Wgate; per warpgroup o_stages x tiles, the triangle sums as they lie in
+    # memory ([H][64]) and in the operand layout, and the rows' partial statistics ([4][64] fp32).
+    output_smem = (align(P * k_padded(H) * eb, 1024) + align(P * k_padded(P) * eb, 1024)
+                   + params["o_groups"] * align(params["o_stages"] * x_tile + align(WGMMA_ROWS * H * eb, 1024)
+                                                + z_tile + 4 * 64 * 4, 1024))
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
                "off": wgmma_weight_offsets(P, H, eb), "p_groups": params["p_groups"], "p_wn": params["p_wn"],
-               "p_stages": params["p_stages"], "o_stages": params["o_stages"],
+               "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
     return context, (Kernel(name, 128 * params["p_groups"], project_smem, MMA_PROJECT_ARGS, _wgmma_grid(params["p_groups"])),
@@ -376,6 +378,12 @@ def _wgmma_columns_divide(plan: Plan, limits: DeviceLimits) -> bool:
     return P % 8 == 0 and H % 8 == 0 and (4 * H) % plan.params["p_wn"] == 0 and P % plan.params["o_wn"] == 0
 
 
+def _swizzle_applies(plan: Plan, limits: DeviceLimits) -> bool:
+    """The swizzle takes operands whose K is whole 64-element blocks: P (x, the weights on it) or H
+    (the triangle sums, Wout); elsewhere the point would repeat the unswizzled one."""
+    return not plan.params["swizzle"] or k_padded(plan.widths["P"]) % 64 == 0 or k_padded(plan.widths["H"]) % 64 == 0
+
+
 def _wgmma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
     """At most 128 fp32 accumulators per thread (the projection holds two passes', the output kernel
     two products'), and at most 64 where a block has 4 warpgroups (65536 registers per SM: 128 per
@@ -391,14 +399,16 @@ WGMMA = Strategy(
             "wgmma output kernel",
     # Per kernel: warpgroups per block (each works alone on 64-row tiles, sharing the block's
     # resident weights) and the columns of one wgmma pass (its n: wn / 2 accumulators per thread);
-    # each kernel's x tiles per warpgroup (2: the next one in flight; 1: room for more groups).
+    # each kernel's x tiles per warpgroup (2: the next one in flight; 1: room for more groups); the
+    # operands' layout in shared memory (swizzle: 128-byte swizzle where K is a multiple of 64).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
-           "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2)},
+           "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True)},
     derive=_derive_wgmma,
     restrictions=(Restriction("wgmma needs sm_90 (its sm_90a features do not run on later architectures)", _on_sm90),
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
                               _wgmma_columns_divide),
                   Restriction("at most 128 accumulators per thread", _wgmma_accumulators_fit),
+                  Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
     precisions=HALF_PRECISIONS,
 )
@@ -432,9 +442,9 @@ class TrimulSpec(OpSpec):
         # Hopper tensor cores (16-bit, sm_90): 3-4 warpgroups per SM with one x tile each beat two
         # with the next tile in flight (H200, B1 N512 P=H=128 bf16: 415-423 us against 428; mma 498);
         # then passes small enough for any P a multiple of 16 and H of 8.
-        ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 64, "o_groups": 3, "o_wn": 64, "o_stages": 1}),
-        ("wgmma", {"p_groups": 3, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 64, "o_stages": 2}),
-        ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1}),
+        ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 64, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True}),
+        ("wgmma", {"p_groups": 3, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 64, "o_stages": 2, "swizzle": False}),
+        ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1, "swizzle": False}),
         # Tensor cores: weights resident in shared memory where they fit (bf16/fp16 at P = H = 128),
         # else staged per pass; 8 warps per kernel, 64x32 warp tiles in the projection, 32x32 in
         # the output (a block per SM: enough warps to keep loads in flight).
