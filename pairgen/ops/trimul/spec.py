@@ -1,6 +1,6 @@
 """The triangle update's spec: strategies, search spaces, restrictions, defaults, plans.
 
-Three strategies:
+Four strategies:
   bmm    a projection kernel writes a, b in (B*H, N, N) layout, cuBLAS bmm forms the triangle sums
          (the transposes that the direction needs are cuBLAS flags, no copies), an output kernel
          reads the bmm result in place. Right for every N; the GEMMs dominate at N >= 256.
@@ -12,6 +12,9 @@ Three strategies:
          (modules in those dtypes, and fp32 modules under autocast), tf32 and tf32x3 (fp32 modules
          with precision="tf32" / "tf32x3"). Projection and output kernels run mma.sync
          (templates/common/mma.cuh.j2); the contraction is cuBLAS in the same precision.
+  wgmma  the same three steps for bf16 and fp16 on Hopper (sm_90a) warpgroup products: operands
+         from cp.async straight into shared memory, each LayerNorm folded into the epilogue of the
+         product after it (templates/trimul/wgmma.cu.j2).
 """
 from __future__ import annotations
 
