@@ -209,6 +209,16 @@ MMA_PROJECT_ARGS = ("ptr",) * 5 + ("i32",) * 4   # x, mask, w, a, b; B, N, tiles
 MMA_OUTPUT_ARGS = ("ptr",) * 4 + ("i32",) * 3    # x, z, w, out; B, N, tiles
 
 
+def byte_sections(sizes: list[tuple[str, int]]) -> dict[str, int]:
+    """Byte offsets of named sections packed one after another, each 16-byte aligned, and "total"."""
+    offsets, at = {}, 0
+    for name, size in sizes:
+        offsets[name] = at
+        at = align(at + size, 16)
+    offsets["total"] = at
+    return offsets
+
+
 def element_bytes(precision: str) -> int:
     return 2 if precision in HALF_PRECISIONS else 4
 
@@ -222,12 +232,7 @@ def mma_weight_offsets(P: int, H: int, bias: bool, elem_bytes: int) -> dict[str,
     sizes = [("wp", 4 * H * P * elem_bytes), ("wo", P * H * elem_bytes), ("wg", P * P * elem_bytes),
              ("ln_in_g", 4 * P), ("ln_in_b", 4 * P), ("bp", nb * 16 * H), ("ln_out_g", 4 * H), ("ln_out_b", 4 * H),
              ("bo", nb * 4 * P), ("bg", nb * 4 * P)]
-    offsets, at = {}, 0
-    for name, size in sizes:
-        offsets[name] = at
-        at = align(at + size, 16)
-    offsets["total"] = at
-    return offsets
+    return byte_sections(sizes)
 
 
 def mma_row_bytes(width: int, elem_bytes: int) -> int:
@@ -328,12 +333,7 @@ def wgmma_weight_offsets(P: int, H: int, elem_bytes: int) -> dict[str, int]:
     sizes = [("wp", 4 * H * k_padded(P) * elem_bytes), ("wo", P * k_padded(H) * elem_bytes),
              ("wg", P * k_padded(P) * elem_bytes),
              ("c1p", 16 * H), ("c2p", 16 * H), ("c1o", 4 * P), ("c2o", 4 * P), ("c1g", 4 * P), ("c2g", 4 * P)]
-    offsets, at = {}, 0
-    for name, size in sizes:
-        offsets[name] = at
-        at = align(at + size, 16)
-    offsets["total"] = at
-    return offsets
+    return byte_sections(sizes)
 
 
 def _wgmma_grid(groups: int):
