@@ -127,9 +127,9 @@ def for_call(module, x) -> dict:
     forced = module.__dict__.get("_backward_tuning")
     if forced is not None:
         return forced
-    from .fused_kernels import KINDS
+    from .fused_kernels import storage_kind
 
     op = module.op.name
-    if not x.is_cuda or x.dtype not in KINDS:
+    if not x.is_cuda or storage_kind(x.dtype) is None:
         return declared(op).TUNING_DEFAULT
-    return tuning_for(op, KINDS[x.dtype], module.widths, x.shape[1], x.device.index)
+    return tuning_for(op, storage_kind(x.dtype), module.widths, x.shape[1], x.device.index)

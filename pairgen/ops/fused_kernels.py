@@ -5,19 +5,29 @@ launch bound once per grid (a bounded cache: every length N has its own grids)."
 from __future__ import annotations
 
 import functools
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from .. import codegen, compiler, runtime
 
-#: Storage types the templates are rendered for (`kind` in their context).
-KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+if TYPE_CHECKING:  # annotations only: the launches take torch tensors, rendering needs no torch
+    import torch
+
+#: Storage types the templates are rendered for (`kind` in their context), by torch dtype name:
+#: rendering and `pairgen-tune --status` import this module where torch is not installed.
+_KIND_OF_DTYPE = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def storage_kind(dtype) -> str | None:
+    """The templates' storage kind for a torch dtype; None where they have none."""
+    return _KIND_OF_DTYPE.get(str(dtype))
+
 THREADS = 256
 
 
 @functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
+    import torch
+
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -61,7 +71,7 @@ class FusedTemplate:
         """Launch kernel `suffix` for tensors like `like` (its dtype and device) on the current
         stream, with THREADS threads per block."""
         key = tuple(sorted(context.items()))
-        self._bound(KINDS[like.dtype], like.device.index, key, suffix, blocks, smem, len(args))(*args)
+        self._bound(storage_kind(like.dtype), like.device.index, key, suffix, blocks, smem, len(args))(*args)
 
     def _load(self, kind: str, device_index: int, context_items: tuple) -> dict:
         from ..launch import LoadedKernel

@@ -5,10 +5,13 @@ on an H200, 0.29 ms forward and 0.26 ms backward for 512^2 rows of 128 bf16 chan
 these measured under 0.07 and 0.11 ms. Used where the closed forms' fused kernels are on (PAIRGEN_FUSED_BACKWARD)."""
 from __future__ import annotations
 
-import torch
+try:
+    import torch
+except ImportError:  # rendering these kernels' sources (tuning_sources, pairgen-tune --status) needs no torch
+    torch = None
 
 from .. import config
-from .fused_kernels import KINDS, THREADS, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, warp_per_item_blocks
+from .fused_kernels import THREADS, storage_kind, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, warp_per_item_blocks
 
 SIGNATURES = {"": ("ptr",) * 6 + ("i64",), "grad": ("ptr",) * 10 + ("i64",)}
 #: Widest row taken (a lane holds C / 32 values of each of a few arrays in registers).
@@ -18,7 +21,7 @@ TEMPLATE = FusedTemplate("common", "layer_norm_rows", lambda context: SIGNATURES
 
 def applies(t: torch.Tensor, cols: int) -> bool:
     """Whether these kernels take rows like t of width cols (else PyTorch's LayerNorm)."""
-    return t.is_cuda and t.dtype in KINDS and cols <= MAX_COLS and config.fused_backward()
+    return t.is_cuda and storage_kind(t.dtype) is not None and cols <= MAX_COLS and config.fused_backward()
 
 
 def render(kind: str, cols: int, eps: float = 1e-5):

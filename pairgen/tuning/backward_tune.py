@@ -84,7 +84,7 @@ def tune_shape(spec, shape: dict, precision: str, reps: int = 20) -> tuple[dict,
     """Sweep one shape on the current GPU: (the sweep's result, the storage kind, the widths)."""
     import torch
 
-    from ..ops.fused_kernels import KINDS
+    from ..ops.fused_kernels import storage_kind
     from .evaluate import inputs_in_precision, module_in_precision
     from .timing import time_cuda
 
@@ -114,7 +114,7 @@ def tune_shape(spec, shape: dict, precision: str, reps: int = 20) -> tuple[dict,
         step(tuning)  # compiles this point's kernels outside the timing
         return time_cuda(lambda: step(tuning), device, reps=reps).median_us
 
-    kind = KINDS[next(p.dtype for p in params)]
+    kind = storage_kind(next(p.dtype for p in params))
     try:
         result = sweep(backward_tuning.points(spec.name), step_us, gradients, AGREEMENT[kind])
     finally:

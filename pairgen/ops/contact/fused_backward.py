@@ -8,7 +8,10 @@ rows in registers. On by default where the closed form's fused kernels are
 (PAIRGEN_FUSED_BACKWARD); the GPU tests check both ways against the same standard."""
 from __future__ import annotations
 
-import torch
+try:
+    import torch
+except ImportError:  # rendering these kernels' sources (tuning_sources, pairgen-tune --status) needs no torch
+    torch = None
 
 from .. import layer_norm_rows
 from ..fused_kernels import THREADS, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, warp_per_item_blocks

@@ -9,10 +9,13 @@ instead (the GPU tests check both against the same standard).
 """
 from __future__ import annotations
 
-import torch
+try:
+    import torch
+except ImportError:  # rendering these kernels' sources (tuning_sources, pairgen-tune --status) needs no torch
+    torch = None
 
 from ... import config
-from ..fused_kernels import KINDS, THREADS, FusedTemplate, sm_count
+from ..fused_kernels import THREADS, FusedTemplate, sm_count, storage_kind
 
 #: The launch shapes a tuned backward entry chooses (pairgen/ops/backward_tuning.py), and the
 #: defaults where there is none: elements per thread of the elementwise kernels ("items"), pairs
@@ -35,7 +38,7 @@ TEMPLATE = FusedTemplate("trimul", "backward", lambda context: SIGNATURES)
 def enabled(t: torch.Tensor) -> bool:
     """Whether the closed form uses these kernels for a tensor like t (CUDA, a known dtype, and
     PAIRGEN_FUSED_BACKWARD not 0)."""
-    return t.is_cuda and t.dtype in KINDS and config.fused_backward()
+    return t.is_cuda and storage_kind(t.dtype) is not None and config.fused_backward()
 
 
 def render(kind: str, eps: float = 1e-5, tuning: dict = TUNING_DEFAULT):
