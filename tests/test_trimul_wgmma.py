@@ -59,8 +59,8 @@ def test_restrictions_keep_it_on_hopper_in_16_bit_with_whole_chunks():
     with pytest.raises(ValueError, match="does not compute in"):
         TRIMUL.plan("wgmma", plan.params, MODEL, "tf32x3")
     assert not TRIMUL.feasible_plans("wgmma", {**MODEL, "P": 44}, DeviceLimits(), "bfloat16")
-    # a pass of 256 columns does not tile P = 48's output, 32 does not tile 4H = 96 in 64s
-    assert all(p.params["o_wn"] in (16,) and p.params["p_wn"] == 32
+    # at P = 48, H = 24 only 16-column output passes tile P and only 32-column projection passes 4H = 96
+    assert all(p.params["o_wn"] == 16 and p.params["p_wn"] == 32
                for p in TRIMUL.feasible_plans("wgmma", ODD, DeviceLimits(), "bfloat16"))
 
 

@@ -11,7 +11,7 @@ except ImportError:  # rendering these kernels' sources (tuning_sources, pairgen
     torch = None
 
 from .. import config
-from .fused_kernels import THREADS, storage_kind, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, warp_per_item_blocks
+from .fused_kernels import THREADS, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, storage_kind, warp_per_item_blocks
 
 SIGNATURES = {"": ("ptr",) * 6 + ("i64",), "grad": ("ptr",) * 10 + ("i64",)}
 #: Widest row taken (a lane holds C / 32 values of each of a few arrays in registers).

@@ -442,9 +442,11 @@ class TrimulSpec(OpSpec):
         # output tiles keep P = H = 248 within shared memory).
         ("bmm", {"p_tile": 64, "p_tm": 4, "p_tn": 4, "p_weights_smem": False, "o_tile": 64, "o_tm": 1, "o_tn": 4,
                  "o_weights_smem": False, "threads": 128, "unroll": 4, "min_blocks": 1}),
-        # Hopper tensor cores (16-bit, sm_90): 3-4 warpgroups per SM with one x tile each beat two
-        # with the next tile in flight (H200, B1 N512 P=H=128 bf16: 415-423 us against 428; mma 498);
-        # then passes small enough for any P a multiple of 16 and H of 8.
+        # Hopper tensor cores (16-bit, sm_90): 4 warpgroups per SM with one x tile each and swizzled
+        # operands (H200, B1 N512 P=H=128 bf16: 365 us; two warpgroups with the next tile in flight
+        # 378-387, unswizzled 401-437; mma 498). The others are unswizzled, as they must be where
+        # neither P nor H is a multiple of 64; the last has passes small enough for any P a multiple
+        # of 16 and H of 8.
         ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 64, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True}),
         ("wgmma", {"p_groups": 3, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 64, "o_stages": 2, "swizzle": False}),
         ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1, "swizzle": False}),
