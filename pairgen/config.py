@@ -22,6 +22,7 @@ ENVIRONMENT = {
     "PAIRGEN_DISABLE": ("0", "1 makes every module run its PyTorch reference (for debugging). Read when a module first meets a length; after changing it in a running process call `pairgen.runtime.clear_caches()`."),
     "PAIRGEN_FIRST_USE_CHECK": ("1", "On a shape with no tuned entry, time the default kernel against the PyTorch reference at its first call and run the faster; the verdict is kept under the user's tuned folder (`<gpu>/first-use/<op>.json`). 0 turns the check off."),
     "PAIRGEN_FUSED_BACKWARD": ("1", "0 runs the closed forms' elementwise steps as PyTorch passes instead of pairgen's fused kernels (the triangle update's gates, their chain rule, the output gate, the output LayerNorm and its backward; the input LayerNorm of the triangle update and the contact head, forward and backward); both meet the same gradient standard, the fused kernels are faster, and \"auto\" trains 16-bit triangle updates in PyTorch without them."),
+    "PAIRGEN_FASTCALL": ("1", "A module call whose inputs look like its last call's (shapes, dtypes, device; no autograd, no autocast, the parameters unchanged) runs its kernels from compiled code, built on first use with the machine's C++ compiler in a background thread and cached under `PAIRGEN_CACHE_DIR`. 0 keeps every call on the Python path (the same kernels, more host time per call)."),
     "PAIRGEN_ARCH": ("the current GPU's, else sm_90", "NVRTC target, e.g. sm_90; lets a machine without a GPU compile."),
     "PAIRGEN_COMPILE_WORKERS": ("number of CPUs", "Processes compiling variants in parallel (tuner, dry runs)."),
     "PAIRGEN_COMPILE_BUDGET_S": ("60", "Compile-time budget per variant; a slower variant fails its trial."),
@@ -55,6 +56,10 @@ def _parse(name: str, convert: Callable[[str], T], is_valid: Callable[[T], objec
     if parsed is None or not is_valid(parsed):
         raise ValueError(f"{name}={value!r} is not valid: expected {expected}")
     return parsed
+
+
+def fastcall_enabled() -> bool:
+    return _parse("PAIRGEN_FASTCALL", int, lambda v: v in (0, 1), "0 or 1") != 0
 
 
 def cache_dir() -> Path:

@@ -33,6 +33,14 @@ except ImportError:  # pragma: no cover - older or newer torch without the priva
     def _raw_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
 
+#: thread id -> the launches a fast-call recording (pairgen/fastcall.py) is collecting on it:
+#: (BoundLaunch, its arguments) in launch order. Empty unless a recording is under way, so a
+#: launch pays one dict truth test for it.
+RECORDING: dict[int, list] = {}
+
+#: The current stream of a device as a raw handle (what the driver's launch takes).
+current_raw_stream = _raw_stream
+
 _current_device_set: set[int] = set()
 _driver_lock = threading.Lock()
 _driver = None
@@ -195,6 +203,10 @@ class _ArgumentBlock:
         self.lock = threading.Lock()
 
 
+#: BoundLaunch modes as pairgen/native/fastcall.cpp numbers them.
+FASTCALL_MODES = {"plain": 0, "cooperative": 1, "programmatic": 2}
+
+
 class BoundLaunch:
     """A LoadedKernel at one grid, block and dynamic shared memory: `launch(*args)` writes the
     arguments and launches on torch's current stream. Built once per (variant, device, B, N) by
@@ -226,6 +238,10 @@ class BoundLaunch:
             self._launch = functools.partial(kernel._driver.launch, kernel._handle, *dims)
 
     def __call__(self, *args: int) -> None:
+        if RECORDING:
+            recorded = RECORDING.get(threading.get_ident())
+            if recorded is not None:
+                recorded.append((self, args))
         arguments = self._arguments
         with arguments.lock:
             arguments.write(*args)
@@ -239,6 +255,13 @@ class BoundLaunch:
                 code = self._launch_written()
         if code:
             self.kernel._failed(code, self.grid, self.block, self.smem)
+
+    def driver_entry(self) -> tuple[int, int]:
+        """(fastcall.cpp's mode number, the address of the driver function this launch calls)."""
+        driver = self.kernel._driver
+        function = {"plain": driver.launch, "cooperative": driver.cooperative,
+                    "programmatic": driver.launch_ex}[self.mode]
+        return FASTCALL_MODES[self.mode], ctypes.cast(function, ctypes.c_void_p).value
 
     def _launch_written(self) -> int:
         """Launch with the arguments already written (under their lock); the driver's result code."""

@@ -46,6 +46,7 @@ def module_of(handle: int):
 def _module_flag(module, name: str):
     """Set a flag on the module for the duration of a call (restored after: calls may nest)."""
     saved = module.__dict__.get(name, False)
+    module.forget_fast_calls()  # a recorded call would skip what the flag changes
     setattr(module, name, True)
     try:
         yield

@@ -12,7 +12,8 @@ from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
 from torch.nn.utils import parametrize
 
-from . import config, first_use, library, runtime
+from . import config, fastcall, first_use, library, native, runtime
+from .launch import current_raw_stream
 from .spec import OpSpec
 
 
@@ -430,7 +431,65 @@ class KernelModule:
         for name in self._RUNTIME_STATE:
             if name in state:
                 state[name] = None
+        state.pop("_fast_calls", None)
         return state
+
+    # ---- fast calls (pairgen/fastcall.py) ----------------------------------------------------
+    #: Recorded calls, newest first: (the compiled replay function, its recording, device index).
+    _fast_calls: tuple = ()
+    #: Recordings kept per module: a few lengths called in turn all stay fast.
+    MAX_FAST_CALLS = 4
+    #: Strategies whose runners launch only pairgen kernels, on the inputs, the output, tensors
+    #: the module holds and per-call buffers they note (fastcall.note_scratch): their calls can
+    #: be recorded. A runner that runs PyTorch operations between its kernels is not listed.
+    fast_call_strategies: frozenset = frozenset()
+
+    def _fast_forward(self, *inputs):
+        """The output of a recorded call that matches these inputs, or None: take the Python path.
+        Not while torch.compile traces (the operator of pairgen/library.py is what it sees)."""
+        if torch.compiler.is_compiling():
+            return None
+        for replay, recorded, index in self._fast_calls:
+            out = replay(recorded, current_raw_stream(index), *inputs)
+            if out is not None:
+                return out
+        return None
+
+    def forget_fast_calls(self) -> None:
+        """Drop the recordings (the variant, the precision or the call's mode changed)."""
+        self.__dict__.pop("_fast_calls", None)
+
+    def _launch_recorded(self, inputs: tuple, variant):
+        """_launch, recorded for replay where the call allows it (see fastcall.py)."""
+        replayer = native.fastcall()  # the first request starts the compiled module's build
+        if (replayer is None or variant.plan.strategy not in self.fast_call_strategies or self._reference_only
+                or self.__dict__.get("_state_per_call") or torch.is_autocast_enabled("cuda")
+                or torch.cuda.is_current_stream_capturing()):
+            return self._launch(*inputs, variant=variant)
+        with fastcall.recording() as (launches, scratch):
+            out = self._launch(*inputs, variant=variant)
+        packs, held = self._held_for_fast_calls()
+        epochs = [(counter, counter[0]) for counter in (_STRUCTURE_EPOCH, _DATA_EPOCH, runtime.GENERATION)]
+        recorded = fastcall.build(inputs, out, launches, scratch, packs, held, epochs)
+        if recorded is not None:
+            entry = (replayer.call, recorded, inputs[0].get_device())
+            self.__dict__["_fast_calls"] = (entry,) + self._fast_calls[: self.MAX_FAST_CALLS - 1]
+        return out
+
+    def _held_for_fast_calls(self) -> tuple[list, list]:
+        """(the module's PackedParameters, the other tensors it holds between calls): what a
+        recorded call may point into besides its inputs and output."""
+        packs, held = [], []
+        for value in self.__dict__.values():
+            if isinstance(value, PackedParameters):
+                packs.append(value)
+            elif isinstance(value, HeldBuffer):
+                held += [value.live, *value.retired]
+            elif isinstance(value, dict):  # e.g. the triangle update's tensor-core packs
+                packs += [v for v in value.values() if isinstance(v, PackedParameters)]
+            elif isinstance(value, tuple):  # e.g. the triangle update's (device, barrier ints)
+                held += [v for v in value if isinstance(v, torch.Tensor)]
+        return packs, held
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -483,6 +542,7 @@ class KernelModule:
     def force_variant(self, variant) -> None:
         """Run `variant` (a runtime.Variant) instead of the tuned choice; None restores it."""
         self._forced_plan = variant
+        self.forget_fast_calls()
 
     def uses_kernel(self, *tensors: torch.Tensor) -> bool:
         """CUDA float32 runs a kernel. Callers have validated the inputs first (one device,
@@ -550,7 +610,7 @@ class KernelModule:
             if self._saves_for_backward(inputs):
                 return SavedClosedForm.run(self, inputs)
             return ReferenceBackward.apply(self, len(inputs), variant, *inputs, *self.parameters())
-        return self._launch(*inputs, variant=variant)
+        return self._launch_recorded(inputs, variant)
 
     def _without_kernel(self, inputs: tuple):
         """A call no kernel computes in its own dtype, run as without_kernel_path says."""

@@ -322,16 +322,17 @@ def _by_plan(plan: Plan, arch: str) -> Variant:
     return _variants[key]
 
 
-_generation = 0
+#: Bumped by clear_caches(): a one-element list, so that compiled code (the recorded calls of
+#: pairgen/fastcall.py) can read it too.
+GENERATION = [0]
 
 
 def generation() -> int:
     """Bumped by clear_caches(); modules drop their cached choices when it changes."""
-    return _generation
+    return GENERATION[0]
 
 
 def clear_caches() -> None:
     """Forget selections (after the tuned database changed, or PAIRGEN_DISABLE did)."""
-    global _generation
     _selected.clear()
-    _generation += 1
+    GENERATION[0] += 1

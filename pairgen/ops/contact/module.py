@@ -24,6 +24,7 @@ class ContactHead(KernelModule, ContactHeadReference):
 
     op = CONTACT
     runners = {s.name: run_single_kernel for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED)}
+    fast_call_strategies = frozenset(runners)
 
     def __init__(self, pair_dim: int, hidden_dim: int):
         super().__init__(pair_dim, hidden_dim)
@@ -53,6 +54,10 @@ class ContactHead(KernelModule, ContactHeadReference):
         return ContactHeadReference.forward(self, pair_repr)
 
     def forward(self, pair_repr):
+        if self._fast_calls:  # a call like a recent one, replayed in compiled code (pairgen/fastcall.py)
+            out = self._fast_forward(pair_repr)
+            if out is not None:
+                return out
         self._validate(pair_repr)
         return self._dispatch(pair_repr)
 

@@ -83,6 +83,7 @@ class PairReadout(KernelModule, PairReadoutReference):
 
     op = READOUT
     runners = {SPLIT.name: run_split, DIRECT.name: run_direct, GEMM.name: run_gemm}
+    fast_call_strategies = frozenset({SPLIT.name, DIRECT.name})  # gemm runs a cuBLAS product between its kernels
     _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_counters", "_scratch")
     #: Counters allocated at least this many at a time (4 KB), so growth is rare.
     MIN_COUNTERS = 1024
@@ -138,6 +139,10 @@ class PairReadout(KernelModule, PairReadoutReference):
     def forward(self, nodes, pair_feats, edge_mask):
         """edge_mask: bool, integer or floating point, read as edge_mask != 0 (the reference's
         ~edge_mask needs bool; the kernels read bytes)."""
+        if self._fast_calls:  # a call like a recent one, replayed in compiled code (pairgen/fastcall.py)
+            out = self._fast_forward(nodes, pair_feats, edge_mask)
+            if out is not None:
+                return out
         self._validate(nodes, pair_feats, edge_mask)
         if edge_mask.dtype is not torch.bool:
             edge_mask = edge_mask != 0

@@ -5,7 +5,7 @@ import torch
 
 from ...modules import (HALF_DTYPE_NAMES, KernelModule, PackedParameters, as_mask, check_float_tensor,
                         check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul)
-from ... import config
+from ... import config, fastcall
 from . import backward
 from .reference import TriangleMultiplicationReference
 from .spec import BMM, FUSED, MMA, TRIMUL, WGMMA, k_padded, mma_weight_offsets, weight_offsets, wgmma_weight_offsets
@@ -175,6 +175,7 @@ def run_fused(module: "TriangleMultiplication", variant, x, mask, out) -> None:
     B, N = x.shape[0], x.shape[1]
     (fused,) = variant.launches(x.get_device(), B, N)
     ab = torch.empty((2, B * module.widths["H"] * N * N), device=x.device, dtype=torch.float32)
+    fastcall.note_scratch(ab)
     fused(x.data_ptr(), mask.data_ptr(), module._weights.get().data_ptr(), ab[0].data_ptr(), ab[1].data_ptr(),
           module._barrier_ints(x.device), out.data_ptr(), *fused.tail, int(mask.dtype is torch.float32))
 
@@ -197,6 +198,7 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
 
     op = TRIMUL
     runners = {BMM.name: run_bmm, FUSED.name: run_fused, MMA.name: run_mma, WGMMA.name: run_mma}
+    fast_call_strategies = frozenset({FUSED.name})  # the others run a cuBLAS product between their kernels
     _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_barrier", "_mma_packs")
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "incoming", gate_on: str = "input",
@@ -227,6 +229,7 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         if value not in FP32_PRECISIONS:
             raise ValueError(f"precision must be one of {tuple(FP32_PRECISIONS)}, got {value!r}")
         self._precision = value
+        self.forget_fast_calls()
 
     def extra_repr(self) -> str:
         return "" if self._precision == "ieee" else f"precision={self._precision!r}"
@@ -296,6 +299,10 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
     def forward(self, pair_repr, pair_mask):
         """pair_mask: bool, integer (read as != 0) or floating point (multiplied, as the reference
         does: 0/1 keeps or drops a pair; other values scale its a and b)."""
+        if self._fast_calls:  # a call like a recent one, replayed in compiled code (pairgen/fastcall.py)
+            out = self._fast_forward(pair_repr, pair_mask)
+            if out is not None:
+                return out
         self._validate(pair_repr, pair_mask)
         return self._dispatch(pair_repr, as_mask(pair_mask))
 

@@ -1,0 +1,123 @@
+"""Fast calls: a module call recorded once, replayed from compiled code (pairgen/native/fastcall.cpp).
+
+At the seed shapes a module call is bound by its host path (21-57 us of Python checks, dispatch,
+packed-weight checks, allocation and a ctypes driver call, against 11-27 us of GPU work on the H200
+host). So a kernel call made the ordinary way is recorded: every launch with its arguments, each
+argument classified as
+  - the data of one of the call's inputs,
+  - an address inside the output, or inside a per-call buffer a runner noted (note_scratch),
+  - a constant: a small integer (shapes, flags) or an address inside a tensor the module holds
+    (packed weights, held scratch, barrier ints),
+and an argument that is none of these (a buffer made and dropped during the call, an input copied
+to make it contiguous) means the call is not recorded. The recording holds what makes it valid:
+the inputs' shapes and dtypes, the packed parameters (the same objects, at the same versions),
+pairgen's epoch counters. fastcall.cpp checks all of it per call and returns None when anything
+differs; the module then takes its Python path, which records again.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from . import launch, native
+
+#: Per-call buffers are carved from one allocation, each at this alignment (the caching
+#: allocator's own granularity is 512 bytes; the kernels need 16).
+SCRATCH_ALIGNMENT = 256
+
+#: Arguments below this are integers (shapes, counts, flags): device and host addresses on a
+#: 64-bit Linux process lie far above it.
+SMALL_INTEGERS = 2**32
+
+#: thread id -> the per-call buffers noted during a recording on it.
+_NOTED: dict[int, list] = {}
+
+
+def note_scratch(tensor: torch.Tensor) -> None:
+    """A runner's per-call buffer (scratch made for this call and dropped after it): a recorded
+    call allocates one of the same size on every replay. No-op outside a recording."""
+    if _NOTED:
+        noted = _NOTED.get(threading.get_ident())
+        if noted is not None:
+            noted.append(tensor)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect this thread's launches and noted buffers: yields (launches, scratch) lists."""
+    ident = threading.get_ident()
+    launches, scratch = [], []
+    launch.RECORDING[ident], _NOTED[ident] = launches, scratch
+    try:
+        yield launches, scratch
+    finally:
+        del launch.RECORDING[ident], _NOTED[ident]
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _scratch_layout(scratch: list) -> tuple[list, int]:
+    """[(start, end, offset in the replay's buffer)] per noted buffer, and the total bytes."""
+    layout, total = [], 0
+    for t in scratch:
+        start, end = _extent(t)
+        layout.append((start, end, total))
+        total = -(-(total + end - start) // SCRATCH_ALIGNMENT) * SCRATCH_ALIGNMENT
+    return layout, total
+
+
+def classify(value: int, inputs: dict, out: tuple, scratch: list, held: list) -> tuple[int, int] | None:
+    """One argument as fastcall.cpp's (source, value), or None: an address of nothing the replay
+    can reproduce."""
+    if value in inputs:
+        return 1, inputs[value]
+    if out[0] <= value < out[1]:
+        return 2, value - out[0]
+    for start, end, offset in scratch:
+        if start <= value < end:
+            return 3, offset + value - start
+    if -SMALL_INTEGERS < value < SMALL_INTEGERS or any(start <= value < end for start, end in held):
+        return 0, value
+    return None
+
+
+def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, packs: list, held: list,
+          epochs: list):
+    """The compiled recording of one call, or None where it cannot be replayed.
+    packs: the module's PackedParameters (those whose pack an argument points into are watched);
+    held: the other tensors the module holds; epochs: [(one-element list, its value)]."""
+    native_module = native.fastcall()
+    if native_module is None or not launches:
+        return None
+    input_data = {}
+    for index, t in enumerate(inputs):
+        input_data.setdefault(t.data_ptr(), index)
+    scratch_layout, scratch_bytes = _scratch_layout(scratch)
+    packed = [(pack, _extent(pack._packed)) for pack in packs if pack._packed is not None]
+    held_extents = [_extent(t) for t in held] + [extent for _, extent in packed]
+    specs, used = [], set()
+    for bound, args in launches:
+        slots = []
+        for value in args:
+            slot = classify(int(value), input_data, _extent(out), scratch_layout, held_extents)
+            if slot is None:
+                return None
+            slots.append(slot)
+            used.update(id(pack) for pack, (start, end) in packed if slot[0] == 0 and start <= slot[1] < end)
+        mode, address = bound.driver_entry()
+        specs.append((address, mode, bound.kernel._handle.value, bound.grid, bound.block, bound.smem, tuple(slots)))
+    watched = []
+    for pack, _ in packed:
+        if id(pack) in used:
+            if pack._key is None:  # repacked on every call (computed or unversioned parameters)
+                return None
+            watched += zip(pack._owners, pack._names, pack._params, pack._key)
+    device = out.device
+    return native_module.build(device.type, -1 if device.index is None else device.index, tuple((tuple(t.shape), t.dtype) for t in inputs),
+                               (tuple(out.shape), out.dtype), scratch_bytes, tuple(watched), tuple(epochs),
+                               tuple(specs))

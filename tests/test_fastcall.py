@@ -1,0 +1,216 @@
+"""Recorded calls (pairgen/fastcall.py) replayed by the compiled module (pairgen/native/fastcall.cpp),
+on the CPU: the driver's launch functions are replaced by ctypes stand-ins that record what they
+were given, so the argument blocks, the launch configurations and every reason a replay must
+refuse are checked without a GPU."""
+from __future__ import annotations
+
+import ctypes
+import types
+
+import pytest
+import torch
+
+from pairgen import fastcall, native
+from pairgen.launch import FASTCALL_MODES, _LaunchConfig
+
+_fastcall = native.fastcall(wait=True)
+pytestmark = pytest.mark.skipif(_fastcall is None, reason=f"the compiled fast path: {native.status()}")
+
+PLAIN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                      ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    """Inference calls, as a replay serves (the parameters want gradients: autograd would record)."""
+    with torch.no_grad():
+        yield
+
+
+class Driver:
+    """Stand-ins for cuLaunchKernel and cuLaunchKernelEx: each call's kernel, dimensions, stream
+    and argument values (read as int64 slots) are kept in `calls`; `codes` are returned in turn."""
+
+    def __init__(self, arg_count: int, codes=()):
+        self.calls, self.codes, self.arg_count = [], list(codes), arg_count
+        self.plain = PLAIN(self._plain)
+        self.ex = EX(self._ex)
+
+    def _values(self, params):
+        return [ctypes.cast(params[k], ctypes.POINTER(ctypes.c_int64))[0] for k in range(self.arg_count)]
+
+    def _plain(self, kernel, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        self.calls.append({"kernel": kernel, "dims": (gx, gy, gz, bx, by, bz, smem), "stream": stream,
+                           "args": self._values(params)})
+        return self.codes.pop(0) if self.codes else 0
+
+    def _ex(self, config, kernel, params, extra):
+        c = config.contents
+        attribute = c.attrs[0]
+        self.calls.append({"kernel": kernel, "dims": (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY,
+                                                      c.blockDimZ, c.sharedMemBytes),
+                           "stream": c.hStream, "attribute": (c.numAttrs, attribute.id, attribute.value[0]),
+                           "args": self._values(params)})
+        return self.codes.pop(0) if self.codes else 0
+
+    def address(self, mode: str) -> int:
+        return ctypes.cast(self.ex if mode == "programmatic" else self.plain, ctypes.c_void_p).value
+
+
+def bound(driver: Driver, mode="plain", kernel=0x1234, grid=7, block=128, smem=4096):
+    """What fastcall.build reads of a BoundLaunch."""
+    return types.SimpleNamespace(driver_entry=lambda: (FASTCALL_MODES[mode], driver.address(mode)),
+                                 kernel=types.SimpleNamespace(_handle=ctypes.c_void_p(kernel)),
+                                 grid=grid, block=block, smem=smem)
+
+
+class Packed:
+    """The parts of a PackedParameters that a recording watches."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._owners = (module._parameters, module._parameters)
+        self._names = ("weight", "bias")
+        self._params = [module.weight, module.bias]
+        self._key = [p._version for p in self._params]
+        self._packed = torch.cat([module.weight.detach().reshape(-1), module.bias.detach()])
+
+
+def record(driver, x, mask, layer, mode="plain", epoch=None, extra_constant=None):
+    """A recorded call of one kernel (x, mask, packed weights, a noted scratch, out, 5, 1)."""
+    out = torch.empty(x.shape[:3])
+    scratch = torch.empty(1000)
+    pack = Packed(layer)
+    args = [x.data_ptr(), mask.data_ptr(), pack._packed.data_ptr(), scratch.data_ptr() + 8, out.data_ptr() + 4, 5, 1]
+    if extra_constant is not None:
+        args.append(extra_constant)
+    epochs = [(epoch, epoch[0])] if epoch is not None else []
+    recorded = fastcall.build((x, mask), out, [(bound(driver, mode), tuple(args))], [scratch], [pack], [], epochs)
+    return recorded, pack
+
+
+def inputs():
+    return torch.randn(2, 5, 5, 8), torch.ones(2, 5, 5, dtype=torch.bool)
+
+
+def test_replay_writes_every_argument_and_allocates_the_output():
+    driver, layer = Driver(7), torch.nn.Linear(3, 2)
+    x, mask = inputs()
+    recorded, pack = record(driver, x, mask, layer)
+    assert recorded is not None
+    x2, mask2 = inputs()
+    out = _fastcall.call(recorded, 0xABC, x2, mask2)
+    assert out.shape == (2, 5, 5) and out.dtype is torch.float32 and out.device == x2.device
+    (call,) = driver.calls
+    assert call["kernel"] == 0x1234 and call["dims"] == (7, 1, 1, 128, 1, 1, 4096) and call["stream"] == 0xABC
+    x_ptr, mask_ptr, weights, scratch, out_ptr, five, one = call["args"]
+    assert (x_ptr, mask_ptr, weights, five, one) == (x2.data_ptr(), mask2.data_ptr(), pack._packed.data_ptr(), 5, 1)
+    assert out_ptr == out.data_ptr() + 4  # an address inside the output keeps its offset
+    assert scratch % 16 == 8  # inside a fresh per-call buffer, at the recorded offset
+    assert scratch not in (x_ptr, mask_ptr, weights, out_ptr)
+
+
+def test_programmatic_launch_sets_the_stream_serialization_attribute():
+    driver, layer = Driver(7), torch.nn.Linear(3, 2)
+    x, mask = inputs()
+    recorded, _ = record(driver, x, mask, layer, mode="programmatic")
+    _fastcall.call(recorded, 0x55, x, mask)
+    (call,) = driver.calls
+    assert call["attribute"] == (1, 6, 1) and call["stream"] == 0x55 and call["dims"] == (7, 1, 1, 128, 1, 1, 4096)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "strides", "count", "subclass", "device-like"])
+def test_inputs_unlike_the_recording_take_the_python_path(change):
+    driver, layer = Driver(7), torch.nn.Linear(3, 2)
+    x, mask = inputs()
+    recorded, _ = record(driver, x, mask, layer)
+    args = {"shape": (torch.randn(2, 6, 6, 8), torch.ones(2, 6, 6, dtype=torch.bool)),
+            "dtype": (x.double(), mask),
+            "strides": (torch.randn(2, 5, 8, 5).transpose(2, 3), mask),
+            "count": (x,),
+            "subclass": (torch.nn.Parameter(x), mask),
+            "device-like": ("not a tensor", mask)}[change]
+    assert _fastcall.call(recorded, 0, *args) is None
+    assert driver.calls == []
+
+
+def test_misaligned_input_takes_the_python_path():
+    driver, layer = Driver(7), torch.nn.Linear(3, 2)
+    x, mask = inputs()
+    recorded, _ = record(driver, x, mask, layer)
+    storage = torch.randn(2 * 5 * 5 * 8 + 1)
+    assert _fastcall.call(recorded, 0, storage[1:].view(2, 5, 5, 8), mask) is None
+
+
+def test_parameter_updates_and_replacements_take_the_python_path():
+    driver, layer = Driver(7), torch.nn.Linear(3, 2)
+    x, mask = inputs()
+    recorded, _ = record(driver, x, mask, layer)
+    assert _fastcall.call(recorded, 0, x, mask) is not None
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # in place: a new version
+    assert _fastcall.call(recorded, 0, x, mask) is None
+    recorded, _ = record(driver, x, mask, layer)
+    layer.bias = torch.nn.Parameter(torch.zeros(2))  # another object under the name
+    assert _fastcall.call(recorded, 0, x, mask) is None
+    recorded, _ = record(driver, x, mask, layer)
+    del layer.bias
+    assert _fastcall.call(recorded, 0, x, mask) is None
+
+
+def test_autograd_and_epochs_take_the_python_path():
+    driver, layer = Driver(7), torch.nn.Linear(3, 2)
+    epoch = [3]
+    x, mask = inputs()
+    recorded, _ = record(driver, x, mask, layer, epoch=epoch)
+    with torch.enable_grad():
+        assert _fastcall.call(recorded, 0, x, mask) is None  # the parameters want gradients
+    assert _fastcall.call(recorded, 0, x, mask) is not None
+    epoch[0] += 1
+    assert _fastcall.call(recorded, 0, x, mask) is None
+    layer.requires_grad_(False)
+    epoch[0] -= 1
+    with torch.enable_grad():
+        assert _fastcall.call(recorded, 0, x, mask) is not None  # nothing wants gradients
+        assert _fastcall.call(recorded, 0, x.requires_grad_(), mask) is None
+
+
+def test_launch_failures():
+    layer = torch.nn.Linear(3, 2)
+    x, mask = inputs()
+    driver = Driver(7, codes=[201])  # no context current on this thread: the Python path sets it
+    recorded, _ = record(driver, x, mask, layer)
+    assert _fastcall.call(recorded, 0, x, mask) is None
+    driver.codes = [700]
+    with pytest.raises(RuntimeError, match="CUresult 700"):
+        _fastcall.call(recorded, 0, x, mask)
+
+
+def test_unknown_addresses_are_not_recorded():
+    driver, layer = Driver(8), torch.nn.Linear(3, 2)
+    x, mask = inputs()
+    stray = torch.empty(4)  # made and dropped during the call: a replay could not reproduce it
+    recorded, _ = record(driver, x, mask, layer, extra_constant=stray.data_ptr())
+    assert recorded is None
+
+
+def test_unversioned_packs_are_not_recorded():
+    driver, layer = Driver(7), torch.nn.Linear(3, 2)
+    x, mask = inputs()
+    out, pack = torch.empty(2, 5, 5), Packed(layer)
+    pack._key = None  # repacked on every call: a replay would read a stale pack
+    args = (x.data_ptr(), mask.data_ptr(), pack._packed.data_ptr(), out.data_ptr(), 5, 1, 0)
+    assert fastcall.build((x, mask), out, [(bound(driver), args)], [], [pack], [], []) is None
+
+
+def test_classify():
+    inputs_at, out, scratch, held = {1 << 40: 0}, (1 << 41, (1 << 41) + 64), [((1 << 42), (1 << 42) + 32, 256)], \
+        [((1 << 43), (1 << 43) + 16)]
+    assert fastcall.classify(1 << 40, inputs_at, out, scratch, held) == (1, 0)
+    assert fastcall.classify((1 << 41) + 8, inputs_at, out, scratch, held) == (2, 8)
+    assert fastcall.classify((1 << 41) + 64, inputs_at, out, scratch, held) is None  # one past the output
+    assert fastcall.classify((1 << 42) + 4, inputs_at, out, scratch, held) == (3, 260)
+    assert fastcall.classify((1 << 43) + 4, inputs_at, out, scratch, held) == (0, (1 << 43) + 4)
+    assert fastcall.classify(-1, inputs_at, out, scratch, held) == (0, -1)
+    assert fastcall.classify(1 << 44, inputs_at, out, scratch, held) is None

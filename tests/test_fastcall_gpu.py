@@ -1,0 +1,129 @@
+"""Recorded calls replayed in compiled code (pairgen/fastcall.py) on the GPU: every strategy that
+records, each op's tuned seed call, a replay's output against the float64 reference (its memory
+NaN-filled beforehand), the refusals that must send a call back to the Python path (a parameter
+updated in place, another length), and CUDA-graph capture of a replayed call."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import generator, replay_nan_filled, capture_graph, sampled_plans
+from pairgen import native, runtime
+from pairgen.ops.contact import CONTACT
+from pairgen.ops.readout import READOUT
+from pairgen.ops.trimul import TRIMUL
+from pairgen.tuning.check import compare, reference64
+from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
+
+pytestmark = pytest.mark.gpu
+
+SPECS = {"contact": CONTACT, "trimul": TRIMUL, "readout": READOUT}
+SEEDS = {name: spec.presets["seed"][0] for name, spec in SPECS.items()}
+#: Each op's strategies that record, with a shape no tuning used (odd B and N).
+RECORDING = [(name, strategy) for name, spec in SPECS.items()
+             for strategy in sorted(spec.make_module(spec.widths_of(SEEDS[name]), generator(0)).fast_call_strategies)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_fast_path():
+    if native.fastcall(wait=True) is None:
+        pytest.skip(f"the compiled fast path: {native.status()}")
+
+
+def case(name: str, shape: dict, seed: int):
+    spec = SPECS[name]
+    gen = generator(seed)
+    module = module_in_precision(spec, spec.widths_of(shape), gen, "float32", "cuda")
+    return spec, module, gen
+
+
+def fresh_inputs(spec, shape: dict, gen, k: int) -> tuple:
+    return inputs_in_precision(spec.make_inputs(shape, gen, "cauchy" if k % 2 else "normal"), "float32", "cuda")
+
+
+def call_on_nan_memory(module, inputs: tuple, out_shape) -> torch.Tensor:
+    """The module's output, allocated (by the replay or the Python path) from caching-allocator
+    memory just filled with NaN: an element the kernels leave unwritten shows."""
+    poison = torch.full(tuple(out_shape), float("nan"), device="cuda")
+    del poison
+    with torch.no_grad():
+        out = module(*inputs)
+    torch.cuda.synchronize()
+    return out
+
+
+def assert_replays_match_float64(spec, module, shape: dict, gen) -> None:
+    tol = spec.tolerance["float32"]
+    first = fresh_inputs(spec, shape, gen, 0)
+    ref = reference64(module, first)
+    assert compare(call_on_nan_memory(module, first, ref.shape), ref, tol).ok
+    assert module._fast_calls, "the kernel call was not recorded"
+    for k in (1, 2):  # new values (normal, heavy-tailed), the recorded shapes
+        inputs = fresh_inputs(spec, shape, gen, k)
+        with torch.no_grad():
+            assert module._fast_forward(*inputs) is not None, "a matching call was not replayed"
+        ref = reference64(module, inputs)
+        result = compare(call_on_nan_memory(module, inputs, ref.shape), ref, tol)
+        assert result.ok, f"replay {k}: {result}"
+
+
+@pytest.mark.parametrize("name,strategy", RECORDING)
+def test_every_recording_strategy_replays_exactly(name, strategy):
+    shape = {**SEEDS[name], "B": 3, "N": 37}
+    spec, module, gen = case(name, shape, seed=11)
+    (plan,) = sampled_plans(spec, strategy, spec.widths_of(shape), 1, seed=5)
+    module.force_variant(runtime.build_variant(plan))
+    assert_replays_match_float64(spec, module, shape, gen)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_tuned_seed_calls_replay(name):
+    """The seed shapes are where host time decides a call's speed: their tuned strategies record."""
+    spec, module, gen = case(name, SEEDS[name], seed=3)
+    strategy = module.variant_for(SEEDS[name]["N"], 0).plan.strategy
+    assert strategy in module.fast_call_strategies, f"the tuned seed strategy {strategy} does not record"
+    assert_replays_match_float64(spec, module, SEEDS[name], gen)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_parameter_updates_and_other_lengths_go_back_to_python(name):
+    spec, module, gen = case(name, SEEDS[name], seed=7)
+    tol = spec.tolerance["float32"]
+    inputs = fresh_inputs(spec, SEEDS[name], gen, 0)
+    with torch.no_grad():
+        module(*inputs)
+        assert module._fast_forward(*inputs) is not None
+        next(module.parameters()).add_(0.25)  # in place: the packed weights are stale
+        assert module._fast_forward(*inputs) is None
+    ref = reference64(module, inputs)
+    assert compare(call_on_nan_memory(module, inputs, ref.shape), ref, tol).ok  # repacked, recorded again
+    with torch.no_grad():
+        assert module._fast_forward(*inputs) is not None
+    other = {**SEEDS[name], "N": SEEDS[name]["N"] + 5}
+    longer = fresh_inputs(spec, other, gen, 1)
+    ref = reference64(module, longer)
+    assert compare(call_on_nan_memory(module, longer, ref.shape), ref, tol).ok
+    with torch.no_grad():  # both lengths are kept
+        assert module._fast_forward(*inputs) is not None and module._fast_forward(*longer) is not None
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_training_calls_are_not_replayed(name):
+    spec, module, gen = case(name, SEEDS[name], seed=9)
+    inputs = fresh_inputs(spec, SEEDS[name], gen, 0)
+    with torch.no_grad():
+        module(*inputs)
+    out = module(*inputs)  # grad enabled, parameters that want gradients: autograd records it
+    assert out.requires_grad and out.grad_fn is not None
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_graph_capture_of_a_replayed_call(name):
+    spec, module, gen = case(name, SEEDS[name], seed=13)
+    inputs = fresh_inputs(spec, SEEDS[name], gen, 1)
+    with torch.no_grad():
+        module(*inputs)  # recorded: the captured call below is a replay
+        assert module._fast_forward(*inputs) is not None
+    graph, out = capture_graph(module, inputs)
+    ref = reference64(module, inputs)
+    assert compare(replay_nan_filled(graph, out, replays=2), ref, spec.tolerance["float32"]).ok
