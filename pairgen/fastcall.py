@@ -31,6 +31,20 @@ SCRATCH_ALIGNMENT = 256
 #: 64-bit Linux process lie far above it.
 SMALL_INTEGERS = 2**32
 
+#: A module records freely for its first this-many slow calls, then at most one slow call in
+#: RECORD_EVERY: recording costs about a Python call's host time, and a process whose recordings
+#: keep going stale (one that registers modules between calls moves the structure epoch every
+#: time) must not pay it on every call.
+FREE_RECORDINGS = 8
+RECORD_EVERY = 8
+
+
+def may_record(slow_calls: int, recordings: int) -> bool:
+    """Whether a module that has made `slow_calls` calls on the Python path (this one included)
+    and `recordings` recordings records this call."""
+    return recordings < FREE_RECORDINGS or recordings * RECORD_EVERY <= slow_calls
+
+
 #: thread id -> the per-call buffers noted during a recording on it.
 _NOTED: dict[int, list] = {}
 

@@ -432,6 +432,7 @@ class KernelModule:
             if name in state:
                 state[name] = None
         state.pop("_fast_calls", None)
+        state.pop("_fast_call_counts", None)
         return state
 
     # ---- fast calls (pairgen/fastcall.py) ----------------------------------------------------
@@ -466,6 +467,11 @@ class KernelModule:
                 or self.__dict__.get("_state_per_call") or torch.is_autocast_enabled("cuda")
                 or torch.cuda.is_current_stream_capturing()):
             return self._launch(*inputs, variant=variant)
+        counts = self.__dict__.setdefault("_fast_call_counts", [0, 0])  # slow calls, recordings
+        counts[0] += 1
+        if not fastcall.may_record(*counts):
+            return self._launch(*inputs, variant=variant)
+        counts[1] += 1
         with fastcall.recording() as (launches, scratch):
             out = self._launch(*inputs, variant=variant)
         packs, held = self._held_for_fast_calls()

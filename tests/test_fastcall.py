@@ -190,7 +190,9 @@ def test_launch_failures():
 def test_unknown_addresses_are_not_recorded():
     driver, layer = Driver(8), torch.nn.Linear(3, 2)
     x, mask = inputs()
-    stray = torch.empty(4)  # made and dropped during the call: a replay could not reproduce it
+    # Made and dropped during the call: a replay could not reproduce it. Large enough to be mapped
+    # high, as device memory is (a small CPU block of a non-PIE Python can sit below 4 GiB).
+    stray = torch.empty(1 << 18)
     recorded, _ = record(driver, x, mask, layer, extra_constant=stray.data_ptr())
     assert recorded is None
 
@@ -202,6 +204,17 @@ def test_unversioned_packs_are_not_recorded():
     pack._key = None  # repacked on every call: a replay would read a stale pack
     args = (x.data_ptr(), mask.data_ptr(), pack._packed.data_ptr(), out.data_ptr(), 5, 1, 0)
     assert fastcall.build((x, mask), out, [(bound(driver), args)], [], [pack], [], []) is None
+
+
+def test_recording_backs_off_when_recordings_keep_going_stale():
+    every_call = [fastcall.may_record(slow, recorded)
+                  for slow, recorded in ((k, min(k - 1, fastcall.FREE_RECORDINGS)) for k in range(1, 10))]
+    assert all(every_call[: fastcall.FREE_RECORDINGS])  # the first slow calls all record
+    recorded = 0
+    for slow in range(1, 1001):  # a module none of whose recordings is ever replayed
+        if fastcall.may_record(slow, recorded):
+            recorded += 1
+    assert recorded <= 1000 // fastcall.RECORD_EVERY + 1 and recorded >= 1000 // fastcall.RECORD_EVERY - 1
 
 
 def test_classify():

@@ -54,16 +54,16 @@ def call_on_nan_memory(module, inputs: tuple, out_shape) -> torch.Tensor:
 
 def assert_replays_match_float64(spec, module, shape: dict, gen) -> None:
     tol = spec.tolerance["float32"]
-    first = fresh_inputs(spec, shape, gen, 0)
-    ref = reference64(module, first)
-    assert compare(call_on_nan_memory(module, first, ref.shape), ref, tol).ok
+    cases = [fresh_inputs(spec, shape, gen, k) for k in range(3)]  # normal, heavy-tailed, normal
+    # Every reference first: building one registers a module, which moves the structure epoch that
+    # recordings check, so a reference built between calls would send the next call to Python.
+    refs = [reference64(module, inputs) for inputs in cases]
+    assert compare(call_on_nan_memory(module, cases[0], refs[0].shape), refs[0], tol).ok
     assert module._fast_calls, "the kernel call was not recorded"
-    for k in (1, 2):  # new values (normal, heavy-tailed), the recorded shapes
-        inputs = fresh_inputs(spec, shape, gen, k)
+    for k in (1, 2):  # new values, the recorded shapes
         with torch.no_grad():
-            assert module._fast_forward(*inputs) is not None, "a matching call was not replayed"
-        ref = reference64(module, inputs)
-        result = compare(call_on_nan_memory(module, inputs, ref.shape), ref, tol)
+            assert module._fast_forward(*cases[k]) is not None, "a matching call was not replayed"
+        result = compare(call_on_nan_memory(module, cases[k], refs[k].shape), refs[k], tol)
         assert result.ok, f"replay {k}: {result}"
 
 
@@ -71,7 +71,7 @@ def assert_replays_match_float64(spec, module, shape: dict, gen) -> None:
 def test_every_recording_strategy_replays_exactly(name, strategy):
     shape = {**SEEDS[name], "B": 3, "N": 37}
     spec, module, gen = case(name, shape, seed=11)
-    (plan,) = sampled_plans(spec, strategy, spec.widths_of(shape), 1, seed=5)
+    plan = sampled_plans(spec, strategy, spec.widths_of(shape), 1, seed=5)[0]
     module.force_variant(runtime.build_variant(plan))
     assert_replays_match_float64(spec, module, shape, gen)
 
@@ -101,10 +101,16 @@ def test_parameter_updates_and_other_lengths_go_back_to_python(name):
         assert module._fast_forward(*inputs) is not None
     other = {**SEEDS[name], "N": SEEDS[name]["N"] + 5}
     longer = fresh_inputs(spec, other, gen, 1)
-    ref = reference64(module, longer)
-    assert compare(call_on_nan_memory(module, longer, ref.shape), ref, tol).ok
+    # Built before the calls: a reference module's registration moves the structure epoch, which
+    # every recording checks (a submodule swapped in must not be served from the old pack).
+    ref, ref_longer = reference64(module, inputs), reference64(module, longer)
+    assert compare(call_on_nan_memory(module, longer, ref_longer.shape), ref_longer, tol).ok
+    assert compare(call_on_nan_memory(module, inputs, ref.shape), ref, tol).ok
     with torch.no_grad():  # both lengths are kept
         assert module._fast_forward(*inputs) is not None and module._fast_forward(*longer) is not None
+    torch.nn.Linear(2, 2)  # any registration: every recording goes stale
+    with torch.no_grad():
+        assert module._fast_forward(*inputs) is None
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
