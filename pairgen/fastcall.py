@@ -108,9 +108,9 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, packs
     native_module = native.fastcall()
     if native_module is None or not launches:
         return None
-    input_data = {}
-    for index, t in enumerate(inputs):
-        input_data.setdefault(t.data_ptr(), index)
+    input_data = {t.data_ptr(): index for index, t in enumerate(inputs)}
+    if len(input_data) != len(inputs):  # two inputs at one address: a replay could not tell them apart
+        return None
     scratch_layout, scratch_bytes = _scratch_layout(scratch)
     packed = [(pack, _extent(pack._packed)) for pack in packs if pack._packed is not None]
     held_extents = [_extent(t) for t in held] + [extent for _, extent in packed]

@@ -227,3 +227,12 @@ def test_classify():
     assert fastcall.classify((1 << 43) + 4, inputs_at, out, scratch, held) == (0, (1 << 43) + 4)
     assert fastcall.classify(-1, inputs_at, out, scratch, held) == (0, -1)
     assert fastcall.classify(1 << 44, inputs_at, out, scratch, held) is None
+
+
+def test_inputs_sharing_an_address_are_not_recorded():
+    driver, layer = Driver(7), torch.nn.Linear(3, 2)
+    x, _ = inputs()
+    out, pack = torch.empty(2, 5, 5), Packed(layer)
+    args = (x.data_ptr(), x.data_ptr(), pack._packed.data_ptr(), out.data_ptr(), 5, 1, 0)
+    assert fastcall.build((x, x), out, [(bound(driver), args)], [], [pack], [], []) is None
+

@@ -215,7 +215,13 @@ bool module_unchanged(const FastCall& call) {
   for (const Watched& w : call.watched) {
     if (PyDict_GetItem(w.owner, w.name) != w.param) return false;  // replaced or removed
     const at::Tensor& p = THPVariable_Unpack(w.param);
-    if (p._version() != w.version || (grad && p.requires_grad())) return false;
+    int64_t version;
+    try {
+      version = p._version();
+    } catch (const std::exception&) {  // no version counter (an inference tensor): not the one recorded
+      return false;
+    }
+    if (version != w.version || (grad && p.requires_grad())) return false;
   }
   return true;
 }
@@ -262,9 +268,9 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (address % 16 != 0) Py_RETURN_NONE;  // the kernels read 16-byte vectors
     input_data[i] = static_cast<int64_t>(address);
   }
-  if (!module_unchanged(*fast)) Py_RETURN_NONE;
   PyObject* result = nullptr;
   try {
+    if (!module_unchanged(*fast)) Py_RETURN_NONE;
     auto options = at::TensorOptions().dtype(fast->out_dtype).device(fast->device);
     at::Tensor out = at::empty(fast->out_sizes, options);
     at::Tensor scratch;
@@ -298,7 +304,7 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       }
     }
     result = THPVariable_Wrap(std::move(out));
-  } catch (const std::exception& e) {
+  } catch (const std::exception& e) {  // an allocation that failed (out of memory)
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
