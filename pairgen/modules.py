@@ -462,10 +462,11 @@ class KernelModule:
 
     def _launch_recorded(self, inputs: tuple, variant):
         """_launch, recorded for replay where the call allows it (see fastcall.py)."""
+        if variant.plan.strategy not in self.fast_call_strategies:
+            return self._launch(*inputs, variant=variant)
         replayer = native.fastcall()  # the first request starts the compiled module's build
-        if (replayer is None or variant.plan.strategy not in self.fast_call_strategies or self._reference_only
-                or self.__dict__.get("_state_per_call") or torch.is_autocast_enabled("cuda")
-                or torch.cuda.is_current_stream_capturing()):
+        if (replayer is None or self._reference_only or self.__dict__.get("_state_per_call")
+                or torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing()):
             return self._launch(*inputs, variant=variant)
         counts = self.__dict__.setdefault("_fast_call_counts", [0, 0])  # slow calls, recordings
         counts[0] += 1
