@@ -1,0 +1,158 @@
+"""A drop-in module's whole fast-call cycle on the CPU: KernelModule records a call made through a
+real BoundLaunch (pairgen/launch.py) whose driver functions are ctypes stand-ins that run a tiny
+"kernel" on the CPU (out = x * w[0] + b[0], read and written through the pointers they are given),
+then replays later calls from compiled code, and goes back to the Python path (recording again)
+when the parameters, the structure epoch or the call change."""
+from __future__ import annotations
+
+import ctypes
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from pairgen import launch, modules, native
+from pairgen.launch import BoundLaunch
+from pairgen.modules import KernelModule, PackedParameters
+
+_fastcall = native.fastcall(wait=True)
+pytestmark = pytest.mark.skipif(_fastcall is None, reason=f"the compiled fast path: {native.status()}")
+
+PLAIN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+
+def _scale_kernel(kernel, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    """The stand-in kernel: (x, packed weights, out, count) -> out = x * w[0] + b[0]."""
+    x, w, out, count = (ctypes.cast(params[k], ctypes.POINTER(ctypes.c_int64))[0] for k in range(4))
+    xs = (ctypes.c_float * count).from_address(x)
+    ws = (ctypes.c_float * 2).from_address(w)
+    outs = (ctypes.c_float * count).from_address(out)
+    for i in range(count):
+        outs[i] = xs[i] * ws[0] + ws[1]
+    return 0
+
+
+_KERNEL = PLAIN(_scale_kernel)
+
+
+def bound_launch() -> BoundLaunch:
+    """A real BoundLaunch on a stand-in LoadedKernel: its driver's plain launch is _KERNEL."""
+    driver = types.SimpleNamespace(launch=_KERNEL, cooperative=None, launch_ex=None)
+    kernel = types.SimpleNamespace(_driver=driver, _handle=ctypes.c_void_p(0x99), device_index=-1, name="scale",
+                                   _failed=lambda code, *_: pytest.fail(f"launch failed: {code}"))
+    return BoundLaunch(kernel, grid=1, block=1, smem=0, arg_count=4)
+
+
+class Scale(KernelModule, nn.Module):
+    """out = x * lin.weight[0, 0] + lin.bias[0], computed by the stand-in kernel on CPU float32."""
+
+    fast_call_strategies = frozenset({"scale"})
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 1)
+        self._weights = PackedParameters(self, [("lin", "weight"), ("lin", "bias")],
+                                         lambda params: torch.cat([p.reshape(-1) for p in params]).float())
+        self.python_launches = 0
+        # The variant carries the bound launch (a copy of the module drops it, as it drops real ones).
+        self.force_variant(types.SimpleNamespace(plan=types.SimpleNamespace(strategy="scale"), bound=bound_launch()))
+
+    def uses_kernel(self, x) -> bool:
+        return x.dtype is torch.float32
+
+    def reference_forward(self, x):
+        return x * self.lin.weight[0, 0] + self.lin.bias[0]
+
+    def forward(self, x):
+        if self._fast_calls:
+            out = self._fast_forward(x)
+            if out is not None:
+                return out
+        return self._dispatch(x)
+
+    def _launch(self, x, out=None, variant=None):
+        self.python_launches += 1
+        out = torch.empty_like(x)
+        variant.bound(x.data_ptr(), self._weights.get().data_ptr(), out.data_ptr(), x.numel())
+        return out
+
+
+@pytest.fixture(autouse=True)
+def cpu_streams(monkeypatch):
+    """The CPU build of torch has no CUDA streams: stream handles are 0 here."""
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: 0)
+    monkeypatch.setattr(modules, "current_raw_stream", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with torch.no_grad():
+        yield
+
+
+def matches(out, module, x) -> bool:
+    """The stand-in computes in double and rounds once; torch rounds the product and the sum."""
+    return torch.allclose(out, x * module.lin.weight[0, 0] + module.lin.bias[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_recorded_call_is_replayed_in_compiled_code():
+    module = Scale()
+    x = torch.randn(3, 5)
+    assert matches(module(x), module, x)
+    assert module.python_launches == 1 and len(module._fast_calls) == 1
+    for _ in range(3):
+        y = torch.randn(3, 5)
+        assert matches(module(y), module, y)
+    assert module.python_launches == 1  # every later call was a replay
+
+
+def test_updates_and_other_calls_go_back_to_python_and_record_again():
+    module = Scale()
+    x = torch.randn(3, 5)
+    module(x)
+    module.lin.weight.add_(1.0)  # in place: the pack is stale
+    assert matches(module(x), module, x) and module.python_launches == 2
+    module(x)
+    assert module.python_launches == 2  # recorded again, replayed
+    module.lin = nn.Linear(1, 1)  # a submodule swapped in: the structure epoch moves
+    assert matches(module(x), module, x) and module.python_launches == 3
+    longer = torch.randn(4, 5)
+    module(longer)
+    module(longer), module(x)
+    assert module.python_launches == 4  # both shapes replay (stale recordings wait to be evicted)
+    assert module(x.double()).dtype is torch.float64  # another dtype: the reference, unrecorded
+    assert module.python_launches == 4
+
+
+def test_recordings_are_bounded_and_dropped_with_the_variant():
+    module = Scale()
+    for n in range(1, 2 * module.MAX_FAST_CALLS + 1):
+        module(torch.randn(n, 3))
+    assert len(module._fast_calls) == module.MAX_FAST_CALLS
+    module.force_variant(module._forced_plan)
+    assert module._fast_calls == ()
+
+
+def test_a_copy_starts_without_recordings():
+    import copy
+
+    module = Scale()
+    module(torch.randn(2, 2))
+    clone = copy.deepcopy(module)
+    assert clone._fast_calls == () and len(module._fast_calls) == 1
+
+
+def test_the_operators_flags_drop_recordings_and_make_none():
+    """pairgen/library.py's flags: the reference on swapped-in weights, and state made per call
+    (inside compiled graphs): a replay would skip both."""
+    from pairgen import library
+
+    module = Scale()
+    x = torch.randn(2, 3)
+    module(x)
+    with library.state_per_call(module):
+        assert module._fast_calls == ()
+        assert matches(module(x), module, x) and module.python_launches == 2
+        assert module._fast_calls == ()
+    with library._reference_only(module):
+        assert matches(module(x), module, x) and module.python_launches == 2  # the reference ran
+        assert module._fast_calls == ()
