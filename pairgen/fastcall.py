@@ -112,22 +112,24 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, packs
     if len(input_data) != len(inputs):  # two inputs at one address: a replay could not tell them apart
         return None
     scratch_layout, scratch_bytes = _scratch_layout(scratch)
+    out_extent = _extent(out)
     packed = [(pack, _extent(pack._packed)) for pack in packs if pack._packed is not None]
     held_extents = [_extent(t) for t in held] + [extent for _, extent in packed]
-    specs, used = [], set()
+    specs, constants = [], set()
     for bound, args in launches:
         slots = []
         for value in args:
-            slot = classify(int(value), input_data, _extent(out), scratch_layout, held_extents)
+            slot = classify(int(value), input_data, out_extent, scratch_layout, held_extents)
             if slot is None:
                 return None
             slots.append(slot)
-            used.update(id(pack) for pack, (start, end) in packed if slot[0] == 0 and start <= slot[1] < end)
+            if slot[0] == 0:
+                constants.add(slot[1])
         mode, address = bound.driver_entry()
         specs.append((address, mode, bound.kernel._handle.value, bound.grid, bound.block, bound.smem, tuple(slots)))
     watched = []
-    for pack, _ in packed:
-        if id(pack) in used:
+    for pack, (start, end) in packed:
+        if any(start <= value < end for value in constants):  # the call reads this pack
             if pack._key is None:  # repacked on every call (computed or unversioned parameters)
                 return None
             watched += zip(pack._owners, pack._names, pack._params, pack._key)

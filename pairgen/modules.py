@@ -450,8 +450,11 @@ class KernelModule:
         Not while torch.compile traces (the operator of pairgen/library.py is what it sees)."""
         if torch.compiler.is_compiling():
             return None
+        stream_index = stream = None  # the current stream fetched once per device, not per recording tried
         for replay, recorded, index in self._fast_calls:
-            out = replay(recorded, current_raw_stream(index), *inputs)
+            if index != stream_index:
+                stream_index, stream = index, current_raw_stream(index)
+            out = replay(recorded, stream, *inputs)
             if out is not None:
                 return out
         return None

@@ -3,6 +3,7 @@ the GPU tests' compiled variants, cached float64 references and launches; copy a
 from __future__ import annotations
 
 import copy
+import ctypes
 import io
 import random
 from operator import attrgetter
@@ -15,6 +16,10 @@ from pairgen.tuning.check import compare, reference64
 from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
 from pairgen.spec import DeviceLimits
 from pairgen.tuned import TunedDB
+
+#: cuLaunchKernel's signature, for ctypes stand-ins of the driver in the fast-call tests.
+CU_LAUNCH_KERNEL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                                    ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
 
 SEED_WIDTHS = {"P": 64, "H": 32}
 REAL_WIDTHS = ({"P": 128, "H": 128}, {"P": 128, "H": 64})

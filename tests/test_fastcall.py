@@ -10,14 +10,13 @@ import types
 import pytest
 import torch
 
+from helpers import CU_LAUNCH_KERNEL
 from pairgen import fastcall, native
 from pairgen.launch import FASTCALL_MODES, _LaunchConfig
 
 _fastcall = native.fastcall(wait=True)
 pytestmark = pytest.mark.skipif(_fastcall is None, reason=f"the compiled fast path: {native.status()}")
 
-PLAIN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
-                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
 EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
 
@@ -35,7 +34,7 @@ class Driver:
 
     def __init__(self, arg_count: int, codes=()):
         self.calls, self.codes, self.arg_count = [], list(codes), arg_count
-        self.plain = PLAIN(self._plain)
+        self.plain = CU_LAUNCH_KERNEL(self._plain)
         self.ex = EX(self._ex)
 
     def _values(self, params):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import CU_LAUNCH_KERNEL
 from pairgen import launch, modules, native
 from pairgen.launch import BoundLaunch
 from pairgen.modules import KernelModule, PackedParameters
@@ -19,8 +20,6 @@ from pairgen.modules import KernelModule, PackedParameters
 _fastcall = native.fastcall(wait=True)
 pytestmark = pytest.mark.skipif(_fastcall is None, reason=f"the compiled fast path: {native.status()}")
 
-PLAIN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
-                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
 
 
 def _scale_kernel(kernel, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
@@ -34,7 +33,7 @@ def _scale_kernel(kernel, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
     return 0
 
 
-_KERNEL = PLAIN(_scale_kernel)
+_KERNEL = CU_LAUNCH_KERNEL(_scale_kernel)
 
 
 def bound_launch() -> BoundLaunch:
