@@ -189,10 +189,12 @@ def test_launch_failures():
 def test_unknown_addresses_are_not_recorded():
     driver, layer = Driver(8), torch.nn.Linear(3, 2)
     x, mask = inputs()
-    # Made and dropped during the call: a replay could not reproduce it. Large enough to be mapped
-    # high, as device memory is (a small CPU block of a non-PIE Python can sit below 4 GiB).
-    stray = torch.empty(1 << 18)
-    recorded, _ = record(driver, x, mask, layer, extra_constant=stray.data_ptr())
+    # An address of something made and dropped during the call: a replay could not reproduce it.
+    # Written as a value, since where a real CPU block lands depends on the allocator (the GPU
+    # host's Python put a 1 MiB tensor below 4 GiB, where small integers live); device memory is
+    # mapped above 4 GiB.
+    stray_address = 0x7F12_3456_7000
+    recorded, _ = record(driver, x, mask, layer, extra_constant=stray_address)
     assert recorded is None
 
 
