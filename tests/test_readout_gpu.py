@@ -190,7 +190,7 @@ J_SPLIT_POINTS = [
     ("inline", dict(_SEED_POINT, tile_i=1, tile_j=32, j_split=2), SEED_WIDTHS),
     ("inline", {"tile_i": 4, "tile_j": 8, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4, "weights_smem": True,
                 "j_split": 3}, SEED_WIDTHS),
-    ("inline", dict(_SEED_POINT, tile_i=2, tile_j=8, j_split=2), SEED_WIDTHS),  # V of 8 partners over 16 thread rows
+    ("inline", dict(_SEED_POINT, tile_i=2, tile_j=4, j_split=1), SEED_WIDTHS),
 ]
 J_SPLIT_CASES = [pytest.param(READOUT.plan(s, p, w), id="D{D}P{P}H{H}-".format_map(w) + READOUT.plan(s, p, w).label)
                  for s, p, w in J_SPLIT_POINTS]
