@@ -184,13 +184,6 @@ J_SPLIT_POINTS = [
     ("direct", dict(_SEED_POINT, tile_i=4, tile_j=4, j_split=2), SEED_WIDTHS),
     ("split", {"tile_i": 4, "tile_j": 16, "threads": 256, "threads_n": 8, "tn": 8, "unroll": 4, "weights_smem": False,
                "j_split": 4}, WIDTHS[1]),
-    # inline: V of 4 partners padded to 16 thread rows (12 zero rows); 32 partners over 16 thread
-    # rows (two V rows each); the seed's tuned tile with staged weights; several j tiles per split
-    ("inline", dict(_SEED_POINT, tile_i=4, tile_j=4, j_split=3), SEED_WIDTHS),
-    ("inline", dict(_SEED_POINT, tile_i=1, tile_j=32, j_split=2), SEED_WIDTHS),
-    ("inline", {"tile_i": 4, "tile_j": 8, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4, "weights_smem": True,
-                "j_split": 3}, SEED_WIDTHS),
-    ("inline", dict(_SEED_POINT, tile_i=2, tile_j=4, j_split=1), SEED_WIDTHS),
 ]
 J_SPLIT_CASES = [pytest.param(READOUT.plan(s, p, w), id="D{D}P{P}H{H}-".format_map(w) + READOUT.plan(s, p, w).label)
                  for s, p, w in J_SPLIT_POINTS]

@@ -23,7 +23,7 @@ from pairgen.ops.readout.spec import (GEMM_SCRATCH_ALIGN, PROLOGUE_COLS, PROLOGU
 
 LIMITS = DeviceLimits()
 PRESET_WIDTHS = [READOUT.widths_of(s) for p in READOUT.presets.values() for s in p]
-PAIR_MAX = ("direct", "split", "inline")  # the strategies of _pair_max.cuh.j2 (tiles of rows i, j splits)
+PAIR_MAX = ("direct", "split")  # the strategies of _pair_max.cuh.j2 (tiles of rows i, j splits)
 
 
 def split_of_block(block: int, j_split: int) -> tuple[int, int]:

@@ -7,11 +7,11 @@ from ...modules import (HeldBuffer, KernelModule, PackedParameters, check_float_
                         contiguous_aligned, fp32_matmul, grow_held)
 from . import backward
 from .reference import PairReadoutReference
-from .spec import DIRECT, GEMM, INLINE, READOUT, SPLIT, gemm_scratch_offsets, pair_max_scratch, weight_offsets
+from .spec import DIRECT, GEMM, READOUT, SPLIT, gemm_scratch_offsets, pair_max_scratch, weight_offsets
 
 
 def _run_pair_max(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out, with_uv: bool) -> None:
-    """split (node prologue, then the pair-max kernel); direct and inline (the pair-max kernel alone)."""
+    """split (node prologue, then the pair-max kernel) and direct (the pair-max kernel alone)."""
     B, N, D = nodes.shape
     device, weights = nodes.get_device(), module._weights.get().data_ptr()
     launches = variant.launches(device, B, N, programmatic=module.programmatic_main)
@@ -36,8 +36,7 @@ def run_split(module, variant, nodes, pair_feats, edge_mask, out) -> None:
     _run_pair_max(module, variant, nodes, pair_feats, edge_mask, out, with_uv=True)
 
 
-def run_pair_max_alone(module, variant, nodes, pair_feats, edge_mask, out) -> None:
-    """direct and inline: one launch, no U/V scratch."""
+def run_direct(module, variant, nodes, pair_feats, edge_mask, out) -> None:
     _run_pair_max(module, variant, nodes, pair_feats, edge_mask, out, with_uv=False)
 
 
@@ -71,7 +70,7 @@ class PairReadout(KernelModule, PairReadoutReference):
     behave as the reference's bool ones (and a NaN entry counts as an edge). N = 0 returns an
     empty (B, 0, D) on every device.
 
-    Scratch of the split, inline and direct strategies (U/V of every node, a j split's partial maxima)
+    Scratch of the split and direct strategies (U/V of every node, a j split's partial maxima)
     and a j split's per-tile arrival counters are held by the module, grown when a larger call
     needs more and never freed while the module lives (a captured CUDA graph may point at them;
     a capture that needs more gets buffers of its own). The gemm strategy's scratch (hidden layers
@@ -83,9 +82,8 @@ class PairReadout(KernelModule, PairReadoutReference):
     """
 
     op = READOUT
-    runners = {SPLIT.name: run_split, INLINE.name: run_pair_max_alone, DIRECT.name: run_pair_max_alone,
-               GEMM.name: run_gemm}
-    fast_call_strategies = frozenset({SPLIT.name, INLINE.name, DIRECT.name})  # gemm runs a cuBLAS product between its kernels
+    runners = {SPLIT.name: run_split, DIRECT.name: run_direct, GEMM.name: run_gemm}
+    fast_call_strategies = frozenset({SPLIT.name, DIRECT.name})  # gemm runs a cuBLAS product between its kernels
     _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_counters", "_scratch")
     #: Counters allocated at least this many at a time (4 KB), so growth is rare.
     MIN_COUNTERS = 1024
@@ -101,7 +99,7 @@ class PairReadout(KernelModule, PairReadoutReference):
         self._weights = PackedParameters(self, paths, self._pack)
         self._w2t_at = weight_offsets(node_dim, pair_dim, hidden_dim)["w2t"]  # gemm: W2^T's place in the pack
         self._counters: HeldBuffer | None = None  # the j split's arrival counters
-        self._scratch: HeldBuffer | None = None   # the split, inline and direct strategies' scratch
+        self._scratch: HeldBuffer | None = None   # the split and direct strategies' scratch
 
     closed_form = staticmethod(backward.gradients)
     saving_forward = staticmethod(backward.forward_saving)
@@ -204,7 +202,7 @@ class PairReadout(KernelModule, PairReadoutReference):
         return ptr
 
     def _split_scratch(self, index: int, floats: int) -> int:
-        """At least `floats` of scratch on device `index` for a split, inline or direct launch (U/V, the
+        """At least `floats` of scratch on device `index` for a split or direct launch (U/V, the
         j split's partial maxima): held by the module, not allocated per call, since at the seed
         shape the host path is most of a call and a torch.empty was 5.3 of its 34 us (H200 host)."""
         if self.__dict__.get("_state_per_call"):

@@ -1,12 +1,10 @@
 """The pair readout's spec: strategies, search spaces, restrictions, defaults, plans.
 
-Four strategies:
+Three strategies:
   direct  one kernel: per pair, the first Linear over [h_i | h_j | p_ij], the second Linear, and a
           running max over j, per tile of rows i (templates/readout/_pair_max.cuh.j2).
   split   the same kernel after a node prologue (U = nodes W_i^T + b1, V = nodes W_j^T), so a pair
           needs only U_i + V_j + W_p p_ij.
-  inline  split's arithmetic in one launch: each block computes U of its rows i and V of each tile
-          of partners j itself, into shared memory (V once per tile of rows i, not once per node).
   gemm    large shapes: the node prologue, a kernel writing every pair's hidden layer to scratch,
           cuBLAS for the second Linear (TF32 forced off), a pool kernel (masked max, LayerNorm,
           residual). Scratch B*N*N*(H + D) floats per call: 805 MB at B16 N128 D256 H512.
@@ -109,17 +107,7 @@ def pair_max_scratch(B: int, N: int, D: int, H: int, j_split: int, with_uv: bool
     return {"uv": 0, "partials": uv, "total": uv + split_scratch_floats(B, N, D, j_split)}
 
 
-#: Where the pair-max kernel's U_i + V_j come from, per strategy: direct has none (its pairs
-#: multiply the node rows themselves).
-NODE_PRODUCTS = {"direct": None, "split": "prologue", "inline": "in_block"}
-
-
-def inline_v_rows(tile_j: int, threads_m: int) -> int:
-    """Node rows j the inline strategy's V product covers: tile_j, padded to whole thread rows."""
-    return ceil_div(tile_j, threads_m) * threads_m
-
-
-def _pair_max_context(params: dict, w: dict, strategy: str) -> tuple[dict, int]:
+def _pair_max_context(params: dict, w: dict, split: bool) -> tuple[dict, int]:
     """The pair-max kernel's context and its shared-memory bytes."""
     D, P, H = w["D"], w["P"], w["H"]
     off = weight_offsets(D, P, H)
@@ -127,12 +115,10 @@ def _pair_max_context(params: dict, w: dict, strategy: str) -> tuple[dict, int]:
     threads_n, tn = params["threads_n"], params["tn"]
     threads_m = threads // threads_n
     pairs = tile_i * tile_j
-    products = NODE_PRODUCTS[strategy]
-    # Only direct's pairs read wuvt from shared memory: split and inline stage from wpt onwards.
-    smem_first = off["wpt"] if products else 0
+    # The main kernel of the split strategy never reads wuvt: it stages from wpt onwards.
+    smem_first = off["wpt"] if split else 0
     context = {
-        "D": D, "P": P, "H": H, "off": off, "split": cuda_bool(products == "prologue"),
-        "inline_nodes": cuda_bool(products == "in_block"),
+        "D": D, "P": P, "H": H, "off": off, "split": cuda_bool(split),
         "smem_first": smem_first, "weights_smem": cuda_bool(params["weights_smem"]),
         "tile_i": tile_i, "tile_j": tile_j, "tile_pairs": pairs, "threads": threads,
         "threads_n": threads_n, "threads_m": threads_m, "tn": tn, "tm": pairs // threads_m,
@@ -145,10 +131,7 @@ def _pair_max_context(params: dict, w: dict, strategy: str) -> tuple[dict, int]:
               + pairs * context["h_stride"]          # hidden activations of the tile
               + threads_m * context["d_stride"]      # running max, one row per thread row
               + align(pairs) + align(threads_m))     # pair validity, per-row "any valid edge"
-    if products == "in_block":
-        floats += ((tile_i + inline_v_rows(tile_j, threads_m)) * context["d_stride"]  # node rows i and j
-                   + (tile_i + tile_j) * context["h_stride"])                          # U_i and V_j
-    elif products is None:
+    if not split:
         floats += (tile_i + tile_j) * context["d_stride"]  # node rows i and j
     if params["weights_smem"]:
         floats += off["total"] - smem_first
@@ -159,21 +142,16 @@ def _pair_max_context(params: dict, w: dict, strategy: str) -> tuple[dict, int]:
     return context, 4 * floats
 
 
-def _derive_one_kernel(strategy: str):
-    """direct and inline: the pair-max kernel alone, launched normally."""
-
-    def derive(params: dict, w: dict, name: str):
-        context, smem = _pair_max_context(params, w, strategy)
-        grid = _pair_max_grid(params["tile_i"], params["j_split"])
-        return context, (Kernel(name, params["threads"], smem, PAIR_MAX_ARGS, grid),)
-
-    return derive
+def _derive_direct(params: dict, w: dict, name: str):
+    context, smem = _pair_max_context(params, w, split=False)
+    grid = _pair_max_grid(params["tile_i"], params["j_split"])
+    return context, (Kernel(name, params["threads"], smem, PAIR_MAX_ARGS, grid),)
 
 
 def _derive_split(params: dict, w: dict, name: str):
     """The pair-max kernel (declared first: the restrictions read its block) runs after the node
     prologue, as its programmatic dependent: it stages its weights while the prologue runs."""
-    context, smem = _pair_max_context(params, w, "split")
+    context, smem = _pair_max_context(params, w, split=True)
     grid = _pair_max_grid(params["tile_i"], params["j_split"])
     return context, (Kernel(name, params["threads"], smem, PAIR_MAX_ARGS, grid, mode="programmatic"),
                      _nodes_kernel(name, w["H"], params["prologue_rows"]))
@@ -221,19 +199,7 @@ DIRECT = Strategy(
     name="direct",
     summary="per pair, the first Linear over [h_i | h_j | p_ij] as three register-tiled products; one launch",
     space=dict(_SPACE),
-    derive=_derive_one_kernel("direct"),
-    restrictions=_RESTRICTIONS,
-)
-
-INLINE = Strategy(
-    name="inline",
-    summary="split's per-pair work in one launch: each block computes U of its rows i (with b1) and V of each "
-            "tile of partners j into shared memory, then per pair only U_i + V_j + W_p p_ij",
-    # The V of a tile costs tile_j*D*H against its pairs' tile_i*tile_j*(P + D)*H (a fifth more at
-    # the seed's tile_i 4), in exchange for the prologue's launch: what the host pays per call
-    # where the kernels are short (the seed: two launches cost ~4 us more host time than one).
-    space=dict(_SPACE),
-    derive=_derive_one_kernel("inline"),
+    derive=_derive_direct,
     restrictions=_RESTRICTIONS,
 )
 
@@ -365,7 +331,7 @@ class ReadoutSpec(OpSpec):
     added_params = {"split": {"j_split": 1, "prologue_rows": 8}, "direct": {"j_split": 1}}
     name = "readout"
     width_names = ("D", "P", "H")
-    strategies = {s.name: s for s in (SPLIT, INLINE, DIRECT, GEMM)}
+    strategies = {s.name: s for s in (SPLIT, DIRECT, GEMM)}
     default_points = (
         # Real widths (D, H multiples of 64): 64 columns per pass, 4 rows i x 16 partners j.
         ("split", {"tile_i": 4, "tile_j": 16, "threads": 256, "threads_n": 8, "tn": 8, "unroll": 4,
