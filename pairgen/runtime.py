@@ -152,7 +152,8 @@ class Choice:
     database: str | None = None  # the file the entry came from
     #: The default variant's source hash while it has no first-use verdict (see first_use.py).
     unchecked_source: str | None = None
-    #: No plan because a first-use check found the reference faster: said once, in the log.
+    #: No plan because the reference measured faster (a first-use check, or the tuner against the
+    #: best kernel of a tuned entry): said once, in the log.
     expected_reference: bool = False
 
 
@@ -218,12 +219,23 @@ def choose(spec: OpSpec, dtype: str, widths: dict, n: int, info: DeviceInfo) -> 
         how = "tuned" if exact else f"tuned (nearest N bucket {entry['key']['n_bucket']})"
         if db.gpu_slug != info.slug:
             how += f" on {db.gpu_slug} (same architecture, {info.arch})"
+        if _reference_was_faster(entry):
+            return Choice(None, f"{how}: the PyTorch reference measured faster when it was tuned "
+                                f"({entry['baselines_us']['eager']} µs against the best kernel's {entry['us']} µs)",
+                          entry, str(db.path), expected_reference=True)
         return Choice(spec.plan(entry["strategy"], entry["params"], widths, dtype), how, entry, str(db.path))
     plan = spec.default_plan(widths, info.limits, dtype)
     if plan is None:
         in_dtype = "" if dtype == "float32" else f" in {dtype}"
         return Choice(None, f"no {spec.name} kernel{in_dtype} fits widths {widths}")
     return _default_choice(spec, plan, dtype, widths, bucket, info)
+
+
+def _reference_was_faster(entry: dict) -> bool:
+    """Whether the tuner timed the eager PyTorch reference (what a module replaces) faster than the
+    entry's best kernel, in the same run: the module then runs the reference, never slower than it."""
+    reference_us = (entry.get("baselines_us") or {}).get("eager")
+    return reference_us is not None and entry.get("us") is not None and entry["us"] > reference_us
 
 
 def _default_choice(spec: OpSpec, plan: Plan, dtype: str, widths: dict, bucket: int, info: DeviceInfo) -> Choice:

@@ -207,3 +207,24 @@ def test_a_stale_entry_is_completed_to_the_current_space_and_tried_first(db, mon
     assert tune_script.starting_points(CONTACT, db, shape, INFO) == [("symmetric_tiled", completed)] + [
         ("symmetric_tiled", {**completed, name: value}) for name, values in (("stage_rows", (1, 2)), ("ln_lanes", (4, 8)))
         for value in values]
+
+
+def test_an_entry_whose_reference_was_faster_runs_the_reference(db, monkeypatch):
+    """The tuner times the eager reference in the same run as the kernels: where it was faster than
+    the best kernel, the module runs the reference (exact bucket and nearest bucket alike), and
+    explain says why; an entry without that baseline, or slower than its kernel, runs the kernel."""
+    monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(db.path.parent.parent))
+    slower = dict(entry(1024, us=350.0), baselines_us={"eager": 70.0, "compile": 500.0})
+    db.upsert(slower)
+    db.upsert(dict(entry(64, us=10.0), baselines_us={"eager": 69.0}))
+    for n in (1024, 700):
+        choice = choose(n)
+        assert choice.plan is None and choice.expected_reference and choice.entry["key"]["n_bucket"] == 1024
+        assert "the PyTorch reference measured faster when it was tuned (70.0 µs against the best kernel's 350.0 µs)" \
+            in choice.source
+    assert choose(64).plan is not None and choose(64).source == "tuned"
+    explained = runtime.explain(CONTACT, "float32", WIDTHS, 1024, info=INFO)
+    assert explained.strategy is None and "reference measured faster" in explained.source
+    assert "the PyTorch reference" in str(explained)
+    db.upsert(dict(slower, baselines_us={"compile": 500.0}))  # no eager baseline: nothing says the reference is faster
+    assert choose(1024).plan is not None
