@@ -67,7 +67,9 @@ def _forward_label(module, inputs: tuple, n: int, device) -> tuple:
             return None, f"fp32 kernel on inputs made fp32: {detail[0].plan.label}"
         return None, "closed form (no kernels in this dtype)" if path == "closed form" else "reference (no kernel)"
     variant = module.variant_for(n, device, kernel_precision)
-    return variant, variant.plan.label if variant else "reference (no kernel)"
+    if variant is None:  # why: no kernel fits, or the reference measured faster (tuner or first-use check)
+        return None, f"reference ({module.explain(n, device, kernel_precision).source})"
+    return variant, variant.plan.label
 
 
 def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE):
