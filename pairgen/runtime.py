@@ -263,8 +263,8 @@ def select(spec: OpSpec, dtype: str, widths: dict, n: int, device_index: int) ->
     if key in _selected:
         return _selected[key]
     # read here, once per (module, length), not on every call; and an option the op's kernels do
-    # not take (a module width outside its width_names, e.g. trimul's gate_hidden) has none
-    if config.disabled() or not set(widths) <= set(spec.width_names):
+    # not take (a module width outside its width names) has none
+    if config.disabled() or not set(widths) <= set(spec.all_width_names):
         _selected[key] = None
         return None
     info = device_info(device_index)
@@ -312,7 +312,7 @@ def explain(spec: OpSpec, dtype: str, widths: dict, n: int, device_index: int = 
     info = info or device_info(device_index)
     if config.disabled():
         return Explanation(spec.name, info.slug, n, n_bucket(n), "disabled (PAIRGEN_DISABLE)", None, None, None, None)
-    unknown = sorted(set(widths) - set(spec.width_names))
+    unknown = sorted(set(widths) - set(spec.all_width_names))
     if unknown:
         return Explanation(spec.name, info.slug, n, n_bucket(n), f"no kernel takes the option(s) {', '.join(unknown)}",
                            None, None, None, None)

@@ -165,6 +165,9 @@ class OpSpec:
     presets: dict[str, tuple[dict, ...]]          # tuning shapes: "seed", "real"
     tolerance: dict[str, Tolerance]               # per dtype
     width_defaults: dict[str, int] = {}           # compile-time options a --shape may leave out
+    #: Options added after tuned keys existed without them: a module's widths and a key carry one
+    #: only where it differs from this value, so the keys tuned before it stay what they were.
+    optional_widths: dict[str, int] = {}
     #: Per strategy, parameters added after tuned entries existed, each with the value that
     #: reproduces the kernel those entries ran: an entry (or a study's trial) without them plans.
     added_params: dict[str, dict] = {}
@@ -237,8 +240,8 @@ class OpSpec:
         if precision not in self.strategies[strategy].precisions:
             raise ValueError(f"{self.name}/{strategy} does not compute in {precision!r}; "
                              f"it does {self.strategies[strategy].precisions}")
-        w = {name: int(widths[name]) for name in self.width_names}
-        context, kernels = self.strategies[strategy].derive(dict(params), {**w, "precision": precision},
+        w = self.widths_of(widths)
+        context, kernels = self.strategies[strategy].derive(dict(params), {**self.optional_widths, **w, "precision": precision},
                                                             kernel_base_name(self.name, strategy))
         return Plan(self.name, strategy, dict(params), w, context, tuple(kernels), precision)
 
@@ -277,7 +280,17 @@ class OpSpec:
         return [p for p in defaults if not self.infeasible(p, limits)] + rng.sample(feasible, min(k, len(feasible)))
 
     def widths_of(self, shape: dict) -> dict:
-        return {name: int(shape[name]) for name in self.width_names}
+        """The widths as a tuned key names them: every width name, then the optional ones that
+        differ from their default."""
+        widths = {name: int(shape[name]) for name in self.width_names}
+        widths.update({name: int(shape[name]) for name, default in self.optional_widths.items()
+                       if int(shape.get(name, default)) != default})
+        return widths
+
+    @property
+    def all_width_names(self) -> tuple[str, ...]:
+        """The names a module's widths may hold: width_names, then the optional ones."""
+        return self.width_names + tuple(self.optional_widths)
 
     def with_added_params(self, strategy: str, params: dict) -> dict:
         return {**self.added_params.get(strategy, {}), **params}

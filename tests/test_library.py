@@ -30,8 +30,8 @@ def test_opcheck(op):
 
 
 def test_opcheck_with_the_hidden_gate_placement():
-    """A module no kernel serves (gate_at="hidden") is an operator like the others: its fake
-    implementation and registered autograd agree with the reference it runs."""
+    """A module with the gate in hidden width (gate_at="hidden") is an operator like the others:
+    its fake implementation and registered autograd agree with the reference it runs (on the CPU)."""
     from pairgen import TriangleMultiplication
 
     module = TriangleMultiplication(16, 8, "outgoing", "normalized", gate_at="hidden")

@@ -74,9 +74,20 @@ OUTPUT_SMEM_CASES = [pytest.param(plan, id=f"{_label(widths)}-{plan.label}")
                      for plan in _output_smem_plans(widths)]
 
 
+# The out gate in hidden width (gate_hidden, lucidrains' placement): the fp32 output kernel's gate
+# phase at sampled points of bmm and fused (the tensor-core strategies refuse it), with its weight
+# chunks in shared memory, and behind the staged triangle sums.
+HIDDEN_WIDTHS = [{**channels, **options, "gate_hidden": 1} for channels in CHANNELS
+                 for options in (OPTION_SETS[0], OPTION_SETS[-1])]
+HIDDEN_CASES = (sampled_cases(TRIMUL, HIDDEN_WIDTHS, 1, label=_label)
+                + [pytest.param(plan, id=f"{_label(widths)}-{plan.label}")
+                   for widths in HIDDEN_WIDTHS[:4]
+                   for plan in _output_smem_plans(widths) + _staged_plans(widths)[:1]])
+
+
 @pytest.fixture(scope="module")
 def variants():
-    return compile_plans([c.values[0] for c in CASES + STAGED_CASES + OUTPUT_SMEM_CASES])
+    return compile_plans([c.values[0] for c in CASES + STAGED_CASES + OUTPUT_SMEM_CASES + HIDDEN_CASES])
 
 
 def _run(module, inputs, variant):
@@ -94,6 +105,33 @@ def _float_mask_agrees(module, inputs, variant, k):
 @pytest.mark.parametrize("plan", CASES + OUTPUT_SMEM_CASES)
 def test_variant_matches_float64_reference(plan, variants):
     assert_variant_matches_float64(TRIMUL, plan, compiled_variant(variants, plan), SHAPES, also=_float_mask_agrees)
+
+
+@pytest.mark.parametrize("plan", HIDDEN_CASES)
+def test_gate_in_hidden_width_matches_float64_reference(plan, variants):
+    assert plan.widths["gate_hidden"] == 1 and plan.strategy in ("bmm", "fused")
+    assert_variant_matches_float64(TRIMUL, plan, compiled_variant(variants, plan), SHAPES, also=_float_mask_agrees)
+
+
+def test_gate_in_hidden_width_module_runs_fp32_kernels_and_16_bit_references():
+    """A gate_at="hidden" module: fp32 calls run a kernel (against float64), tf32x3 ones the exact
+    fp32 kernels, 16-bit modules and autocast the reference; an output-placement key is untouched."""
+    gen = generator(21)
+    widths = {"P": 64, "H": 32, "outgoing": 1, "gate_normalized": 1, "bias": 0, "gate_hidden": 1}
+    module = TRIMUL.make_module(widths, gen).cuda()
+    x, mask = (t.cuda() for t in TRIMUL.make_inputs({"B": 2, "N": 37, **widths}, gen))
+    assert module.gate_at == "hidden" and module.uses_kernel(x, mask)
+    variant = module.variant_for(37, 0)
+    assert variant is not None and variant.plan.widths["gate_hidden"] == 1
+    with torch.no_grad():
+        assert compare(module(x, mask), reference64(module, (x, mask)), TOL).ok
+        module.precision = "tf32x3"
+        assert module.variant_for(37, 0, "tf32x3").plan.strategy in ("bmm", "fused")
+        assert compare(module(x, mask), reference64(module, (x, mask)), TOL).ok
+        module.precision = "ieee"
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert module.kernel_precision(x, mask) is None
+        assert module.to(torch.bfloat16).kernel_precision(x.bfloat16(), mask) is None
 
 
 @pytest.mark.parametrize("plan", STAGED_CASES)

@@ -293,8 +293,8 @@ def test_copies_and_pickles_drop_runtime_state():
 def test_the_hidden_gate_placement():
     """gate_at="hidden": the out gate, in hidden width, multiplies the normalised triangle sums
     before the output projection (lucidrains' form); "output" stays the default; a module with it
-    computes what its reference does on the CPU, asks no kernel (no widths key the kernels know),
-    and takes no closed form."""
+    computes what its reference does on the CPU, packs its gate in hidden width for the fp32
+    kernels (run on the GPU by tests/test_trimul_gpu.py), and takes no closed form."""
     import pytest
     import torch
 
@@ -320,6 +320,12 @@ def test_the_hidden_gate_placement():
     torch.testing.assert_close(module(x, mask), reference(x, mask))
     assert not module.closed_form_applies([x, mask])
     assert "gate_hidden" not in TriangleMultiplication(8, 4).widths, "the output placement keeps its tuned keys"
+    from pairgen.ops.trimul.spec import weight_offsets
+
+    packed, off = module.packed_weights(), weight_offsets(8, 4, True, 4)
+    assert packed.numel() == off["total"] and off["bg"] - off["wg"] == 8 * 4
+    torch.testing.assert_close(packed[off["wg"]: off["bg"]].view(8, 4), module.out_gate.weight.detach().t())
+    torch.testing.assert_close(packed[off["bg"]: off["bg"] + 4], module.out_gate.bias.detach())
 
 
 def _gated(module, x, mask):

@@ -258,3 +258,70 @@ def test_output_weights_in_shared_memory_add_one_chunk_of_both_weights():
     assert not TRIMUL.infeasible(staged, DeviceLimits())
     old_entry = {k: v for k, v in point.items() if k != "o_weights_smem"}  # tuned before the parameter existed
     assert TRIMUL.plan("bmm", old_entry, widths).context["o_weights_smem"] == "false"
+
+
+# ---- the out gate in hidden width (gate_hidden) ---------------------------------------------------
+
+HIDDEN = {"gate_hidden": 1}
+
+
+def test_gate_hidden_is_an_optional_width_that_output_keys_never_name():
+    """A key names gate_hidden only where it is 1, so the output placement's keys (and plans, and
+    rendered sources) are what they were before the option existed."""
+    shape = {"B": 1, "N": 64, **widths(64, 32)}
+    assert TRIMUL.widths_of(shape) == widths(64, 32)
+    assert TRIMUL.widths_of({**shape, "gate_hidden": 0}) == widths(64, 32)
+    assert TRIMUL.widths_of({**shape, **HIDDEN}) == {**widths(64, 32), **HIDDEN}
+    output = TRIMUL.default_plan(widths(64, 32), DeviceLimits())
+    assert "gate_hidden" not in output.widths and "GATE_HIDDEN = false" in codegen.render_plan(output).source
+    assert '"gate_hidden"' not in codegen.render_plan(output).source.splitlines()[2]  # the header's widths
+
+
+def test_gate_hidden_runs_the_fp32_output_kernel_only():
+    for options in (DEFAULT_OPTIONS, OTHER_OPTIONS):
+        w = {**widths(128, 128, options), **HIDDEN}
+        plan = TRIMUL.default_plan(w, DeviceLimits())
+        assert plan.strategy == "bmm" and plan.widths["gate_hidden"] == 1
+        assert TRIMUL.default_plan(w, DeviceLimits(), "tf32x3").strategy == "bmm"
+        for precision in ("bfloat16", "float16", "tf32"):
+            tensor_cores = [p for p in (TRIMUL.plan(s, pt, w, precision) for s, pt in TRIMUL.default_points
+                                        if s in ("mma", "wgmma") and precision in TRIMUL.strategies[s].precisions)]
+            assert tensor_cores and all("gate the output only" in " ".join(TRIMUL.infeasible(p, DeviceLimits()))
+                                        for p in tensor_cores)
+
+
+def test_gate_hidden_packs_its_gate_in_hidden_width_and_chunks_divide_h():
+    off = weight_offsets(64, 32, True, 32)
+    assert off["bg"] - off["wg"] == 64 * 32 and off["total"] - off["bg"] == 32
+    assert weight_offsets(64, 32, True) == weight_offsets(64, 32, True, 64)  # the output placement's, as before
+    # a chunk width that divides P = 96 but not H = 40: the output placement takes it, the hidden one not
+    wide_chunks = [p for p in TRIMUL.feasible_plans("bmm", widths(96, 40), DeviceLimits()) if 40 % p.context["o_cn"]]
+    assert wide_chunks
+    for plan in wide_chunks[::7]:
+        hidden = TRIMUL.plan("bmm", plan.params, {**widths(96, 40), **HIDDEN})
+        assert any("H too with the gate in hidden width" in why for why in TRIMUL.infeasible(hidden, DeviceLimits()))
+    for plan in TRIMUL.feasible_plans("bmm", {**widths(96, 40), **HIDDEN}, DeviceLimits()):
+        assert 40 % plan.context["o_cn"] == 0 and 96 % plan.context["o_cn"] == 0
+
+
+@pytest.mark.parametrize("options", [DEFAULT_OPTIONS, OTHER_OPTIONS], ids=["default", "out-norm-nobias"])
+def test_gate_hidden_compiles_without_spills(options):
+    """The default, its output weights staged in shared memory, the staged triangle sums, and
+    sampled points of bmm and fused, at widths where H < P, H = P and H not a power of two."""
+    plans = []
+    for P, H in ((64, 32), (128, 128), (40, 24)):
+        w = {**widths(P, H, options), **HIDDEN}
+        default = TRIMUL.default_plan(w, DeviceLimits())
+        plans.append(default)
+        staged = TRIMUL.plan("bmm", {**default.params, "o_weights_smem": True}, w)
+        if not TRIMUL.infeasible(staged, DeviceLimits()):
+            plans.append(staged)
+        plans += [p for p in TRIMUL.feasible_plans("fused", w, DeviceLimits()) if p.params["tri_smem"]][:1]
+        plans += [p for s in ("bmm", "fused") for p in sampled_plans(TRIMUL, s, w, 1, seed=4)[-1:]]
+    assert any(p.params.get("o_weights_smem") for p in plans)
+    rendered = [codegen.render_plan(p) for p in plans]
+    results = compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])
+    for plan, rend, result in zip(plans, rendered, results):
+        assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
+        assert "GATE_HIDDEN = true" in rend.source
+        assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label} {plan.widths}: {result.summary()}"

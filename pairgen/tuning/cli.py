@@ -63,13 +63,14 @@ def selected_shapes(args, parser: argparse.ArgumentParser, without_kernels: tupl
         if not args.op or len(args.op) != 1:
             parser.error("--shape needs exactly one --op")
         spec = ops[0]  # the specs of one op in each precision share their widths
-        need = {"B", "N", *spec.width_names}
+        need, optional = {"B", "N", *spec.width_names}, set(spec.optional_widths)
         shapes = [{**spec.width_defaults, **shape} for shape in args.shape]
         for shape in shapes:
-            if set(shape) != need:
-                optional = f" ({', '.join(f'{k}={v}' for k, v in spec.width_defaults.items())} by default)" \
+            if not need <= set(shape) <= need | optional:
+                defaults = f" ({', '.join(f'{k}={v}' for k, v in spec.width_defaults.items())} by default)" \
                     if spec.width_defaults else ""
-                parser.error(f"--shape for {spec.name} needs exactly {sorted(need)}{optional}, got {sorted(shape)}")
+                also = f", and may name {sorted(optional)}" if optional else ""
+                parser.error(f"--shape for {spec.name} needs exactly {sorted(need)}{defaults}{also}, got {sorted(shape)}")
         return [(spec, shape) for spec in ops for shape in shapes]
     presets = ("seed", "real") if args.preset == "all" else (args.preset,)
     return [(spec, dict(shape)) for spec in ops for p in presets for shape in spec.presets.get(p, ())]

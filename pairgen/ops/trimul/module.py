@@ -35,8 +35,9 @@ def triangle_bmm(ar: torch.Tensor, br: torch.Tensor, outgoing: bool, out: torch.
 def pack_weights(params: dict[str, torch.Tensor], P: int, H: int, bias: bool) -> torch.Tensor:
     """The module's parameters (state_dict names) in the kernels' layout: linear weights k-major
     (transposed), the four projections interleaved per channel: column 4h + {0,1,2,3} of Wp is
-    proj_a, gate_a, proj_b, gate_b of channel h, so one thread's float4 holds all four."""
-    off = weight_offsets(P, H, bias)
+    proj_a, gate_a, proj_b, gate_b of channel h, so one thread's float4 holds all four. The out
+    gate's width (P, or H in the hidden placement) is read from its weight."""
+    off = weight_offsets(P, H, bias, params["out_gate.weight"].shape[0])
     f = {name: p.detach().to(torch.float32) for name, p in params.items()}
     four = ("proj_a", "gate_a", "proj_b", "gate_b")
     sections = {
@@ -207,7 +208,7 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         self.precision = precision
         self.widths = {"P": int(pair_dim), "H": int(hidden_dim), "outgoing": int(direction == "outgoing"),
                        "gate_normalized": int(gate_on == "normalized"), "bias": int(bias)}
-        if gate_at == "hidden":  # only then: the output placement's widths stay the tuned keys they were
+        if gate_at == "hidden":  # only then (an optional width): the output placement's keys stay as tuned
             self.widths["gate_hidden"] = 1
         self._outgoing = direction == "outgoing"
         self._barrier = None   # fused: (device index, the grid barrier's two ints)
@@ -250,10 +251,12 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         """float32 in the module's precision, or autocast's dtype under torch.autocast("cuda");
         bfloat16/float16 in their own; None (the reference) on CPU, for other dtypes, for a 16-bit
         input under an autocast of the other 16-bit dtype, past 2^31 pairs (32-bit indices), and
-        for the hidden gate placement (gate_at="hidden": no kernel computes it yet)."""
-        if not x.is_cuda or x.shape[0] * x.shape[1] * x.shape[1] >= 2**31 or self.gate_at == "hidden":
+        for the hidden gate placement in 16 bits (gate_at="hidden": its kernels are the fp32 ones)."""
+        if not x.is_cuda or x.shape[0] * x.shape[1] * x.shape[1] >= 2**31:
             return None
         autocast = torch.is_autocast_enabled("cuda")
+        if self.gate_at == "hidden" and (autocast or x.dtype is not torch.float32):
+            return None
         if x.dtype is torch.float32:
             return HALF_DTYPE_NAMES.get(torch.get_autocast_dtype("cuda")) if autocast else FP32_PRECISIONS[self._precision]
         precision = HALF_DTYPE_NAMES.get(x.dtype)

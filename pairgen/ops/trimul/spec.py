@@ -31,12 +31,19 @@ OUTPUT_ARGS = ("ptr",) * 4 + ("i32",) * 3
 FUSED_ARGS = ("ptr",) * 7 + ("i32",) * 4
 
 
-def weight_offsets(P: int, H: int, bias: bool) -> dict[str, int]:
+def gate_columns(w: dict) -> int:
+    """The out gate's width: P where it gates the output, H where it gates the normalised
+    triangle sums before the output projection (gate_hidden, lucidrains' form)."""
+    return w["H"] if w.get("gate_hidden") else w["P"]
+
+
+def weight_offsets(P: int, H: int, bias: bool, gate: int | None = None) -> dict[str, int]:
     """Float offsets of each section of the packed weights (shared with templates/trimul/_widths.cuh.j2),
-    16-byte aligned; bias sections are empty without bias."""
-    nb = 1 if bias else 0
+    16-byte aligned; bias sections are empty without bias. gate: the out gate's width (P unless
+    the gate is in hidden width: gate_columns)."""
+    nb, gate = (1 if bias else 0), (P if gate is None else gate)
     sizes = [("ln_in_g", P), ("ln_in_b", P), ("wp", P * 4 * H), ("bp", nb * 4 * H), ("ln_out_g", H), ("ln_out_b", H),
-             ("wo", H * P), ("bo", nb * P), ("wg", P * P), ("bg", nb * P)]
+             ("wo", H * P), ("bo", nb * P), ("wg", P * gate), ("bg", nb * gate)]
     return section_offsets(sizes)
 
 
@@ -88,7 +95,8 @@ def _shared_context(params: dict, w: dict) -> tuple[dict, int, int]:
     proj = gemm_layout(params["p_tile"], params["p_tm"], params["p_tn"], threads)
     outp = gemm_layout(params["o_tile"], params["o_tm"], o_tn, threads)
     context = {"P": P, "H": H, "outgoing": cuda_bool(w["outgoing"]), "gate_normalized": cuda_bool(w["gate_normalized"]),
-               "bias": cuda_bool(w["bias"]), "off": weight_offsets(P, H, bool(w["bias"])), "unroll": params["unroll"],
+               "bias": cuda_bool(w["bias"]), "off": weight_offsets(P, H, bool(w["bias"]), gate_columns(w)),
+               "gate_hidden": bool(w["gate_hidden"]), "unroll": params["unroll"],
                "ln_rows": LN_ROWS, "min_blocks": params.get("min_blocks", params.get("blocks_per_sm", 1)),
                "p_tile": params["p_tile"], "p_tm": params["p_tm"], "p_tn": params["p_tn"],
                "p_threads": threads, "p_a_stride": padded_stride(P), "p_weights_smem": cuda_bool(weights_smem),
@@ -145,8 +153,11 @@ def _layouts_ok(plan: Plan, limits: DeviceLimits) -> bool:
 
 
 def _columns_divide(plan: Plan, limits: DeviceLimits) -> bool:
+    """Column chunks of 4H (projection), of P (output) and, with the gate in hidden width, of H."""
     c = plan.context
-    return c["p_cn"] > 0 and (4 * c["H"]) % c["p_cn"] == 0 and c["o_cn"] > 0 and c["P"] % c["o_cn"] == 0
+    output_widths = (c["P"], c["H"]) if c["gate_hidden"] else (c["P"],)
+    return (c["p_cn"] > 0 and (4 * c["H"]) % c["p_cn"] == 0 and c["o_cn"] > 0
+            and all(width % c["o_cn"] == 0 for width in output_widths))
 
 
 def _accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
@@ -161,7 +172,8 @@ def _persistent_blocks_fit(plan: Plan, limits: DeviceLimits) -> bool:
 
 _COMMON = (
     Restriction("tiles, threads and micro-tiles must form a thread layout (tile_map.cuh)", _layouts_ok),
-    Restriction("column chunks must divide 4H (projection) and P (output)", _columns_divide),
+    Restriction("column chunks must divide 4H (projection) and P (output; H too with the gate in hidden width)",
+                _columns_divide),
     Restriction("at most 64 accumulators per thread", _accumulators_fit),
     Restriction("shared memory exceeds the per-block limit", smem_fits),
 )
@@ -277,6 +289,16 @@ def _derive_mma(params: dict, w: dict, name: str):
                             persistent_tile_grid(params["o_tile"])))
 
 
+def _gate_at_output(plan: Plan, limits: DeviceLimits) -> bool:
+    """The tensor-core output kernels gate the output (P wide); the hidden placement runs the fp32
+    output kernel of bmm and fused."""
+    return not plan.widths.get("gate_hidden")
+
+
+_GATE_AT_OUTPUT = Restriction("the tensor-core output kernels gate the output only (gate_hidden runs bmm, fused)",
+                              _gate_at_output)
+
+
 def _mma_layouts_ok(plan: Plan, limits: DeviceLimits) -> bool:
     """Whole 16-row fragments per warp, and passes of warps_n * wn columns that tile the columns."""
     return all(k["mt"] >= 1 and k["columns"] % k["pass_cols"] == 0 and k["threads"] <= 1024
@@ -305,7 +327,8 @@ MMA = Strategy(
            "o_tile": (32, 64, 128), "o_warps_m": (1, 2, 4), "o_warps_n": (1, 2, 4), "o_wn": (16, 32, 64),
            "o_resident": (True, False)},
     derive=_derive_mma,
-    restrictions=(Restriction("tiles must split into 16-row fragments per warp and passes must tile the columns",
+    restrictions=(_GATE_AT_OUTPUT,
+                  Restriction("tiles must split into 16-row fragments per warp and passes must tile the columns",
                               _mma_layouts_ok),
                   Restriction("at most 128 accumulators per thread", _mma_accumulators_fit),
                   Restriction("the output kernel's threads must be a multiple of its tile", _output_rows_split),
@@ -408,6 +431,7 @@ WGMMA = Strategy(
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True)},
     derive=_derive_wgmma,
     restrictions=(Restriction("wgmma needs sm_90 (its sm_90a features do not run on later architectures)", _on_sm90),
+                  _GATE_AT_OUTPUT,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
                               _wgmma_columns_divide),
                   Restriction("at most 128 accumulators per thread", _wgmma_accumulators_fit),
@@ -418,9 +442,7 @@ WGMMA = Strategy(
 
 
 def options_of(widths: dict) -> dict:
-    """Constructor options from the 0/1 entries of a widths dict (absent: the defaults).
-    "gate_hidden" is present only in a module's widths, never in a tuned key: no kernel computes
-    the hidden gate placement yet."""
+    """Constructor options from the 0/1 entries of a widths dict (absent: the defaults)."""
     return {"direction": "outgoing" if widths.get("outgoing", 0) else "incoming",
             "gate_on": "normalized" if widths.get("gate_normalized", 0) else "input",
             "bias": bool(widths.get("bias", 1)), "gate_at": "hidden" if widths.get("gate_hidden", 0) else "output"}
@@ -433,6 +455,8 @@ class TrimulSpec(OpSpec):
     name = "trimul"
     # The options are compile-time and part of the tuned key, as 0/1 next to the widths.
     width_names = ("P", "H", "outgoing", "gate_normalized", "bias")
+    # The out gate in hidden width (lucidrains' placement): named in a key only where it is 1.
+    optional_widths = {"gate_hidden": 0}
     strategies = {s.name: s for s in (BMM, FUSED, MMA, WGMMA)}
     default_points = (
         # P a multiple of 64, H of 32 (the real models): 128-column chunks of 4H, 8x8 micro-tiles.
