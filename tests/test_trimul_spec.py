@@ -273,8 +273,11 @@ def test_gate_hidden_is_an_optional_width_that_output_keys_never_name():
     assert TRIMUL.widths_of({**shape, "gate_hidden": 0}) == widths(64, 32)
     assert TRIMUL.widths_of({**shape, **HIDDEN}) == {**widths(64, 32), **HIDDEN}
     output = TRIMUL.default_plan(widths(64, 32), DeviceLimits())
-    assert "gate_hidden" not in output.widths and "GATE_HIDDEN = false" in codegen.render_plan(output).source
-    assert '"gate_hidden"' not in codegen.render_plan(output).source.splitlines()[2]  # the header's widths
+    hidden = TRIMUL.default_plan({**widths(64, 32), **HIDDEN}, DeviceLimits())
+    assert "gate_hidden" not in output.widths and "gate_hidden" not in codegen.render_plan(output).source
+    # the hidden placement's code renders only into its own sources
+    assert "OT_GW_STRIDE" not in codegen.render_plan(output).source
+    assert "OT_GW_STRIDE" in codegen.render_plan(hidden).source and '"gate_hidden": 1' in codegen.render_plan(hidden).source
 
 
 def test_gate_hidden_runs_the_fp32_output_kernel_only():
@@ -323,5 +326,5 @@ def test_gate_hidden_compiles_without_spills(options):
     results = compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])
     for plan, rend, result in zip(plans, rendered, results):
         assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
-        assert "GATE_HIDDEN = true" in rend.source
+        assert "sigmoid(out_gate(g))" in rend.source
         assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label} {plan.widths}: {result.summary()}"
