@@ -42,6 +42,16 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
 
 
+def source_hash_as_tuned(rendered: Rendered, tuned_template_sha256: str) -> str:
+    """The hash today's source would have had when the template files hashed to
+    tuned_template_sha256 (what an entry records). The header's first line names that hash, a
+    comment the compiler never sees: an edit elsewhere in the template tree that leaves a variant's
+    code as it was (code for other variants, behind a jinja condition) changes only that line."""
+    first, newline, rest = rendered.source.partition("\n")
+    then = first.replace(f"(sha256 {rendered.template_sha256[:16]})", f"(sha256 {tuned_template_sha256[:16]})", 1)
+    return source_hash(then + newline + rest)
+
+
 def template_name(op: str, strategy: str) -> str:
     return f"{op}/{strategy}.cu.j2"
 

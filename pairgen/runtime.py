@@ -138,10 +138,13 @@ def entry_state(spec: OpSpec, entry: dict, limits: DeviceLimits = DeviceLimits()
         return f"invalid: {'; '.join(reasons)}"
     recorded = entry.get("source_sha256")
     try:
-        today = codegen.render_plan(plan).source_sha256
+        today = codegen.render_plan(plan)
     except Exception as exc:  # a template gone or broken, a contract mismatch
         return f"invalid: cannot render ({type(exc).__name__}: {exc})"
-    return "ok" if recorded == today else "stale"
+    # The same code under another template hash (an edit that left this variant's code alone) is
+    # the kernel the entry was measured with.
+    same = recorded == today.source_sha256 or recorded == codegen.source_hash_as_tuned(today, entry["template_sha256"])
+    return "ok" if same else "stale"
 
 
 @dataclass

@@ -228,3 +228,40 @@ def test_an_entry_whose_reference_was_faster_runs_the_reference(db, monkeypatch)
     assert "the PyTorch reference" in str(explained)
     db.upsert(dict(slower, baselines_us={"compile": 500.0}))  # no eager baseline: nothing says the reference is faster
     assert choose(1024).plan is not None
+
+
+def test_an_entry_whose_code_renders_unchanged_under_another_template_hash_stays_ok():
+    """The header's first line names the template tree's hash, a comment: an entry tuned before an
+    edit that left its variant's code alone (code for other variants behind a jinja condition) is
+    still the kernel it was measured with; any other change to the source makes it stale."""
+    from pairgen.codegen import source_hash
+
+    tuned = entry(64)
+    rendered = codegen.render_plan(CONTACT.plan(tuned["strategy"], tuned["params"], WIDTHS))
+    older_tree = "a" * 64
+    first, rest = rendered.source.split("\n", 1)
+    then = first.replace(rendered.template_sha256[:16], older_tree[:16]) + "\n" + rest
+    assert then != rendered.source
+    assert runtime.entry_state(CONTACT, dict(tuned, template_sha256=older_tree, source_sha256=source_hash(then))) == "ok"
+    changed = then.replace("__global__", "__global__ ", 1)  # one byte of code
+    assert runtime.entry_state(CONTACT, dict(tuned, template_sha256=older_tree, source_sha256=source_hash(changed))) == "stale"
+    # the hash may only differ in the header's first line: the same substitution further down is code
+    moved = first + "\n" + rest.replace("\n", f"\n// (sha256 {older_tree[:16]})\n", 1)
+    assert runtime.entry_state(CONTACT, dict(tuned, template_sha256=older_tree, source_sha256=source_hash(moved))) == "stale"
+
+
+def test_every_shipped_entry_is_current():
+    """The committed tuned/ entries plan, fit the sm_90 limits and render the source they were tuned
+    with (a template edit that changes a tuned variant's code must come with its re-tune)."""
+    from pairgen.ops import get_op
+
+    states = {}
+    for path in sorted((ROOT / "tuned").glob("*/*.json")):
+        data = json.loads(path.read_text())
+        op = data["op"]
+        if op.endswith("_backward"):
+            continue  # the training path's entries (their own state: pairgen/backward_tuning.py)
+        for e in data["entries"]:
+            states[(path.parent.name, op, json.dumps(e["key"], sort_keys=True))] = runtime.entry_state(get_op(op), e)
+    assert states and all(state == "ok" for state in states.values()), \
+        {k: v for k, v in states.items() if v != "ok"}
