@@ -46,7 +46,10 @@ def test_every_strategy_compiles_at_every_preset_width(compiled):
         assert result.registers and result.registers <= 255
         assert result.spill_bytes is not None and result.compile_s > 0
         seen.add((plan.strategy, _label(plan.widths)))
-    assert seen == {(s, _label(w)) for s in spec.strategies for w in preset_widths(spec)}
+    # wgmma keeps all of its weights resident in shared memory: from pair width 256 (trimul's wide
+    # preset) they exceed it, and mma serves those widths
+    too_wide = {("wgmma", _label(w)) for w in preset_widths(spec) if spec.name == "trimul" and w["P"] >= 256}
+    assert seen == {(s, _label(w)) for s in spec.strategies for w in preset_widths(spec)} - too_wide
 
 
 @pytest.mark.parametrize("op", op_names())
