@@ -113,9 +113,9 @@ def test_gate_in_hidden_width_matches_float64_reference(plan, variants):
     assert_variant_matches_float64(TRIMUL, plan, compiled_variant(variants, plan), SHAPES, also=_float_mask_agrees)
 
 
-def test_gate_in_hidden_width_module_runs_fp32_kernels_and_16_bit_references():
-    """A gate_at="hidden" module: fp32 calls run a kernel (against float64), tf32x3 ones the exact
-    fp32 kernels, 16-bit modules and autocast the reference; an output-placement key is untouched."""
+def test_gate_in_hidden_width_module_runs_kernels_in_every_precision():
+    """A gate_at="hidden" module: fp32 calls run a kernel (against float64), tf32x3 ones too, a bf16
+    module and an fp32 one under autocast the mma kernels (16-bit standard against float64)."""
     gen = generator(21)
     widths = {"P": 64, "H": 32, "outgoing": 1, "gate_normalized": 1, "bias": 0, "gate_hidden": 1}
     module = TRIMUL.make_module(widths, gen).cuda()
@@ -130,8 +130,14 @@ def test_gate_in_hidden_width_module_runs_fp32_kernels_and_16_bit_references():
         assert compare(module(x, mask), reference64(module, (x, mask)), TOL).ok
         module.precision = "ieee"
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            assert module.kernel_precision(x, mask) is None
-        assert module.to(torch.bfloat16).kernel_precision(x.bfloat16(), mask) is None
+            assert module.kernel_precision(x, mask) == "bfloat16"
+            assert module.variant_for(37, 0, "bfloat16").plan.strategy == "mma"
+            out = module(x, mask)
+        assert compare(out.float(), reference64(module, (x, mask)), TRIMUL.tolerance["bfloat16"]).ok
+        half = module.to(torch.bfloat16)
+        xb = x.bfloat16()
+        assert half.kernel_precision(xb, mask) == "bfloat16"
+        assert compare(half(xb, mask).float(), reference64(half, (xb, mask)), TRIMUL.tolerance["bfloat16"]).ok
 
 
 @pytest.mark.parametrize("plan", STAGED_CASES)

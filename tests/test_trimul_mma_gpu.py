@@ -54,7 +54,21 @@ def _wgmma_cases():
     return cases
 
 
-CASES = _cases() + _wgmma_cases()
+def _hidden_gate_cases():
+    """The out gate in hidden width (gate_hidden) on mma in every kind: sampled points at P > H and
+    P = H, resident and staged weights, and two option sets at P = 48, H = 24 (k padded)."""
+    cases = []
+    for precision in MMA_KINDS:
+        view = TRIMUL.at(precision)
+        for widths in ({"P": 64, "H": 32, **OPTION_SETS[0]}, {"P": 128, "H": 128, **OPTION_SETS[-1]},
+                       {"P": 48, "H": 24, **OPTION_SETS[5]}):
+            widths = {**widths, "gate_hidden": 1}
+            for plan in sampled_plans(view, "mma", widths, 2, seed=17):
+                cases.append(pytest.param(plan, id=f"hidden-{precision}-P{widths['P']}-{plan.label}"))
+    return cases
+
+
+CASES = _cases() + _wgmma_cases() + _hidden_gate_cases()
 variants = compiled_cases(CASES)
 
 

@@ -280,17 +280,36 @@ def test_gate_hidden_is_an_optional_width_that_output_keys_never_name():
     assert "OT_GW_STRIDE" in codegen.render_plan(hidden).source and '"gate_hidden": 1' in codegen.render_plan(hidden).source
 
 
-def test_gate_hidden_runs_the_fp32_output_kernel_only():
+def test_gate_hidden_runs_bmm_fused_and_mma_but_not_wgmma():
     for options in (DEFAULT_OPTIONS, OTHER_OPTIONS):
         w = {**widths(128, 128, options), **HIDDEN}
         plan = TRIMUL.default_plan(w, DeviceLimits())
         assert plan.strategy == "bmm" and plan.widths["gate_hidden"] == 1
         assert TRIMUL.default_plan(w, DeviceLimits(), "tf32x3").strategy == "bmm"
-        for precision in ("bfloat16", "float16", "tf32"):
-            tensor_cores = [p for p in (TRIMUL.plan(s, pt, w, precision) for s, pt in TRIMUL.default_points
-                                        if s in ("mma", "wgmma") and precision in TRIMUL.strategies[s].precisions)]
-            assert tensor_cores and all("gate the output only" in " ".join(TRIMUL.infeasible(p, DeviceLimits()))
-                                        for p in tensor_cores)
+        for precision in ("bfloat16", "float16"):
+            assert TRIMUL.default_plan(w, DeviceLimits(), precision).strategy == "mma"
+            wgmma = [TRIMUL.plan(s, pt, w, precision) for s, pt in TRIMUL.default_points if s == "wgmma"]
+            assert wgmma and all("gates the output only" in " ".join(TRIMUL.infeasible(p, DeviceLimits())) for p in wgmma)
+        assert TRIMUL.default_plan(w, DeviceLimits(), "tf32").strategy == "bmm"  # exact fp32 keeps tf32's promise
+        tf32_mma = [TRIMUL.plan(s, pt, w, "tf32") for s, pt in TRIMUL.default_points if s == "mma"]
+        assert any(not TRIMUL.infeasible(p, DeviceLimits()) for p in tf32_mma)
+
+
+def test_gate_hidden_mma_layout_and_shared_memory():
+    """The gate's product passes tile H (a pass width dividing P but not H is refused), its weight
+    rows (H of them resident, else one pass) replace the output placement's P in shared memory."""
+    from pairgen.ops.trimul.spec import mma_row_bytes, mma_weight_offsets
+
+    point = next(p for s, p in TRIMUL.default_points if s == "mma" and p["o_resident"])
+    out_plan = TRIMUL.plan("mma", point, widths(128, 64), "bfloat16")
+    hidden = TRIMUL.plan("mma", point, {**widths(128, 64), **HIDDEN}, "bfloat16")
+    x_row = mma_row_bytes(128, 2)
+    assert out_plan.context["o_smem"] - hidden.context["o_smem"] == (128 - 64) * x_row
+    off = mma_weight_offsets(128, 64, True, 2, 64)
+    assert off["ln_in_g"] - off["wg"] >= 64 * 128 * 2 and mma_weight_offsets(128, 64, True, 2) != off
+    staged = {**point, "o_resident": False, "o_warps_n": 4, "o_wn": 32}  # passes of 128 columns: P, not H = 96
+    refused = TRIMUL.plan("mma", staged, {**widths(128, 96), **HIDDEN}, "bfloat16")
+    assert any("passes must tile the columns" in why for why in TRIMUL.infeasible(refused, DeviceLimits()))
 
 
 def test_gate_hidden_packs_its_gate_in_hidden_width_and_chunks_divide_h():
@@ -309,8 +328,9 @@ def test_gate_hidden_packs_its_gate_in_hidden_width_and_chunks_divide_h():
 
 @pytest.mark.parametrize("options", [DEFAULT_OPTIONS, OTHER_OPTIONS], ids=["default", "out-norm-nobias"])
 def test_gate_hidden_compiles_without_spills(options):
-    """The default, its output weights staged in shared memory, the staged triangle sums, and
-    sampled points of bmm and fused, at widths where H < P, H = P and H not a power of two."""
+    """The default, its output weights staged in shared memory, the staged triangle sums, sampled
+    points of bmm and fused, and mma's default and a sampled point in bf16 and tf32x3, at widths
+    where H < P, H = P and H not a power of two; the defaults without spills."""
     plans = []
     for P, H in ((64, 32), (128, 128), (40, 24)):
         w = {**widths(P, H, options), **HIDDEN}
@@ -321,10 +341,19 @@ def test_gate_hidden_compiles_without_spills(options):
             plans.append(staged)
         plans += [p for p in TRIMUL.feasible_plans("fused", w, DeviceLimits()) if p.params["tri_smem"]][:1]
         plans += [p for s in ("bmm", "fused") for p in sampled_plans(TRIMUL, s, w, 1, seed=4)[-1:]]
+        for precision in ("bfloat16", "tf32x3"):  # mma: 16-bit operands, and fp32 ones split in three
+            view = TRIMUL.at(precision)
+            # (H = 24 fits no mma pass of 16 or more columns: those widths run the reference in 16 bits)
+            default = view.default_plan(w, DeviceLimits())
+            plans += ([default] if default else []) + sampled_plans(view, "mma", w, 1, seed=4)[-1:]
     assert any(p.params.get("o_weights_smem") for p in plans)
+    assert {p.params.get("o_resident") for p in plans if p.strategy == "mma"} == {True, False}
     rendered = [codegen.render_plan(p) for p in plans]
     results = compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])
+    defaults = {id(p) for p in plans if p.params in [q for _, q in TRIMUL.default_points]}
+    assert defaults
     for plan, rend, result in zip(plans, rendered, results):
         assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
         assert "sigmoid(out_gate(g))" in rend.source
-        assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label} {plan.widths}: {result.summary()}"
+        if id(plan) in defaults:  # sampled points may spill as the output placement's do (the tuner times them)
+            assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label} {plan.widths}: {result.summary()}"

@@ -61,7 +61,7 @@ def pack_mma_weights(params: dict[str, torch.Tensor], P: int, H: int, bias: bool
     `dtype`, n-major as nn.Linear holds them (Wp's rows interleaved per channel: 4h + {0,1,2,3} =
     proj_a, gate_a, proj_b, gate_b of channel h), the LayerNorm affines and biases in fp32. A cast
     to a 16-bit dtype rounds to nearest, as autocast's own casts do."""
-    off = mma_weight_offsets(P, H, bias, torch.empty(0, dtype=dtype).element_size())
+    off = mma_weight_offsets(P, H, bias, torch.empty(0, dtype=dtype).element_size(), params["out_gate.weight"].shape[0])
     f = {name: p.detach() for name, p in params.items()}
     matrices = {"wp": torch.stack([f[f"{n}.weight"] for n in _FOUR], dim=1).reshape(4 * H, P),
                 "wo": f["out_proj.weight"], "wg": f["out_gate.weight"]}
@@ -250,13 +250,10 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
     def kernel_precision(self, x, mask) -> str | None:
         """float32 in the module's precision, or autocast's dtype under torch.autocast("cuda");
         bfloat16/float16 in their own; None (the reference) on CPU, for other dtypes, for a 16-bit
-        input under an autocast of the other 16-bit dtype, past 2^31 pairs (32-bit indices), and
-        for the hidden gate placement in 16 bits (gate_at="hidden": its kernels are the fp32 ones)."""
+        input under an autocast of the other 16-bit dtype, and past 2^31 pairs (32-bit indices)."""
         if not x.is_cuda or x.shape[0] * x.shape[1] * x.shape[1] >= 2**31:
             return None
         autocast = torch.is_autocast_enabled("cuda")
-        if self.gate_at == "hidden" and (autocast or x.dtype is not torch.float32):
-            return None
         if x.dtype is torch.float32:
             return HALF_DTYPE_NAMES.get(torch.get_autocast_dtype("cuda")) if autocast else FP32_PRECISIONS[self._precision]
         precision = HALF_DTYPE_NAMES.get(x.dtype)

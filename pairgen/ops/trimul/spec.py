@@ -235,15 +235,16 @@ def element_bytes(precision: str) -> int:
     return 2 if precision in HALF_PRECISIONS else 4
 
 
-def mma_weight_offsets(P: int, H: int, bias: bool, elem_bytes: int) -> dict[str, int]:
+def mma_weight_offsets(P: int, H: int, bias: bool, elem_bytes: int, gate: int | None = None) -> dict[str, int]:
     """Byte offsets of the mma kernels' packed weights (shared with templates/trimul/mma.cu.j2),
     each section 16-byte aligned: the matrices n-major (nn.Linear's own layout) in the operand
     type, Wp's rows interleaved per channel (4h + {0,1,2,3} = proj_a, gate_a, proj_b, gate_b), the
-    vectors fp32; bias sections are empty without bias."""
-    nb = 1 if bias else 0
-    sizes = [("wp", 4 * H * P * elem_bytes), ("wo", P * H * elem_bytes), ("wg", P * P * elem_bytes),
+    vectors fp32; bias sections are empty without bias. gate: the out gate's width (P unless it
+    is in hidden width: gate_columns)."""
+    nb, gate = (1 if bias else 0), (P if gate is None else gate)
+    sizes = [("wp", 4 * H * P * elem_bytes), ("wo", P * H * elem_bytes), ("wg", gate * P * elem_bytes),
              ("ln_in_g", 4 * P), ("ln_in_b", 4 * P), ("bp", nb * 16 * H), ("ln_out_g", 4 * H), ("ln_out_b", 4 * H),
-             ("bo", nb * 4 * P), ("bg", nb * 4 * P)]
+             ("bo", nb * 4 * P), ("bg", nb * 4 * gate)]
     return byte_sections(sizes)
 
 
@@ -268,20 +269,23 @@ def _derive_mma(params: dict, w: dict, name: str):
     eb = element_bytes(precision)
     x_row, z_row = mma_row_bytes(P, eb), mma_row_bytes(H, eb)
     proj, outp = _mma_kernel_shape(params, "p", 4 * H), _mma_kernel_shape(params, "o", P)
+    hidden = bool(w["gate_hidden"])
+    # with the gate in hidden width, the output kernel's first product's passes tile H
+    gate = _mma_kernel_shape(params, "o", H) if hidden else outp
     context = {"P": P, "H": H, "outgoing": cuda_bool(w["outgoing"]), "gate_normalized": cuda_bool(w["gate_normalized"]),
-               "bias": cuda_bool(w["bias"]), "mma_kind": MMA_KINDS[precision],
-               "off": mma_weight_offsets(P, H, bool(w["bias"]), eb),
+               "bias": cuda_bool(w["bias"]), "mma_kind": MMA_KINDS[precision], "gate_hidden": hidden,
+               "off": mma_weight_offsets(P, H, bool(w["bias"]), eb, gate_columns(w)),
                "p_tile": params["p_tile"], "p_warps_m": params["p_warps_m"], "p_warps_n": params["p_warps_n"],
                "p_wn": params["p_wn"], "p_resident": cuda_bool(params["p_resident"]),
                "o_tile": params["o_tile"], "o_warps_m": params["o_warps_m"], "o_warps_n": params["o_warps_n"],
                "o_wn": params["o_wn"], "o_resident": cuda_bool(params["o_resident"]),
-               "mma_shapes": {"p": proj, "o": outp}}
+               "mma_shapes": {"p": proj, "o": outp, **({"g": gate} if hidden else {})}}
     # weight rows, two x tiles (the next one is fetched while this one computes), and per warp the
     # staging block of its a, b (4 * nt channel rows of mt * 16 + 8 elements)
     staging = (proj["threads"] // 32) * 4 * proj["nt"] * (proj["mt"] * 16 + 8) * eb
     project_smem = (proj["chunk"] + 2 * params["p_tile"]) * x_row + staging
     # weight rows, layer_norm_out(z) as operands, two x tiles, the raw z in fp32 (rows of H + 1)
-    output_smem = (outp["chunk"] * (z_row + x_row) + params["o_tile"] * (z_row + 2 * x_row)
+    output_smem = (outp["chunk"] * z_row + gate["chunk"] * x_row + params["o_tile"] * (z_row + 2 * x_row)
                    + params["o_tile"] * (H + 1) * 4)
     context.update(p_smem=project_smem, o_smem=output_smem)  # the template asserts its own sums equal these
     return context, (Kernel(name, proj["threads"], project_smem, MMA_PROJECT_ARGS, persistent_tile_grid(params["p_tile"])),
@@ -290,12 +294,12 @@ def _derive_mma(params: dict, w: dict, name: str):
 
 
 def _gate_at_output(plan: Plan, limits: DeviceLimits) -> bool:
-    """The tensor-core output kernels gate the output (P wide); the hidden placement runs the fp32
-    output kernel of bmm and fused."""
+    """The wgmma output kernel folds layer_norm_out into its product's epilogue, so the
+    normalised sums a gate in hidden width must scale never exist there; mma computes it."""
     return not plan.widths.get("gate_hidden")
 
 
-_GATE_AT_OUTPUT = Restriction("the tensor-core output kernels gate the output only (gate_hidden runs bmm, fused)",
+_GATE_AT_OUTPUT = Restriction("the wgmma output kernel gates the output only (gate_hidden runs mma, bmm, fused)",
                               _gate_at_output)
 
 
@@ -327,8 +331,7 @@ MMA = Strategy(
            "o_tile": (32, 64, 128), "o_warps_m": (1, 2, 4), "o_warps_n": (1, 2, 4), "o_wn": (16, 32, 64),
            "o_resident": (True, False)},
     derive=_derive_mma,
-    restrictions=(_GATE_AT_OUTPUT,
-                  Restriction("tiles must split into 16-row fragments per warp and passes must tile the columns",
+    restrictions=(Restriction("tiles must split into 16-row fragments per warp and passes must tile the columns",
                               _mma_layouts_ok),
                   Restriction("at most 128 accumulators per thread", _mma_accumulators_fit),
                   Restriction("the output kernel's threads must be a multiple of its tile", _output_rows_split),
