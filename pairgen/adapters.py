@@ -8,7 +8,7 @@ Recognised by their parameter names (the projects' own classes, or anything laid
 | AlphaFold 2 / OpenFold | `linear_a_p`, `linear_a_g`, `linear_b_p`, `linear_b_g`, `linear_g`, `linear_z`, `layer_norm_in`, `layer_norm_out` | on the normalised input | as the source has them | shared: the pairgen module holds the source's own `Parameter` objects (training either trains both) |
 | AlphaFold 3 / Boltz | `norm_in`, `p_in`, `g_in` (fused, 2H rows: a's H, then b's), `norm_out`, `p_out`, `g_out` | on the normalised input | as the source has them | copied: pairgen keeps a and b apart, so the fused rows are split into new tensors |
 | OpenFold 3, fused (`FusedTriangleMultiplicationOutgoing/Incoming`) | `linear_ab_p`, `linear_ab_g` (fused as AlphaFold 3's `p_in`, `g_in`), `linear_z`, `linear_g`, `layer_norm_in`, `layer_norm_out` | on the normalised input | as the source has them | copied, as the AlphaFold 3 form |
-| lucidrains' triangle-multiplicative-module (and its copies, e.g. IgFold's) | `norm`, `left_proj`, `right_proj`, `left_gate`, `right_gate`, `out_gate` (Linear(P, H): the gate in hidden width, on the normalised triangle sums before `to_out`), `to_out_norm`, `to_out`, `mix_einsum_eq` | on the normalised input, placed in hidden width (`gate_at="hidden"`) | all | copied; the incoming direction's "left" is pairgen's b |
+| lucidrains' triangle-multiplicative-module (and its copies, e.g. IgFold's) | `norm`, `left_proj`, `right_proj`, `left_gate`, `right_gate`, `out_gate` (Linear(P, H): the gate in hidden width, on the normalised triangle sums before `to_out`), `to_out_norm`, `to_out`, `mix_einsum_eq` | on the normalised input, placed in hidden width (`gate_at="hidden"`) | all | copied (`patch`'s stand-in shares them); the incoming direction's "left" is pairgen's b |
 | alphafold3-pytorch | its `PreLayerNorm` wrapper (`norm`) around `TriangleMultiplication` (`fn`: `left_right_proj` = Linear(P, 4H) + GLU, `out_gate`, `to_out_norm`, `to_out`); needs P = H, as that module itself does | on the normalised input | none | copied (the GLU's rows are split); the incoming direction's "left" is pairgen's b |
 
 The direction comes from the source (`_outgoing`, else its class name containing "Outgoing" or
@@ -261,10 +261,30 @@ class PatchedAF3Pytorch(_Patched):
         return _run_flat(module, x, pair)
 
 
+class PatchedLucidrains(_Patched):
+    """lucidrains' TriangleMultiplicativeModule (the out gate in hidden width) on pairgen's kernels,
+    through `adapt`'s mapping with the parameters shared (rebuilt when the model's parameters are
+    replaced by other objects). Its mask is a pair mask, multiplied as the source multiplies it;
+    leading dimensions beyond one batch are flattened into it."""
+
+    form = "lucidrains"
+
+    def forward(self, x, mask=None):
+        module = self._kept(tuple(id(p) for p in self.source.parameters()),
+                            lambda source: _from_lucidrains(source, shared=True))
+        return _run_flat(module, x, mask if mask is not None else x.new_ones(x.shape[:-1]))
+
+
 def _stand_in_for(module: nn.Module):
     """(the stand-in class, direction) for a module pairgen can stand in for; a string says why not."""
     if isinstance(module, _Patched):
         return "already patched"
+    if all(hasattr(module, name) for name in _LUCIDRAINS):
+        try:
+            _from_lucidrains(module, shared=True)  # what it checks: the LayerNorms' eps, a bias on every Linear
+        except ValueError as exc:
+            return str(exc)
+        return PatchedLucidrains, _einsum_direction(module)
     if _is_af3_pytorch(module):
         try:
             _check_eps(module.norm, module.fn.to_out_norm)
@@ -318,10 +338,10 @@ def unpatch(model: nn.Module) -> int:
     return count
 
 
-def _from_lucidrains(source: nn.Module):
+def _from_lucidrains(source: nn.Module, shared: bool = False):
     """lucidrains' TriangleMultiplicativeModule: LayerNorm, gated left/right projections (mask on
     the projections), the einsum, to_out_norm, the out gate in hidden width, to_out; every Linear
-    with a bias."""
+    with a bias. Copies of its parameters (adapt), or the parameters themselves (patch's stand-in)."""
     s = source
     _check_eps(s.norm, s.to_out_norm)
     H, P = s.left_proj.weight.shape
@@ -334,6 +354,6 @@ def _from_lucidrains(source: nn.Module):
     a, b = (left, right) if direction == "outgoing" else (right, left)
     pairs = {"layer_norm_in": s.norm, "layer_norm_out": s.to_out_norm, "out_proj": s.to_out, "out_gate": s.out_gate,
              "proj_a": a["proj"], "gate_a": a["gate"], "proj_b": b["proj"], "gate_b": b["gate"]}
-    values = {f"{ours}.{name}": getattr(sub, name).detach().clone() for ours, sub in pairs.items()
-              for name in ("weight", "bias")}
+    values = {f"{ours}.{name}": getattr(sub, name) if shared else getattr(sub, name).detach().clone()
+              for ours, sub in pairs.items() for name in ("weight", "bias")}
     return assign_parameters(empty_trimul(P, H, direction, bias=True, gate_at="hidden"), values)

@@ -313,9 +313,8 @@ class LucidrainsTriangleMultiplicativeModule(nn.Module):
 
 @pytest.mark.parametrize("mix", ["outgoing", "ingoing"])
 def test_lucidrains_form_is_adapted_with_the_gate_in_hidden_width(mix):
-    """P != H, so the gate's width tells the placements apart; the module runs the reference (no
-    kernel computes the hidden placement yet) and its state_dict loads into a reference of the
-    same options."""
+    """P != H, so the gate's width tells the placements apart; the module computes what the source
+    does (the reference on the CPU) and its state_dict loads into a reference of the same options."""
     source = _randomize(LucidrainsTriangleMultiplicativeModule(dim=24, hidden_dim=16, mix=mix), 13)
     adapted = pairgen.adapt(source)
     assert adapted.direction == ("outgoing" if mix == "outgoing" else "incoming")
@@ -327,3 +326,45 @@ def test_lucidrains_form_is_adapted_with_the_gate_in_hidden_width(mix):
         reference = pairgen.TriangleMultiplicationReference(24, 16, adapted.direction, "normalized", gate_at="hidden")
         reference.load_state_dict(adapted.state_dict())
         torch.testing.assert_close(reference(x, mask), source(x, mask), rtol=1e-5, atol=1e-5)
+
+
+class LucidrainsTrunk(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tri_out = LucidrainsTriangleMultiplicativeModule(dim=16, hidden_dim=8, mix="outgoing")
+        self.tri_in = LucidrainsTriangleMultiplicativeModule(dim=16, hidden_dim=8, mix="ingoing")
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x, mask):
+        x = x + self.tri_out(x, mask)
+        x = x + self.tri_in(x, mask)
+        return self.head(x).squeeze(-1)
+
+
+def test_patch_swaps_lucidrains_modules_on_their_own_parameters():
+    """The stand-in runs pairgen on the model's own Parameter objects: keys, ids and results kept, an
+    optimizer step on the model reaches the next call, gradients reach the parameters; a module
+    without a bias is reported, not swapped."""
+    model = _randomize(LucidrainsTrunk(), 17)
+    x, mask = _inputs(16, 18)
+    with torch.no_grad():
+        before = model(x, mask)
+    keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
+    report = pairgen.patch(model)
+    assert report == ["tri_out (LucidrainsTriangleMultiplicativeModule): swapped for pairgen (lucidrains form, outgoing)",
+                      "tri_in (LucidrainsTriangleMultiplicativeModule): swapped for pairgen (lucidrains form, incoming)"]
+    assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, mask), before, rtol=1e-5, atol=1e-5)
+    model(x, mask).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with torch.no_grad():
+        after = model(x, mask)
+        assert not torch.allclose(after, before)
+        assert pairgen.unpatch(model) == 2
+        torch.testing.assert_close(model(x, mask), after, rtol=1e-5, atol=1e-5)
+    biasless = LucidrainsTrunk()
+    biasless.tri_in.out_gate = nn.Linear(16, 8, bias=False)
+    report = pairgen.patch(biasless)
+    assert report[1].startswith("tri_in (LucidrainsTriangleMultiplicativeModule): not swapped: lucidrains' form has a bias")

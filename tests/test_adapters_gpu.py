@@ -1,6 +1,6 @@
-"""GPU: modules adapted from the OpenFold, Boltz and OpenFold 3 fused forms run pairgen's kernels,
-and the lucidrains form its reference, matching the source module in fp32 (fp32 standard, against
-float64 of the source) and bf16 (bf16 standard)."""
+"""GPU: modules adapted from the OpenFold, Boltz, OpenFold 3 fused and lucidrains forms run
+pairgen's kernels, matching the source module in fp32 (fp32 standard, against float64 of the
+source) and bf16 (bf16 standard); patched models likewise."""
 from __future__ import annotations
 
 import pytest
@@ -46,18 +46,32 @@ def test_patched_model_runs_kernels_and_matches_itself_before():
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")])
-def test_the_lucidrains_form_runs_its_reference_on_the_gpu(dtype, precision):
-    """No kernel computes the hidden gate placement yet: the adapted module asks for none and
-    computes its reference on the GPU, within the dtype's standard of float64 of the source."""
+def test_the_lucidrains_form_runs_kernels_with_the_gate_in_hidden_width(dtype, precision):
+    """The hidden gate placement's kernels (bmm or fused in fp32, mma in bf16), within the dtype's
+    standard of float64 of the source."""
     from test_adapters import LucidrainsTriangleMultiplicativeModule
 
     source = _randomize(LucidrainsTriangleMultiplicativeModule(dim=64, hidden_dim=32, mix="ingoing"), 7).cuda().to(dtype)
     adapted = pairgen.adapt(source)
     x, mask = (t.cuda() for t in _inputs(64, 8))
     x = x.to(dtype)
-    assert adapted.variant_for(9, x.device, precision) is None
+    variant = adapted.variant_for(9, x.device, precision)
+    assert variant is not None and variant.plan.widths["gate_hidden"] == 1
     with torch.no_grad():
         out = adapted(x, mask)
         expected = source.double()(x.double(), mask.double())
     assert out.dtype == dtype
     assert compare(out, expected, TRIMUL.tolerance[precision]).ok
+
+
+def test_a_patched_lucidrains_model_runs_kernels_and_matches_itself_before():
+    from test_adapters import LucidrainsTrunk
+
+    model = _randomize(LucidrainsTrunk(), 19).cuda()
+    x, mask = (t.cuda() for t in _inputs(16, 20))
+    with torch.no_grad():
+        before = model.double()(x.double(), mask.double())
+        model.float()
+        assert len(pairgen.patch(model)) == 2
+        after = model(x, mask)
+    assert compare(after, before, TRIMUL.tolerance["float32"]).ok
