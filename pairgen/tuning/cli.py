@@ -31,10 +31,11 @@ def add_selection_args(parser: argparse.ArgumentParser) -> None:
                         help="op to work on (repeatable; default: every op)")
     parser.add_argument("--shape", type=parse_shape, action="append", default=[],
                         help="a shape such as B=4,N=64,P=64,H=32 (repeatable; needs exactly one --op)")
-    parser.add_argument("--preset", choices=("seed", "real", "models", "wide", "all"), default="all",
+    parser.add_argument("--preset", choices=("seed", "real", "models", "wide", "hidden", "all"), default="all",
                         help="the op's default shapes to use when no --shape is given (default: all, i.e. seed and "
                              "real; models: the options the AlphaFold 3 family runs, where an op has them; wide: "
-                             "that form at pair widths 256, 384 and 768)")
+                             "that form at pair widths 256, 384 and 768; hidden: lucidrains' form, the out gate "
+                             "in hidden width)")
     parser.add_argument("--precision", action="append", choices=PRECISIONS,
                         help="what the kernels compute in (repeatable; default float32, exact): bfloat16 and "
                              "float16 (modules in those dtypes, and autocast), tf32x3 and tf32 (fp32 modules' "

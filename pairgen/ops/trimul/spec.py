@@ -503,6 +503,9 @@ class TrimulSpec(OpSpec):
         # The pair widths of AlphaFold 3-scale trunks and public benchmarks (hidden 128), in that form.
         "wide": tuple({"B": 1, "N": n, "P": p, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
                       for p in (256, 384, 768) for n in (256, 512, 1024)),
+        # lucidrains' form: the out gate in hidden width, on the normalised input, biases everywhere.
+        "hidden": tuple({"B": 1, "N": n, "P": 128, "H": 128, "outgoing": o, "gate_normalized": 1, "bias": 1,
+                         "gate_hidden": 1} for n in (256, 512) for o in (1, 0)),
     }
     tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5), "tf32x3": Tolerance(max_abs=1e-4, rel_l2=1e-5),
                  "tf32": Tolerance(max_abs=float("inf"), rel_l2=5e-3),
