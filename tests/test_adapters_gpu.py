@@ -47,7 +47,7 @@ def test_patched_model_runs_kernels_and_matches_itself_before():
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")])
 def test_the_lucidrains_form_runs_kernels_with_the_gate_in_hidden_width(dtype, precision):
-    """The hidden gate placement's kernels (bmm or fused in fp32, mma in bf16), within the dtype's
+    """The hidden gate placement's kernels (bmm or fused in fp32, wgmma in bf16), within the dtype's
     standard of float64 of the source."""
     from test_adapters import LucidrainsTriangleMultiplicativeModule
 

@@ -55,16 +55,20 @@ def _wgmma_cases():
 
 
 def _hidden_gate_cases():
-    """The out gate in hidden width (gate_hidden) on mma in every kind: sampled points at P > H and
-    P = H, resident and staged weights, and two option sets at P = 48, H = 24 (k padded)."""
+    """The out gate in hidden width (gate_hidden): mma in every kind and wgmma in 16 bits, sampled
+    points at P > H (with and without the gate on the normalised input, biases) and P = H; mma's
+    resident and staged weights; wgmma's swizzled and interleaved layouts."""
     cases = []
     for precision in MMA_KINDS:
         view = TRIMUL.at(precision)
+        strategies = ("mma", "wgmma") if precision in ("bfloat16", "float16") else ("mma",)
         for widths in ({"P": 64, "H": 32, **OPTION_SETS[0]}, {"P": 128, "H": 128, **OPTION_SETS[-1]},
-                       {"P": 48, "H": 24, **OPTION_SETS[5]}):
+                       {"P": 128, "H": 64, **OPTION_SETS[5]}):
             widths = {**widths, "gate_hidden": 1}
-            for plan in sampled_plans(view, "mma", widths, 2, seed=17):
-                cases.append(pytest.param(plan, id=f"hidden-{precision}-P{widths['P']}-{plan.label}"))
+            for strategy in strategies:
+                plans = sampled_plans(view, strategy, widths, 1, seed=17)  # its first feasible default, a sample
+                for plan in {id(p): p for p in plans[:1] + plans[-1:]}.values():
+                    cases.append(pytest.param(plan, id=f"hidden-{precision}-P{widths['P']}H{widths['H']}-{plan.label}"))
     return cases
 
 

@@ -280,16 +280,20 @@ def test_gate_hidden_is_an_optional_width_that_output_keys_never_name():
     assert "OT_GW_STRIDE" in codegen.render_plan(hidden).source and '"gate_hidden": 1' in codegen.render_plan(hidden).source
 
 
-def test_gate_hidden_runs_bmm_fused_and_mma_but_not_wgmma():
+def test_gate_hidden_runs_in_every_strategy():
+    """Defaults as for the output placement: bmm in fp32 (and tf32x3, tf32: exact fp32 keeps their
+    promises), wgmma in 16 bits on sm_90, mma in 16 bits elsewhere; every strategy has plans."""
     for options in (DEFAULT_OPTIONS, OTHER_OPTIONS):
         w = {**widths(128, 128, options), **HIDDEN}
         plan = TRIMUL.default_plan(w, DeviceLimits())
         assert plan.strategy == "bmm" and plan.widths["gate_hidden"] == 1
         assert TRIMUL.default_plan(w, DeviceLimits(), "tf32x3").strategy == "bmm"
         for precision in ("bfloat16", "float16"):
-            assert TRIMUL.default_plan(w, DeviceLimits(), precision).strategy == "mma"
-            wgmma = [TRIMUL.plan(s, pt, w, precision) for s, pt in TRIMUL.default_points if s == "wgmma"]
-            assert wgmma and all("gates the output only" in " ".join(TRIMUL.infeasible(p, DeviceLimits())) for p in wgmma)
+            assert TRIMUL.default_plan(w, DeviceLimits(), precision).strategy == "wgmma"
+            assert TRIMUL.default_plan(w, DeviceLimits(arch="sm_80"), precision).strategy == "mma"
+        for strategy in TRIMUL.strategies:
+            precision = TRIMUL.strategies[strategy].precisions[0]
+            assert TRIMUL.feasible_plans(strategy, w, DeviceLimits(), precision), strategy
         assert TRIMUL.default_plan(w, DeviceLimits(), "tf32").strategy == "bmm"  # exact fp32 keeps tf32's promise
         tf32_mma = [TRIMUL.plan(s, pt, w, "tf32") for s, pt in TRIMUL.default_points if s == "mma"]
         assert any(not TRIMUL.infeasible(p, DeviceLimits()) for p in tf32_mma)
@@ -329,8 +333,8 @@ def test_gate_hidden_packs_its_gate_in_hidden_width_and_chunks_divide_h():
 @pytest.mark.parametrize("options", [DEFAULT_OPTIONS, OTHER_OPTIONS], ids=["default", "out-norm-nobias"])
 def test_gate_hidden_compiles_without_spills(options):
     """The default, its output weights staged in shared memory, the staged triangle sums, sampled
-    points of bmm and fused, and mma's default and a sampled point in bf16 and tf32x3, at widths
-    where H < P, H = P and H not a power of two; the defaults without spills."""
+    points of bmm and fused, mma's default and a sampled point in bf16 and tf32x3, and wgmma's in
+    bf16, at widths where H < P, H = P and H not a power of two; the defaults without spills."""
     plans = []
     for P, H in ((64, 32), (128, 128), (40, 24)):
         w = {**widths(P, H, options), **HIDDEN}
@@ -343,11 +347,15 @@ def test_gate_hidden_compiles_without_spills(options):
         plans += [p for s in ("bmm", "fused") for p in sampled_plans(TRIMUL, s, w, 1, seed=4)[-1:]]
         for precision in ("bfloat16", "tf32x3"):  # mma: 16-bit operands, and fp32 ones split in three
             view = TRIMUL.at(precision)
-            # (H = 24 fits no mma pass of 16 or more columns: those widths run the reference in 16 bits)
-            default = view.default_plan(w, DeviceLimits())
+            # (H = 24 fits no pass of 16 or more columns: those widths run the reference in 16 bits)
+            default = view.default_plan(w, DeviceLimits(arch="sm_80"))  # mma's default
             plans += ([default] if default else []) + sampled_plans(view, "mma", w, 1, seed=4)[-1:]
+            if precision == "bfloat16":  # wgmma: its default and a sampled point
+                default = view.default_plan(w, DeviceLimits())
+                plans += ([default] if default else []) + sampled_plans(view, "wgmma", w, 1, seed=4)[-1:]
     assert any(p.params.get("o_weights_smem") for p in plans)
     assert {p.params.get("o_resident") for p in plans if p.strategy == "mma"} == {True, False}
+    assert any(p.strategy == "wgmma" for p in plans)
     rendered = [codegen.render_plan(p) for p in plans]
     results = compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])
     defaults = {id(p) for p in plans if p.params in [q for _, q in TRIMUL.default_points]}

@@ -94,25 +94,34 @@ def _folded(weight: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, bias,
 
 
 def pack_wgmma_weights(params: dict[str, torch.Tensor], P: int, H: int, bias: bool, gate_normalized: bool,
-                       dtype: torch.dtype) -> torch.Tensor:
+                       dtype: torch.dtype, gate_hidden: bool = False) -> torch.Tensor:
     """The parameters in the wgmma kernels' layout (wgmma_weight_offsets), as bytes: each linear
     layer folded with the LayerNorm before it (_folded): Wp (rows interleaved per channel as
     pack_mma_weights's) with layer_norm_in, Wout with layer_norm_out, Wgate with layer_norm_in when
-    the gate reads the normalised input (else Wgate as it is: c1 = 0, c2 = its bias)."""
-    off = wgmma_weight_offsets(P, H, torch.empty(0, dtype=dtype).element_size())
+    the gate reads the normalised input (else Wgate as it is: c1 = 0, c2 = its bias). With the
+    gate in hidden width the kernel forms layer_norm_out(z) * gate itself: Wout as it is (c1 = 0,
+    c2 = its bias) and layer_norm_out's affine (gz, bz)."""
+    off = wgmma_weight_offsets(P, H, torch.empty(0, dtype=dtype).element_size(), gate_hidden)
     f = {name: p.detach() for name, p in params.items()}
     b = (lambda name: f[name]) if bias else (lambda name: None)
     ln_in = (f["layer_norm_in.weight"], f["layer_norm_in.bias"])
     wp = torch.stack([f[f"{n}.weight"] for n in _FOUR], dim=1).reshape(4 * H, P)
     bp = torch.stack([f[f"{n}.bias"] for n in _FOUR], dim=1).reshape(-1) if bias else None
     sections = dict(zip(("wp", "c1p", "c2p"), _folded(wp, *ln_in, bp, dtype, k_padded(P))))
-    sections.update(zip(("wo", "c1o", "c2o"), _folded(f["out_proj.weight"], f["layer_norm_out.weight"],
-                                                      f["layer_norm_out.bias"], b("out_proj.bias"), dtype, k_padded(H))))
+    wo = f["out_proj.weight"]
+    if gate_hidden:
+        zero_p = torch.zeros(P, device=wo.device, dtype=torch.float32)
+        sections.update(wo=torch.nn.functional.pad(wo.to(dtype), (0, k_padded(H) - H)), c1o=zero_p,
+                        c2o=f["out_proj.bias"].float() if bias else zero_p,
+                        gz=f["layer_norm_out.weight"].float(), bz=f["layer_norm_out.bias"].float())
+    else:
+        sections.update(zip(("wo", "c1o", "c2o"), _folded(wo, f["layer_norm_out.weight"], f["layer_norm_out.bias"],
+                                                          b("out_proj.bias"), dtype, k_padded(H))))
     wg = f["out_gate.weight"]
     if gate_normalized:
         sections.update(zip(("wg", "c1g", "c2g"), _folded(wg, *ln_in, b("out_gate.bias"), dtype, k_padded(P))))
     else:
-        zero = torch.zeros(P, device=wg.device, dtype=torch.float32)
+        zero = torch.zeros(wg.shape[0], device=wg.device, dtype=torch.float32)
         sections.update(wg=torch.nn.functional.pad(wg.to(dtype), (0, k_padded(P) - P)), c1g=zero,
                         c2g=f["out_gate.bias"].float() if bias else zero)
     packed = torch.zeros(off["total"], device=wp.device, dtype=torch.uint8)
@@ -126,7 +135,8 @@ def pack_wgmma_weights(params: dict[str, torch.Tensor], P: int, H: int, bias: bo
 TENSOR_CORE_PACKERS = {
     MMA.name: lambda params, w, dtype: pack_mma_weights(params, w["P"], w["H"], bool(w["bias"]), dtype),
     WGMMA.name: lambda params, w, dtype: pack_wgmma_weights(params, w["P"], w["H"], bool(w["bias"]),
-                                                            bool(w["gate_normalized"]), dtype),
+                                                            bool(w["gate_normalized"]), dtype,
+                                                            bool(w.get("gate_hidden"))),
 }
 
 

@@ -293,16 +293,6 @@ def _derive_mma(params: dict, w: dict, name: str):
                             persistent_tile_grid(params["o_tile"])))
 
 
-def _gate_at_output(plan: Plan, limits: DeviceLimits) -> bool:
-    """The wgmma output kernel folds layer_norm_out into its product's epilogue, so the
-    normalised sums a gate in hidden width must scale never exist there; mma computes it."""
-    return not plan.widths.get("gate_hidden")
-
-
-_GATE_AT_OUTPUT = Restriction("the wgmma output kernel gates the output only (gate_hidden runs mma, bmm, fused)",
-                              _gate_at_output)
-
-
 def _mma_layouts_ok(plan: Plan, limits: DeviceLimits) -> bool:
     """Whole 16-row fragments per warp, and passes of warps_n * wn columns that tile the columns."""
     return all(k["mt"] >= 1 and k["columns"] % k["pass_cols"] == 0 and k["threads"] <= 1024
@@ -351,14 +341,18 @@ def k_padded(width: int) -> int:
     return align(width, 16)
 
 
-def wgmma_weight_offsets(P: int, H: int, elem_bytes: int) -> dict[str, int]:
+def wgmma_weight_offsets(P: int, H: int, elem_bytes: int, gate_hidden: bool = False) -> dict[str, int]:
     """Byte offsets of the wgmma kernels' packed weights (shared with templates/trimul/wgmma.cu.j2),
     each section 16-byte aligned: the matrices n-major with k padded to whole k-steps, in the operand
     type, the LayerNorms' gamma folded in (Wp's rows interleaved per channel as the mma strategy's);
-    per output column, c1 = the row sum of the folded matrix and c2 = W beta + bias, in fp32."""
+    per output column, c1 = the row sum of the folded matrix and c2 = W beta + bias, in fp32. With
+    the gate in hidden width Wgate has H rows, and Wout is not folded: the kernel scales
+    layer_norm_out(z) itself, with its affine (gz, bz: fp32, H each; empty otherwise)."""
+    gate, nz = (H, 1) if gate_hidden else (P, 0)
     sizes = [("wp", 4 * H * k_padded(P) * elem_bytes), ("wo", P * k_padded(H) * elem_bytes),
-             ("wg", P * k_padded(P) * elem_bytes),
-             ("c1p", 16 * H), ("c2p", 16 * H), ("c1o", 4 * P), ("c2o", 4 * P), ("c1g", 4 * P), ("c2g", 4 * P)]
+             ("wg", gate * k_padded(P) * elem_bytes),
+             ("c1p", 16 * H), ("c2p", 16 * H), ("c1o", 4 * P), ("c2o", 4 * P), ("c1g", 4 * gate), ("c2g", 4 * gate),
+             ("gz", nz * 4 * H), ("bz", nz * 4 * H)]
     return byte_sections(sizes)
 
 
@@ -384,11 +378,13 @@ def _derive_wgmma(params: dict, w: dict, name: str):
                     + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb, 1024))
     # Resident Wout and Wgate; per warpgroup o_stages x tiles, the triangle sums as they lie in
     # memory ([H][64]) and in the operand layout, and the rows' partial statistics ([4][64] fp32).
-    output_smem = (align(P * k_padded(H) * eb, 1024) + align(P * k_padded(P) * eb, 1024)
+    hidden = bool(w["gate_hidden"])
+    output_smem = (align(P * k_padded(H) * eb, 1024) + align(gate_columns(w) * k_padded(P) * eb, 1024)
                    + params["o_groups"] * align(params["o_stages"] * x_tile + align(WGMMA_ROWS * H * eb, 1024)
                                                 + z_tile + 4 * 64 * 4, 1024))
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
-               "off": wgmma_weight_offsets(P, H, eb), "p_groups": params["p_groups"], "p_wn": params["p_wn"],
+               "gate_hidden": hidden, "off": wgmma_weight_offsets(P, H, eb, hidden),
+               "p_groups": params["p_groups"], "p_wn": params["p_wn"],
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
@@ -402,9 +398,11 @@ def _on_sm90(plan: Plan, limits: DeviceLimits) -> bool:
 
 
 def _wgmma_columns_divide(plan: Plan, limits: DeviceLimits) -> bool:
-    """Whole 16-byte chunks per row, and passes that tile the projection's 4H and the output's P columns."""
-    P, H = plan.widths["P"], plan.widths["H"]
-    return P % 8 == 0 and H % 8 == 0 and (4 * H) % plan.params["p_wn"] == 0 and P % plan.params["o_wn"] == 0
+    """Whole 16-byte chunks per row, and passes that tile the projection's 4H and the output's P
+    columns (and H, the gate's, where it is in hidden width)."""
+    P, H, o_wn = plan.widths["P"], plan.widths["H"], plan.params["o_wn"]
+    return (P % 8 == 0 and H % 8 == 0 and (4 * H) % plan.params["p_wn"] == 0 and P % o_wn == 0
+            and (not plan.widths.get("gate_hidden") or H % o_wn == 0))
 
 
 def _swizzle_applies(plan: Plan, limits: DeviceLimits) -> bool:
@@ -434,7 +432,6 @@ WGMMA = Strategy(
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True)},
     derive=_derive_wgmma,
     restrictions=(Restriction("wgmma needs sm_90 (its sm_90a features do not run on later architectures)", _on_sm90),
-                  _GATE_AT_OUTPUT,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
                               _wgmma_columns_divide),
                   Restriction("at most 128 accumulators per thread", _wgmma_accumulators_fit),
