@@ -20,18 +20,14 @@ SHAPES = [(b, n) for b, n in ODD_SHAPES if n <= 64]
 AUTOCAST_BOUND = 2e-2
 
 
-def _cases():
-    cases = []
-    for precision in MMA_KINDS:
-        view = CONTACT.at(precision)
-        for widths in ({"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64}):
-            plans = sampled_plans(view, "mma", widths, 2, seed=21)
-            for plan in {id(p): p for p in plans[:1] + plans[-2:]}.values():  # the default, two samples
-                cases.append(pytest.param(plan, id=f"{precision}-P{widths['P']}H{widths['H']}-{plan.label}"))
-    return cases
+def _default_and_two_samples(precision: str, widths: dict) -> list:
+    plans = sampled_plans(CONTACT.at(precision), "mma", widths, 2, seed=21)
+    return list({id(p): p for p in plans[:1] + plans[-2:]}.values())
 
 
-CASES = _cases()
+CASES = [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
+         for precision in MMA_KINDS for w in ({"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64})
+         for plan in _default_and_two_samples(precision, w)]
 variants = compiled_cases(CASES)
 
 
