@@ -25,6 +25,15 @@ HALF_DTYPE_NAMES = {dtype: name for name, dtype in HALF_PRECISION_DTYPES.items()
 #: Input dtypes the closed-form backwards take (each computes in the dtype its module's
 #: backward_precision names and casts the gradients back).
 CLOSED_FORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: precision= of an fp32 module -> the tuned key's dtype its kernels compute in.
+FP32_PRECISIONS = {"ieee": "float32", "tf32x3": "tf32x3", "tf32": "tf32"}
+#: Precision -> the dtype of the tensor-core kernels' operands (packed weights, staged inputs).
+OPERAND_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "tf32": torch.float32,
+                  "tf32x3": torch.float32}
+#: Precision -> the output's dtype: the 16-bit precisions answer in their dtype (under autocast
+#: too, as the references do), the fp32 ones in fp32.
+OUTPUT_DTYPES = {"float32": torch.float32, "tf32x3": torch.float32, "tf32": torch.float32,
+                 "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def frozen_names(names: list[str], wanted: "list[bool] | None") -> frozenset:
@@ -418,7 +427,7 @@ class KernelModule:
 
     # Loaded kernels and packed weights belong to this process and device: a copy or a pickle
     # (an EMA copy of the model, torch.save) starts without them and rebuilds them on first use.
-    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_handle")
+    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_handle", "_extra_packs")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -486,6 +495,18 @@ class KernelModule:
             self.__dict__["_fast_calls"] = (entry,) + self._fast_calls[: self.MAX_FAST_CALLS - 1]
         return out
 
+    def _packed_for(self, key, pack: Callable[[list], torch.Tensor]) -> "PackedParameters":
+        """Another packing of the module's weights (a tensor-core layout in an operand dtype), kept
+        per key beside the fp32 one and, as it, rebuilt only after a parameter changed. `pack`
+        takes the parameters in the order of the fp32 pack's paths."""
+        packs = self.__dict__.get("_extra_packs")
+        if packs is None:
+            packs = self.__dict__["_extra_packs"] = {}
+        packed = packs.get(key)
+        if packed is None:
+            packed = packs[key] = PackedParameters(self, self._weights._paths, pack)
+        return packed
+
     def _held_for_fast_calls(self) -> tuple[list, list]:
         """(the module's PackedParameters, the other tensors it holds between calls): what a
         recorded call may point into besides its inputs and output."""
@@ -495,7 +516,7 @@ class KernelModule:
                 packs.append(value)
             elif isinstance(value, HeldBuffer):
                 held += [value.live, *value.retired]
-            elif isinstance(value, dict):  # e.g. the triangle update's tensor-core packs
+            elif isinstance(value, dict):  # the tensor-core packs (_packed_for)
                 packs += [v for v in value.values() if isinstance(v, PackedParameters)]
             elif isinstance(value, tuple):  # e.g. the triangle update's (device, barrier ints)
                 held += [v for v in value if isinstance(v, torch.Tensor)]
@@ -834,3 +855,40 @@ def contiguous_aligned(t: torch.Tensor) -> torch.Tensor:
     contiguous slice such as x[1:] of a flat tensor, or a narrowed last dimension made contiguous)."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+class TensorCorePrecisions:
+    """For a KernelModule with tensor-core kernels: `precision` ("ieee": exact fp32, the default;
+    "tf32x3"; "tf32") says what its fp32 calls compute in; 16-bit modules compute in their dtype,
+    fp32 ones under torch.autocast in autocast's. Mixed in before KernelModule."""
+
+    _precision = "ieee"
+
+    @property
+    def precision(self) -> str:
+        """What an fp32 call computes in: "ieee" (exact fp32), "tf32x3" or "tf32" (docs/ops.md)."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        if value not in FP32_PRECISIONS:
+            raise ValueError(f"precision must be one of {tuple(FP32_PRECISIONS)}, got {value!r}")
+        self._precision = value
+        self.forget_fast_calls()
+
+    def extra_repr(self) -> str:
+        return "" if self._precision == "ieee" else f"precision={self._precision!r}"
+
+    def kernel_precision(self, x, *rest) -> str | None:
+        """float32 in the module's precision, or autocast's dtype under torch.autocast("cuda");
+        bfloat16/float16 in their own; None (the reference) on CPU, for other dtypes, for a 16-bit
+        input under an autocast of the other 16-bit dtype, and past 2^31 pairs (32-bit indices)."""
+        if not x.is_cuda or x.shape[0] * x.shape[1] * x.shape[1] >= 2**31:
+            return None
+        autocast = torch.is_autocast_enabled("cuda")
+        if x.dtype is torch.float32:
+            return HALF_DTYPE_NAMES.get(torch.get_autocast_dtype("cuda")) if autocast else FP32_PRECISIONS[self._precision]
+        precision = HALF_DTYPE_NAMES.get(x.dtype)
+        if autocast and torch.get_autocast_dtype("cuda") is not x.dtype:
+            return None
+        return precision

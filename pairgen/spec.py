@@ -457,3 +457,31 @@ def persistent_tile_grid(tile: int) -> GridFn:
         return max(1, min(tiles, max(1, resident) * sms)), (B, N, tiles)
 
     return grid
+
+
+# ---- tensor cores (mma.sync): what the ops' templates/common/mma.cuh.j2 kernels share -----------
+
+#: Precision (a tuned key's dtype) -> the template's MMA_KIND (templates/common/mma.cuh.j2).
+MMA_KINDS = {"bfloat16": 0, "float16": 1, "tf32": 2, "tf32x3": 3}
+#: The precisions whose operands are 16-bit (else fp32, rounded to TF32 in the kernels).
+HALF_PRECISIONS = ("bfloat16", "float16")
+
+
+def byte_sections(sizes: list[tuple[str, int]]) -> dict[str, int]:
+    """Byte offsets of named sections packed one after another, each 16-byte aligned, and "total"."""
+    offsets, at = {}, 0
+    for name, size in sizes:
+        offsets[name] = at
+        at = align(at + size, 16)
+    offsets["total"] = at
+    return offsets
+
+
+def element_bytes(precision: str) -> int:
+    return 2 if precision in HALF_PRECISIONS else 4
+
+
+def mma_row_bytes(width: int, elem_bytes: int) -> int:
+    """Shared row stride of a `width`-element operand row (mma.cuh.j2's MmaRow): k padded to the
+    32-byte k-step, then to == 16 (mod 128) bytes."""
+    return align(align(width * elem_bytes, 32), 128) + 16

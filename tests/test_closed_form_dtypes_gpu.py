@@ -1,5 +1,5 @@
-"""GPU: calls no kernel computes (16-bit contact heads, and contact heads under autocast) run the
-op's closed form in that dtype (cuBLAS products, fused row kernels) where it pays (forwards from
+"""GPU: calls no kernel computes (16-bit contact heads, and contact heads under autocast, with their
+tensor-core kernel set aside: it serves those calls otherwise) run the op's closed form in that dtype (cuBLAS products, fused row kernels) where it pays (forwards from
 MIN_16_BIT_FORWARD_PAIRS, lowered here to take these odd small shapes; training with
 backward_mode "closed_form"): the output in the reference's dtype, within the 16-bit standard
 against float64 of the same rounded inputs and weights (autocast: within cuEquivariance's bf16
@@ -29,6 +29,7 @@ def _case(op: str, seed: int, dtype: torch.dtype = torch.float32):
     gen = generator(seed)
     module = spec.make_module(spec.widths_of(CASES[op]), gen).cuda().to(dtype)
     module.MIN_16_BIT_FORWARD_PAIRS = 0  # every forward takes the closed form
+    module.kernel_precision = lambda *call: None  # as a call no kernel serves (contact: its mma strategy would)
     inputs = tuple(t.cuda().to(dtype) if t.is_floating_point() else t.cuda()
                    for t in spec.make_inputs(CASES[op], gen, "cauchy"))
     return spec, module, inputs

@@ -63,7 +63,7 @@ def test_precision_views_filter_strategies_and_defaults():
     from pairgen.ops import get_op
 
     with pytest.raises(ValueError, match="no kernels in 'bfloat16'"):
-        get_op("contact").at("bfloat16")
+        get_op("readout").at("bfloat16")
 
 
 def _plans_to_compile():
@@ -188,7 +188,7 @@ def test_cli_precision_selects_views_and_skips_ops_without_kernels():
     assert all(shape["bias"] == 0 and shape["gate_normalized"] == 1 for _, shape in work)
     parser, args = _parse(["--op", "trimul", "--precision", "tf32x3", "--precision", "float32", "--preset", "seed"])
     assert [spec.precision for spec, _ in selected_shapes(args, parser)] == ["tf32x3", "float32"]
-    parser, args = _parse(["--op", "contact", "--precision", "bfloat16"])
+    parser, args = _parse(["--op", "readout", "--precision", "bfloat16"])
     with pytest.raises(SystemExit):
         selected_shapes(args, parser)
 

@@ -60,8 +60,9 @@ def test_lookup_exact_then_nearest_then_default(db, monkeypatch):
     found = choose(256)  # log-distance 2 to 64, 1 to 512
     assert found.source == "tuned (nearest N bucket 512)" and found.plan.params["threads"] == 256
     assert choose(64, widths={"P": 128, "H": 128}).source == "default"
-    # another precision's key: the float32 entries do not apply (contact has no float16 kernels at all)
-    assert choose(64, dtype="float16").source == "no contact kernel in float16 fits widths {'P': 64, 'H': 32}"
+    # another precision's key, at widths its tensor-core kernel cannot take (H = 36: no 16-byte rows)
+    assert choose(64, widths={"P": 64, "H": 36}, dtype="float16").source == \
+        "no contact kernel in float16 fits widths {'P': 64, 'H': 36}"
 
 
 def test_upsert_replaces_the_same_key(db):

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Protocol
 
 from .. import config
-from ..spec import DeviceLimits, OpSpec, Plan, n_bucket
+from ..spec import DeviceLimits, OpSpec, Plan, n_bucket, precision_of
 
 log = logging.getLogger("pairgen")
 
@@ -209,8 +209,15 @@ def suggest(trial, spec: OpSpec) -> tuple[str, dict]:
     return strategy, {name: trial.suggest_categorical(f"{strategy}.{name}", list(space[name])) for name in sorted(space)}
 
 
+def in_one_precision(spec: OpSpec, precision: str | None = None):
+    """The op seen in the precision it tunes (`precision`, else the view's, else exact fp32): a
+    study holds the points of the strategies that compute in it, never another precision's."""
+    return spec if spec.precision else spec.at(precision or precision_of(spec))
+
+
 def feasible_points(spec: OpSpec, widths: dict, limits: DeviceLimits) -> list[tuple[str, dict]]:
     """Every point of the space that passes the restrictions (a few thousand at most)."""
+    spec = in_one_precision(spec)
     return [(name, plan.params) for name in spec.strategies for plan in spec.feasible_plans(name, widths, limits)]
 
 
@@ -265,6 +272,7 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     timed (PointClaims, beside the journal), every worker counts the others' verdicts, and each
     asks only for the points not yet taken (with a verdict, or claimed by a live worker), and leaves
     once all are: the study ends at the target, and a worker moves on without waiting for the others."""
+    spec = in_one_precision(spec, dtype)
     widths = spec.widths_of(shape)
     limits = evaluator.limits
     name = study_name(gpu_slug, spec.name, dtype, widths, n_bucket(shape["N"]))

@@ -3,31 +3,63 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import KernelModule, PackedParameters, check_float_tensor, contiguous_aligned
+from ...modules import (OPERAND_DTYPES, OUTPUT_DTYPES, KernelModule, PackedParameters, TensorCorePrecisions,
+                        check_float_tensor, contiguous_aligned)
 from . import backward
 from .reference import ContactHeadReference
-from .spec import CONTACT, SYMMETRIC_TILED, THREAD_PER_PAIR, TILED, weight_offsets
+from .spec import CONTACT, MMA, SYMMETRIC_TILED, THREAD_PER_PAIR, TILED, mma_weight_offsets, weight_offsets
 
 
 def run_single_kernel(module: "ContactHead", variant, x, out) -> None:
-    """Every contact strategy is one kernel over (x, weights, out)."""
+    """The fp32 strategies: one kernel over (x, weights, out)."""
     B, N = x.shape[0], x.shape[1]
     (main,) = variant.launches(x.get_device(), B, N)
     main(x.data_ptr(), module._weights.get().data_ptr(), out.data_ptr(), *main.tail)
 
 
-class ContactHead(KernelModule, ContactHeadReference):
-    """Drop-in for ContactHeadReference: same constructor, submodules and state_dict.
+def pack_mma_weights(params: list, P: int, H: int, dtype: torch.dtype) -> torch.Tensor:
+    """W1, b1, W2, b2, w3, b3, gamma, beta in the mma kernel's layout (mma_weight_offsets), as bytes:
+    W1, W2 n-major (nn.Linear's own layout) in `dtype` (rounded to nearest, as autocast's casts),
+    the vectors in fp32."""
+    w1, b1, w2, b2, w3, b3, gamma, beta = (p.detach() for p in params)
+    off = mma_weight_offsets(P, H, torch.empty(0, dtype=dtype).element_size())
+    packed = torch.zeros(off["total"], device=w1.device, dtype=torch.uint8)
+    for name, value in (("w1", w1.to(dtype)), ("w2", w2.to(dtype)), ("b1", b1.float()), ("b2", b2.float()),
+                        ("w3", w3.float()), ("b3", b3.float()), ("gamma", gamma.float()), ("beta", beta.float())):
+        raw = value.contiguous().reshape(-1).view(torch.uint8)
+        packed[off[name]: off[name] + raw.numel()] = raw
+    return packed
 
-    CUDA float32 input runs the tuned kernel; CPU input or other dtypes run the reference.
+
+def run_mma(module: "ContactHead", variant, x, out) -> None:
+    """The tensor-core kernel, on the weights packed in its operand dtype (once per parameter
+    version); an fp32 input under autocast is cast first (the kernel reads x in that dtype)."""
+    B, N = x.shape[0], x.shape[1]
+    dtype = OPERAND_DTYPES[variant.plan.precision]
+    if x.dtype is not dtype:
+        x = x.to(dtype)
+    P, H = module.widths["P"], module.widths["H"]
+    weights = module._packed_for(dtype, lambda params: pack_mma_weights(params, P, H, dtype)).get()
+    (main,) = variant.launches(x.get_device(), B, N)
+    main(x.data_ptr(), weights.data_ptr(), out.data_ptr(), *main.tail)
+
+
+class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
+    """Drop-in for ContactHeadReference: same constructor (and `precision`), submodules and state_dict.
+
+    CUDA input runs the tuned kernels: float32 in `precision` ("ieee", the default: exact fp32;
+    "tf32x3": fp32-accurate on tensor cores; "tf32"), bfloat16 and float16 on tensor cores with
+    fp32 accumulation and fp32 LayerNorm statistics, float32 under torch.autocast("cuda") in the
+    autocast dtype. CPU input and other dtypes run the reference.
     """
 
     op = CONTACT
-    runners = {s.name: run_single_kernel for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED)}
+    runners = {**{s.name: run_single_kernel for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED)}, MMA.name: run_mma}
     fast_call_strategies = frozenset(runners)
 
-    def __init__(self, pair_dim: int, hidden_dim: int):
+    def __init__(self, pair_dim: int, hidden_dim: int, precision: str = "ieee"):
         super().__init__(pair_dim, hidden_dim)
+        self.precision = precision
         self.widths = {"P": int(pair_dim), "H": int(hidden_dim)}
         paths = [(layer, name) for layer in ("mlp.0", "mlp.2", "mlp.4", "layer_norm") for name in ("weight", "bias")]
         self._weights = PackedParameters(self, paths, self._pack)
@@ -35,9 +67,10 @@ class ContactHead(KernelModule, ContactHeadReference):
     closed_form = staticmethod(backward.gradients)
     saving_forward = staticmethod(backward.forward_saving)
     saved_gradients = staticmethod(backward.gradients_from)
-    closed_form_without_kernel = True  # 16-bit modules and autocast: no kernels in those dtypes yet
-    #: From this many pairs (B*N*N) a 16-bit forward runs the closed form, below it the fp32
-    #: kernel on the input made fp32. Measured on the H200 (bf16, P=H=128; µs): the closed form at
+    closed_form_without_kernel = True  # 16-bit calls no kernel serves (an autocast of the other 16-bit dtype)
+    #: From this many pairs (B*N*N) a 16-bit forward that no tensor-core kernel serves runs the
+    #: closed form, below it the fp32 kernel on the input made fp32. Measured on the H200 before the
+    #: 16-bit kernels existed (bf16, P=H=128; µs): the closed form at
     #: N512 (2^18 pairs) 188 against the bf16 reference's 652, at N1024 413 against 1991, but at
     #: N256 (2^16) 307 against 177, where both are bound by the host's time per PyTorch operation;
     #: the fp32 kernel at N256 takes 81 (N512: 264). Training keeps the reference ("auto"):
@@ -91,11 +124,13 @@ class ContactHead(KernelModule, ContactHeadReference):
     def _launch(self, pair_repr, out=None, variant=None):
         x = contiguous_aligned(pair_repr)
         B, N = x.shape[0], x.shape[1]
+        if variant is None:
+            variant = self.variant_for(N, x.get_device(), self.kernel_precision(x))
         if out is None:
-            out = x.new_empty((B, N, N))  # x is CUDA float32 here
+            out = x.new_empty((B, N, N), dtype=OUTPUT_DTYPES[variant.plan.precision])
         if out.numel() == 0:
             return out
-        self._run(variant or self.variant_for(N, x.get_device()), x, out)
+        self._run(variant, x, out)
         return out
 
 

@@ -1,14 +1,17 @@
 """The contact head's spec: strategies, search spaces, restrictions, defaults, plans.
 
-Three strategies:
+Four strategies:
   thread_per_pair  one thread per pair, layers computed `chunk` outputs at a time in registers.
   tiled            a block computes tile_rows consecutive pairs; the MLP as register-tiled products.
   symmetric_tiled  tiled over blocks (bi <= bj) of the pair grid: each pair computed once, written
                    twice (the output is exactly symmetric).
+  mma              symmetric_tiled's tiles on tensor cores (mma.sync) for bf16, fp16, tf32 and tf32x3:
+                   layers 1 and 2 as warp products with the weights resident in shared memory,
+                   layer 3 folded into layer 2's epilogue (templates/contact/mma.cu.j2).
 """
 from __future__ import annotations
 
-from ...spec import (SIXTEEN_BIT_TOLERANCE,
+from ...spec import (MMA_KINDS, SIXTEEN_BIT_TOLERANCE, byte_sections, element_bytes, mma_row_bytes,
                      Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, ceil_div,
                      cuda_bool, is_pow2, padded_stride, section_offsets, smem_fits)
 
@@ -162,12 +165,78 @@ SYMMETRIC_TILED = Strategy(
 )
 
 
+# ---- tensor cores (mma) -------------------------------------------------------------------------
+
+def mma_weight_offsets(P: int, H: int, elem_bytes: int) -> dict[str, int]:
+    """Byte offsets of the mma kernel's packed weights (shared with templates/contact/mma.cu.j2),
+    each section 16-byte aligned: W1 [H][P] and W2 [H][H] n-major (nn.Linear's layout) in the
+    operand type; b1, b2, w3, b3, gamma, beta in fp32."""
+    return byte_sections([("w1", H * P * elem_bytes), ("w2", H * H * elem_bytes), ("b1", 4 * H), ("b2", 4 * H),
+                          ("w3", 4 * H), ("b3", 4), ("gamma", 4 * P), ("beta", 4 * P)])
+
+
+def _mma_shape(params: dict, H: int) -> dict:
+    """Rows per tile, 16-row fragments per warp (0 where the warps do not split the tile) and
+    columns of H per pass of the warps."""
+    rows = params["tile_side"] ** 2
+    mt = rows // (16 * params["warps_m"]) if rows % (16 * params["warps_m"]) == 0 else 0
+    return {"rows": rows, "mt": mt, "nt": params["wn"] // 8, "pass": params["warps_n"] * params["wn"]}
+
+
+def _derive_mma(params: dict, widths: dict, name: str):
+    P, H, precision = widths["P"], widths["H"], widths["precision"]
+    eb = element_bytes(precision)
+    x_row, z_row = mma_row_bytes(P, eb), mma_row_bytes(H, eb)
+    shape = _mma_shape(params, H)
+    threads = 32 * params["warps_m"] * params["warps_n"]
+    # resident W1 and W2, the tile's symmetrised rows and layer 1's output, layer 3's partial sums
+    smem = H * (x_row + z_row) + shape["rows"] * (x_row + z_row) + params["warps_n"] * shape["rows"] * 4
+    context = {"P": P, "H": H, "mma_kind": MMA_KINDS[precision], "off": mma_weight_offsets(P, H, eb),
+               "tile_side": params["tile_side"], "warps_m": params["warps_m"], "warps_n": params["warps_n"],
+               "wn": params["wn"], "smem": smem, "min_blocks": params["blocks_per_sm"], "mma_shape": shape}
+
+    def grid(B, N, sms, resident, _side=params["tile_side"], _per_sm=params["blocks_per_sm"]):
+        nb = ceil_div(N, _side)
+        tiles = B * nb * (nb + 1) // 2
+        return _grid_tiles(tiles, _per_sm, sms, resident), (B, N, tiles)
+
+    return context, (Kernel(name, threads, smem, ARGS, grid),)
+
+
+def _mma_layout_ok(plan: Plan, limits: DeviceLimits) -> bool:
+    """Whole 16-row fragments per warp, passes that tile H, 16-byte weight rows."""
+    shape, w = plan.context["mma_shape"], plan.widths
+    return shape["mt"] >= 1 and w["H"] % shape["pass"] == 0 and w["P"] % 8 == 0 and w["H"] % 8 == 0
+
+
+MMA = Strategy(
+    name="mma",
+    summary="symmetric tiles on tensor cores: layers 1 and 2 as mma.sync products on resident weights, layer 3 "
+            "in layer 2's epilogue",
+    # tile_side: pairs per side of a symmetric tile (64 or 256 rows); warps_m x warps_n warps, wn
+    # columns of H each per pass; blocks_per_sm: the persistent grid's blocks per SM.
+    space={"tile_side": (8, 16), "warps_m": (1, 2, 4), "warps_n": (1, 2, 4), "wn": (16, 32, 64),
+           "blocks_per_sm": (1, 2)},
+    derive=_derive_mma,
+    restrictions=(
+        Restriction("tiles must split into 16-row fragments per warp, passes must tile H, and P, H be "
+                    "multiples of 8", _mma_layout_ok),
+        Restriction("at most 128 accumulators per thread",
+                    lambda p, _: 4 * p.context["mma_shape"]["mt"] * p.context["mma_shape"]["nt"] <= 128),
+        Restriction("shared memory exceeds the per-block limit", smem_fits),
+        Restriction("persistent blocks must be co-resident on an SM",
+                    lambda p, limits: p.params["blocks_per_sm"] * p.smem_bytes <= limits.smem_per_sm),
+    ),
+    precisions=tuple(MMA_KINDS),
+)
+
+
 class ContactSpec(OpSpec):
     # stage_rows and ln_lanes came after the first tuned entries: 0 is the kernel they ran.
     added_params = {"tiled": {"stage_rows": 0, "ln_lanes": 0}, "symmetric_tiled": {"stage_rows": 0, "ln_lanes": 0}}
     name = "contact"
     width_names = ("P", "H")
-    strategies = {s.name: s for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED)}
+    strategies = {s.name: s for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED, MMA)}
     # tn=4: with tn=8 the P=128, H=64 build spilled 8 B (NVRTC 13.0, sm_90); every tuned winner so far has tn=4.
     # The first point: the seed's fastest (6.7 us of kernel, CUPTI, H200; ln_lanes 4 took the
     # seed's tiled winner from 10.8 to 8.4 us). The second, the earlier default, serves any P % 4 == 0.
@@ -177,13 +246,22 @@ class ContactSpec(OpSpec):
         ("symmetric_tiled", {"tile_side": 8, "threads": 256, "tn": 4, "unroll": 2, "ln_rows": 4,
                              "weights_smem": False, "blocks_per_sm": 2, "stage_rows": 0, "ln_lanes": 0}),
         ("thread_per_pair", {"threads": 128, "chunk": 4, "weights_smem": False, "symmetric": True}),
+        # Tensor cores (bf16, fp16, tf32, tf32x3): 64-pair tiles, 8 warps of one 16 x 16 fragment
+        # block each (32 columns of H per pass; tf32x3's three products per fragment fit the 128
+        # registers two blocks per SM leave, where 2 x 4 fragments spilled), else 4 warps of
+        # 16-column passes; one block per SM where fp32 operands (the tf32 kinds) at P = H = 128
+        # take 203 KB of shared memory.
+        ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 2}),
+        ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 1, "wn": 16, "blocks_per_sm": 2}),
+        ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 1}),
     )
     presets = {
         "seed": ({"B": 4, "N": 64, "P": 64, "H": 32},),
         "real": ({"B": 1, "N": 256, "P": 128, "H": 128}, {"B": 1, "N": 512, "P": 128, "H": 128},
                  {"B": 1, "N": 1024, "P": 128, "H": 64}),
     }
-    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5),  # 16-bit: modules in those dtypes (no kernels)
+    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5), "tf32x3": Tolerance(max_abs=1e-4, rel_l2=1e-5),
+                 "tf32": Tolerance(max_abs=float("inf"), rel_l2=5e-3),
                  "bfloat16": SIXTEEN_BIT_TOLERANCE, "float16": SIXTEEN_BIT_TOLERANCE}
 
     def constructor_args(self, widths: dict) -> dict:

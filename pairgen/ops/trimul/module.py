@@ -3,24 +3,15 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import (HALF_DTYPE_NAMES, KernelModule, PackedParameters, as_mask, check_float_tensor,
+from ...modules import (HALF_DTYPE_NAMES, OPERAND_DTYPES, OUTPUT_DTYPES, KernelModule,
+                        PackedParameters, TensorCorePrecisions, as_mask, check_float_tensor,
                         check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul)
 from ... import config, fastcall
 from . import backward
 from .reference import TriangleMultiplicationReference
 from .spec import BMM, FUSED, MMA, TRIMUL, WGMMA, k_padded, mma_weight_offsets, weight_offsets, wgmma_weight_offsets
 
-#: precision= of an fp32 module -> the tuned key's dtype its kernels compute in.
-FP32_PRECISIONS = {"ieee": "float32", "tf32x3": "tf32x3", "tf32": "tf32"}
-#: A 16-bit input dtype (the module's, or autocast's for an fp32 module) -> its precision.
-#: Precision -> the dtype of the mma kernels' operands (packed weights, a, b, the triangle sums).
-OPERAND_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "tf32": torch.float32,
-                  "tf32x3": torch.float32}
 _FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
-#: Precision -> the output's dtype: the 16-bit precisions answer in their dtype (under autocast
-#: too, as the reference does), the fp32 ones in fp32.
-OUTPUT_DTYPES = {"float32": torch.float32, "tf32x3": torch.float32, "tf32": torch.float32,
-                 "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def triangle_bmm(ar: torch.Tensor, br: torch.Tensor, outgoing: bool, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,7 +185,7 @@ def run_fused(module: "TriangleMultiplication", variant, x, mask, out) -> None:
 _PARAM_ORDER = ("layer_norm_in", "proj_a", "gate_a", "proj_b", "gate_b", "layer_norm_out", "out_proj", "out_gate")
 
 
-class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
+class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultiplicationReference):
     """Drop-in for TriangleMultiplicationReference: same constructor, submodules and state_dict.
 
     CUDA input runs the tuned kernels: float32 in `precision` ("ieee", the default: exact fp32 on
@@ -210,7 +201,7 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
     op = TRIMUL
     runners = {BMM.name: run_bmm, FUSED.name: run_fused, MMA.name: run_mma, WGMMA.name: run_mma}
     fast_call_strategies = frozenset({FUSED.name})  # the others run a cuBLAS product between their kernels
-    _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_barrier", "_mma_packs")
+    _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_barrier",)
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "incoming", gate_on: str = "input",
                  bias: bool = True, precision: str = "ieee", *, gate_at: str = "output"):
@@ -227,23 +218,6 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
                  if getattr(self, sub)._parameters.get(name) is not None]
         self._param_names = tuple(f"{sub}.{name}" for sub, name in paths)
         self._weights = PackedParameters(self, paths, self._pack)
-        self._paths = paths
-        self._mma_packs = None  # (strategy, operand dtype) -> PackedParameters for the tensor-core kernels
-
-    @property
-    def precision(self) -> str:
-        """What an fp32 call computes in: "ieee" (exact fp32), "tf32x3" or "tf32" (docs/ops.md)."""
-        return self._precision
-
-    @precision.setter
-    def precision(self, value: str) -> None:
-        if value not in FP32_PRECISIONS:
-            raise ValueError(f"precision must be one of {tuple(FP32_PRECISIONS)}, got {value!r}")
-        self._precision = value
-        self.forget_fast_calls()
-
-    def extra_repr(self) -> str:
-        return "" if self._precision == "ieee" else f"precision={self._precision!r}"
 
     #: Pairs (B * N * N) from which "auto" trains a 16-bit call through the closed form. Below, a
     #: training step is bound by the host's time to issue its kernels, not by the GPU: on the H200
@@ -257,33 +231,14 @@ class TriangleMultiplication(KernelModule, TriangleMultiplicationReference):
         x = inputs[0]
         return config.fused_backward() and x.shape[0] * x.shape[1] * x.shape[2] >= self.MIN_16_BIT_CLOSED_FORM_PAIRS
 
-    def kernel_precision(self, x, mask) -> str | None:
-        """float32 in the module's precision, or autocast's dtype under torch.autocast("cuda");
-        bfloat16/float16 in their own; None (the reference) on CPU, for other dtypes, for a 16-bit
-        input under an autocast of the other 16-bit dtype, and past 2^31 pairs (32-bit indices)."""
-        if not x.is_cuda or x.shape[0] * x.shape[1] * x.shape[1] >= 2**31:
-            return None
-        autocast = torch.is_autocast_enabled("cuda")
-        if x.dtype is torch.float32:
-            return HALF_DTYPE_NAMES.get(torch.get_autocast_dtype("cuda")) if autocast else FP32_PRECISIONS[self._precision]
-        precision = HALF_DTYPE_NAMES.get(x.dtype)
-        if autocast and torch.get_autocast_dtype("cuda") is not x.dtype:
-            return None
-        return precision
 
     def _tensor_core_weights(self, strategy: str, precision: str) -> PackedParameters:
         """The mma or wgmma kernels' packed weights in this precision's operand dtype, rebuilt only
         after a parameter changed (an fp32 module under autocast casts them once per parameter version)."""
         dtype = OPERAND_DTYPES[precision]
-        packs = self._mma_packs
-        if packs is None:
-            packs = self._mma_packs = {}
-        pack = packs.get((strategy, dtype))
-        if pack is None:
-            packer, widths = TENSOR_CORE_PACKERS[strategy], self.widths
-            pack = packs[(strategy, dtype)] = PackedParameters(
-                self, self._paths, lambda params: packer(dict(zip(self._param_names, params)), widths, dtype))
-        return pack
+        packer, widths = TENSOR_CORE_PACKERS[strategy], self.widths
+        return self._packed_for((strategy, dtype),
+                                lambda params: packer(dict(zip(self._param_names, params)), widths, dtype))
 
     closed_form = staticmethod(backward.gradients)
     saving_forward = staticmethod(backward.forward_saving)

@@ -18,7 +18,7 @@ Four strategies:
 """
 from __future__ import annotations
 
-from ...spec import (SIXTEEN_BIT_TOLERANCE,
+from ...spec import (HALF_PRECISIONS, MMA_KINDS, SIXTEEN_BIT_TOLERANCE, byte_sections, element_bytes, mma_row_bytes,
                      Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, ceil_div,
                      cuda_bool, flat_tile_grid, padded_stride, persistent_tile_grid, section_offsets,
                      smem_fits)
@@ -213,26 +213,8 @@ FUSED = Strategy(
 
 # ---- tensor cores (mma) -------------------------------------------------------------------------
 
-#: Precision (a tuned key's dtype) -> the template's MMA_KIND (templates/common/mma.cuh.j2).
-MMA_KINDS = {"bfloat16": 0, "float16": 1, "tf32": 2, "tf32x3": 3}
-#: The precisions whose operands are 16-bit (else fp32, rounded to TF32 in the kernels).
-HALF_PRECISIONS = ("bfloat16", "float16")
 MMA_PROJECT_ARGS = ("ptr",) * 5 + ("i32",) * 4   # x, mask, w, a, b; B, N, tiles, mask is float
 MMA_OUTPUT_ARGS = ("ptr",) * 4 + ("i32",) * 3    # x, z, w, out; B, N, tiles
-
-
-def byte_sections(sizes: list[tuple[str, int]]) -> dict[str, int]:
-    """Byte offsets of named sections packed one after another, each 16-byte aligned, and "total"."""
-    offsets, at = {}, 0
-    for name, size in sizes:
-        offsets[name] = at
-        at = align(at + size, 16)
-    offsets["total"] = at
-    return offsets
-
-
-def element_bytes(precision: str) -> int:
-    return 2 if precision in HALF_PRECISIONS else 4
 
 
 def mma_weight_offsets(P: int, H: int, bias: bool, elem_bytes: int, gate: int | None = None) -> dict[str, int]:
@@ -246,12 +228,6 @@ def mma_weight_offsets(P: int, H: int, bias: bool, elem_bytes: int, gate: int | 
              ("ln_in_g", 4 * P), ("ln_in_b", 4 * P), ("bp", nb * 16 * H), ("ln_out_g", 4 * H), ("ln_out_b", 4 * H),
              ("bo", nb * 4 * P), ("bg", nb * 4 * gate)]
     return byte_sections(sizes)
-
-
-def mma_row_bytes(width: int, elem_bytes: int) -> int:
-    """Shared row stride of a `width`-element operand row (mma.cuh.j2's MmaRow): k padded to the
-    32-byte k-step, then to == 16 (mod 128) bytes."""
-    return align(align(width * elem_bytes, 32), 128) + 16
 
 
 def _mma_kernel_shape(params: dict, prefix: str, columns: int) -> dict:

@@ -1,0 +1,93 @@
+"""CPU: the contact head's tensor-core strategy (mma: bf16, fp16, tf32, tf32x3): plans and
+restrictions, the packed weights' layout, every precision's default compiling without spills for
+sm_90 and sm_80, the module's precision option. Its accuracy runs on the GPU
+(tests/test_contact_mma_gpu.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import generator, sampled_plans
+from pairgen import codegen, compiler
+from pairgen.ops import get_op
+from pairgen.ops.contact.module import pack_mma_weights
+from pairgen.ops.contact.spec import mma_weight_offsets
+from pairgen.spec import MMA_KINDS, DeviceLimits
+
+CONTACT = get_op("contact")
+WIDTHS = [{"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64}, {"P": 48, "H": 24}]
+
+
+@pytest.mark.parametrize("precision", list(MMA_KINDS))
+def test_every_preset_width_has_an_mma_default_in_every_precision(precision):
+    for shapes in CONTACT.presets.values():
+        for shape in shapes:
+            plan = CONTACT.default_plan(CONTACT.widths_of(shape), DeviceLimits(), precision)
+            assert plan is not None and plan.strategy == "mma" and plan.precision == precision
+
+
+def test_restrictions_name_what_is_wrong():
+    w = {"P": 64, "H": 32}
+    wide_pass = CONTACT.plan("mma", {"tile_side": 8, "warps_m": 1, "warps_n": 4, "wn": 16, "blocks_per_sm": 1}, w,
+                             "bfloat16")  # 64 columns per pass over H = 32
+    assert any("passes must tile H" in why for why in CONTACT.infeasible(wide_pass, DeviceLimits()))
+    many = CONTACT.plan("mma", {"tile_side": 16, "warps_m": 1, "warps_n": 1, "wn": 64, "blocks_per_sm": 1},
+                        {"P": 64, "H": 64}, "bfloat16")  # 16 fragments x 8 of 4 accumulators
+    assert any("accumulators" in why for why in CONTACT.infeasible(many, DeviceLimits()))
+    # fp32 operands at P = H = 128 take 203 KB: two blocks per SM do not fit
+    two = CONTACT.plan("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 2},
+                       {"P": 128, "H": 128}, "tf32x3")
+    assert any("co-resident" in why for why in CONTACT.infeasible(two, DeviceLimits()))
+    assert CONTACT.default_plan({"P": 128, "H": 128}, DeviceLimits(), "tf32x3").params["blocks_per_sm"] == 1
+
+
+def test_packed_weights_layout():
+    gen = generator(3)
+    module = CONTACT.make_module({"P": 48, "H": 24}, gen)
+    params = [module.mlp[0].weight, module.mlp[0].bias, module.mlp[2].weight, module.mlp[2].bias,
+              module.mlp[4].weight, module.mlp[4].bias, module.layer_norm.weight, module.layer_norm.bias]
+    for dtype in (torch.bfloat16, torch.float32):
+        packed = pack_mma_weights(params, 48, 24, dtype)
+        off = mma_weight_offsets(48, 24, torch.empty(0, dtype=dtype).element_size())
+        assert packed.numel() == off["total"] and all(v % 16 == 0 for v in off.values())
+
+        def section(name, n, kind):
+            size = torch.empty(0, dtype=kind).element_size()
+            return packed[off[name]: off[name] + n * size].view(kind)
+
+        torch.testing.assert_close(section("w1", 24 * 48, dtype).view(24, 48), params[0].detach().to(dtype))
+        torch.testing.assert_close(section("w2", 24 * 24, dtype).view(24, 24), params[2].detach().to(dtype))
+        torch.testing.assert_close(section("w3", 24, torch.float32), params[4].detach().reshape(-1))
+        torch.testing.assert_close(section("b3", 1, torch.float32), params[5].detach())
+        torch.testing.assert_close(section("beta", 48, torch.float32), params[7].detach())
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_defaults_compile_without_spills_and_samples_compile(arch):
+    plans = []
+    for w in WIDTHS:
+        for precision in MMA_KINDS:
+            default = CONTACT.default_plan(w, DeviceLimits(arch=arch), precision)
+            if default is not None:
+                plans.append((default, True))
+            plans += [(p, False) for p in sampled_plans(CONTACT.at(precision), "mma", w, 1, seed=9)[-1:]]
+    assert len([p for p, default in plans if default]) >= 12
+    rendered = [codegen.render_plan(p) for p, _ in plans]
+    results = compiler.compile_many([(r.source, r.kernel_name, arch) for r in rendered])
+    for (plan, default), result in zip(plans, results):
+        assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
+        if default:
+            assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label} {plan.widths}: {result.summary()}"
+
+
+def test_the_precision_option():
+    module = CONTACT.make_module({"P": 64, "H": 32}, generator(4))
+    assert module.precision == "ieee" and "precision" not in repr(module)
+    module.precision = "tf32x3"
+    assert "precision='tf32x3'" in repr(module)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        module.precision = "fp8"
+    x = torch.randn(1, 5, 5, 64)
+    assert module.kernel_precision(x) is None  # on the CPU: the reference
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), CONTACT.make_reference(module)(x))
