@@ -246,9 +246,8 @@ def test_an_entry_whose_code_renders_unchanged_under_another_template_hash_stays
     assert runtime.entry_state(CONTACT, dict(tuned, template_sha256=older_tree, source_sha256=source_hash(then))) == "ok"
     changed = then.replace("__global__", "__global__ ", 1)  # one byte of code
     assert runtime.entry_state(CONTACT, dict(tuned, template_sha256=older_tree, source_sha256=source_hash(changed))) == "stale"
-    # the hash may only differ in the header's first line: the same substitution further down is code
-    moved = first + "\n" + rest.replace("\n", f"\n// (sha256 {older_tree[:16]})\n", 1)
-    assert runtime.entry_state(CONTACT, dict(tuned, template_sha256=older_tree, source_sha256=source_hash(moved))) == "stale"
+    # the header must name the tree the entry records: the same source under a third hash is not it
+    assert runtime.entry_state(CONTACT, dict(tuned, template_sha256="b" * 64, source_sha256=source_hash(then))) == "stale"
 
 
 def test_every_shipped_entry_is_current():
