@@ -12,7 +12,7 @@ from pairgen import codegen, compiler
 from pairgen.ops import get_op
 from pairgen.ops.contact.module import pack_mma_weights
 from pairgen.ops.contact.spec import mma_weight_offsets
-from pairgen.spec import MMA_KINDS, DeviceLimits
+from pairgen.spec import HALF_PRECISIONS, MMA_KINDS, DeviceLimits
 
 CONTACT = get_op("contact")
 WIDTHS = [{"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64}, {"P": 48, "H": 24}]
@@ -20,10 +20,30 @@ WIDTHS = [{"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64}, {"P": 4
 
 @pytest.mark.parametrize("precision", list(MMA_KINDS))
 def test_every_preset_width_has_an_mma_default_in_every_precision(precision):
+    limits = DeviceLimits()
     for shapes in CONTACT.presets.values():
         for shape in shapes:
-            plan = CONTACT.default_plan(CONTACT.widths_of(shape), DeviceLimits(), precision)
-            assert plan is not None and plan.strategy == "mma" and plan.precision == precision
+            widths = CONTACT.widths_of(shape)
+            mma = [plan for plan in (CONTACT.plan("mma", params, widths, precision)
+                                     for strategy, params in CONTACT.default_points if strategy == "mma")
+                   if not CONTACT.infeasible(plan, limits)]
+            assert mma and mma[0].precision == precision
+            default = CONTACT.default_plan(widths, limits, precision)
+            # 16 bits: the tensor cores; the tf32 kinds: the exact kernel first (it keeps their promise)
+            assert default.strategy == ("mma" if precision in HALF_PRECISIONS else "symmetric_tiled")
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
+def test_the_exact_kernel_stands_in_for_the_tf32_kinds_unchanged(precision):
+    """The exact strategy offered to tf32x3 and tf32 runs the fp32 kernel's code: the rendered
+    sources differ only in the header's precision line (so its fp32 GPU tests cover it)."""
+    point = next(params for strategy, params in CONTACT.default_points if strategy == "symmetric_tiled")
+    exact, stand_in = (codegen.render_plan(CONTACT.plan("symmetric_tiled", point, {"P": 64, "H": 32}, p))
+                       for p in ("float32", precision))
+    assert stand_in.kernel_name == exact.kernel_name
+    assert [line for line in stand_in.source.splitlines() if line != f"// precision {precision}"] \
+        == exact.source.splitlines()
+    assert stand_in.source != exact.source  # the header names the precision
 
 
 def test_restrictions_name_what_is_wrong():
@@ -38,7 +58,10 @@ def test_restrictions_name_what_is_wrong():
     two = CONTACT.plan("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 2},
                        {"P": 128, "H": 128}, "tf32x3")
     assert any("co-resident" in why for why in CONTACT.infeasible(two, DeviceLimits()))
-    assert CONTACT.default_plan({"P": 128, "H": 128}, DeviceLimits(), "tf32x3").params["blocks_per_sm"] == 1
+    first_fit = next(plan for plan in (CONTACT.plan("mma", params, {"P": 128, "H": 128}, "tf32x3")
+                                       for strategy, params in CONTACT.default_points if strategy == "mma")
+                     if not CONTACT.infeasible(plan, DeviceLimits()))
+    assert first_fit.params["blocks_per_sm"] == 1
 
 
 def test_packed_weights_layout():
