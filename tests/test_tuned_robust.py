@@ -56,7 +56,7 @@ def test_a_malformed_entry_in_a_real_file_is_skipped_and_kept_when_another_is_wr
     data["entries"].insert(2, bad)
     write(db, data)
     with pytest.warns(UserWarning, match=r"skipping malformed entry 2 of tuned database .*contact\.json: params: 'threads'"):
-        assert len(db.entries()) == 4
+        assert len(db.entries()) == len(data["entries"]) - 1  # all but the bad one
     assert db.problem is None
     assert [index for index, _ in db.skipped()] == [2] and "64.0" in db.skipped()[0][1]
 
@@ -64,7 +64,7 @@ def test_a_malformed_entry_in_a_real_file_is_skipped_and_kept_when_another_is_wr
     with pytest.warns(UserWarning, match="skipping malformed entry 2"):
         db.upsert(new)
     after = stored(db)["entries"]
-    assert len(after) == 6 and bad in after and new in after
+    assert len(after) == len(data["entries"]) + 1 and bad in after and new in after
     for old in data["entries"]:
         assert old in after
     assert not list(db.path.parent.glob("*.tmp")) and not list(db.path.parent.glob("*corrupt*"))
@@ -311,4 +311,5 @@ def test_the_committed_databases_say_sm_90_and_keep_their_formatting(tmp_path):
         assert text == json.dumps(data, indent=1, sort_keys=True) + "\n", path
     shutil.copytree(COMMITTED, tmp_path / "nvidia-h200")
     found = databases_for_arch("contact", "sm_90", "nvidia-h100", tmp_path)
-    assert [d.gpu_slug for d in found] == ["nvidia-h200"] and len(found[0].entries()) == 4
+    committed = len(json.loads((COMMITTED / "contact.json").read_text())["entries"])
+    assert [d.gpu_slug for d in found] == ["nvidia-h200"] and len(found[0].entries()) == committed > 0
