@@ -448,6 +448,15 @@ def smem_fits(plan: Plan, limits: DeviceLimits) -> bool:
     return all(k.smem_bytes <= limits.max_smem_per_block for k in plan.kernels)
 
 
+def persistent_blocks(num_tiles: int, blocks_per_sm: int, sms: int, resident_per_sm: int) -> int:
+    """Blocks of a persistent grid (blocks_per_sm per SM, each looping over tiles), or one block per
+    tile (blocks_per_sm 0). Clamped to the blocks that can be resident at once (registers decide
+    that only after compilation): a block that waits for a slot would run its tiles last."""
+    if not blocks_per_sm:
+        return max(1, num_tiles)
+    return max(1, min(num_tiles, min(blocks_per_sm, max(1, resident_per_sm)) * sms))
+
+
 def persistent_tile_grid(tile: int) -> GridFn:
     """As flat_tile_grid, but at most as many blocks as are resident at once: each block loops over
     tiles, so what it stages once (weights kept in shared memory) serves all of them."""

@@ -354,7 +354,8 @@ def test_cost_model():
 #: The __global__ functions of each strategy's source, as the module launches them.
 KERNELS = {"direct": ("pairgen_readout_direct",),
            "split": ("pairgen_readout_split", "pairgen_readout_split_nodes"),
-           "gemm": ("pairgen_readout_gemm_nodes", "pairgen_readout_gemm_hidden", "pairgen_readout_gemm_pool")}
+           "gemm": ("pairgen_readout_gemm_nodes", "pairgen_readout_gemm_hidden", "pairgen_readout_gemm_pool"),
+           "mma": ("pairgen_readout_mma", "pairgen_readout_mma_nodes")}
 
 
 @pytest.mark.parametrize("widths", PRESET_WIDTHS, ids=lambda w: "D{D}P{P}H{H}".format(**w))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ...spec import (MMA_KINDS, SIXTEEN_BIT_TOLERANCE, byte_sections, element_bytes, mma_row_bytes,
                      Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, ceil_div,
-                     cuda_bool, is_pow2, padded_stride, section_offsets, smem_fits)
+                     cuda_bool, is_pow2, padded_stride, persistent_blocks, section_offsets, smem_fits)
 
 #: The kernels' arguments: x, packed weights, out, then B, N and the work count as 64-bit ints.
 ARGS = ("ptr", "ptr", "ptr", "i64", "i64", "i64")
@@ -55,15 +55,6 @@ def _derive_thread_per_pair(params: dict, widths: dict, name: str):
     return context, (Kernel(name, threads, weights + 4 * (P + H) * threads, ARGS, grid),)
 
 
-def _grid_tiles(num_tiles: int, blocks_per_sm: int, sms: int, resident_per_sm: int) -> int:
-    """Persistent grid (blocks_per_sm per SM, looping over tiles), or one block per tile (0).
-    A persistent grid is clamped to the blocks that can be resident at once (registers decide
-    that only after compilation): a block that waits for a slot would run its tiles last."""
-    if not blocks_per_sm:
-        return max(1, num_tiles)
-    return max(1, min(num_tiles, min(blocks_per_sm, max(1, resident_per_sm)) * sms))
-
-
 def _tiled_context(params: dict, widths: dict, rows: int) -> tuple[dict, int]:
     """The tiled strategies' context for `rows` pairs per tile, and their shared memory."""
     context, weights = _base_context(params, widths)
@@ -83,7 +74,7 @@ def _derive_tiled(params: dict, widths: dict, name: str):
 
     def grid(B, N, sms, resident, _rows=rows, _per_sm=params["blocks_per_sm"]):
         tiles = ceil_div(B * N * N, _rows)
-        return _grid_tiles(tiles, _per_sm, sms, resident), (B, N, tiles)
+        return persistent_blocks(tiles, _per_sm, sms, resident), (B, N, tiles)
 
     return context, (Kernel(name, params["threads"], smem, ARGS, grid),)
 
@@ -96,7 +87,7 @@ def _derive_symmetric_tiled(params: dict, widths: dict, name: str):
     def grid(B, N, sms, resident, _side=side, _per_sm=params["blocks_per_sm"]):
         nb = ceil_div(N, _side)
         tiles = B * nb * (nb + 1) // 2
-        return _grid_tiles(tiles, _per_sm, sms, resident), (B, N, tiles)
+        return persistent_blocks(tiles, _per_sm, sms, resident), (B, N, tiles)
 
     return context, (Kernel(name, params["threads"], smem, ARGS, grid),)
 
@@ -201,7 +192,7 @@ def _derive_mma(params: dict, widths: dict, name: str):
     def grid(B, N, sms, resident, _side=params["tile_side"], _per_sm=params["blocks_per_sm"]):
         nb = ceil_div(N, _side)
         tiles = B * nb * (nb + 1) // 2
-        return _grid_tiles(tiles, _per_sm, sms, resident), (B, N, tiles)
+        return persistent_blocks(tiles, _per_sm, sms, resident), (B, N, tiles)
 
     return context, (Kernel(name, threads, smem, ARGS, grid),)
 

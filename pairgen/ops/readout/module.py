@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import (HeldBuffer, KernelModule, PackedParameters, check_float_tensor, check_mask,
-                        contiguous_aligned, fp32_matmul, grow_held)
+from ...modules import (OPERAND_DTYPES, HeldBuffer, KernelModule, PackedParameters, TensorCorePrecisions,
+                        check_float_tensor, check_mask, contiguous_aligned, fp32_matmul, grow_held)
 from . import backward
 from .reference import PairReadoutReference
-from .spec import DIRECT, GEMM, READOUT, SPLIT, gemm_scratch_offsets, pair_max_scratch, weight_offsets
+from .spec import (DIRECT, GEMM, MMA, READOUT, SPLIT, gemm_scratch_offsets, mma_weight_offsets, pair_max_scratch,
+                   weight_offsets)
 
 
 def _run_pair_max(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out, with_uv: bool) -> None:
@@ -62,10 +63,52 @@ def run_gemm(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) 
     pool(messages.data_ptr(), edge_mask.data_ptr(), nodes.data_ptr(), weights, out.data_ptr(), *pool.tail)
 
 
-class PairReadout(KernelModule, PairReadoutReference):
+def pack_mma_weights(fp32_pack: torch.Tensor, params: list, D: int, P: int, H: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mma kernels' weights (mma_weight_offsets), as bytes: the fp32 pack (the node prologue's
+    [W_i^T | W_j^T], b1, b2, gamma, beta), then W_p [H][P] and W2 [D][H], nn.Linear's own layout,
+    in `dtype` (rounded to nearest, as autocast's casts)."""
+    w1, w2 = params[0].detach(), params[2].detach()
+    off = mma_weight_offsets(D, P, H, torch.empty(0, dtype=dtype).element_size())
+    packed = torch.zeros(off["total"], device=w1.device, dtype=torch.uint8)
+    packed[: 4 * fp32_pack.numel()] = fp32_pack.reshape(-1).view(torch.uint8)
+    for name, value in (("wp", w1[:, 2 * D:].to(dtype)), ("w2", w2.to(dtype))):
+        raw = value.contiguous().reshape(-1).view(torch.uint8)
+        packed[off[name]: off[name] + raw.numel()] = raw
+    return packed
+
+
+def run_mma(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -> None:
+    """The node prologue (fp32 U, V into the held scratch), then the tensor-core kernel as its
+    programmatic dependent, on the weights packed in the operand dtype (once per parameter
+    version). Under autocast (fp32 inputs, a 16-bit kernel) the inputs are cast first and the
+    16-bit result widened into `out`, the reference's dtype there."""
+    B, N, D = nodes.shape
+    H = module.widths["H"]
+    dtype = OPERAND_DTYPES[variant.plan.precision]
+    target = out
+    if nodes.dtype is not dtype:
+        nodes, pair_feats = nodes.to(dtype), pair_feats.to(dtype)
+        out = torch.empty_like(nodes)
+    device = nodes.get_device()
+    fp32_pack = module._weights.get()
+    weights = module._packed_for(dtype, lambda params: pack_mma_weights(fp32_pack, params, D, module.widths["P"],
+                                                                         H, dtype)).get()
+    main, prologue = variant.launches(device, B, N, programmatic=module.programmatic_main)
+    uv = module._split_scratch(device, B * N * 2 * H)
+    prologue(nodes.data_ptr(), weights.data_ptr(), uv, *prologue.tail)
+    main(nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), weights.data_ptr(), uv, out.data_ptr(),
+         *main.tail)
+    if out is not target:
+        target.copy_(out)
+
+
+class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
     """Drop-in for PairReadoutReference: same constructor, submodules and state_dict.
 
-    CUDA float32 inputs run the tuned kernel; CPU inputs or other dtypes run the reference.
+    CUDA input runs the tuned kernels: float32 in `precision` ("ieee", the default: exact fp32;
+    "tf32x3": fp32-accurate on tensor cores; "tf32"), bfloat16 and float16 on tensor cores with
+    fp32 accumulation, fp32 LayerNorm statistics and the max in fp32, float32 under
+    torch.autocast("cuda") in the autocast dtype. CPU inputs or other dtypes run the reference.
     `edge_mask` may be bool, integer or floating point, read as `edge_mask != 0`, so 0/1 masks
     behave as the reference's bool ones (and a NaN entry counts as an edge). N = 0 returns an
     empty (B, 0, D) on every device.
@@ -82,7 +125,7 @@ class PairReadout(KernelModule, PairReadoutReference):
     """
 
     op = READOUT
-    runners = {SPLIT.name: run_split, DIRECT.name: run_direct, GEMM.name: run_gemm}
+    runners = {SPLIT.name: run_split, DIRECT.name: run_direct, GEMM.name: run_gemm, MMA.name: run_mma}
     fast_call_strategies = frozenset({SPLIT.name, DIRECT.name})  # gemm runs a cuBLAS product between its kernels
     _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_counters", "_scratch")
     #: Counters allocated at least this many at a time (4 KB), so growth is rare.
@@ -92,8 +135,9 @@ class PairReadout(KernelModule, PairReadoutReference):
     #: launches it after the prologue has finished (the tests compare the two).
     programmatic_main = True
 
-    def __init__(self, node_dim: int, pair_dim: int, hidden_dim: int):
+    def __init__(self, node_dim: int, pair_dim: int, hidden_dim: int, precision: str = "ieee"):
         super().__init__(node_dim, pair_dim, hidden_dim)
+        self.precision = precision
         self.widths = {"D": int(node_dim), "P": int(pair_dim), "H": int(hidden_dim)}
         paths = [(layer, name) for layer in ("fuse.0", "fuse.2", "norm") for name in ("weight", "bias")]
         self._weights = PackedParameters(self, paths, self._pack)
@@ -183,12 +227,17 @@ class PairReadout(KernelModule, PairReadoutReference):
         return self._weights.get()
 
     def uses_kernel(self, nodes, pair_feats, edge_mask) -> bool:
-        # CUDA float32 (validated: one device, one dtype). The kernels index pairs with 32-bit
-        # ints; B*N*N*P >= 2^31 runs the reference.
-        if not (nodes.is_cuda and nodes.dtype is torch.float32):
-            return False
+        # CUDA float32 (validated: one device, one dtype), within the kernels' 32-bit indices.
+        return nodes.is_cuda and nodes.dtype is torch.float32 and self._within_int32(nodes)
+
+    def _within_int32(self, nodes) -> bool:
+        """The kernels index pairs with 32-bit ints: B*N*N*P >= 2^31 runs the reference."""
         B, N = nodes.shape[0], nodes.shape[1]
         return B * N * N * self.widths["P"] < 2**31 and B * N * 2 * self.widths["H"] < 2**31
+
+    def kernel_precision(self, nodes, *rest) -> str | None:
+        """As the other tensor-core modules' (TensorCorePrecisions), within the 32-bit indices."""
+        return TensorCorePrecisions.kernel_precision(self, nodes, *rest) if self._within_int32(nodes) else None
 
     def _tile_counters(self, index: int, count: int) -> int:
         """At least `count` zeroed arrival counters on device `index`, for the j split's "last
@@ -221,8 +270,10 @@ class PairReadout(KernelModule, PairReadoutReference):
         edge_mask = edge_mask.contiguous()
         B, N, D = nodes.shape
         if out is None:
-            out = torch.empty_like(nodes)  # nodes is contiguous CUDA float32 here
+            out = torch.empty_like(nodes)  # contiguous CUDA, the reference's dtype (autocast: fp32 in, fp32 out)
         if out.numel() == 0:
             return out
-        self._run(variant or self.variant_for(N, nodes.get_device()), nodes, pair_feats, edge_mask, out)
+        if variant is None:
+            variant = self.variant_for(N, nodes.get_device(), self.kernel_precision(nodes, pair_feats, edge_mask))
+        self._run(variant, nodes, pair_feats, edge_mask, out)
         return out

@@ -1,6 +1,6 @@
 """The pair readout's spec: strategies, search spaces, restrictions, defaults, plans.
 
-Three strategies:
+Four strategies:
   direct  one kernel: per pair, the first Linear over [h_i | h_j | p_ij], the second Linear, and a
           running max over j, per tile of rows i (templates/readout/_pair_max.cuh.j2).
   split   the same kernel after a node prologue (U = nodes W_i^T + b1, V = nodes W_j^T), so a pair
@@ -8,12 +8,16 @@ Three strategies:
   gemm    large shapes: the node prologue, a kernel writing every pair's hidden layer to scratch,
           cuBLAS for the second Linear (TF32 forced off), a pool kernel (masked max, LayerNorm,
           residual). Scratch B*N*N*(H + D) floats per call: 805 MB at B16 N128 D256 H512.
+  mma     tensor cores (bf16, fp16, tf32, tf32x3): split's node prologue, then per step of pairs
+          the W_p product and the second layer as mma.sync products on resident weights, the
+          masked max in the second one's epilogue (templates/readout/mma.cu.j2).
 """
 from __future__ import annotations
 
-from ...spec import (SIXTEEN_BIT_TOLERANCE,
-                     Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, ceil_div,
-                     cuda_bool, flat_tile_grid, padded_stride, section_offsets, smem_fits)
+from ...spec import (HALF_PRECISIONS, MMA_KINDS, SIXTEEN_BIT_TOLERANCE,
+                     Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, byte_sections,
+                     ceil_div, cuda_bool, element_bytes, flat_tile_grid, mma_row_bytes, padded_stride,
+                     persistent_blocks, section_offsets, smem_fits)
 
 #: The pair-max kernel (split, direct): nodes, pair features, mask, weights, uv, scratch, counters,
 #: out, then B, N, row tiles.
@@ -75,6 +79,11 @@ def min_blocks_per_sm(smem_bytes: int, threads: int, limits: DeviceLimits, regis
     by_threads = limits.max_threads_per_sm // threads
     by_registers = 65536 // (threads * registers)
     return max(1, min(by_smem, by_threads, by_registers))
+
+
+#: The exact fp32 strategies keep tf32x3's and tf32's promises too: where they are faster (small
+#: shapes), or where no tensor-core tile fits (W_p and W2 resident), those precisions run them.
+EXACT_SERVES = ("float32", "tf32x3", "tf32")
 
 
 # ---- split and direct ---------------------------------------------------------------------------
@@ -201,6 +210,7 @@ DIRECT = Strategy(
     space=dict(_SPACE),
     derive=_derive_direct,
     restrictions=_RESTRICTIONS,
+    precisions=EXACT_SERVES,
 )
 
 SPLIT = Strategy(
@@ -213,6 +223,7 @@ SPLIT = Strategy(
     space={**_SPACE, "prologue_rows": (2, 8)},
     derive=_derive_split,
     restrictions=_RESTRICTIONS,
+    precisions=EXACT_SERVES,
 )
 
 
@@ -322,6 +333,97 @@ GEMM = Strategy(
         Restriction("shared memory exceeds the per-block limit", smem_fits),
         Restriction("the pool kernel's block exceeds 1024 threads", lambda p, _: p.context["pool_threads"] <= 1024),
     ),
+    precisions=EXACT_SERVES,
+)
+
+
+# ---- tensor cores (mma) -------------------------------------------------------------------------
+
+#: The mma kernel: nodes, pair features, mask, weights, uv, out, then B, N, row tiles.
+MMA_ARGS = ("ptr",) * 6 + ("i32",) * 3
+
+
+def mma_weight_offsets(D: int, P: int, H: int, elem_bytes: int) -> dict[str, int]:
+    """Byte offsets of the mma strategy's packed weights (shared with templates/readout/mma.cu.j2):
+    the fp32 pack of weight_offsets() (the node prologue's [W_i^T | W_j^T] and b1, b2, gamma and
+    beta), then W_p [H][P] and W2 [D][H] n-major (nn.Linear's layout) in the operand type, each
+    section 16-byte aligned; "total" in bytes."""
+    fp32_bytes = 4 * weight_offsets(D, P, H)["total"]
+    operands = byte_sections([("wp", H * P * elem_bytes), ("w2", D * H * elem_bytes)])
+    return {"wp": fp32_bytes + operands["wp"], "w2": fp32_bytes + operands["w2"], "total": fp32_bytes + operands["total"]}
+
+
+def _mma_shape(params: dict) -> dict:
+    """Pairs per step, 16-row fragments per warp (0 where the warps do not split the step) and the
+    columns one pass of the warps covers."""
+    rows = params["tile_i"] * params["tile_j"]
+    mt = rows // (16 * params["warps_m"]) if rows % (16 * params["warps_m"]) == 0 else 0
+    return {"rows": rows, "mt": mt, "nt": params["wn"] // 8, "pass": params["warps_n"] * params["wn"]}
+
+
+def _derive_mma(params: dict, w: dict, name: str):
+    """The main kernel (declared first: the restrictions read its block), a programmatic dependent
+    of the node prologue (fp32 U and V; 16-bit node rows are widened as they load)."""
+    D, P, H, precision = w["D"], w["P"], w["H"], w["precision"]
+    eb = element_bytes(precision)
+    half = precision in HALF_PRECISIONS
+    x_row, z_row, d_stride = mma_row_bytes(P, eb), mma_row_bytes(H, eb), padded_stride(D)
+    shape = _mma_shape(params)
+    threads = 32 * params["warps_m"] * params["warps_n"]
+    slots = 8 * params["warps_m"]
+    # resident W_p and W2, the step's pair and hidden rows, the running maxima, validity, any-edge flags
+    smem = (H * x_row + D * z_row + shape["rows"] * (x_row + z_row)
+            + 4 * (slots * d_stride + align(shape["rows"]) + align(slots)))
+    context = {"D": D, "P": P, "H": H, "off": weight_offsets(D, P, H), "mma_off": mma_weight_offsets(D, P, H, eb),
+               "mma_kind": MMA_KINDS[precision], "node_t": "elem_t" if half else "float", "node_half": half,
+               "tile_i": params["tile_i"], "tile_j": params["tile_j"], "warps_m": params["warps_m"],
+               "warps_n": params["warps_n"], "wn": params["wn"], "d_stride": d_stride, "smem": smem,
+               "min_blocks": params["blocks_per_sm"], "mma_shape": shape,
+               "prologue_rows": params["prologue_rows"], "prologue_threads": PROLOGUE_THREADS,
+               "prologue_cols": PROLOGUE_COLS}
+
+    def grid(B, N, sms, resident, _ti=params["tile_i"], _per_sm=params["blocks_per_sm"]):
+        tiles = row_tiles(B, N, _ti)
+        return persistent_blocks(tiles, _per_sm, sms, resident), (B, N, tiles)
+
+    return context, (Kernel(name, threads, smem, MMA_ARGS, grid, mode="programmatic"),
+                     _nodes_kernel(name, H, params["prologue_rows"]))
+
+
+def _mma_layout_ok(plan: Plan, limits: DeviceLimits) -> bool:
+    shape, w = plan.context["mma_shape"], plan.widths
+    return shape["mt"] >= 1 and w["H"] % shape["pass"] == 0 and w["D"] % shape["pass"] == 0
+
+
+def _mma_rows_whole(plan: Plan, limits: DeviceLimits) -> bool:
+    """Operand rows of whole 16-byte pieces (cp.async), node rows of whole 4-element loads."""
+    eb = element_bytes(plan.precision)
+    w = plan.widths
+    return (w["P"] * eb) % 16 == 0 and (w["H"] * eb) % 16 == 0 and w["D"] % 4 == 0
+
+
+MMA = Strategy(
+    name="mma",
+    summary="tensor cores: the node prologue (U, V), then per step of tile_i x tile_j pairs the first layer's "
+            "W_p product and the second layer as mma.sync products on resident weights, the masked max in "
+            "the second one's epilogue",
+    # tile_i rows i (dividing 8: a thread's fragment rows share a node) by tile_j partners per step;
+    # warps_m x warps_n warps, wn columns each per pass; blocks_per_sm: the persistent grid's
+    # blocks per SM; prologue_rows as the split strategy's.
+    space={"tile_i": (1, 2, 4, 8), "tile_j": (8, 16, 32, 64), "warps_m": (1, 2, 4), "warps_n": (1, 2, 4),
+           "wn": (16, 32, 64), "blocks_per_sm": (1, 2), "prologue_rows": (2, 8)},
+    derive=_derive_mma,
+    restrictions=(
+        Restriction("steps must split into 16-row fragments per warp, and passes tile H and D", _mma_layout_ok),
+        Restriction("P and H rows must be whole 16-byte pieces in the operand type, D a multiple of 4",
+                    _mma_rows_whole),
+        Restriction("at most 128 accumulators per thread",
+                    lambda p, _: 4 * p.context["mma_shape"]["mt"] * p.context["mma_shape"]["nt"] <= 128),
+        Restriction("shared memory exceeds the per-block limit (W_p and W2 stay resident)", smem_fits),
+        Restriction("persistent blocks must be co-resident on an SM",
+                    lambda p, limits: p.params["blocks_per_sm"] * p.smem_bytes <= limits.smem_per_sm),
+    ),
+    precisions=tuple(MMA_KINDS),
 )
 
 
@@ -331,7 +433,7 @@ class ReadoutSpec(OpSpec):
     added_params = {"split": {"j_split": 1, "prologue_rows": 8}, "direct": {"j_split": 1}}
     name = "readout"
     width_names = ("D", "P", "H")
-    strategies = {s.name: s for s in (SPLIT, DIRECT, GEMM)}
+    strategies = {s.name: s for s in (SPLIT, DIRECT, GEMM, MMA)}
     default_points = (
         # Real widths (D, H multiples of 64): 64 columns per pass, 4 rows i x 16 partners j.
         ("split", {"tile_i": 4, "tile_j": 16, "threads": 256, "threads_n": 8, "tn": 8, "unroll": 4,
@@ -350,6 +452,18 @@ class ReadoutSpec(OpSpec):
         # micro-tiles, 64 hidden columns per chunk (every preset width; unroll 4 spilled 4 bytes at
         # P = 16, where it unrolls the whole k loop); then 8 columns of 64-pair tiles (any D, P, H
         # multiple of 8 up to 512, e.g. D=504 H=496, whose split tiles outgrow shared memory).
+        # Tensor cores (bf16, fp16, tf32, tf32x3; W_p and W2 resident, so not every width fits):
+        # D, H multiples of 64 with 64-pair steps of 8 warps; the seed's (96, 192) with 32-pair
+        # steps of 4 warps and 32 columns per pass; any D, H multiple of 16; 32-pair steps where
+        # fp32 operands (the tf32 kinds) at D 128, H 256 outgrow 64-pair ones.
+        ("mma", {"tile_i": 4, "tile_j": 16, "warps_m": 4, "warps_n": 2, "wn": 32, "blocks_per_sm": 1,
+                 "prologue_rows": 8}),
+        ("mma", {"tile_i": 2, "tile_j": 16, "warps_m": 2, "warps_n": 2, "wn": 16, "blocks_per_sm": 2,
+                 "prologue_rows": 2}),
+        ("mma", {"tile_i": 4, "tile_j": 16, "warps_m": 4, "warps_n": 1, "wn": 16, "blocks_per_sm": 1,
+                 "prologue_rows": 8}),
+        ("mma", {"tile_i": 2, "tile_j": 16, "warps_m": 2, "warps_n": 1, "wn": 16, "blocks_per_sm": 1,
+                 "prologue_rows": 8}),
         ("gemm", {"tile": 128, "threads": 128, "tm": 8, "tn": 8, "unroll": 2, "weights_smem": False,
                   "pool_nodes": 4, "pool_warps": 2}),
         ("gemm", {"tile": 64, "threads": 128, "tm": 1, "tn": 4, "unroll": 4, "weights_smem": False,
@@ -359,7 +473,8 @@ class ReadoutSpec(OpSpec):
         "seed": ({"B": 4, "N": 24, "D": 96, "P": 16, "H": 192},),
         "real": ({"B": 8, "N": 64, "D": 128, "P": 32, "H": 256}, {"B": 16, "N": 128, "D": 256, "P": 64, "H": 512}),
     }
-    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5),  # 16-bit: modules in those dtypes (no kernels)
+    tolerance = {"float32": Tolerance(max_abs=1e-4, rel_l2=1e-5), "tf32x3": Tolerance(max_abs=1e-4, rel_l2=1e-5),
+                 "tf32": Tolerance(max_abs=float("inf"), rel_l2=5e-3),
                  "bfloat16": SIXTEEN_BIT_TOLERANCE, "float16": SIXTEEN_BIT_TOLERANCE}
 
     def constructor_args(self, widths: dict) -> dict:

@@ -1,0 +1,122 @@
+"""CPU: the readout's tensor-core strategy (mma: bf16, fp16, tf32, tf32x3): plans and restrictions,
+the packed weights' layout, defaults compiling without spills for sm_90 and sm_80, the exact
+strategies standing in for the tf32 kinds, the module's precision option. Its accuracy runs on the
+GPU (tests/test_readout_mma_gpu.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import generator, sampled_plans
+from pairgen import codegen, compiler
+from pairgen.ops import get_op
+from pairgen.ops.readout.module import pack_mma_weights
+from pairgen.ops.readout.spec import mma_weight_offsets, weight_offsets
+from pairgen.spec import HALF_PRECISIONS, MMA_KINDS, DeviceLimits
+
+READOUT = get_op("readout")
+SEED, REAL, LARGE = ({**shape} for shapes in READOUT.presets.values() for shape in shapes)
+WIDTHS = [{"D": 96, "P": 16, "H": 192}, {"D": 128, "P": 32, "H": 256}, {"D": 48, "P": 24, "H": 80}]
+
+
+@pytest.mark.parametrize("precision", list(MMA_KINDS))
+def test_defaults_per_precision(precision):
+    """Every precision has an mma default at the seed's and B8 N64's widths (16 bits: the default
+    itself; the tf32 kinds: after the exact split kernel, which keeps their promise); at D256
+    H512 no mma tile fits (W2 alone would take 266 KB resident), so 16 bits have no kernel there
+    and the tf32 kinds run the exact kernels."""
+    limits = DeviceLimits()
+    for shape in (SEED, REAL):
+        widths = READOUT.widths_of(shape)
+        mma = [plan for plan in (READOUT.plan("mma", params, widths, precision)
+                                 for strategy, params in READOUT.default_points if strategy == "mma")
+               if not READOUT.infeasible(plan, limits)]
+        assert mma and mma[0].precision == precision
+        default = READOUT.default_plan(widths, limits, precision)
+        assert default.strategy == ("mma" if precision in HALF_PRECISIONS else "split")
+    large = READOUT.default_plan(READOUT.widths_of(LARGE), limits, precision)
+    assert (large is None) if precision in HALF_PRECISIONS else large.strategy == "split"
+
+
+def test_restrictions_name_what_is_wrong():
+    w = {"D": 96, "P": 16, "H": 192}
+    point = {"tile_i": 2, "tile_j": 16, "warps_m": 2, "warps_n": 2, "wn": 32, "blocks_per_sm": 1, "prologue_rows": 2}
+    wide_pass = READOUT.plan("mma", point, w, "bfloat16")  # 64 columns per pass over D = 96
+    assert any("passes tile H and D" in why for why in READOUT.infeasible(wide_pass, DeviceLimits()))
+    ragged = READOUT.plan("mma", {**point, "warps_m": 4, "wn": 16}, w, "bfloat16")  # 32 pairs over 4 warps
+    assert any("16-row fragments" in why for why in READOUT.infeasible(ragged, DeviceLimits()))
+    odd_p = READOUT.plan("mma", {**point, "wn": 16}, {"D": 96, "P": 12, "H": 192}, "bfloat16")  # 24-byte rows
+    assert any("16-byte pieces" in why for why in READOUT.infeasible(odd_p, DeviceLimits()))
+    assert not any("16-byte pieces" in why
+                   for why in READOUT.infeasible(READOUT.plan("mma", {**point, "wn": 16}, {"D": 96, "P": 12, "H": 192},
+                                                              "tf32x3"), DeviceLimits()))
+    large = READOUT.plan("mma", {**point, "wn": 16}, READOUT.widths_of(LARGE), "bfloat16")
+    assert any("shared memory" in why for why in READOUT.infeasible(large, DeviceLimits()))
+
+
+def test_packed_weights_layout():
+    gen = generator(3)
+    D, P, H = 24, 16, 40
+    module = READOUT.make_module({"D": D, "P": P, "H": H}, gen)
+    params = [module.fuse[0].weight, module.fuse[0].bias, module.fuse[2].weight, module.fuse[2].bias,
+              module.norm.weight, module.norm.bias]
+    fp32 = module.packed_weights()
+    for dtype in (torch.bfloat16, torch.float32):
+        packed = pack_mma_weights(fp32, params, D, P, H, dtype)
+        off = mma_weight_offsets(D, P, H, torch.empty(0, dtype=dtype).element_size())
+        assert packed.numel() == off["total"] and all(v % 16 == 0 for v in off.values())
+        assert off["wp"] == 4 * weight_offsets(D, P, H)["total"]
+        torch.testing.assert_close(packed[: off["wp"]].view(torch.float32), fp32)
+        size = torch.empty(0, dtype=dtype).element_size()
+        wp = packed[off["wp"]: off["wp"] + H * P * size].view(dtype).view(H, P)
+        w2 = packed[off["w2"]: off["w2"] + D * H * size].view(dtype).view(D, H)
+        torch.testing.assert_close(wp, params[0].detach()[:, 2 * D:].to(dtype))
+        torch.testing.assert_close(w2, params[2].detach().to(dtype))
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_defaults_compile_without_spills_and_samples_compile(arch):
+    plans = []
+    for w in WIDTHS:
+        for precision in MMA_KINDS:
+            view = READOUT.at(precision)
+            mma_defaults = [READOUT.plan("mma", params, w, precision) for s, params in READOUT.default_points if s == "mma"]
+            default = next((p for p in mma_defaults if not READOUT.infeasible(p, DeviceLimits(arch=arch))), None)
+            if default is not None:
+                plans.append((default, True))
+            plans += [(p, False) for p in sampled_plans(view, "mma", w, 1, seed=9)[-1:]]
+    assert len([p for p, default in plans if default]) >= 12
+    rendered = [codegen.render_plan(p) for p, _ in plans]
+    results = compiler.compile_many([(r.source, r.kernel_name, arch) for r in rendered])
+    for (plan, default), result in zip(plans, results):
+        assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
+        if default:
+            assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label} {plan.widths}: {result.summary()}"
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
+def test_the_exact_kernels_stand_in_for_the_tf32_kinds_unchanged(precision):
+    """The exact strategies offered to tf32x3 and tf32 run the fp32 kernels' code: the rendered
+    sources differ only in the header's precision line."""
+    for strategy, point in READOUT.default_points:
+        if strategy == "mma":
+            continue
+        exact, stand_in = (codegen.render_plan(READOUT.plan(strategy, point, WIDTHS[1], p))
+                           for p in ("float32", precision))
+        assert [line for line in stand_in.source.splitlines() if line != f"// precision {precision}"] \
+            == exact.source.splitlines()
+        assert stand_in.source != exact.source
+
+
+def test_the_precision_option():
+    module = READOUT.make_module({"D": 24, "P": 16, "H": 40}, generator(4))
+    assert module.precision == "ieee" and "precision" not in repr(module)
+    assert set(module.state_dict()) == set(READOUT.make_reference(module).state_dict())
+    module.precision = "tf32x3"
+    assert "precision='tf32x3'" in repr(module)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        module.precision = "fp8"
+    inputs = READOUT.make_inputs({"B": 2, "N": 5, "D": 24, "P": 16, "H": 40}, generator(5))
+    assert module.kernel_precision(*inputs) is None  # on the CPU: the reference
+    with torch.no_grad():
+        torch.testing.assert_close(module(*inputs), READOUT.make_reference(module)(*inputs))

@@ -1,0 +1,113 @@
+"""GPU: the readout's tensor-core strategy (mma) against the float64 reference in every precision
+(bfloat16, float16: module and inputs in that dtype; tf32x3 at the fp32 standard; tf32), over
+sampled points and odd shapes with heavy tails and NaN-prefilled outputs; the mask and NaN
+semantics; 16-bit modules, fp32 modules under autocast and tf32x3 modules through the module."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases, compiled_variant, generator,
+                     run_variant, sampled_plans)
+from pairgen import runtime
+from pairgen.ops.readout import READOUT
+from pairgen.spec import MMA_KINDS
+from pairgen.tuning.check import compare, reference64
+
+pytestmark = pytest.mark.gpu
+SEED_WIDTHS = {"D": 96, "P": 16, "H": 192}
+#: An fp32 module under autocast, against the float64 fp32 reference: its pair features, weights
+#: and (for the residual) node rows rounded to bf16 alone give a few 1e-3.
+AUTOCAST_BOUND = 2e-2
+
+
+def _default_and_two_samples(precision: str, widths: dict) -> list:
+    plans = sampled_plans(READOUT.at(precision), "mma", widths, 2, seed=23)
+    return list({id(p): p for p in plans[:1] + plans[-2:]}.values())
+
+
+CASES = [pytest.param(plan, id=f"{precision}-D{w['D']}P{w['P']}H{w['H']}-{plan.label}")
+         for precision in MMA_KINDS for w in (SEED_WIDTHS, {"D": 128, "P": 32, "H": 256}, {"D": 48, "P": 24, "H": 80})
+         for plan in _default_and_two_samples(precision, w)]
+variants = compiled_cases(CASES)
+
+
+@pytest.mark.parametrize("plan", CASES)
+def test_mma_variant_matches_float64_reference(plan, variants):
+    assert_variant_matches_float64(READOUT, plan, compiled_variant(variants, plan), ODD_SHAPES)
+
+
+@pytest.mark.parametrize("precision,dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_semantics_in_16_bits(precision, dtype):
+    """Fully masked rows give nodes + norm.bias; NaN at a valid edge makes the row NaN, at a masked
+    edge it is ignored; the module runs the mma kernel and answers in its dtype."""
+    gen = generator(33)
+    module = READOUT.make_module(SEED_WIDTHS, gen).cuda().to(dtype)
+    nodes, pair, mask = READOUT.make_inputs({"B": 3, "N": 37, **SEED_WIDTHS}, gen)
+    nodes, pair, mask = nodes.cuda().to(dtype), pair.cuda().to(dtype), mask.cuda()
+    mask[2] = False  # a graph without edges
+    pair[0, 5, 9, 3] = float("nan")
+    mask[0, 5, 9] = True
+    pair[1, 6, 9, 3] = float("nan")
+    mask[1, 6, 9] = False
+    assert module.kernel_precision(nodes, pair, mask) == precision
+    assert module.variant_for(37, nodes.device, precision).plan.strategy == "mma"
+    with torch.no_grad():
+        out = module(nodes, pair, mask)
+    assert out.dtype == dtype
+    assert torch.isnan(out[0, 5]).all() and torch.isfinite(out[1, 6]).all()
+    expected = (nodes.float() + module.norm.bias.float()).to(dtype)
+    torch.testing.assert_close(out[2], expected[2], rtol=0, atol=0)
+    torch.testing.assert_close(out[:, 0], expected[:, 0], rtol=0, atol=0)
+    ref = reference64(module, (nodes, pair, mask))
+    finite = torch.isfinite(ref).all(dim=-1)  # all but node 5 of graph 0
+    assert compare(out[finite], ref[finite], READOUT.tolerance[precision]).ok
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_module_under_autocast(dtype):
+    """Output dtype as the reference's under the same autocast (fp32: it ends in the residual of
+    fp32 nodes); error against the float64 fp32 reference within AUTOCAST_BOUND; a parameter update
+    reaches the next call."""
+    gen = generator(6)
+    widths = {"D": 128, "P": 32, "H": 256}
+    module = READOUT.make_module(widths, gen).cuda()
+    reference = READOUT.make_reference(module)
+    inputs = tuple(t.cuda() for t in READOUT.make_inputs({"B": 2, "N": 45, **widths}, gen))
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        assert module.kernel_precision(*inputs) == {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        out, ref_out = module(*inputs), reference(*inputs)
+    assert out.dtype == ref_out.dtype
+    assert compare(out.float(), reference64(module, inputs), READOUT.tolerance["float32"]).rel_l2 <= AUTOCAST_BOUND
+    with torch.no_grad():
+        module.fuse[2].weight.mul_(2.0)  # an optimizer-style in-place update
+        with torch.autocast("cuda", dtype=dtype):
+            again = module(*inputs)
+    assert compare(again.float(), reference64(module, inputs), READOUT.tolerance["float32"]).rel_l2 <= AUTOCAST_BOUND
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
+def test_tf32_kinds_through_the_module(precision):
+    gen = generator(9)
+    widths = {"D": 128, "P": 32, "H": 256}
+    module = READOUT.make_module(widths, gen).cuda()
+    module.precision = precision
+    inputs = tuple(t.cuda() for t in READOUT.make_inputs({"B": 3, "N": 41, **widths}, gen, "cauchy"))
+    plan = next(p for p in _default_and_two_samples(precision, widths))
+    module.force_variant(runtime.build_variant(plan))
+    with torch.no_grad():
+        out = module(*inputs)
+    assert out.dtype == torch.float32
+    assert compare(out, reference64(module, inputs), READOUT.tolerance[precision]).ok
+
+
+def test_launch_into_nan_prefilled_output_is_complete():
+    """Every row of a B3 N123 output is written (NaN-prefilled, odd N, partial steps)."""
+    widths = {"D": 48, "P": 24, "H": 80}
+    plan = _default_and_two_samples("bfloat16", widths)[0]
+    gen = generator(12)
+    module = READOUT.make_module(widths, gen).cuda().to(torch.bfloat16)
+    nodes, pair, mask = READOUT.make_inputs({"B": 3, "N": 123, **widths}, gen)
+    inputs = (nodes.cuda().bfloat16(), pair.cuda().bfloat16(), mask.cuda())
+    out = run_variant(module, inputs, runtime.build_variant(plan), (3, 123, 48))
+    assert torch.isfinite(out).all()
