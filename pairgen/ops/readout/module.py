@@ -90,9 +90,11 @@ def run_mma(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -
         nodes, pair_feats = nodes.to(dtype), pair_feats.to(dtype)
         out = torch.empty_like(nodes)
     device = nodes.get_device()
-    fp32_pack = module._weights.get()
-    weights = module._packed_for(dtype, lambda params: pack_mma_weights(fp32_pack, params, D, module.widths["P"],
-                                                                         H, dtype)).get()
+    P = module.widths["P"]
+    # The pack function is kept with the pack and rerun after a parameter update: it reads the fp32
+    # pack then, not the one of this call.
+    weights = module._packed_for(dtype, lambda params: pack_mma_weights(module._weights.get(), params, D, P, H,
+                                                                         dtype)).get()
     main, prologue = variant.launches(device, B, N, programmatic=module.programmatic_main)
     uv = module._split_scratch(device, B * N * 2 * H)
     prologue(nodes.data_ptr(), weights.data_ptr(), uv, *prologue.tail)
