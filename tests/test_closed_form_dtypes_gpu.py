@@ -104,8 +104,7 @@ def _small_case(op: str, seed: int, dtype: torch.dtype):
     spec = get_op(op)
     gen = generator(seed)
     module = spec.make_module(spec.widths_of(SMALL[op]), gen).cuda().to(dtype)
-    if op == "contact":
-        module.kernel_precision = lambda *call: None  # as a call no kernel serves (its mma strategy would)
+    module.kernel_precision = lambda *call: None  # as a call no kernel serves (the ops' mma strategies would)
     inputs = tuple(t.cuda().to(dtype) if t.is_floating_point() else t.cuda()
                    for t in spec.make_inputs(SMALL[op], gen, "cauchy"))
     launched = []
