@@ -111,3 +111,21 @@ def test_launch_into_nan_prefilled_output_is_complete():
     inputs = (nodes.cuda().bfloat16(), pair.cuda().bfloat16(), mask.cuda())
     out = run_variant(module, inputs, runtime.build_variant(plan), (3, 123, 48))
     assert torch.isfinite(out).all()
+
+
+def test_16_bit_calls_at_widths_no_mma_tile_fits_run_the_fp32_kernels():
+    """D256 H512: W2 alone outgrows shared memory in 16 bits, so a small bf16 call runs the exact
+    fp32 kernels on the input made fp32 (as before the mma strategy), not the reference."""
+    widths = {"D": 256, "P": 64, "H": 512}
+    gen = generator(14)
+    module = READOUT.make_module(widths, gen).cuda().to(torch.bfloat16)
+    nodes, pair, mask = READOUT.make_inputs({"B": 1, "N": 19, **widths}, gen)
+    inputs = (nodes.cuda().bfloat16(), pair.cuda().bfloat16(), mask.cuda())
+    assert module.variant_for(19, 0, "bfloat16") is None and module.kernel_precision(*inputs) is None
+    launched = []
+    launch = module._launch
+    module._launch = lambda *args, **kw: launched.append(args[0].dtype) or launch(*args, **kw)
+    with torch.no_grad():
+        out = module(*inputs)
+    assert launched == [torch.float32] and out.dtype == torch.bfloat16
+    assert compare(out, reference64(module, inputs), READOUT.tolerance["bfloat16"]).ok
