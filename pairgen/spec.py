@@ -448,6 +448,18 @@ def smem_fits(plan: Plan, limits: DeviceLimits) -> bool:
     return all(k.smem_bytes <= limits.max_smem_per_block for k in plan.kernels)
 
 
+#: What every tensor-core tile strategy (a plan context with "mma_shape": mt 16-row and nt 8-column
+#: fragments per warp) must satisfy: its accumulators in registers, its block in shared memory, its
+#: persistent grid's blocks resident together.
+MMA_TILE_RESTRICTIONS = (
+    Restriction("at most 128 accumulators per thread",
+                lambda p, _: 4 * p.context["mma_shape"]["mt"] * p.context["mma_shape"]["nt"] <= 128),
+    Restriction("shared memory exceeds the per-block limit", smem_fits),
+    Restriction("persistent blocks must be co-resident on an SM",
+                lambda p, limits: p.params["blocks_per_sm"] * p.smem_bytes <= limits.smem_per_sm),
+)
+
+
 def persistent_blocks(num_tiles: int, blocks_per_sm: int, sms: int, resident_per_sm: int) -> int:
     """Blocks of a persistent grid (blocks_per_sm per SM, each looping over tiles), or one block per
     tile (blocks_per_sm 0). Clamped to the blocks that can be resident at once (registers decide

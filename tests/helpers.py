@@ -14,7 +14,7 @@ import torch
 from pairgen import codegen, compiler, runtime
 from pairgen.tuning.check import compare, reference64
 from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
-from pairgen.spec import DeviceLimits
+from pairgen.spec import MMA_KINDS, DeviceLimits
 from pairgen.tuned import TunedDB
 
 #: cuLaunchKernel's signature, for ctypes stand-ins of the driver in the fast-call tests.
@@ -135,6 +135,31 @@ def sampled_cases(spec, widths_list, k: int, label=None) -> list:
             for widths in widths_list
             for strategy in spec.strategies
             for plan in sampled_plans(spec, strategy, widths, k)]
+
+
+def feasible_defaults(spec, strategy: str, widths: dict, precision: str, limits=DeviceLimits()) -> list:
+    """The op's default points of `strategy` at these widths in `precision` that pass the
+    restrictions, in the order the defaults are tried."""
+    plans = (spec.plan(strategy, params, widths, precision) for s, params in spec.default_points if s == strategy)
+    return [plan for plan in plans if not spec.infeasible(plan, limits)]
+
+
+def assert_tensor_core_defaults_compile(spec, strategy: str, widths_list: list, arch: str, min_defaults: int) -> None:
+    """For each widths and tensor-core precision: the first feasible default of `strategy` compiles
+    for `arch` without spills, and one sampled point compiles."""
+    limits = DeviceLimits(arch=arch)
+    plans = []
+    for widths in widths_list:
+        for precision in MMA_KINDS:
+            plans += [(plan, True) for plan in feasible_defaults(spec, strategy, widths, precision, limits)[:1]]
+            plans += [(plan, False) for plan in sampled_plans(spec.at(precision), strategy, widths, 1, seed=9)[-1:]]
+    assert len([plan for plan, default in plans if default]) >= min_defaults
+    rendered = [codegen.render_plan(plan) for plan, _ in plans]
+    results = compiler.compile_many([(r.source, r.kernel_name, arch) for r in rendered])
+    for (plan, default), result in zip(plans, results):
+        assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
+        if default:
+            assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label} {plan.widths}: {result.summary()}"
 
 
 def compile_plans(plans) -> dict:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import generator, sampled_plans
-from pairgen import codegen, compiler
+from helpers import assert_tensor_core_defaults_compile, feasible_defaults, generator
+from pairgen import codegen
 from pairgen.ops import get_op
 from pairgen.ops.contact.module import pack_mma_weights
 from pairgen.ops.contact.spec import mma_weight_offsets
@@ -24,9 +24,7 @@ def test_every_preset_width_has_an_mma_default_in_every_precision(precision):
     for shapes in CONTACT.presets.values():
         for shape in shapes:
             widths = CONTACT.widths_of(shape)
-            mma = [plan for plan in (CONTACT.plan("mma", params, widths, precision)
-                                     for strategy, params in CONTACT.default_points if strategy == "mma")
-                   if not CONTACT.infeasible(plan, limits)]
+            mma = feasible_defaults(CONTACT, "mma", widths, precision, limits)
             assert mma and mma[0].precision == precision
             default = CONTACT.default_plan(widths, limits, precision)
             # 16 bits: the tensor cores; the tf32 kinds: the exact kernel first (it keeps their promise)
@@ -58,10 +56,7 @@ def test_restrictions_name_what_is_wrong():
     two = CONTACT.plan("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 2},
                        {"P": 128, "H": 128}, "tf32x3")
     assert any("co-resident" in why for why in CONTACT.infeasible(two, DeviceLimits()))
-    first_fit = next(plan for plan in (CONTACT.plan("mma", params, {"P": 128, "H": 128}, "tf32x3")
-                                       for strategy, params in CONTACT.default_points if strategy == "mma")
-                     if not CONTACT.infeasible(plan, DeviceLimits()))
-    assert first_fit.params["blocks_per_sm"] == 1
+    assert feasible_defaults(CONTACT, "mma", {"P": 128, "H": 128}, "tf32x3")[0].params["blocks_per_sm"] == 1
 
 
 def test_packed_weights_layout():
@@ -87,20 +82,7 @@ def test_packed_weights_layout():
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_defaults_compile_without_spills_and_samples_compile(arch):
-    plans = []
-    for w in WIDTHS:
-        for precision in MMA_KINDS:
-            default = CONTACT.default_plan(w, DeviceLimits(arch=arch), precision)
-            if default is not None:
-                plans.append((default, True))
-            plans += [(p, False) for p in sampled_plans(CONTACT.at(precision), "mma", w, 1, seed=9)[-1:]]
-    assert len([p for p, default in plans if default]) >= 12
-    rendered = [codegen.render_plan(p) for p, _ in plans]
-    results = compiler.compile_many([(r.source, r.kernel_name, arch) for r in rendered])
-    for (plan, default), result in zip(plans, results):
-        assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
-        if default:
-            assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label} {plan.widths}: {result.summary()}"
+    assert_tensor_core_defaults_compile(CONTACT, "mma", WIDTHS, arch, min_defaults=12)
 
 
 def test_the_precision_option():

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import generator, sampled_plans
-from pairgen import codegen, compiler
+from helpers import assert_tensor_core_defaults_compile, feasible_defaults, generator
+from pairgen import codegen
 from pairgen.ops import get_op
 from pairgen.ops.readout.module import pack_mma_weights
 from pairgen.ops.readout.spec import mma_weight_offsets, weight_offsets
@@ -28,9 +28,7 @@ def test_defaults_per_precision(precision):
     limits = DeviceLimits()
     for shape in (SEED, REAL):
         widths = READOUT.widths_of(shape)
-        mma = [plan for plan in (READOUT.plan("mma", params, widths, precision)
-                                 for strategy, params in READOUT.default_points if strategy == "mma")
-               if not READOUT.infeasible(plan, limits)]
+        mma = feasible_defaults(READOUT, "mma", widths, precision, limits)
         assert mma and mma[0].precision == precision
         default = READOUT.default_plan(widths, limits, precision)
         assert default.strategy == ("mma" if precision in HALF_PRECISIONS else "split")
@@ -76,22 +74,7 @@ def test_packed_weights_layout():
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_defaults_compile_without_spills_and_samples_compile(arch):
-    plans = []
-    for w in WIDTHS:
-        for precision in MMA_KINDS:
-            view = READOUT.at(precision)
-            mma_defaults = [READOUT.plan("mma", params, w, precision) for s, params in READOUT.default_points if s == "mma"]
-            default = next((p for p in mma_defaults if not READOUT.infeasible(p, DeviceLimits(arch=arch))), None)
-            if default is not None:
-                plans.append((default, True))
-            plans += [(p, False) for p in sampled_plans(view, "mma", w, 1, seed=9)[-1:]]
-    assert len([p for p, default in plans if default]) >= 12
-    rendered = [codegen.render_plan(p) for p, _ in plans]
-    results = compiler.compile_many([(r.source, r.kernel_name, arch) for r in rendered])
-    for (plan, default), result in zip(plans, results):
-        assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
-        if default:
-            assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label} {plan.widths}: {result.summary()}"
+    assert_tensor_core_defaults_compile(READOUT, "mma", WIDTHS, arch, min_defaults=12)
 
 
 @pytest.mark.parametrize("precision", ["tf32x3", "tf32"])

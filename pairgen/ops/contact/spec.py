@@ -11,7 +11,7 @@ Four strategies:
 """
 from __future__ import annotations
 
-from ...spec import (MMA_KINDS, SIXTEEN_BIT_TOLERANCE, byte_sections, element_bytes, mma_row_bytes,
+from ...spec import (MMA_KINDS, MMA_TILE_RESTRICTIONS, SIXTEEN_BIT_TOLERANCE, byte_sections, element_bytes, mma_row_bytes,
                      Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, ceil_div,
                      cuda_bool, is_pow2, padded_stride, persistent_blocks, section_offsets, smem_fits)
 
@@ -215,11 +215,7 @@ MMA = Strategy(
     restrictions=(
         Restriction("tiles must split into 16-row fragments per warp, passes must tile H, and P, H be "
                     "multiples of 8", _mma_layout_ok),
-        Restriction("at most 128 accumulators per thread",
-                    lambda p, _: 4 * p.context["mma_shape"]["mt"] * p.context["mma_shape"]["nt"] <= 128),
-        Restriction("shared memory exceeds the per-block limit", smem_fits),
-        Restriction("persistent blocks must be co-resident on an SM",
-                    lambda p, limits: p.params["blocks_per_sm"] * p.smem_bytes <= limits.smem_per_sm),
+        *MMA_TILE_RESTRICTIONS,
     ),
     precisions=tuple(MMA_KINDS),
 )

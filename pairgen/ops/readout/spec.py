@@ -14,7 +14,7 @@ Four strategies:
 """
 from __future__ import annotations
 
-from ...spec import (HALF_PRECISIONS, MMA_KINDS, SIXTEEN_BIT_TOLERANCE,
+from ...spec import (HALF_PRECISIONS, MMA_KINDS, MMA_TILE_RESTRICTIONS, SIXTEEN_BIT_TOLERANCE,
                      Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, byte_sections,
                      ceil_div, cuda_bool, element_bytes, flat_tile_grid, mma_row_bytes, padded_stride,
                      persistent_blocks, section_offsets, smem_fits)
@@ -417,11 +417,7 @@ MMA = Strategy(
         Restriction("steps must split into 16-row fragments per warp, and passes tile H and D", _mma_layout_ok),
         Restriction("P and H rows must be whole 16-byte pieces in the operand type, D a multiple of 4",
                     _mma_rows_whole),
-        Restriction("at most 128 accumulators per thread",
-                    lambda p, _: 4 * p.context["mma_shape"]["mt"] * p.context["mma_shape"]["nt"] <= 128),
-        Restriction("shared memory exceeds the per-block limit (W_p and W2 stay resident)", smem_fits),
-        Restriction("persistent blocks must be co-resident on an SM",
-                    lambda p, limits: p.params["blocks_per_sm"] * p.smem_bytes <= limits.smem_per_sm),
+        *MMA_TILE_RESTRICTIONS,  # W_p and W2 stay resident: wide D and H outgrow shared memory
     ),
     precisions=tuple(MMA_KINDS),
 )
