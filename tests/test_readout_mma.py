@@ -103,3 +103,60 @@ def test_the_precision_option():
     assert module.kernel_precision(*inputs) is None  # on the CPU: the reference
     with torch.no_grad():
         torch.testing.assert_close(module(*inputs), READOUT.make_reference(module)(*inputs))
+
+
+def _mma_ownership(c: dict, n: int, grid: int, tiles: int):
+    """The mma kernel's index formulas (templates/readout/mma.cu.j2), for one batch: {(node, slot):
+    pairs folded into that running-max row slot}, {slot: columns per owning thread}, tiles visited."""
+    ti, tj, wm_count, wn_count = c["tile_i"], c["tile_j"], c["warps_m"], c["warps_n"]
+    mt, nt = c["mma_shape"]["mt"], c["mma_shape"]["nt"]
+    rows, step_pass, d = ti * tj, wn_count * nt * 8, c["D"]
+    folded, columns, visited = {}, {}, []
+    for block in range(grid):
+        for tile in range(block, tiles, grid):  # the persistent loop
+            visited.append(tile)
+            i0 = tile * ti
+            for warp in range(wm_count * wn_count):
+                wm, wn = warp % wm_count, warp // wm_count
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    slot = wm * 8 + g
+                    cols = [n0 + k * 8 + 2 * t + e for n0 in range(wn * nt * 8, d, step_pass) for k in range(nt)
+                            for e in (0, 1)]
+                    if tile == 0:
+                        columns.setdefault(slot, []).append(cols)
+                    for j0 in range(0, n, tj):
+                        for mi in range(mt):
+                            for h2 in (0, 1):
+                                m = wm * mt * 16 + mi * 16 + g + 8 * h2
+                                assert m < rows
+                                i, j = i0 + m % ti, j0 + m // ti
+                                assert i == i0 + slot % ti, "a thread's rows share the node of its slot"
+                                if i < n and j < n and wn == 0 and t == 0:  # one owner per row and slot
+                                    folded.setdefault((i, slot), []).append(j)
+    return folded, columns, visited
+
+
+@pytest.mark.parametrize("n", [1, 7, 37, 64])
+def test_every_pair_reaches_its_nodes_pooled_slots_once_and_every_column_has_one_owner(n):
+    """Pooling (_pool.cuh.j2) takes node ii's slots s = ii, ii + TILE_I, ... < THREADS_M: over them,
+    each partner j of the node is folded exactly once; each slot's D columns are split between the
+    threads that share it without overlap; the persistent grid visits every tile once."""
+    for widths in WIDTHS[:2] + [{"D": 48, "P": 24, "H": 80}]:
+        plans = READOUT.at("bfloat16").feasible_plans("mma", widths, DeviceLimits())
+        assert plans
+        for plan in plans[:: max(1, len(plans) // 12)]:
+            c = {**plan.context, "warps_m": plan.params["warps_m"], "warps_n": plan.params["warps_n"]}
+            tiles = -(-n // plan.params["tile_i"])
+            grid, shape = plan.kernels[0].grid(1, n, 132, plan.params["blocks_per_sm"])
+            assert shape == (1, n, tiles)
+            folded, columns, visited = _mma_ownership(c, n, grid, tiles)
+            assert sorted(visited) == list(range(tiles)), plan.label
+            slots = 8 * plan.params["warps_m"]
+            for i in range(n):
+                ii = i % plan.params["tile_i"]
+                partners = [j for s in range(ii, slots, plan.params["tile_i"]) for j in folded.get((i, s), [])]
+                assert sorted(partners) == list(range(n)), (plan.label, i)
+            for slot, owners in columns.items():
+                flat = [col for cols in owners for col in cols]
+                assert sorted(flat) == list(range(widths["D"])), (plan.label, slot)
