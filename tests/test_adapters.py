@@ -102,6 +102,15 @@ def _inputs(P: int, seed: int):
     return x, mask
 
 
+def _patched(model: nn.Module, P: int, seed: int):
+    """Inputs, the model's output, state_dict keys and parameter ids before pairgen.patch, and its report."""
+    x, mask = _inputs(P, seed)
+    with torch.no_grad():
+        before = model(x, mask)
+    keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
+    return (x, mask), before, keys, params, pairgen.patch(model)
+
+
 @pytest.mark.parametrize("outgoing", [True, False])
 def test_openfold_form_is_adapted_with_shared_parameters(outgoing):
     source = _randomize(OpenFoldForm(24, 16, _outgoing=outgoing), 1)
@@ -188,11 +197,7 @@ class Trunk(nn.Module):
 
 def test_patch_swaps_in_place_and_keeps_parameters_keys_and_results(tmp_path):
     model = _randomize(Trunk(), 7)
-    x, mask = _inputs(16, 8)
-    with torch.no_grad():
-        before = model(x, mask)
-    keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
-    report = pairgen.patch(model)
+    (x, mask), before, keys, params, report = _patched(model, 16, 8)
     assert report == ["blocks.0.tri_out (BoltzTriangleMultiplicationOutgoing): swapped for pairgen (AlphaFold 3 / Boltz form, outgoing)",
                       "blocks.0.tri_in (BoltzTriangleMultiplicationIncoming): swapped for pairgen (AlphaFold 3 / Boltz form, incoming)",
                       "openfold_out (OpenFoldForm): swapped for pairgen (OpenFold form, outgoing)"]
@@ -346,11 +351,7 @@ def test_patch_swaps_lucidrains_modules_on_their_own_parameters():
     optimizer step on the model reaches the next call, gradients reach the parameters; a module
     without a bias is reported, not swapped."""
     model = _randomize(LucidrainsTrunk(), 17)
-    x, mask = _inputs(16, 18)
-    with torch.no_grad():
-        before = model(x, mask)
-    keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
-    report = pairgen.patch(model)
+    (x, mask), before, keys, params, report = _patched(model, 16, 18)
     assert report == ["tri_out (LucidrainsTriangleMultiplicativeModule): swapped for pairgen (lucidrains form, outgoing)",
                       "tri_in (LucidrainsTriangleMultiplicativeModule): swapped for pairgen (lucidrains form, incoming)"]
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
