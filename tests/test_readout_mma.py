@@ -16,29 +16,29 @@ from pairgen.spec import HALF_PRECISIONS, MMA_KINDS, DeviceLimits
 
 READOUT = get_op("readout")
 SEED, REAL, LARGE = ({**shape} for shapes in READOUT.presets.values() for shape in shapes)
-WIDTHS = [{"D": 96, "P": 16, "H": 192}, {"D": 128, "P": 32, "H": 256}, {"D": 48, "P": 24, "H": 80}]
+WIDTHS = [{"D": 96, "P": 16, "H": 192}, {"D": 128, "P": 32, "H": 256}, {"D": 48, "P": 24, "H": 80},
+          {"D": 256, "P": 64, "H": 512}]
 
 
 @pytest.mark.parametrize("precision", list(MMA_KINDS))
 def test_defaults_per_precision(precision):
-    """Every precision has an mma default at the seed's and B8 N64's widths (16 bits: the default
-    itself; the tf32 kinds: after the exact split kernel, which keeps their promise); at D256
-    H512 no mma tile fits (W2 alone would take 266 KB resident), so 16 bits have no kernel there
-    and the tf32 kinds run the exact kernels."""
+    """Every precision has an mma default at every preset width (16 bits: the default itself; the
+    tf32 kinds: after the exact split kernel, which keeps their promise): resident weights at the
+    seed's and B8 N64's, streamed ones at D256 H512 (W2 alone would take 266 KB resident)."""
     limits = DeviceLimits()
-    for shape in (SEED, REAL):
+    for shape in (SEED, REAL, LARGE):
         widths = READOUT.widths_of(shape)
         mma = feasible_defaults(READOUT, "mma", widths, precision, limits)
         assert mma and mma[0].precision == precision
+        assert mma[0].params["resident"] == (shape is not LARGE)
         default = READOUT.default_plan(widths, limits, precision)
         assert default.strategy == ("mma" if precision in HALF_PRECISIONS else "split")
-    large = READOUT.default_plan(READOUT.widths_of(LARGE), limits, precision)
-    assert (large is None) if precision in HALF_PRECISIONS else large.strategy == "split"
 
 
 def test_restrictions_name_what_is_wrong():
     w = {"D": 96, "P": 16, "H": 192}
-    point = {"tile_i": 2, "tile_j": 16, "warps_m": 2, "warps_n": 2, "wn": 32, "blocks_per_sm": 1, "prologue_rows": 2}
+    point = {"tile_i": 2, "tile_j": 16, "warps_m": 2, "warps_n": 2, "wn": 32, "blocks_per_sm": 1, "prologue_rows": 2,
+             "resident": True}
     wide_pass = READOUT.plan("mma", point, w, "bfloat16")  # 64 columns per pass over D = 96
     assert any("passes tile H and D" in why for why in READOUT.infeasible(wide_pass, DeviceLimits()))
     ragged = READOUT.plan("mma", {**point, "warps_m": 4, "wn": 16}, w, "bfloat16")  # 32 pairs over 4 warps
@@ -50,6 +50,14 @@ def test_restrictions_name_what_is_wrong():
                                                               "tf32x3"), DeviceLimits()))
     large = READOUT.plan("mma", {**point, "wn": 16}, READOUT.widths_of(LARGE), "bfloat16")
     assert any("shared memory" in why for why in READOUT.infeasible(large, DeviceLimits()))
+    streamed = READOUT.plan("mma", {**point, "wn": 16, "resident": False}, READOUT.widths_of(LARGE), "bfloat16")
+    assert not READOUT.infeasible(streamed, DeviceLimits())
+    # streamed: D / warps_n message columns per warp must be whole pairs of 8-column fragments
+    odd_d = READOUT.plan("mma", {**point, "wn": 16, "resident": False}, {"D": 72, "P": 16, "H": 192}, "bfloat16")
+    assert any("passes tile H and D" in why for why in READOUT.infeasible(odd_d, DeviceLimits()))
+    many = READOUT.plan("mma", {**point, "warps_n": 1, "wn": 64, "resident": False}, READOUT.widths_of(LARGE),
+                        "bfloat16")  # 8 + 32 fragments held per warp
+    assert any("accumulators" in why for why in READOUT.infeasible(many, DeviceLimits()))
 
 
 def test_packed_weights_layout():
@@ -109,8 +117,9 @@ def _mma_ownership(c: dict, n: int, grid: int, tiles: int):
     """The mma kernel's index formulas (templates/readout/mma.cu.j2), for one batch: {(node, slot):
     pairs folded into that running-max row slot}, {slot: columns per owning thread}, tiles visited."""
     ti, tj, wm_count, wn_count = c["tile_i"], c["tile_j"], c["warps_m"], c["warps_n"]
-    mt, nt = c["mma_shape"]["mt"], c["mma_shape"]["nt"]
+    mt, nt = c["mma_shape"]["mt"], c["wn"] // 8
     rows, step_pass, d = ti * tj, wn_count * nt * 8, c["D"]
+    dw = d // wn_count  # streamed: each warp's message columns
     folded, columns, visited = {}, {}, []
     for block in range(grid):
         for tile in range(block, tiles, grid):  # the persistent loop
@@ -121,8 +130,11 @@ def _mma_ownership(c: dict, n: int, grid: int, tiles: int):
                 for lane in range(32):
                     g, t = lane >> 2, lane & 3
                     slot = wm * 8 + g
-                    cols = [n0 + k * 8 + 2 * t + e for n0 in range(wn * nt * 8, d, step_pass) for k in range(nt)
-                            for e in (0, 1)]
+                    if c["resident"]:
+                        cols = [n0 + k * 8 + 2 * t + e for n0 in range(wn * nt * 8, d, step_pass) for k in range(nt)
+                                for e in (0, 1)]
+                    else:
+                        cols = [wn * dw + k * 8 + 2 * t + e for k in range(dw // 8) for e in (0, 1)]
                     if tile == 0:
                         columns.setdefault(slot, []).append(cols)
                     for j0 in range(0, n, tj):
@@ -142,7 +154,7 @@ def test_every_pair_reaches_its_nodes_pooled_slots_once_and_every_column_has_one
     """Pooling (_pool.cuh.j2) takes node ii's slots s = ii, ii + TILE_I, ... < THREADS_M: over them,
     each partner j of the node is folded exactly once; each slot's D columns are split between the
     threads that share it without overlap; the persistent grid visits every tile once."""
-    for widths in WIDTHS[:2] + [{"D": 48, "P": 24, "H": 80}]:
+    for widths in WIDTHS:
         plans = READOUT.at("bfloat16").feasible_plans("mma", widths, DeviceLimits())
         assert plans
         for plan in plans[:: max(1, len(plans) // 12)]:

@@ -11,7 +11,7 @@ from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases,
                      run_variant, sampled_plans)
 from pairgen import runtime
 from pairgen.ops.readout import READOUT
-from pairgen.spec import MMA_KINDS
+from pairgen.spec import MMA_KINDS, DeviceLimits
 from pairgen.tuning.check import compare, reference64
 
 pytestmark = pytest.mark.gpu
@@ -26,15 +26,33 @@ def _default_and_two_samples(precision: str, widths: dict) -> list:
     return list({id(p): p for p in plans[:1] + plans[-2:]}.values())
 
 
+def _streamed(precision: str, widths: dict) -> list:
+    """The weight-streaming mode's first default and a sampled point (resident ones dominate samples)."""
+    view = READOUT.at(precision)
+    plans = [p for p in view.feasible_plans("mma", widths, DeviceLimits()) if not p.params["resident"]]
+    return plans[:1] + plans[len(plans) // 2: len(plans) // 2 + 1]
+
+
 CASES = [pytest.param(plan, id=f"{precision}-D{w['D']}P{w['P']}H{w['H']}-{plan.label}")
          for precision in MMA_KINDS for w in (SEED_WIDTHS, {"D": 128, "P": 32, "H": 256}, {"D": 48, "P": 24, "H": 80})
-         for plan in _default_and_two_samples(precision, w)]
-variants = compiled_cases(CASES)
+         for plan in _default_and_two_samples(precision, w) + _streamed(precision, w)]
+#: The large preset's widths, streamed (16 bits; odd shapes only up to N = 37: the float64 reference
+#: of D256 H512 at N = 123 dominates the time).
+LARGE_CASES = [pytest.param(plan, id=f"{precision}-D256P64H512-{plan.label}")
+               for precision in ("bfloat16", "tf32x3")
+               for plan in _default_and_two_samples(precision, {"D": 256, "P": 64, "H": 512})[:1]]
+variants = compiled_cases(CASES + LARGE_CASES)
 
 
 @pytest.mark.parametrize("plan", CASES)
 def test_mma_variant_matches_float64_reference(plan, variants):
     assert_variant_matches_float64(READOUT, plan, compiled_variant(variants, plan), ODD_SHAPES)
+
+
+@pytest.mark.parametrize("plan", LARGE_CASES)
+def test_streamed_weights_at_the_large_widths(plan, variants):
+    assert plan.strategy == "mma" and not plan.params["resident"]
+    assert_variant_matches_float64(READOUT, plan, compiled_variant(variants, plan), [s for s in ODD_SHAPES if s[1] <= 37])
 
 
 @pytest.mark.parametrize("precision,dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
@@ -114,9 +132,9 @@ def test_launch_into_nan_prefilled_output_is_complete():
 
 
 def test_16_bit_calls_at_widths_no_mma_tile_fits_run_the_fp32_kernels():
-    """D256 H512: W2 alone outgrows shared memory in 16 bits, so a small bf16 call runs the exact
-    fp32 kernels on the input made fp32 (as before the mma strategy), not the reference."""
-    widths = {"D": 256, "P": 64, "H": 512}
+    """D = 100 fits no pass of 16 columns (resident) nor whole fragment pairs per warp (streamed), so a
+    small bf16 call runs the exact fp32 kernels on the input made fp32, not the reference."""
+    widths = {"D": 100, "P": 16, "H": 64}
     gen = generator(14)
     module = READOUT.make_module(widths, gen).cuda().to(torch.bfloat16)
     nodes, pair, mask = READOUT.make_inputs({"B": 1, "N": 19, **widths}, gen)

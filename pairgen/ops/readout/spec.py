@@ -353,12 +353,15 @@ def mma_weight_offsets(D: int, P: int, H: int, elem_bytes: int) -> dict[str, int
     return {"wp": fp32_bytes + operands["wp"], "w2": fp32_bytes + operands["w2"], "total": fp32_bytes + operands["total"]}
 
 
-def _mma_shape(params: dict) -> dict:
-    """Pairs per step, 16-row fragments per warp (0 where the warps do not split the step) and the
-    columns one pass of the warps covers."""
+def _mma_shape(params: dict, D: int) -> dict:
+    """Pairs per step, 16-row fragments per warp (0 where the warps do not split the step), the
+    columns one pass of the warps covers, and the 8-column fragments a warp holds at once: a pass's
+    (resident), or a chunk's and its DW = D / warps_n message columns' (streamed)."""
     rows = params["tile_i"] * params["tile_j"]
     mt = rows // (16 * params["warps_m"]) if rows % (16 * params["warps_m"]) == 0 else 0
-    return {"rows": rows, "mt": mt, "nt": params["wn"] // 8, "pass": params["warps_n"] * params["wn"]}
+    nt = params["wn"] // 8
+    held = nt if params["resident"] else nt + D // params["warps_n"] // 8
+    return {"rows": rows, "mt": mt, "nt": held, "pass": params["warps_n"] * params["wn"]}
 
 
 def _derive_mma(params: dict, w: dict, name: str):
@@ -367,17 +370,22 @@ def _derive_mma(params: dict, w: dict, name: str):
     D, P, H, precision = w["D"], w["P"], w["H"], w["precision"]
     eb = element_bytes(precision)
     half = precision in HALF_PRECISIONS
-    x_row, z_row, d_stride = mma_row_bytes(P, eb), mma_row_bytes(H, eb), padded_stride(D)
-    shape = _mma_shape(params)
+    shape = _mma_shape(params, D)
+    resident = params["resident"]
+    x_row, d_stride = mma_row_bytes(P, eb), padded_stride(D)
+    z_row = mma_row_bytes(H if resident else shape["pass"], eb)  # W2 and hidden rows: all of H, or a chunk
+    wp_rows = H if resident else shape["pass"]
     threads = 32 * params["warps_m"] * params["warps_n"]
     slots = 8 * params["warps_m"]
-    # resident W_p and W2, the step's pair and hidden rows, the running maxima, validity, any-edge flags
-    smem = (H * x_row + D * z_row + shape["rows"] * (x_row + z_row)
+    # W_p and W2 (resident, or a chunk of each), the step's pair and hidden rows, the running
+    # maxima, validity, any-edge flags
+    smem = (wp_rows * x_row + D * z_row + shape["rows"] * (x_row + z_row)
             + 4 * (slots * d_stride + align(shape["rows"]) + align(slots)))
     context = {"D": D, "P": P, "H": H, "off": weight_offsets(D, P, H), "mma_off": mma_weight_offsets(D, P, H, eb),
                "mma_kind": MMA_KINDS[precision], "node_t": "elem_t" if half else "float", "node_half": half,
                "tile_i": params["tile_i"], "tile_j": params["tile_j"], "warps_m": params["warps_m"],
-               "warps_n": params["warps_n"], "wn": params["wn"], "d_stride": d_stride, "smem": smem,
+               "warps_n": params["warps_n"], "wn": params["wn"], "resident": resident, "d_stride": d_stride,
+               "smem": smem,
                "min_blocks": params["blocks_per_sm"], "mma_shape": shape,
                "prologue_rows": params["prologue_rows"], "prologue_threads": PROLOGUE_THREADS,
                "prologue_cols": PROLOGUE_COLS}
@@ -391,8 +399,11 @@ def _derive_mma(params: dict, w: dict, name: str):
 
 
 def _mma_layout_ok(plan: Plan, limits: DeviceLimits) -> bool:
-    shape, w = plan.context["mma_shape"], plan.widths
-    return shape["mt"] >= 1 and w["H"] % shape["pass"] == 0 and w["D"] % shape["pass"] == 0
+    """Whole fragments per warp; passes that tile H, and D (resident) or an even number of message
+    fragments per warp (streamed: D / warps_n columns)."""
+    shape, w, warps_n = plan.context["mma_shape"], plan.widths, plan.params["warps_n"]
+    d_ok = w["D"] % shape["pass"] == 0 if plan.params["resident"] else w["D"] % (16 * warps_n) == 0
+    return shape["mt"] >= 1 and w["H"] % shape["pass"] == 0 and d_ok
 
 
 def _mma_rows_whole(plan: Plan, limits: DeviceLimits) -> bool:
@@ -405,19 +416,26 @@ def _mma_rows_whole(plan: Plan, limits: DeviceLimits) -> bool:
 MMA = Strategy(
     name="mma",
     summary="tensor cores: the node prologue (U, V), then per step of tile_i x tile_j pairs the first layer's "
-            "W_p product and the second layer as mma.sync products on resident weights, the masked max in "
-            "the second one's epilogue",
+            "W_p product and the second layer as mma.sync products, on resident weights or (resident=False) "
+            "chunks of H streamed per step with the messages' accumulators in registers; the masked max in "
+            "the second product's epilogue",
     # tile_i rows i (dividing 8: a thread's fragment rows share a node) by tile_j partners per step;
     # warps_m x warps_n warps, wn columns each per pass; blocks_per_sm: the persistent grid's
-    # blocks per SM; prologue_rows as the split strategy's.
+    # blocks per SM; prologue_rows as the split strategy's; resident: W_p and W2 whole in shared
+    # memory, else streamed in chunks of warps_n * wn hidden columns (widths they outgrow).
     space={"tile_i": (1, 2, 4, 8), "tile_j": (8, 16, 32, 64), "warps_m": (1, 2, 4), "warps_n": (1, 2, 4),
-           "wn": (16, 32, 64), "blocks_per_sm": (1, 2), "prologue_rows": (2, 8)},
+           "wn": (16, 32, 64), "blocks_per_sm": (1, 2), "prologue_rows": (2, 8), "resident": (True, False)},
     derive=_derive_mma,
     restrictions=(
         Restriction("steps must split into 16-row fragments per warp, and passes tile H and D", _mma_layout_ok),
         Restriction("P and H rows must be whole 16-byte pieces in the operand type, D a multiple of 4",
                     _mma_rows_whole),
-        *MMA_TILE_RESTRICTIONS,  # W_p and W2 stay resident: wide D and H outgrow shared memory
+        *MMA_TILE_RESTRICTIONS,  # resident W_p and W2: wide D and H outgrow shared memory
+        # tf32x3 splits each fragment into two: with 80 accumulators (64 of them messages) its
+        # streamed kernel took 255 registers and spilled (ptxas, sm_80).
+        Restriction("tf32x3 streams with at most 64 accumulators per thread",
+                    lambda p, _: p.params["resident"] or p.precision != "tf32x3"
+                    or 4 * p.context["mma_shape"]["mt"] * p.context["mma_shape"]["nt"] <= 64),
     ),
     precisions=tuple(MMA_KINDS),
 )
@@ -448,18 +466,25 @@ class ReadoutSpec(OpSpec):
         # micro-tiles, 64 hidden columns per chunk (every preset width; unroll 4 spilled 4 bytes at
         # P = 16, where it unrolls the whole k loop); then 8 columns of 64-pair tiles (any D, P, H
         # multiple of 8 up to 512, e.g. D=504 H=496, whose split tiles outgrow shared memory).
-        # Tensor cores (bf16, fp16, tf32, tf32x3; W_p and W2 resident, so not every width fits):
+        # Tensor cores (bf16, fp16, tf32, tf32x3), W_p and W2 resident where they fit:
         # D, H multiples of 64 with 64-pair steps of 8 warps; the seed's (96, 192) with 32-pair
         # steps of 4 warps and 32 columns per pass; any D, H multiple of 16; 32-pair steps where
         # fp32 operands (the tf32 kinds) at D 128, H 256 outgrow 64-pair ones.
         ("mma", {"tile_i": 4, "tile_j": 16, "warps_m": 4, "warps_n": 2, "wn": 32, "blocks_per_sm": 1,
-                 "prologue_rows": 8}),
+                 "prologue_rows": 8, "resident": True}),
         ("mma", {"tile_i": 2, "tile_j": 16, "warps_m": 2, "warps_n": 2, "wn": 16, "blocks_per_sm": 2,
-                 "prologue_rows": 2}),
+                 "prologue_rows": 2, "resident": True}),
         ("mma", {"tile_i": 4, "tile_j": 16, "warps_m": 4, "warps_n": 1, "wn": 16, "blocks_per_sm": 1,
-                 "prologue_rows": 8}),
+                 "prologue_rows": 8, "resident": True}),
         ("mma", {"tile_i": 2, "tile_j": 16, "warps_m": 2, "warps_n": 1, "wn": 16, "blocks_per_sm": 1,
-                 "prologue_rows": 8}),
+                 "prologue_rows": 8, "resident": True}),
+        # Streamed weights (widths they outgrow, D 256 H 512): 64 pairs per step, chunks of 64 hidden
+        # columns; each warp holds 128 of D's columns in registers (64 accumulators).
+        ("mma", {"tile_i": 4, "tile_j": 16, "warps_m": 4, "warps_n": 2, "wn": 32, "blocks_per_sm": 1,
+                 "prologue_rows": 8, "resident": False}),
+        # tf32x3's (its split fragments double the operands' registers): 32 pairs, 64 columns per warp.
+        ("mma", {"tile_i": 2, "tile_j": 16, "warps_m": 2, "warps_n": 4, "wn": 16, "blocks_per_sm": 1,
+                 "prologue_rows": 8, "resident": False}),
         ("gemm", {"tile": 128, "threads": 128, "tm": 8, "tn": 8, "unroll": 2, "weights_smem": False,
                   "pool_nodes": 4, "pool_warps": 2}),
         ("gemm", {"tile": 64, "threads": 128, "tm": 1, "tn": 4, "unroll": 4, "weights_smem": False,
