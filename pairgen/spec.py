@@ -393,13 +393,14 @@ class PrecisionView:
 
 # ---- small arithmetic the specs share ----------------------------------------------------------
 
-def section_offsets(sizes: list[tuple[str, int]]) -> dict[str, int]:
-    """Offsets (in floats) of named sections packed one after another, each starting on a
-    16-byte boundary so kernels can read it with float4 loads; "total" is the packed length."""
+def section_offsets(sizes: list[tuple[str, int]], units_per_16_bytes: int = 4) -> dict[str, int]:
+    """Offsets of named sections packed one after another, in the sizes' units (floats by default),
+    each starting on a 16-byte boundary so kernels can read it with 16-byte loads; "total" is the
+    packed length."""
     offsets, at = {}, 0
     for name, size in sizes:
         offsets[name] = at
-        at = align(at + size)
+        at = align(at + size, units_per_16_bytes)
     offsets["total"] = at
     return offsets
 
@@ -489,13 +490,8 @@ HALF_PRECISIONS = ("bfloat16", "float16")
 
 
 def byte_sections(sizes: list[tuple[str, int]]) -> dict[str, int]:
-    """Byte offsets of named sections packed one after another, each 16-byte aligned, and "total"."""
-    offsets, at = {}, 0
-    for name, size in sizes:
-        offsets[name] = at
-        at = align(at + size, 16)
-    offsets["total"] = at
-    return offsets
+    """section_offsets in bytes: the tensor-core packs mix 16-bit and fp32 sections."""
+    return section_offsets(sizes, units_per_16_bytes=16)
 
 
 def element_bytes(precision: str) -> int:
