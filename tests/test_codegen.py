@@ -1,12 +1,14 @@
 """Rendering: every strategy renders, the header names what was rendered, StrictUndefined, hashes."""
 from __future__ import annotations
 
+import re
+
 import jinja2
 import pytest
 
 from helpers import REAL_WIDTHS, SEED_WIDTHS, sampled_plans
 from pairgen import codegen
-from pairgen.ops import render
+from pairgen.ops import get_op, op_names, render
 from pairgen.ops.contact import CONTACT
 
 
@@ -47,3 +49,27 @@ def test_unknown_points_are_rejected():
     params = dict(CONTACT.default_points[0][1], threads=96)
     with pytest.raises(ValueError, match="threads=96 not in"):
         CONTACT.plan("symmetric_tiled", params, SEED_WIDTHS)
+
+
+def _seed_widths(spec) -> dict:
+    first = next(iter(spec.presets.values()))[0]
+    return spec.widths_of(first)
+
+
+def test_multi_kernel_sources_define_no_global_named_smem():
+    """A module-scope symbol named SMEM collides with the name the CUDA linker gives static shared
+    memory: in a module whose other kernel has static shared arrays (the readout's node prologue
+    beside its tensor-core kernel), the driver relocated those arrays by the symbol's value and the
+    prologue wrote outside shared memory (an illegal address on the H200)."""
+    checked = 0
+    for spec in map(get_op, op_names()):
+        for strategy_name, strategy in spec.strategies.items():
+            for precision in strategy.precisions:
+                for plan in sampled_plans(spec.at(precision), strategy_name, _seed_widths(spec), 1)[:1]:
+                    source = codegen.render_plan(plan).source
+                    if source.count("__global__") < 2:
+                        continue
+                    checked += 1
+                    assert not re.search(r"^\s*(static\s+)?(constexpr|const)\s+\w+\s+SMEM\s*=", source, re.M), \
+                        f"{plan.label}: a module-scope SMEM"
+    assert checked >= 10

@@ -22,7 +22,7 @@ SEED_WIDTHS = WIDTHS[0]
 POINTS_PER_STRATEGY = 5
 
 
-CASES = sampled_cases(READOUT, WIDTHS, POINTS_PER_STRATEGY, label="D{D}P{P}H{H}".format_map)
+CASES = sampled_cases(READOUT.at("float32"), WIDTHS, POINTS_PER_STRATEGY, label="D{D}P{P}H{H}".format_map)
 
 
 @pytest.fixture(scope="module")
