@@ -129,7 +129,9 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
 
     op = READOUT
     runners = {SPLIT.name: run_split, DIRECT.name: run_direct, GEMM.name: run_gemm, MMA.name: run_mma}
-    fast_call_strategies = frozenset({SPLIT.name, DIRECT.name})  # gemm runs a cuBLAS product between its kernels
+    # gemm runs a cuBLAS product between its kernels; mma's casts (autocast) happen only in calls
+    # that are never recorded (_launch_recorded takes the Python path under autocast).
+    fast_call_strategies = frozenset({SPLIT.name, DIRECT.name, MMA.name})
     _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_counters", "_scratch")
     #: Counters allocated at least this many at a time (4 KB), so growth is rare.
     MIN_COUNTERS = 1024
