@@ -183,11 +183,14 @@ def _derive_mma(params: dict, widths: dict, name: str):
     x_row, z_row = mma_row_bytes(P, eb), mma_row_bytes(H, eb)
     shape = _mma_shape(params, H)
     threads = 32 * params["warps_m"] * params["warps_n"]
-    # resident W1 and W2, the tile's symmetrised rows and layer 1's output, layer 3's partial sums
-    smem = H * (x_row + z_row) + shape["rows"] * (x_row + z_row) + params["warps_n"] * shape["rows"] * 4
+    # resident W1 and W2, the tile's symmetrised rows and layer 1's output, layer 3's partial sums,
+    # and (prefetch) the next tile's raw rows in both orientations
+    smem = (H * (x_row + z_row) + shape["rows"] * (x_row + z_row) + params["warps_n"] * shape["rows"] * 4
+            + (2 * shape["rows"] * P * eb if params["prefetch"] else 0))
     context = {"P": P, "H": H, "mma_kind": MMA_KINDS[precision], "off": mma_weight_offsets(P, H, eb),
                "tile_side": params["tile_side"], "warps_m": params["warps_m"], "warps_n": params["warps_n"],
-               "wn": params["wn"], "smem": smem, "min_blocks": params["blocks_per_sm"], "mma_shape": shape}
+               "wn": params["wn"], "prefetch": params["prefetch"], "smem": smem,
+               "min_blocks": params["blocks_per_sm"], "mma_shape": shape}
 
     def grid(B, N, sms, resident, _side=params["tile_side"], _per_sm=params["blocks_per_sm"]):
         nb = ceil_div(N, _side)
@@ -208,9 +211,10 @@ MMA = Strategy(
     summary="symmetric tiles on tensor cores: layers 1 and 2 as mma.sync products on resident weights, layer 3 "
             "in layer 2's epilogue",
     # tile_side: pairs per side of a symmetric tile (64 or 256 rows); warps_m x warps_n warps, wn
-    # columns of H each per pass; blocks_per_sm: the persistent grid's blocks per SM.
+    # columns of H each per pass; blocks_per_sm: the persistent grid's blocks per SM; prefetch: the
+    # next tile's rows copied into shared memory during this tile's products.
     space={"tile_side": (8, 16), "warps_m": (1, 2, 4), "warps_n": (1, 2, 4), "wn": (16, 32, 64),
-           "blocks_per_sm": (1, 2)},
+           "blocks_per_sm": (1, 2), "prefetch": (True, False)},
     derive=_derive_mma,
     restrictions=(
         Restriction("tiles must split into 16-row fragments per warp, passes must tile H, and P, H be "
@@ -222,8 +226,10 @@ MMA = Strategy(
 
 
 class ContactSpec(OpSpec):
-    # stage_rows and ln_lanes came after the first tuned entries: 0 is the kernel they ran.
-    added_params = {"tiled": {"stage_rows": 0, "ln_lanes": 0}, "symmetric_tiled": {"stage_rows": 0, "ln_lanes": 0}}
+    # stage_rows and ln_lanes came after the first tuned entries: 0 is the kernel they ran; so does
+    # mma's prefetch, False.
+    added_params = {"tiled": {"stage_rows": 0, "ln_lanes": 0}, "symmetric_tiled": {"stage_rows": 0, "ln_lanes": 0},
+                    "mma": {"prefetch": False}}
     name = "contact"
     width_names = ("P", "H")
     strategies = {s.name: s for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED, MMA)}
@@ -240,10 +246,13 @@ class ContactSpec(OpSpec):
         # block each (32 columns of H per pass; tf32x3's three products per fragment fit the 128
         # registers two blocks per SM leave, where 2 x 4 fragments spilled), else 4 warps of
         # 16-column passes; one block per SM where fp32 operands (the tf32 kinds) at P = H = 128
-        # take 203 KB of shared memory.
-        ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 2}),
-        ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 1, "wn": 16, "blocks_per_sm": 2}),
-        ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 1}),
+        # take 203 KB of shared memory. Each with the next tile's rows prefetched (32 KB more in bf16
+        # at P = 128: two blocks per SM fit at H = 64, one at H = 128) and without.
+        ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 2, "prefetch": True}),
+        ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 2, "prefetch": False}),
+        ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 1, "prefetch": True}),
+        ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 1, "wn": 16, "blocks_per_sm": 2, "prefetch": False}),
+        ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 1, "prefetch": False}),
     )
     presets = {
         "seed": ({"B": 4, "N": 64, "P": 64, "H": 32},),

@@ -377,14 +377,15 @@ def _derive_mma(params: dict, w: dict, name: str):
     wp_rows = H if resident else shape["pass"]
     threads = 32 * params["warps_m"] * params["warps_n"]
     slots = 8 * params["warps_m"]
-    # W_p and W2 (resident, or a chunk of each), the step's pair and hidden rows, the running
-    # maxima, validity, any-edge flags
-    smem = (wp_rows * x_row + D * z_row + shape["rows"] * (x_row + z_row)
+    # per stage W_p and W2 (resident, or a chunk of each) and a step's pair rows; the step's hidden
+    # rows, the running maxima, validity, any-edge flags
+    smem = (params["stages"] * (wp_rows * x_row + D * z_row + shape["rows"] * x_row) + shape["rows"] * z_row
             + 4 * (slots * d_stride + align(shape["rows"]) + align(slots)))
     context = {"D": D, "P": P, "H": H, "off": weight_offsets(D, P, H), "mma_off": mma_weight_offsets(D, P, H, eb),
                "mma_kind": MMA_KINDS[precision], "node_t": "elem_t" if half else "float", "node_half": half,
                "tile_i": params["tile_i"], "tile_j": params["tile_j"], "warps_m": params["warps_m"],
-               "warps_n": params["warps_n"], "wn": params["wn"], "resident": resident, "d_stride": d_stride,
+               "warps_n": params["warps_n"], "wn": params["wn"], "resident": resident, "stages": params["stages"],
+               "d_stride": d_stride,
                "smem": smem,
                "min_blocks": params["blocks_per_sm"], "mma_shape": shape,
                "prologue_rows": params["prologue_rows"], "prologue_threads": PROLOGUE_THREADS,
@@ -422,14 +423,18 @@ MMA = Strategy(
     # tile_i rows i (dividing 8: a thread's fragment rows share a node) by tile_j partners per step;
     # warps_m x warps_n warps, wn columns each per pass; blocks_per_sm: the persistent grid's
     # blocks per SM; prologue_rows as the split strategy's; resident: W_p and W2 whole in shared
-    # memory, else streamed in chunks of warps_n * wn hidden columns (widths they outgrow).
+    # memory, else streamed in chunks of warps_n * wn hidden columns (widths they outgrow); stages:
+    # 2 streams through two buffers (the next chunk's copy overlaps this one's products).
     space={"tile_i": (1, 2, 4, 8), "tile_j": (8, 16, 32, 64), "warps_m": (1, 2, 4), "warps_n": (1, 2, 4),
-           "wn": (16, 32, 64), "blocks_per_sm": (1, 2), "prologue_rows": (2, 8), "resident": (True, False)},
+           "wn": (16, 32, 64), "blocks_per_sm": (1, 2), "prologue_rows": (2, 8), "resident": (True, False),
+           "stages": (1, 2)},
     derive=_derive_mma,
     restrictions=(
         Restriction("steps must split into 16-row fragments per warp, and passes tile H and D", _mma_layout_ok),
         Restriction("P and H rows must be whole 16-byte pieces in the operand type, D a multiple of 4",
                     _mma_rows_whole),
+        Restriction("two stages only stream (resident weights are copied once)",
+                    lambda p, _: p.params["stages"] == 1 or not p.params["resident"]),
         *MMA_TILE_RESTRICTIONS,  # resident W_p and W2: wide D and H outgrow shared memory
         # tf32x3 splits each fragment into two: with 80 accumulators (64 of them messages) its
         # streamed kernel took 255 registers and spilled (ptxas, sm_80).
@@ -444,7 +449,7 @@ MMA = Strategy(
 class ReadoutSpec(OpSpec):
     #: Parameters added after entries were tuned (and studies recorded), per strategy, with the value
     #: that gives the kernel those entries ran: plan() fills them in where a point leaves them out.
-    added_params = {"split": {"j_split": 1, "prologue_rows": 8}, "direct": {"j_split": 1}}
+    added_params = {"split": {"j_split": 1, "prologue_rows": 8}, "direct": {"j_split": 1}, "mma": {"stages": 1}}
     name = "readout"
     width_names = ("D", "P", "H")
     strategies = {s.name: s for s in (SPLIT, DIRECT, GEMM, MMA)}
@@ -482,6 +487,11 @@ class ReadoutSpec(OpSpec):
         # columns; each warp holds 128 of D's columns in registers (64 accumulators).
         ("mma", {"tile_i": 4, "tile_j": 16, "warps_m": 4, "warps_n": 2, "wn": 32, "blocks_per_sm": 1,
                  "prologue_rows": 8, "resident": False}),
+        # Two stages: the H200's tuned 64-pair layout of one stage (two blocks per SM), with two
+        # (one block per SM, 137 KB at D256 H512 in bf16). 128 pairs per step would halve the
+        # chunks' L2 traffic, but over 16 warps (128 registers each) it spilled 138 bytes.
+        ("mma", {"tile_i": 4, "tile_j": 16, "warps_m": 2, "warps_n": 4, "wn": 16, "blocks_per_sm": 1,
+                 "prologue_rows": 2, "resident": False, "stages": 2}),
         # tf32x3's (its split fragments double the operands' registers): 32 pairs, 64 columns per warp.
         ("mma", {"tile_i": 2, "tile_j": 16, "warps_m": 2, "warps_n": 4, "wn": 16, "blocks_per_sm": 1,
                  "prologue_rows": 8, "resident": False}),
