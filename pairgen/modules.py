@@ -427,7 +427,7 @@ class KernelModule:
 
     # Loaded kernels and packed weights belong to this process and device: a copy or a pickle
     # (an EMA copy of the model, torch.save) starts without them and rebuilds them on first use.
-    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_handle", "_extra_packs")
+    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_handle", "_extra_packs", "_barrier")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -526,6 +526,16 @@ class KernelModule:
         super().__setstate__(state)
         self._handle = library.register(self)  # a copy is another module, with its own handle
 
+    def _barrier_ints(self, device: torch.device) -> int:
+        """The grid barrier's ints on this device (common/grid_barrier.cuh), zeroed once: each launch
+        leaves them zeroed. Two launches of the same module on different streams at once would share them."""
+        index = device.index or 0
+        if self.__dict__.get("_state_per_call"):  # inside an operator call (library.state_per_call)
+            return self._call_buffer(index, 2, torch.int32, zeroed=True)
+        held = self.__dict__.get("_barrier")  # (device index, the two ints), made on first use
+        if held is None or held[0] != index:
+            held = self._barrier = (index, torch.zeros(2, device=device, dtype=torch.int32))
+        return held[1].data_ptr()
     def _call_buffer(self, index: int, count: int, dtype: torch.dtype, zeroed: bool) -> int:
         """A buffer for one operator call (library.state_per_call): kept until that call ends, so
         no later allocation of the call reuses it before its kernel is enqueued, then dropped."""

@@ -92,7 +92,9 @@ class Variant:
     def launches(self, device_index: int, batch: int, n: int, programmatic: bool = True) -> tuple:
         """Every declared kernel bound to this shape, in the plan's order: call each with its
         pointer arguments, then `*launch.tail` (and any per-call ints the kernel takes after it).
-        programmatic=False launches kernels declared programmatic as plain ones."""
+        programmatic=False launches kernels declared programmatic as plain ones; a kernel declared
+        "cooperative_or_plain" is bound cooperatively where its grid fits on the GPU at once, else
+        plainly (the launch's `mode` says which)."""
         key = (device_index, batch, n, programmatic)
         bound = self._bound.get(key)
         if bound is None:
@@ -111,6 +113,8 @@ class Variant:
             mode = decl.mode
             if mode == "programmatic" and not (programmatic and info.capability[0] >= 9):
                 mode = "plain"
+            elif mode == "cooperative_or_plain":
+                mode = "cooperative" if blocks <= kernel.resident_per_sm * info.limits.sm_count else "plain"
             bound.append(kernel.bind(blocks, decl.threads, decl.smem_bytes, len(decl.args), mode, tuple(tail)))
         return tuple(bound)
 

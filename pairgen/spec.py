@@ -17,9 +17,11 @@ from typing import Any, Callable
 
 #: Argument kinds of a kernel's parameters: a device pointer, a 32-bit int, a 64-bit int.
 ARG_KINDS = ("ptr", "i32", "i64")
-#: How a kernel is launched: plainly, cooperatively (all blocks resident: a grid barrier), or as a
-#: programmatic dependent of the kernel before it in the stream (sm_90+; it waits with pdl_wait()).
-LAUNCH_MODES = ("plain", "cooperative", "programmatic")
+#: How a kernel is launched: plainly, cooperatively (all blocks resident: a grid barrier), as a
+#: programmatic dependent of the kernel before it in the stream (sm_90+; it waits with pdl_wait()),
+#: or cooperatively where the whole grid fits on the GPU at once and plainly where it does not
+#: ("cooperative_or_plain": the bound launch's mode says which, and the runner tells the kernel).
+LAUNCH_MODES = ("plain", "cooperative", "programmatic", "cooperative_or_plain")
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,20 @@ def test_module_forward_noncontiguous_inputs():
     assert compare(out, reference64(module, (nodes, pair_t, mask_t)), TOL).ok
 
 
+@pytest.mark.parametrize("batch,n,mode", [(4, 24, "cooperative"), (48, 61, "plain")])
+def test_fused_is_one_cooperative_launch_where_its_grid_fits_else_two(batch, n, mode):
+    """The seed's grid (72 blocks, one per SM) is resident at once: one launch with a grid-wide
+    barrier; B48 N61 (2,304 blocks) is not: the same kernel twice, prologue then pairs."""
+    widths = SEED_WIDTHS
+    plan = READOUT.plan("fused", next(p for s, p in READOUT.default_points if s == "fused"), widths)
+    variant = runtime.build_variant(plan)
+    module, inputs, ref = reference_case(READOUT, widths, batch, n, seed=batch)
+    assert variant.launches(0, batch, n)[0].mode == mode
+    for _ in range(2):  # the barrier's ints are left zeroed for the next launch
+        result = compare(_run(module, inputs, variant), ref, TOL)
+        assert result.ok, f"B={batch} N={n} ({mode}): {result}"
+
+
 def test_runs_on_the_current_stream_and_under_graph_capture():
     gen = generator(12)
     module = READOUT.make_module(SEED_WIDTHS, gen).cuda()

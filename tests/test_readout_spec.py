@@ -354,6 +354,7 @@ def test_cost_model():
 #: The __global__ functions of each strategy's source, as the module launches them.
 KERNELS = {"direct": ("pairgen_readout_direct",),
            "split": ("pairgen_readout_split", "pairgen_readout_split_nodes"),
+           "fused": ("pairgen_readout_fused",),
            "gemm": ("pairgen_readout_gemm_nodes", "pairgen_readout_gemm_hidden", "pairgen_readout_gemm_pool"),
            "mma": ("pairgen_readout_mma", "pairgen_readout_mma_nodes")}
 

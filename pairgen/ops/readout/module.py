@@ -8,30 +8,48 @@ from ...modules import (OPERAND_DTYPES, HeldBuffer, KernelModule, PackedParamete
 from ...spec import HALF_PRECISIONS
 from . import backward
 from .reference import PairReadoutReference
-from .spec import (DIRECT, GEMM, MMA, READOUT, SPLIT, gemm_scratch_offsets, mma_weight_offsets, pair_max_scratch,
-                   weight_offsets)
+from .spec import (DIRECT, FUSED, GEMM, MMA, READOUT, SPLIT, gemm_scratch_offsets, mma_weight_offsets,
+                   pair_max_scratch, weight_offsets)
+
+
+def _pair_max_buffers(module: "PairReadout", variant, main, B: int, N: int, D: int, with_uv: bool) -> tuple:
+    """(uv, partials, counters) pointers of a pair-max launch: scratch for U (with b1) and V of
+    every node, (B*N, 2H), written by the split prologue, then the j split's partial maxima and
+    flags; one arrival counter per tile of rows i (the main kernel's last shape argument)."""
+    device = main.kernel.device_index
+    j_split = variant.plan.params["j_split"]
+    at = pair_max_scratch(B, N, D, module.widths["H"], j_split, with_uv)
+    base = module._split_scratch(device, at["total"]) if at["total"] else 0
+    uv = base + 4 * at["uv"] if with_uv else 0
+    partials = base + 4 * at["partials"] if j_split > 1 else 0
+    counters = module._tile_counters(device, main.tail[2]) if j_split > 1 else 0
+    return uv, partials, counters
 
 
 def _run_pair_max(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out, with_uv: bool) -> None:
     """split (node prologue, then the pair-max kernel) and direct (the pair-max kernel alone)."""
     B, N, D = nodes.shape
-    device, weights = nodes.get_device(), module._weights.get().data_ptr()
-    launches = variant.launches(device, B, N, programmatic=module.programmatic_main)
+    weights = module._weights.get().data_ptr()
+    launches = variant.launches(nodes.get_device(), B, N, programmatic=module.programmatic_main)
     main = launches[0]
-    j_split = variant.plan.params["j_split"]
-    # Scratch for U (with b1) and V of every node, (B*N, 2H), written by the split prologue,
-    # then the j split's partial maxima and flags.
-    at = pair_max_scratch(B, N, D, module.widths["H"], j_split, with_uv)
-    base = module._split_scratch(device, at["total"]) if at["total"] else 0
-    uv = base + 4 * at["uv"] if with_uv else 0
-    partials = base + 4 * at["partials"] if j_split > 1 else 0
-    # One arrival counter per tile of rows i: the main kernel's last shape argument (B, N, row tiles).
-    counters = module._tile_counters(device, main.tail[2]) if j_split > 1 else 0
+    uv, partials, counters = _pair_max_buffers(module, variant, main, B, N, D, with_uv)
     if with_uv:
         prologue = launches[1]
         prologue(nodes.data_ptr(), weights, uv, *prologue.tail)
     main(nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), weights, uv, partials, counters,
          out.data_ptr(), *main.tail)
+
+
+def run_fused(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -> None:
+    """One cooperative launch (phase 0) where the grid fits on the GPU at once, else the same kernel
+    twice, plainly: the node prologue (phase 1), then the pairs (phase 2)."""
+    B, N, D = nodes.shape
+    (main,) = variant.launches(nodes.get_device(), B, N)
+    uv, partials, counters = _pair_max_buffers(module, variant, main, B, N, D, with_uv=True)
+    pointers = (nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), module._weights.get().data_ptr(), uv,
+                partials, counters, out.data_ptr(), module._barrier_ints(nodes.device))
+    for phase in ((0,) if main.mode == "cooperative" else (1, 2)):
+        main(*pointers, *main.tail, phase)
 
 
 def run_split(module, variant, nodes, pair_feats, edge_mask, out) -> None:
@@ -128,10 +146,11 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
     """
 
     op = READOUT
-    runners = {SPLIT.name: run_split, DIRECT.name: run_direct, GEMM.name: run_gemm, MMA.name: run_mma}
+    runners = {SPLIT.name: run_split, DIRECT.name: run_direct, FUSED.name: run_fused, GEMM.name: run_gemm,
+               MMA.name: run_mma}
     # gemm runs a cuBLAS product between its kernels; mma's casts (autocast) happen only in calls
     # that are never recorded (_launch_recorded takes the Python path under autocast).
-    fast_call_strategies = frozenset({SPLIT.name, DIRECT.name, MMA.name})
+    fast_call_strategies = frozenset({SPLIT.name, DIRECT.name, FUSED.name, MMA.name})
     _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_counters", "_scratch")
     #: Counters allocated at least this many at a time (4 KB), so growth is rare.
     MIN_COUNTERS = 1024

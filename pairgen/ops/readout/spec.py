@@ -1,6 +1,6 @@
 """The pair readout's spec: strategies, search spaces, restrictions, defaults, plans.
 
-Four strategies:
+Five strategies:
   direct  one kernel: per pair, the first Linear over [h_i | h_j | p_ij], the second Linear, and a
           running max over j, per tile of rows i (templates/readout/_pair_max.cuh.j2).
   split   the same kernel after a node prologue (U = nodes W_i^T + b1, V = nodes W_j^T), so a pair
@@ -8,6 +8,9 @@ Four strategies:
   gemm    large shapes: the node prologue, a kernel writing every pair's hidden layer to scratch,
           cuBLAS for the second Linear (TF32 forced off), a pool kernel (masked max, LayerNorm,
           residual). Scratch B*N*N*(H + D) floats per call: 805 MB at B16 N128 D256 H512.
+  fused   split in one launch: every block first computes its share of the node prologue, then
+          waits at a grid-wide barrier (a cooperative launch where the grid fits on the GPU; two
+          plain launches of the same kernel where it does not) (templates/readout/fused.cu.j2).
   mma     tensor cores (bf16, fp16, tf32, tf32x3): split's node prologue, then per step of pairs
           the W_p product and the second layer as mma.sync products on resident weights, the
           masked max in the second one's epilogue (templates/readout/mma.cu.j2).
@@ -22,6 +25,9 @@ from ...spec import (HALF_PRECISIONS, MMA_KINDS, MMA_TILE_RESTRICTIONS, SIXTEEN_
 #: The pair-max kernel (split, direct): nodes, pair features, mask, weights, uv, scratch, counters,
 #: out, then B, N, row tiles.
 PAIR_MAX_ARGS = ("ptr",) * 8 + ("i32",) * 3
+#: The fused strategy's kernel: the pair-max pointers, the grid barrier's two ints, then B, N, row
+#: tiles and the phase (0: prologue, grid barrier, pairs; 1: prologue only; 2: pairs only).
+FUSED_ARGS = ("ptr",) * 9 + ("i32",) * 4
 #: The node prologue: nodes, weights, uv, then the node rows B*N.
 NODES_ARGS = ("ptr",) * 3 + ("i32",)
 #: The gemm strategy's hidden kernel: pair features, uv, weights, hidden, then B, N, tiles.
@@ -166,6 +172,15 @@ def _derive_split(params: dict, w: dict, name: str):
                      _nodes_kernel(name, w["H"], params["prologue_rows"]))
 
 
+def _derive_fused(params: dict, w: dict, name: str):
+    """split's pair-max kernel with the node prologue inside: one kernel, launched cooperatively
+    where its grid (one block per tile and split, as split's) fits on the GPU at once."""
+    context, smem = _pair_max_context(params, w, split=True)
+    context = {**context, "fused": True, "nodes_inline": True}
+    grid = _pair_max_grid(params["tile_i"], params["j_split"])
+    return context, (Kernel(name, params["threads"], smem, FUSED_ARGS, grid, mode="cooperative_or_plain"),)
+
+
 def _columns_divide_widths(plan: Plan, limits: DeviceLimits) -> bool:
     cols = plan.context["cols"]
     return plan.widths["D"] % cols == 0 and plan.widths["H"] % cols == 0
@@ -223,6 +238,27 @@ SPLIT = Strategy(
     space={**_SPACE, "prologue_rows": (2, 8)},
     derive=_derive_split,
     restrictions=_RESTRICTIONS,
+    precisions=EXACT_SERVES,
+)
+
+
+def _prologue_fits_beside(plan: Plan, limits: DeviceLimits) -> bool:
+    """node_products' static arrays (prologue_rows node rows of D floats, 4 warps' partial sums of
+    32 float4 per row: _nodes.cuh.j2) beside the kernel's dynamic shared memory."""
+    static = plan.params["prologue_rows"] * (4 * plan.widths["D"] + 4 * 32 * 16)
+    return plan.smem_bytes + static <= limits.max_smem_per_block
+
+
+FUSED = Strategy(
+    name="fused",
+    summary="split in one launch: each block computes its share of U and V, a grid-wide barrier, then "
+            "split's per-pair work (two launches of the kernel where the grid does not fit at once)",
+    # split's space: a second launch costs the host ~3-4 us per call (the seed's calls are host-bound).
+    space={**_SPACE, "prologue_rows": (2, 8)},
+    derive=_derive_fused,
+    restrictions=_RESTRICTIONS + (
+        Restriction("the prologue's 128 threads must fit in the block", lambda p, _: p.threads >= PROLOGUE_THREADS),
+        Restriction("the prologue's static shared arrays must fit beside the block's", _prologue_fits_beside),),
     precisions=EXACT_SERVES,
 )
 
@@ -452,7 +488,7 @@ class ReadoutSpec(OpSpec):
     added_params = {"split": {"j_split": 1, "prologue_rows": 8}, "direct": {"j_split": 1}, "mma": {"stages": 1}}
     name = "readout"
     width_names = ("D", "P", "H")
-    strategies = {s.name: s for s in (SPLIT, DIRECT, GEMM, MMA)}
+    strategies = {s.name: s for s in (SPLIT, DIRECT, FUSED, GEMM, MMA)}
     default_points = (
         # Real widths (D, H multiples of 64): 64 columns per pass, 4 rows i x 16 partners j.
         ("split", {"tile_i": 4, "tile_j": 16, "threads": 256, "threads_n": 8, "tn": 8, "unroll": 4,
@@ -467,6 +503,9 @@ class ReadoutSpec(OpSpec):
         # Any D, P, H multiple of 8: 8 columns per pass.
         ("split", {"tile_i": 8, "tile_j": 8, "threads": 128, "threads_n": 2, "tn": 4, "unroll": 2,
                    "weights_smem": False, "j_split": 1, "prologue_rows": 8}),
+        # fused: the seed's split layout (72 blocks, one per SM: they fit at once on an H200).
+        ("fused", {"tile_i": 4, "tile_j": 8, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4,
+                   "weights_smem": True, "j_split": 3, "prologue_rows": 2}),
         # gemm, for the tuner's defaults (complete_point) and the widths no split point fits: 8x8
         # micro-tiles, 64 hidden columns per chunk (every preset width; unroll 4 spilled 4 bytes at
         # P = 16, where it unrolls the whole k loop); then 8 columns of 64-pair tiles (any D, P, H

@@ -201,7 +201,6 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
     op = TRIMUL
     runners = {BMM.name: run_bmm, FUSED.name: run_fused, MMA.name: run_mma, WGMMA.name: run_mma}
     fast_call_strategies = frozenset({FUSED.name})  # the others run a cuBLAS product between their kernels
-    _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_barrier",)
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "incoming", gate_on: str = "input",
                  bias: bool = True, precision: str = "ieee", *, gate_at: str = "output"):
@@ -212,7 +211,6 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
         if gate_at == "hidden":  # only then (an optional width): the output placement's keys stay as tuned
             self.widths["gate_hidden"] = 1
         self._outgoing = direction == "outgoing"
-        self._barrier = None   # fused: (device index, the grid barrier's two ints)
         # Every parameter in state_dict order (no bias slots without bias), packed by pack_weights.
         paths = [(sub, name) for sub in _PARAM_ORDER for name in ("weight", "bias")
                  if getattr(self, sub)._parameters.get(name) is not None]
@@ -311,12 +309,3 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
         self._run(variant, x, mask, out)
         return out
 
-    def _barrier_ints(self, device: torch.device) -> int:
-        """The grid barrier's ints on this device, zeroed once: each launch leaves them zeroed."""
-        index = device.index or 0
-        if self.__dict__.get("_state_per_call"):  # inside an operator call (library.state_per_call)
-            return self._call_buffer(index, 2, torch.int32, zeroed=True)
-        held = self._barrier
-        if held is None or held[0] != index:
-            held = self._barrier = (index, torch.zeros(2, device=device, dtype=torch.int32))
-        return held[1].data_ptr()
