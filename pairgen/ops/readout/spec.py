@@ -253,9 +253,9 @@ FUSED = Strategy(
     name="fused",
     summary="split in one launch: each block computes its share of U and V, a grid-wide barrier, then "
             "split's per-pair work (two launches of the kernel where the grid does not fit at once)",
-    # split's space: a second launch costs the host ~3-4 us per call (the seed's calls are host-bound).
-    space={**_SPACE, "prologue_rows": (2, 8)},
-    derive=_derive_fused,
+    # split's space, prologue_rows included. Why one launch: a second costs the host ~3-4 us per
+    # call, and the seed's repeated calls are bound by host time.
+    space=dict(SPLIT.space), derive=_derive_fused,
     restrictions=_RESTRICTIONS + (
         Restriction("the prologue's 128 threads must fit in the block", lambda p, _: p.threads >= PROLOGUE_THREADS),
         Restriction("the prologue's static shared arrays must fit beside the block's", _prologue_fits_beside),),
