@@ -503,9 +503,11 @@ class ReadoutSpec(OpSpec):
         # Any D, P, H multiple of 8: 8 columns per pass.
         ("split", {"tile_i": 8, "tile_j": 8, "threads": 128, "threads_n": 2, "tn": 4, "unroll": 2,
                    "weights_smem": False, "j_split": 1, "prologue_rows": 8}),
-        # fused: the seed's split layout (72 blocks, one per SM: they fit at once on an H200).
+        # fused: the seed's split layout (72 blocks, one per SM: they fit at once on an H200), with
+        # 8 node rows per prologue block: the seed's 36 prologue blocks then take one round of the
+        # 72 (a prologue block's time is its weight loads' round trips, hardly its rows).
         ("fused", {"tile_i": 4, "tile_j": 8, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4,
-                   "weights_smem": True, "j_split": 3, "prologue_rows": 2}),
+                   "weights_smem": True, "j_split": 3, "prologue_rows": 8}),
         # gemm, for the tuner's defaults (complete_point) and the widths no split point fits: 8x8
         # micro-tiles, 64 hidden columns per chunk (every preset width; unroll 4 spilled 4 bytes at
         # P = 16, where it unrolls the whole k loop); then 8 columns of 64-pair tiles (any D, P, H
