@@ -528,6 +528,11 @@ class ReadoutSpec(OpSpec):
         # columns; each warp holds 128 of D's columns in registers (64 accumulators).
         ("mma", {"tile_i": 4, "tile_j": 16, "warps_m": 4, "warps_n": 2, "wn": 32, "blocks_per_sm": 1,
                  "prologue_rows": 8, "resident": False}),
+        # Small shapes (the seed: B*N = 96 nodes), two stages: 96 blocks of 32-pair steps, 6
+        # chunks of 32 hidden columns whose copies overlap the products (one stage waited for
+        # each in turn: 6 round trips per step, the seed's tuned point).
+        ("mma", {"tile_i": 1, "tile_j": 32, "warps_m": 2, "warps_n": 2, "wn": 16, "blocks_per_sm": 2,
+                 "prologue_rows": 2, "resident": False, "stages": 2}),
         # Two stages: the H200's tuned 64-pair layout of one stage (two blocks per SM), with two
         # (one block per SM, 137 KB at D256 H512 in bf16). 128 pairs per step would halve the
         # chunks' L2 traffic, but over 16 warps (128 registers each) it spilled 138 bytes.
