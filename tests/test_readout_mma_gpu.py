@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases, compiled_variant, generator,
-                     run_variant, sampled_plans)
+from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases, compiled_variant,
+                     feasible_defaults, generator, run_variant, sampled_plans)
 from pairgen import runtime
 from pairgen.ops.readout import READOUT
 from pairgen.spec import MMA_KINDS, DeviceLimits
@@ -41,11 +41,24 @@ CASES = [pytest.param(plan, id=f"{precision}-D{w['D']}P{w['P']}H{w['H']}-{plan.l
 LARGE_CASES = [pytest.param(plan, id=f"{precision}-D256P64H512-{plan.label}")
                for precision in ("bfloat16", "tf32x3")
                for plan in _default_and_two_samples(precision, {"D": 256, "P": 64, "H": 512})[:1]]
-variants = compiled_cases(CASES + LARGE_CASES)
+#: The node prologue inside the kernel (one_launch), in each precision at two widths: the first
+#: feasible default made one-launch.
+ONE_LAUNCH_CASES = [pytest.param(plan, id=f"{precision}-D{w['D']}P{w['P']}H{w['H']}-{plan.label}")
+                    for precision in MMA_KINDS for w in (SEED_WIDTHS, {"D": 48, "P": 24, "H": 80})
+                    for plan in [READOUT.at(precision).plan("mma", {**p.params, "one_launch": True, "prologue_rows": 8},
+                                                            w, precision)
+                                 for p in feasible_defaults(READOUT, "mma", w, precision)[:1]]]
+variants = compiled_cases(CASES + LARGE_CASES + ONE_LAUNCH_CASES)
 
 
 @pytest.mark.parametrize("plan", CASES)
 def test_mma_variant_matches_float64_reference(plan, variants):
+    assert_variant_matches_float64(READOUT, plan, compiled_variant(variants, plan), ODD_SHAPES)
+
+
+@pytest.mark.parametrize("plan", ONE_LAUNCH_CASES)
+def test_one_launch_matches_float64_reference(plan, variants):
+    assert plan.params["one_launch"] and len(plan.kernels) == 1 and not READOUT.infeasible(plan, DeviceLimits())
     assert_variant_matches_float64(READOUT, plan, compiled_variant(variants, plan), ODD_SHAPES)
 
 

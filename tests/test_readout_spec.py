@@ -368,7 +368,8 @@ def test_default_variants_compile_without_spills(widths):
         result = runtime.build_variant(plan, "sm_90").compiled
         assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{plan.label}: {result.summary()}"
         assert result.compile_s < 20 or result.from_cache
-        assert set(result.kernels) == set(KERNELS[strategy]), plan.label
+        launched = KERNELS[strategy][:1] if plan.params.get("one_launch") else KERNELS[strategy]  # prologue inside
+        assert set(result.kernels) == set(launched), plan.label
 
 
 # Seed widths: the j-split points the tuner is expected to favour there (tiles of 8 or 16

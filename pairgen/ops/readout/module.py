@@ -40,16 +40,25 @@ def _run_pair_max(module: "PairReadout", variant, nodes, pair_feats, edge_mask, 
          out.data_ptr(), *main.tail)
 
 
+def _launch_with_prologue_inside(module: "PairReadout", main, pointers: tuple, device: torch.device) -> None:
+    """A kernel that runs the node prologue itself before a grid-wide barrier (fused, mma's
+    one_launch): one cooperative launch (phase 0) where its grid is resident at once, else the same
+    kernel twice, plainly: phase 1 the prologue, phase 2 the pairs. Its arguments: the pointers,
+    the barrier's two ints, the shape tail, the phase."""
+    barrier = module._barrier_ints(device)
+    for phase in ((0,) if main.mode == "cooperative" else (1, 2)):
+        main(*pointers, barrier, *main.tail, phase)
+
+
 def run_fused(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -> None:
     """One cooperative launch (phase 0) where the grid fits on the GPU at once, else the same kernel
     twice, plainly: the node prologue (phase 1), then the pairs (phase 2)."""
     B, N, D = nodes.shape
     (main,) = variant.launches(nodes.get_device(), B, N)
     uv, partials, counters = _pair_max_buffers(module, variant, main, B, N, D, with_uv=True)
-    pointers = (nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), module._weights.get().data_ptr(), uv,
-                partials, counters, out.data_ptr(), module._barrier_ints(nodes.device))
-    for phase in ((0,) if main.mode == "cooperative" else (1, 2)):
-        main(*pointers, *main.tail, phase)
+    _launch_with_prologue_inside(module, main, (nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(),
+                                                module._weights.get().data_ptr(), uv, partials, counters,
+                                                out.data_ptr()), nodes.device)
 
 
 def run_split(module, variant, nodes, pair_feats, edge_mask, out) -> None:
@@ -98,9 +107,10 @@ def pack_mma_weights(fp32_pack: torch.Tensor, params: list, D: int, P: int, H: i
 
 def run_mma(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -> None:
     """The node prologue (fp32 U, V into the held scratch), then the tensor-core kernel as its
-    programmatic dependent, on the weights packed in the operand dtype (once per parameter
-    version). Under autocast (fp32 inputs, a 16-bit kernel) the inputs are cast first and the
-    16-bit result widened into `out`, the reference's dtype there."""
+    programmatic dependent (one_launch: the kernel alone, the prologue inside it), on the weights
+    packed in the operand dtype (once per parameter version). Under autocast (fp32 inputs, a 16-bit
+    kernel) the inputs are cast first and the 16-bit result widened into `out`, the reference's
+    dtype there."""
     B, N, D = nodes.shape
     H = module.widths["H"]
     dtype = OPERAND_DTYPES[variant.plan.precision]
@@ -114,11 +124,16 @@ def run_mma(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -
     # pack then, not the one of this call.
     weights = module._packed_for(dtype, lambda params: pack_mma_weights(module._weights.get(), params, D, P, H,
                                                                          dtype)).get()
-    main, prologue = variant.launches(device, B, N, programmatic=module.programmatic_main)
+    launches = variant.launches(device, B, N, programmatic=module.programmatic_main)
+    main = launches[0]
     uv = module._split_scratch(device, B * N * 2 * H)
-    prologue(nodes.data_ptr(), weights.data_ptr(), uv, *prologue.tail)
-    main(nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), weights.data_ptr(), uv, out.data_ptr(),
-         *main.tail)
+    pointers = (nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), weights.data_ptr(), uv, out.data_ptr())
+    if variant.plan.params["one_launch"]:
+        _launch_with_prologue_inside(module, main, pointers, nodes.device)
+    else:
+        prologue = launches[1]
+        prologue(nodes.data_ptr(), weights.data_ptr(), uv, *prologue.tail)
+        main(*pointers, *main.tail)
     if out is not target:
         target.copy_(out)
 

@@ -377,6 +377,8 @@ GEMM = Strategy(
 
 #: The mma kernel: nodes, pair features, mask, weights, uv, out, then B, N, row tiles.
 MMA_ARGS = ("ptr",) * 6 + ("i32",) * 3
+#: With one_launch: those pointers, the grid barrier's ints, then B, N, row tiles and the phase.
+MMA_ONE_LAUNCH_ARGS = ("ptr",) * 7 + ("i32",) * 4
 
 
 def mma_weight_offsets(D: int, P: int, H: int, elem_bytes: int) -> dict[str, int]:
@@ -402,7 +404,8 @@ def _mma_shape(params: dict, D: int) -> dict:
 
 def _derive_mma(params: dict, w: dict, name: str):
     """The main kernel (declared first: the restrictions read its block), a programmatic dependent
-    of the node prologue (fp32 U and V; 16-bit node rows are widened as they load)."""
+    of the node prologue (fp32 U and V; 16-bit node rows are widened as they load); one_launch:
+    the main kernel alone, the prologue inside it before a grid-wide barrier."""
     D, P, H, precision = w["D"], w["P"], w["H"], w["precision"]
     eb = element_bytes(precision)
     half = precision in HALF_PRECISIONS
@@ -421,7 +424,7 @@ def _derive_mma(params: dict, w: dict, name: str):
                "mma_kind": MMA_KINDS[precision], "node_t": "elem_t" if half else "float", "node_half": half,
                "tile_i": params["tile_i"], "tile_j": params["tile_j"], "warps_m": params["warps_m"],
                "warps_n": params["warps_n"], "wn": params["wn"], "resident": resident, "stages": params["stages"],
-               "d_stride": d_stride,
+               "one_launch": params["one_launch"], "nodes_inline": params["one_launch"], "d_stride": d_stride,
                "smem": smem,
                "min_blocks": params["blocks_per_sm"], "mma_shape": shape,
                "prologue_rows": params["prologue_rows"], "prologue_threads": PROLOGUE_THREADS,
@@ -431,6 +434,8 @@ def _derive_mma(params: dict, w: dict, name: str):
         tiles = row_tiles(B, N, _ti)
         return persistent_blocks(tiles, _per_sm, sms, resident), (B, N, tiles)
 
+    if params["one_launch"]:
+        return context, (Kernel(name, threads, smem, MMA_ONE_LAUNCH_ARGS, grid, mode="cooperative_or_plain"),)
     return context, (Kernel(name, threads, smem, MMA_ARGS, grid, mode="programmatic"),
                      _nodes_kernel(name, H, params["prologue_rows"]))
 
@@ -460,10 +465,11 @@ MMA = Strategy(
     # warps_m x warps_n warps, wn columns each per pass; blocks_per_sm: the persistent grid's
     # blocks per SM; prologue_rows as the split strategy's; resident: W_p and W2 whole in shared
     # memory, else streamed in chunks of warps_n * wn hidden columns (widths they outgrow); stages:
-    # 2 streams through two buffers (the next chunk's copy overlaps this one's products).
+    # 2 streams through two buffers (the next chunk's copy overlaps this one's products); one_launch:
+    # the node prologue inside the kernel (as the fused strategy's), one launch instead of two.
     space={"tile_i": (1, 2, 4, 8), "tile_j": (8, 16, 32, 64), "warps_m": (1, 2, 4), "warps_n": (1, 2, 4),
            "wn": (16, 32, 64), "blocks_per_sm": (1, 2), "prologue_rows": (2, 8), "resident": (True, False),
-           "stages": (1, 2)},
+           "stages": (1, 2), "one_launch": (True, False)},
     derive=_derive_mma,
     restrictions=(
         Restriction("steps must split into 16-row fragments per warp, and passes tile H and D", _mma_layout_ok),
@@ -471,6 +477,9 @@ MMA = Strategy(
                     _mma_rows_whole),
         Restriction("two stages only stream (resident weights are copied once)",
                     lambda p, _: p.params["stages"] == 1 or not p.params["resident"]),
+        Restriction("one launch needs the prologue's 128 threads and its static shared arrays in the block",
+                    lambda p, limits: not p.params["one_launch"]
+                    or (p.threads >= PROLOGUE_THREADS and _prologue_fits_beside(p, limits))),
         *MMA_TILE_RESTRICTIONS,  # resident W_p and W2: wide D and H outgrow shared memory
         # tf32x3 splits each fragment into two: with 80 accumulators (64 of them messages) its
         # streamed kernel took 255 registers and spilled (ptxas, sm_80).
@@ -485,7 +494,7 @@ MMA = Strategy(
 class ReadoutSpec(OpSpec):
     #: Parameters added after entries were tuned (and studies recorded), per strategy, with the value
     #: that gives the kernel those entries ran: plan() fills them in where a point leaves them out.
-    added_params = {"split": {"j_split": 1, "prologue_rows": 8}, "direct": {"j_split": 1}, "mma": {"stages": 1}}
+    added_params = {"split": {"j_split": 1, "prologue_rows": 8}, "direct": {"j_split": 1}, "mma": {"stages": 1, "one_launch": False}}
     name = "readout"
     width_names = ("D", "P", "H")
     strategies = {s.name: s for s in (SPLIT, DIRECT, FUSED, GEMM, MMA)}
@@ -533,6 +542,9 @@ class ReadoutSpec(OpSpec):
         # each in turn: 6 round trips per step, the seed's tuned point).
         ("mma", {"tile_i": 1, "tile_j": 32, "warps_m": 2, "warps_n": 2, "wn": 16, "blocks_per_sm": 2,
                  "prologue_rows": 2, "resident": False, "stages": 2}),
+        # ... in one launch: the prologue's 36 blocks of 8 node rows inside 36 of the 96 blocks.
+        ("mma", {"tile_i": 1, "tile_j": 32, "warps_m": 2, "warps_n": 2, "wn": 16, "blocks_per_sm": 2,
+                 "prologue_rows": 8, "resident": False, "stages": 2, "one_launch": True}),
         # Two stages: the H200's tuned 64-pair layout of one stage (two blocks per SM), with two
         # (one block per SM, 137 KB at D256 H512 in bf16). 128 pairs per step would halve the
         # chunks' L2 traffic, but over 16 warps (128 registers each) it spilled 138 bytes.
