@@ -463,6 +463,11 @@ MMA_TILE_RESTRICTIONS = (
 )
 
 
+#: Hopper's warpgroup products (wgmma) compile for sm_90a, whose features run on sm_90 only.
+WGMMA_ON_SM90 = Restriction("wgmma needs sm_90 (its sm_90a features do not run on later architectures)",
+                            lambda p, limits: limits.arch == "sm_90")
+
+
 def persistent_blocks(num_tiles: int, blocks_per_sm: int, sms: int, resident_per_sm: int) -> int:
     """Blocks of a persistent grid (blocks_per_sm per SM, each looping over tiles), or one block per
     tile (blocks_per_sm 0). Clamped to the blocks that can be resident at once (registers decide

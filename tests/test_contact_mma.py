@@ -1,14 +1,14 @@
-"""CPU: the contact head's tensor-core strategy (mma: bf16, fp16, tf32, tf32x3): plans and
-restrictions, the packed weights' layout, every precision's default compiling without spills for
-sm_90 and sm_80, the module's precision option. Its accuracy runs on the GPU
+"""CPU: the contact head's tensor-core strategies (mma: bf16, fp16, tf32, tf32x3; wgmma: bf16, fp16
+on sm_90a): plans and restrictions, the packed weights' layout, every precision's default compiling
+without spills for sm_90 and sm_80 (wgmma: sm_90a), the module's precision option. Its accuracy runs on the GPU
 (tests/test_contact_mma_gpu.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import assert_tensor_core_defaults_compile, feasible_defaults, generator
-from pairgen import codegen
+from helpers import assert_tensor_core_defaults_compile, feasible_defaults, generator, sampled_plans
+from pairgen import codegen, compiler
 from pairgen.ops import get_op
 from pairgen.ops.contact.module import pack_mma_weights
 from pairgen.ops.contact.spec import mma_weight_offsets
@@ -83,6 +83,33 @@ def test_packed_weights_layout():
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_defaults_compile_without_spills_and_samples_compile(arch):
     assert_tensor_core_defaults_compile(CONTACT, "mma", WIDTHS, arch, min_defaults=12)
+
+
+def test_wgmma_runs_only_on_sm90_at_widths_of_whole_k_steps():
+    params = dict(next(p for s, p in CONTACT.default_points if s == "wgmma"))
+    plan = CONTACT.plan("wgmma", params, {"P": 128, "H": 64}, "bfloat16")
+    assert not CONTACT.infeasible(plan, DeviceLimits(arch="sm_90"))
+    assert any("sm_90" in why for why in CONTACT.infeasible(plan, DeviceLimits(arch="sm_100")))
+    odd = CONTACT.plan("wgmma", params, {"P": 48, "H": 24}, "bfloat16")
+    assert any("multiples of 16" in why for why in CONTACT.infeasible(odd, DeviceLimits(arch="sm_90")))
+    assert "tf32x3" not in CONTACT.strategies["wgmma"].precisions
+
+
+def test_wgmma_defaults_compile_for_sm90a_without_spills():
+    """The first feasible wgmma default per 16-bit precision and preset width, and one sampled point
+    each, compile (for sm_90a: the template says it is arch-specific); the defaults without spills."""
+    plans = []
+    for precision in HALF_PRECISIONS:
+        for widths in WIDTHS[:3]:
+            plans += [(plan, True) for plan in feasible_defaults(CONTACT, "wgmma", widths, precision)[:1]]
+            plans += [(plan, False) for plan in sampled_plans(CONTACT.at(precision), "wgmma", widths, 1, seed=3)[-1:]]
+    assert len([p for p, default in plans if default]) == 6
+    rendered = [codegen.render_plan(plan) for plan, _ in plans]
+    results = compiler.compile_many([(r.source, r.kernel_name, compiler.target_for(r.source, "sm_90")) for r in rendered])
+    for (plan, default), result in zip(plans, results):
+        assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
+        if default:
+            assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label}: {result.summary()}"
 
 
 def test_the_precision_option():

@@ -1,4 +1,4 @@
-"""GPU: the contact head's tensor-core strategy (mma) against the float64 reference in every
+"""GPU: the contact head's tensor-core strategies (mma; wgmma in 16 bits) against the float64 reference in every
 precision (bfloat16, float16: module and inputs in that dtype; tf32x3 at the fp32 standard; tf32),
 over sampled points and odd shapes with heavy tails and NaN-prefilled outputs; exactly symmetric
 outputs; 16-bit modules, fp32 modules under autocast and tf32x3 modules through the module."""
@@ -10,7 +10,7 @@ import torch
 from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases, compiled_variant, generator,
                      run_variant, sampled_plans)
 from pairgen.ops.contact import CONTACT
-from pairgen.spec import MMA_KINDS
+from pairgen.spec import HALF_PRECISIONS, MMA_KINDS
 from pairgen.tuning.check import compare, reference64
 
 pytestmark = pytest.mark.gpu
@@ -20,15 +20,19 @@ SHAPES = [(b, n) for b, n in ODD_SHAPES if n <= 64]
 AUTOCAST_BOUND = 2e-2
 
 
-def _default_and_two_samples(precision: str, widths: dict) -> list:
-    plans = sampled_plans(CONTACT.at(precision), "mma", widths, 2, seed=21)
+def _default_and_two_samples(precision: str, widths: dict, strategy: str = "mma") -> list:
+    plans = sampled_plans(CONTACT.at(precision), strategy, widths, 2, seed=21)
     return list({id(p): p for p in plans[:1] + plans[-2:]}.values())
 
 
 CASES = [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
          for precision in MMA_KINDS for w in ({"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64})
          for plan in _default_and_two_samples(precision, w)]
-variants = compiled_cases(CASES)
+#: Hopper's warpgroup products (16 bits, sm_90a).
+WGMMA_CASES = [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
+               for precision in HALF_PRECISIONS for w in ({"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64})
+               for plan in _default_and_two_samples(precision, w, "wgmma")]
+variants = compiled_cases(CASES + WGMMA_CASES)
 
 
 def _symmetric(module, inputs, variant, k):
@@ -41,6 +45,11 @@ def test_mma_variant_matches_float64_reference(plan, variants):
     assert_variant_matches_float64(CONTACT, plan, compiled_variant(variants, plan), SHAPES, also=_symmetric)
 
 
+@pytest.mark.parametrize("plan", WGMMA_CASES)
+def test_wgmma_variant_matches_float64_reference(plan, variants):
+    assert_variant_matches_float64(CONTACT, plan, compiled_variant(variants, plan), SHAPES, also=_symmetric)
+
+
 @pytest.mark.parametrize("precision,dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
 def test_half_modules_run_the_mma_kernel_and_answer_in_their_dtype(precision, dtype):
     gen = generator(7)
@@ -48,7 +57,7 @@ def test_half_modules_run_the_mma_kernel_and_answer_in_their_dtype(precision, dt
     (x,) = CONTACT.make_inputs({"B": 3, "N": 37, "P": 64, "H": 32}, gen)
     x = x.cuda().to(dtype)
     assert module.kernel_precision(x) == precision
-    assert module.variant_for(37, x.device, precision).plan.strategy == "mma"
+    assert module.variant_for(37, x.device, precision).plan.strategy in ("mma", "wgmma")
     with torch.no_grad():
         out = module(x)
     assert out.dtype == dtype

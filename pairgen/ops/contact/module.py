@@ -7,7 +7,7 @@ from ...modules import (OPERAND_DTYPES, OUTPUT_DTYPES, KernelModule, PackedParam
                         check_float_tensor, contiguous_aligned)
 from . import backward
 from .reference import ContactHeadReference
-from .spec import CONTACT, MMA, SYMMETRIC_TILED, THREAD_PER_PAIR, TILED, mma_weight_offsets, weight_offsets
+from .spec import CONTACT, MMA, SYMMETRIC_TILED, THREAD_PER_PAIR, TILED, WGMMA, mma_weight_offsets, weight_offsets
 
 
 def run_single_kernel(module: "ContactHead", variant, x, out) -> None:
@@ -54,7 +54,8 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
     """
 
     op = CONTACT
-    runners = {**{s.name: run_single_kernel for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED)}, MMA.name: run_mma}
+    runners = {**{s.name: run_single_kernel for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED)}, MMA.name: run_mma,
+               WGMMA.name: run_mma}  # wgmma takes mma's packed weights and arguments
     fast_call_strategies = frozenset(runners)
 
     def __init__(self, pair_dim: int, hidden_dim: int, precision: str = "ieee"):

@@ -1,6 +1,6 @@
 """The contact head's spec: strategies, search spaces, restrictions, defaults, plans.
 
-Four strategies:
+Five strategies:
   thread_per_pair  one thread per pair, layers computed `chunk` outputs at a time in registers.
   tiled            a block computes tile_rows consecutive pairs; the MLP as register-tiled products.
   symmetric_tiled  tiled over blocks (bi <= bj) of the pair grid: each pair computed once, written
@@ -8,12 +8,15 @@ Four strategies:
   mma              symmetric_tiled's tiles on tensor cores (mma.sync) for bf16, fp16, tf32 and tf32x3:
                    layers 1 and 2 as warp products with the weights resident in shared memory,
                    layer 3 folded into layer 2's epilogue (templates/contact/mma.cu.j2).
+  wgmma            the same tiles on Hopper's warpgroup products (bf16, fp16; sm_90a): each warpgroup
+                   a tile of 64 pairs at a time, layer 3 summed within quads (templates/contact/wgmma.cu.j2).
 """
 from __future__ import annotations
 
-from ...spec import (MMA_KINDS, MMA_TILE_RESTRICTIONS, SIXTEEN_BIT_TOLERANCE, byte_sections, element_bytes, mma_row_bytes,
-                     Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, ceil_div,
-                     cuda_bool, is_pow2, padded_stride, persistent_blocks, section_offsets, smem_fits)
+from ...spec import (HALF_PRECISIONS, MMA_KINDS, MMA_TILE_RESTRICTIONS, SIXTEEN_BIT_TOLERANCE, WGMMA_ON_SM90, align,
+                     byte_sections, element_bytes, mma_row_bytes, Cost, DeviceLimits, Kernel, OpSpec, Plan,
+                     Restriction, Strategy, Tolerance, ceil_div, cuda_bool, is_pow2, padded_stride, persistent_blocks,
+                     section_offsets, smem_fits)
 
 #: The kernels' arguments: x, packed weights, out, then B, N and the work count as 64-bit ints.
 ARGS = ("ptr", "ptr", "ptr", "i64", "i64", "i64")
@@ -225,6 +228,58 @@ MMA = Strategy(
 )
 
 
+# ---- warpgroup tensor cores (wgmma, sm_90a) -----------------------------------------------------
+
+def _derive_wgmma(params: dict, widths: dict, name: str):
+    """One kernel of `groups` warpgroups, persistent; each warpgroup takes the 64-pair tiles
+    (tile_side 8) blockIdx.x * groups + group, + gridDim.x * groups, ... Weights as the mma
+    strategy packs them (mma_weight_offsets)."""
+    P, H, precision = widths["P"], widths["H"], widths["precision"]
+    eb = element_bytes(precision)
+    groups = params["groups"]
+    # Every region 1024-byte aligned (the 128-byte swizzle's atoms): resident W1 and W2; per
+    # warpgroup the A tile, layer 1's output and (prefetch) the next tile's raw rows.
+    group_bytes = (align(64 * P * eb, 1024) + align(64 * H * eb, 1024)
+                   + (align(2 * 64 * P * eb, 1024) if params["prefetch"] else 0))
+    smem = align(H * P * eb, 1024) + align(H * H * eb, 1024) + groups * group_bytes
+    context = {"P": P, "H": H, "mma_kind": MMA_KINDS[precision], "off": mma_weight_offsets(P, H, eb),
+               "groups": groups, "swizzle": cuda_bool(params["swizzle"]), "prefetch": params["prefetch"],
+               "wgmma_widths": [H], "smem": smem}
+
+    def grid(B, N, sms, resident, _groups=groups):
+        nb = ceil_div(N, 8)
+        tiles = B * nb * (nb + 1) // 2
+        return max(1, min(ceil_div(tiles, _groups), max(1, resident) * sms)), (B, N, tiles)
+
+    return context, (Kernel(name, 128 * groups, smem, ARGS, grid),)
+
+
+def _wgmma_widths_fit(plan: Plan, limits: DeviceLimits) -> bool:
+    """K in whole 16-element steps for both layers, and one wgmma (n <= 256) covering H: its H / 2
+    accumulators per thread, at most 64 where a block has 2 warpgroups (128 registers a thread)."""
+    P, H = plan.widths["P"], plan.widths["H"]
+    return P % 16 == 0 and H % 16 == 0 and H <= (128 if plan.params["groups"] > 1 else 256)
+
+
+WGMMA = Strategy(
+    name="wgmma",
+    summary="Hopper tensor cores: the mma strategy's symmetric tiles as warpgroup products (64 pairs per "
+            "warpgroup), weights resident, layer 3 summed in the quads",
+    # groups: warpgroups per block (each alone on its tiles, sharing the weights); swizzle: the
+    # 128-byte swizzle where K is a multiple of 64; prefetch: the next tile's raw rows copied
+    # during this one's products.
+    space={"groups": (1, 2), "swizzle": (False, True), "prefetch": (True, False)},
+    derive=_derive_wgmma,
+    restrictions=(WGMMA_ON_SM90,
+                  Restriction("P and H must be multiples of 16, H at most 256 (128 with two warpgroups)",
+                              _wgmma_widths_fit),
+                  Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)",
+                              lambda p, _: not p.params["swizzle"] or p.widths["P"] % 64 == 0 or p.widths["H"] % 64 == 0),
+                  Restriction("shared memory exceeds the per-block limit", smem_fits)),
+    precisions=HALF_PRECISIONS,
+)
+
+
 class ContactSpec(OpSpec):
     # stage_rows and ln_lanes came after the first tuned entries: 0 is the kernel they ran; so does
     # mma's prefetch, False.
@@ -232,7 +287,7 @@ class ContactSpec(OpSpec):
                     "mma": {"prefetch": False}}
     name = "contact"
     width_names = ("P", "H")
-    strategies = {s.name: s for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED, MMA)}
+    strategies = {s.name: s for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED, MMA, WGMMA)}
     # tn=4: with tn=8 the P=128, H=64 build spilled 8 B (NVRTC 13.0, sm_90); every tuned winner so far has tn=4.
     # The first point: the seed's fastest (6.7 us of kernel, CUPTI, H200; ln_lanes 4 took the
     # seed's tiled winner from 10.8 to 8.4 us). The second, the earlier default, serves any P % 4 == 0.
@@ -253,6 +308,9 @@ class ContactSpec(OpSpec):
         ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 1, "prefetch": True}),
         ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 1, "wn": 16, "blocks_per_sm": 2, "prefetch": False}),
         ("mma", {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 1, "prefetch": False}),
+        # Hopper (16-bit): two warpgroups sharing the weights, each prefetching its next tile.
+        ("wgmma", {"groups": 2, "swizzle": True, "prefetch": True}),
+        ("wgmma", {"groups": 1, "swizzle": False, "prefetch": False}),
     )
     presets = {
         "seed": ({"B": 4, "N": 64, "P": 64, "H": 32},),

@@ -21,7 +21,7 @@ from __future__ import annotations
 from ...spec import (HALF_PRECISIONS, MMA_KINDS, SIXTEEN_BIT_TOLERANCE, byte_sections, element_bytes, mma_row_bytes,
                      Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, ceil_div,
                      cuda_bool, flat_tile_grid, padded_stride, persistent_tile_grid, section_offsets,
-                     smem_fits)
+                     smem_fits, WGMMA_ON_SM90)
 
 #: The projection kernel: x, mask, weights, a, b, then B, N, tiles, and whether the mask is float.
 PROJECT_ARGS = ("ptr",) * 5 + ("i32",) * 4
@@ -369,10 +369,6 @@ def _derive_wgmma(params: dict, w: dict, name: str):
                             _wgmma_grid(params["o_groups"])))
 
 
-def _on_sm90(plan: Plan, limits: DeviceLimits) -> bool:
-    return limits.arch == "sm_90"
-
-
 def _wgmma_columns_divide(plan: Plan, limits: DeviceLimits) -> bool:
     """Whole 16-byte chunks per row, and passes that tile the projection's 4H and the output's P
     columns (and H, the gate's, where it is in hidden width)."""
@@ -407,7 +403,7 @@ WGMMA = Strategy(
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True)},
     derive=_derive_wgmma,
-    restrictions=(Restriction("wgmma needs sm_90 (its sm_90a features do not run on later architectures)", _on_sm90),
+    restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
                               _wgmma_columns_divide),
                   Restriction("at most 128 accumulators per thread", _wgmma_accumulators_fit),
