@@ -11,7 +11,7 @@ from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases,
                      feasible_defaults, generator, run_variant, sampled_plans)
 from pairgen import runtime
 from pairgen.ops.readout import READOUT
-from pairgen.spec import MMA_KINDS, DeviceLimits
+from pairgen.spec import HALF_PRECISIONS, MMA_KINDS, DeviceLimits
 from pairgen.tuning.check import compare, reference64
 
 pytestmark = pytest.mark.gpu
@@ -48,7 +48,15 @@ ONE_LAUNCH_CASES = [pytest.param(plan, id=f"{precision}-D{w['D']}P{w['P']}H{w['H
                     for plan in [READOUT.at(precision).plan("mma", {**p.params, "one_launch": True, "prologue_rows": 8},
                                                             w, precision)
                                  for p in feasible_defaults(READOUT, "mma", w, precision)[:1]]]
-variants = compiled_cases(CASES + LARGE_CASES + ONE_LAUNCH_CASES)
+#: Hopper's warpgroup products (16 bits, sm_90a): the default and two samples at three widths,
+#: and the large preset's widths (odd shapes up to N = 37, as LARGE_CASES).
+WGMMA_WIDTHS = (SEED_WIDTHS, {"D": 128, "P": 32, "H": 256}, {"D": 64, "P": 32, "H": 96})
+WGMMA_CASES = [pytest.param(plan, id=f"{precision}-D{w['D']}P{w['P']}H{w['H']}-{plan.label}")
+               for precision in HALF_PRECISIONS for w in WGMMA_WIDTHS
+               for plan in sampled_plans(READOUT.at(precision), "wgmma", w, 2, seed=29)]
+WGMMA_LARGE = [pytest.param(plan, id=f"{precision}-D256P64H512-{plan.label}") for precision in HALF_PRECISIONS
+               for plan in sampled_plans(READOUT.at(precision), "wgmma", {"D": 256, "P": 64, "H": 512}, 1)[:1]]
+variants = compiled_cases(CASES + LARGE_CASES + ONE_LAUNCH_CASES + WGMMA_CASES + WGMMA_LARGE)
 
 
 @pytest.mark.parametrize("plan", CASES)
@@ -60,6 +68,16 @@ def test_mma_variant_matches_float64_reference(plan, variants):
 def test_one_launch_matches_float64_reference(plan, variants):
     assert plan.params["one_launch"] and len(plan.kernels) == 1 and not READOUT.infeasible(plan, DeviceLimits())
     assert_variant_matches_float64(READOUT, plan, compiled_variant(variants, plan), ODD_SHAPES)
+
+
+@pytest.mark.parametrize("plan", WGMMA_CASES)
+def test_wgmma_variant_matches_float64_reference(plan, variants):
+    assert_variant_matches_float64(READOUT, plan, compiled_variant(variants, plan), ODD_SHAPES)
+
+
+@pytest.mark.parametrize("plan", WGMMA_LARGE)
+def test_wgmma_at_the_large_widths(plan, variants):
+    assert_variant_matches_float64(READOUT, plan, compiled_variant(variants, plan), [s for s in ODD_SHAPES if s[1] <= 37])
 
 
 @pytest.mark.parametrize("plan", LARGE_CASES)

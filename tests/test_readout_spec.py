@@ -356,7 +356,8 @@ KERNELS = {"direct": ("pairgen_readout_direct",),
            "split": ("pairgen_readout_split", "pairgen_readout_split_nodes"),
            "fused": ("pairgen_readout_fused",),
            "gemm": ("pairgen_readout_gemm_nodes", "pairgen_readout_gemm_hidden", "pairgen_readout_gemm_pool"),
-           "mma": ("pairgen_readout_mma", "pairgen_readout_mma_nodes")}
+           "mma": ("pairgen_readout_mma", "pairgen_readout_mma_nodes"),
+           "wgmma": ("pairgen_readout_wgmma", "pairgen_readout_wgmma_nodes")}
 
 
 @pytest.mark.parametrize("widths", PRESET_WIDTHS, ids=lambda w: "D{D}P{P}H{H}".format(**w))

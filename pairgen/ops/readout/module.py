@@ -8,7 +8,7 @@ from ...modules import (OPERAND_DTYPES, HeldBuffer, KernelModule, PackedParamete
 from ...spec import HALF_PRECISIONS
 from . import backward
 from .reference import PairReadoutReference
-from .spec import (DIRECT, FUSED, GEMM, MMA, READOUT, SPLIT, gemm_scratch_offsets, mma_weight_offsets,
+from .spec import (DIRECT, FUSED, GEMM, MMA, READOUT, SPLIT, WGMMA, gemm_scratch_offsets, mma_weight_offsets,
                    pair_max_scratch, weight_offsets)
 
 
@@ -128,7 +128,7 @@ def run_mma(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -
     main = launches[0]
     uv = module._split_scratch(device, B * N * 2 * H)
     pointers = (nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), weights.data_ptr(), uv, out.data_ptr())
-    if variant.plan.params["one_launch"]:
+    if variant.plan.params.get("one_launch"):
         _launch_with_prologue_inside(module, main, pointers, nodes.device)
     else:
         prologue = launches[1]
@@ -162,10 +162,10 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
 
     op = READOUT
     runners = {SPLIT.name: run_split, DIRECT.name: run_direct, FUSED.name: run_fused, GEMM.name: run_gemm,
-               MMA.name: run_mma}
+               MMA.name: run_mma, WGMMA.name: run_mma}  # wgmma: mma's packed weights, arguments and prologue
     # gemm runs a cuBLAS product between its kernels; mma's casts (autocast) happen only in calls
     # that are never recorded (_launch_recorded takes the Python path under autocast).
-    fast_call_strategies = frozenset({SPLIT.name, DIRECT.name, FUSED.name, MMA.name})
+    fast_call_strategies = frozenset({SPLIT.name, DIRECT.name, FUSED.name, MMA.name, WGMMA.name})
     _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_counters", "_scratch")
     #: Counters allocated at least this many at a time (4 KB), so growth is rare.
     MIN_COUNTERS = 1024

@@ -17,7 +17,7 @@ Five strategies:
 """
 from __future__ import annotations
 
-from ...spec import (HALF_PRECISIONS, MMA_KINDS, MMA_TILE_RESTRICTIONS, SIXTEEN_BIT_TOLERANCE,
+from ...spec import (HALF_PRECISIONS, MMA_KINDS, MMA_TILE_RESTRICTIONS, SIXTEEN_BIT_TOLERANCE, WGMMA_ON_SM90,
                      Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, byte_sections,
                      ceil_div, cuda_bool, element_bytes, flat_tile_grid, mma_row_bytes, padded_stride,
                      persistent_blocks, section_offsets, smem_fits)
@@ -491,13 +491,66 @@ MMA = Strategy(
 )
 
 
+# ---- warpgroup tensor cores (wgmma, sm_90a) -----------------------------------------------------
+
+def _derive_wgmma(params: dict, w: dict, name: str):
+    """mma's node prologue, then one kernel of `groups` warpgroups walking steps of 64 * groups pairs,
+    the weights streamed in chunks of hc hidden columns through two stages (wgmma.cu.j2)."""
+    D, P, H, precision = w["D"], w["P"], w["H"], w["precision"]
+    eb = element_bytes(precision)
+    groups, hc = params["groups"], params["hc"]
+    slots, rows = 32 * groups, 64 * groups
+    d_stride = padded_stride(D)
+    # two stages of a W_p chunk and a W2 chunk; per warpgroup its pair rows and hidden chunk (each
+    # region 1024-byte aligned); the running maxima, validity, any-edge flags
+    smem = (2 * (align(hc * P * eb, 1024) + align(D * hc * eb, 1024))
+            + groups * (align(64 * P * eb, 1024) + align(64 * hc * eb, 1024)) + 4 * (slots * d_stride + rows + slots))
+    context = {"D": D, "P": P, "H": H, "off": weight_offsets(D, P, H), "mma_off": mma_weight_offsets(D, P, H, eb),
+               "mma_kind": MMA_KINDS[precision], "node_t": "elem_t", "node_half": True, "groups": groups, "hc": hc,
+               "tile_i": params["tile_i"], "d_stride": d_stride, "smem": smem, "wgmma_widths": sorted({hc, D}),
+               "prologue_rows": params["prologue_rows"], "prologue_threads": PROLOGUE_THREADS,
+               "prologue_cols": PROLOGUE_COLS}
+
+    def grid(B, N, sms, resident, _ti=params["tile_i"]):
+        tiles = row_tiles(B, N, _ti)
+        return persistent_blocks(tiles, 1, sms, resident), (B, N, tiles)
+
+    return context, (Kernel(name, 128 * groups, smem, MMA_ARGS, grid, mode="programmatic"),
+                     _nodes_kernel(name, H, params["prologue_rows"]))
+
+
+def _wgmma_shapes_fit(plan: Plan, limits: DeviceLimits) -> bool:
+    """Whole 16-element k-steps, chunks that tile H, one wgmma of n = D (D / 2 accumulators a thread)."""
+    w, hc = plan.widths, plan.params["hc"]
+    return w["P"] % 16 == 0 and w["D"] % 16 == 0 and w["D"] <= 256 and w["H"] % hc == 0
+
+
+WGMMA = Strategy(
+    name="wgmma",
+    summary="Hopper tensor cores: the node prologue, then warpgroups of 64 pairs sharing chunks of W_p and W2 "
+            "streamed through two stages; the messages' accumulators in registers, the max in shared memory",
+    # groups: warpgroups per block (each chunk copied once serves 64 * groups pairs); hc: hidden
+    # columns per chunk; tile_i: rows i per tile (dividing 8: a thread's two rows share a node);
+    # prologue_rows as split's.
+    space={"groups": (1, 2), "hc": (32, 64, 128), "tile_i": (1, 2, 4, 8), "prologue_rows": (2, 8)},
+    derive=_derive_wgmma,
+    restrictions=(WGMMA_ON_SM90,
+                  Restriction("P and D must be multiples of 16, D at most 256, and hc must divide H", _wgmma_shapes_fit),
+                  # D 256 with hc 128 (192 accumulators a thread) took 255 registers and spilled.
+                  Restriction("at most 160 accumulators per thread (D / 2 + hc / 2)",
+                              lambda p, _: p.widths["D"] // 2 + p.params["hc"] // 2 <= 160),
+                  Restriction("shared memory exceeds the per-block limit", smem_fits)),
+    precisions=HALF_PRECISIONS,
+)
+
+
 class ReadoutSpec(OpSpec):
     #: Parameters added after entries were tuned (and studies recorded), per strategy, with the value
     #: that gives the kernel those entries ran: plan() fills them in where a point leaves them out.
     added_params = {"split": {"j_split": 1, "prologue_rows": 8}, "direct": {"j_split": 1}, "mma": {"stages": 1, "one_launch": False}}
     name = "readout"
     width_names = ("D", "P", "H")
-    strategies = {s.name: s for s in (SPLIT, DIRECT, FUSED, GEMM, MMA)}
+    strategies = {s.name: s for s in (SPLIT, DIRECT, FUSED, GEMM, MMA, WGMMA)}
     default_points = (
         # Real widths (D, H multiples of 64): 64 columns per pass, 4 rows i x 16 partners j.
         ("split", {"tile_i": 4, "tile_j": 16, "threads": 256, "threads_n": 8, "tn": 8, "unroll": 4,
@@ -553,6 +606,9 @@ class ReadoutSpec(OpSpec):
         # tf32x3's (its split fragments double the operands' registers): 32 pairs, 64 columns per warp.
         ("mma", {"tile_i": 2, "tile_j": 16, "warps_m": 2, "warps_n": 4, "wn": 16, "blocks_per_sm": 1,
                  "prologue_rows": 8, "resident": False}),
+        # Hopper (16-bit, D <= 256): two warpgroups of 64 pairs sharing chunks of 64 hidden columns
+        # (each chunk's L2 read serves 128 pairs, twice mma's 64).
+        ("wgmma", {"groups": 2, "hc": 64, "tile_i": 4, "prologue_rows": 8}),
         ("gemm", {"tile": 128, "threads": 128, "tm": 8, "tn": 8, "unroll": 2, "weights_smem": False,
                   "pool_nodes": 4, "pool_warps": 2}),
         ("gemm", {"tile": 64, "threads": 128, "tm": 1, "tn": 4, "unroll": 4, "weights_smem": False,
