@@ -62,7 +62,7 @@ def test_precision_views_filter_strategies_and_defaults():
     assert TRIMUL.precisions[0] == "float32" and set(TRIMUL.precisions) == {"float32", *PRECISIONS}
     from pairgen.ops import get_op
 
-    assert set(get_op("readout").at("bfloat16").strategies) == {"mma"}
+    assert set(get_op("readout").at("bfloat16").strategies) == {"mma", "wgmma"}
     with pytest.raises(ValueError, match="no kernels in 'float8'"):
         get_op("readout").at("float8")
 
