@@ -646,6 +646,8 @@ class KernelModule:
         if type(variant) is first_use.Pending:
             variant = self._first_use(variant, inputs, precision)
         if variant is None:
+            if precision in HALF_PRECISION_DTYPES:  # no 16-bit kernel fits these widths: a call no kernel
+                return self._without_kernel(inputs)  # computes in its dtype (the fp32 kernel where it pays)
             return self.reference_forward(*inputs)  # disabled, or no kernel fits these widths
         if training:
             if self._saves_for_backward(inputs):

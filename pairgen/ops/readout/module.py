@@ -5,7 +5,6 @@ import torch
 
 from ...modules import (OPERAND_DTYPES, HeldBuffer, KernelModule, PackedParameters, TensorCorePrecisions,
                         check_float_tensor, check_mask, contiguous_aligned, fp32_matmul, grow_held)
-from ...spec import HALF_PRECISIONS
 from . import backward
 from .reference import PairReadoutReference
 from .spec import (DIRECT, FUSED, GEMM, MMA, READOUT, SPLIT, WGMMA, gemm_scratch_offsets, mma_weight_offsets,
@@ -275,15 +274,9 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
         return B * N * N * self.widths["P"] < 2**31 and B * N * 2 * self.widths["H"] < 2**31
 
     def kernel_precision(self, nodes, *rest) -> str | None:
-        """As the other tensor-core modules' (TensorCorePrecisions), within the 32-bit indices; a
-        16-bit call at widths no tensor-core kernel fits (its weights stay in shared memory) is one
-        no kernel serves: at small sizes its fp32 kernels on the input made fp32 (_without_kernel)."""
-        if not self._within_int32(nodes):
-            return None
-        precision = TensorCorePrecisions.kernel_precision(self, nodes, *rest)
-        if precision in HALF_PRECISIONS and self.variant_for(nodes.shape[1], nodes.get_device(), precision) is None:
-            return None
-        return precision
+        """As the other tensor-core modules' (TensorCorePrecisions), within the kernels' 32-bit
+        indices (which count pair channels too)."""
+        return TensorCorePrecisions.kernel_precision(self, nodes, *rest) if self._within_int32(nodes) else None
 
     def _tile_counters(self, index: int, count: int) -> int:
         """At least `count` zeroed arrival counters on device `index`, for the j split's "last
