@@ -132,8 +132,20 @@ def _error_text(code: int) -> str:
         return f"CUresult {code}"
 
 
+def _static_smem(function) -> int:
+    """The function's static shared arrays (__shared__ declarations), in bytes."""
+    from cuda.bindings import driver
+
+    err, nbytes = driver.cuFuncGetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                                            function)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise LaunchError(f"cannot read the static shared memory of a kernel: {err}")
+    return nbytes
+
+
 def _allow_dynamic_smem(function, nbytes: int) -> None:
-    """Blocks may use more than 48 KB of dynamic shared memory only after this opt-in."""
+    """Blocks may use more than 48 KB of shared memory, static and dynamic together, only after
+    this opt-in (without it a launch fails with "invalid argument")."""
     from cuda.bindings import driver
 
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -169,7 +181,9 @@ class LoadedKernel:
         self.kernel = _cuda_core().ObjectCode.from_cubin(compiled.cubin).get_kernel(self.name)
         self._function = _function_of(self.kernel)
         self._handle = ctypes.c_void_p(int(self._function))
-        if smem_bytes > 48 * 1024:
+        # The 48 KB default counts static and dynamic shared memory together: a kernel with static
+        # arrays (the node prologue inside fused) needs the opt-in below 48 KB of dynamic memory.
+        if smem_bytes and smem_bytes + _static_smem(self._function) > 48 * 1024:
             _allow_dynamic_smem(self._function, smem_bytes)
         self._driver = _get_driver()
         self.threads = threads
