@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import random
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,26 @@ def test_a_stale_entry_is_completed_to_the_current_space_and_tried_first(db, mon
     assert tune_script.starting_points(CONTACT, db, shape, INFO) == [("symmetric_tiled", completed)] + [
         ("symmetric_tiled", {**completed, name: value}) for name, values in (("stage_rows", (1, 2)), ("ln_lanes", (4, 8)))
         for value in values]
+
+
+def test_a_16_bit_tune_starts_from_the_other_16_bit_dtypes_winner(tmp_path, monkeypatch):
+    """bf16 and fp16 run the same code: each one's search starts from the other's winner at the
+    shape (as tf32x3's starts from exact fp32's); exact fp32 starts from nothing but its own."""
+    from pairgen.ops.readout import READOUT
+    from pairgen.tuning.tune_cli import starting_points
+
+    monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(tmp_path))
+    widths = {"D": 256, "P": 64, "H": 512}
+    shape = {"B": 16, "N": 128, **widths}
+    plan = READOUT.sample_plans("mma", widths, 0, random.Random(0), precision="bfloat16")[0]  # a default point that fits
+    point = plan.params
+    db = TunedDB("readout", "test-gpu", tmp_path)
+    db.upsert({"key": make_key("bfloat16", widths, 128), "shape": shape, "strategy": "mma", "params": dict(point),
+               "us": 500.0, "template_sha256": codegen.template_hash("readout", "mma"),
+               "source_sha256": codegen.render_plan(plan).source_sha256})
+    assert runtime.entry_state(READOUT, db.entries()[0]) == "ok"
+    assert ("mma", point) in starting_points(READOUT.at("float16"), db, shape, INFO)
+    assert starting_points(READOUT.at("float32"), db, shape, INFO) == []
 
 
 def test_an_entry_whose_reference_was_faster_runs_the_reference(db, monkeypatch):
