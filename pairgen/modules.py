@@ -536,6 +536,7 @@ class KernelModule:
         if held is None or held[0] != index:
             held = self._barrier = (index, torch.zeros(2, device=device, dtype=torch.int32))
         return held[1].data_ptr()
+
     def _call_buffer(self, index: int, count: int, dtype: torch.dtype, zeroed: bool) -> int:
         """A buffer for one operator call (library.state_per_call): kept until that call ends, so
         no later allocation of the call reuses it before its kernel is enqueued, then dropped."""

@@ -365,9 +365,10 @@ def closing_table(results, peers) -> str:
     return "\n".join(lines)
 
 
-#: Precisions whose kernels are the same code in another element type: a winner in one is a
-#: strong first guess in the other (bf16's large readout point beat fp16's 16-trial search by 1.3x).
-SIBLING_PRECISIONS = {"bfloat16": ("float16",), "float16": ("bfloat16",)}
+#: Precisions whose winners are a tuning run's first guesses: exact fp32's for tf32x3 and tf32
+#: (which may run the exact kernels), the other 16-bit dtype's for bf16 and fp16 (the same code in
+#: another element type: bf16's large readout point beat fp16's 16-trial search by 1.3x).
+RELATED_PRECISIONS = {"tf32x3": ("float32",), "tf32": ("float32",), "bfloat16": ("float16",), "float16": ("bfloat16",)}
 
 
 def starting_points(spec, db, shape: dict, info) -> list[tuple[str, dict]]:
@@ -375,9 +376,8 @@ def starting_points(spec, db, shape: dict, info) -> list[tuple[str, dict]]:
     template edit made it stale (with each value of any parameter added since: spec.restarts),
     are tried first: a re-tune after an edit that grew the space then cannot come out worse than
     the old winner, as a re-tune once did (contact B1 N1024 on the H200: 588 us against 538
-    before, the old point never sampled). Then the winners at the same shape in the precisions
-    that run the same code: exact fp32's for tf32x3 and tf32 (which may run the exact kernels),
-    the other 16-bit dtype's for bf16 and fp16."""
+    before, the old point never sampled). Then the winners at the same shape in the
+    RELATED_PRECISIONS."""
     from pairgen import runtime
     from pairgen.spec import n_bucket
 
@@ -385,8 +385,7 @@ def starting_points(spec, db, shape: dict, info) -> list[tuple[str, dict]]:
     precision = precision_of(spec)
     in_use = runtime.choose(spec, precision, widths, shape["N"], info).entry
     entries = [in_use, previous_entry(spec, db, widths, n_bucket(shape["N"]))]
-    related = SIBLING_PRECISIONS.get(precision, ("float32",) if precision != "float32" else ())
-    for other in related:
+    for other in RELATED_PRECISIONS.get(precision, ()):
         entry = runtime.choose(spec, other, widths, shape["N"], info).entry
         if entry is not None and entry["strategy"] in spec.strategies:
             entries.append(entry)

@@ -50,8 +50,7 @@ def _launch_with_prologue_inside(module: "PairReadout", main, pointers: tuple, d
 
 
 def run_fused(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -> None:
-    """One cooperative launch (phase 0) where the grid fits on the GPU at once, else the same kernel
-    twice, plainly: the node prologue (phase 1), then the pairs (phase 2)."""
+    """split's buffers and arguments, the prologue inside the kernel (_launch_with_prologue_inside)."""
     B, N, D = nodes.shape
     (main,) = variant.launches(nodes.get_device(), B, N)
     uv, partials, counters = _pair_max_buffers(module, variant, main, B, N, D, with_uv=True)
