@@ -42,13 +42,18 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
 
 
-def source_hash_as_tuned(rendered: Rendered, tuned_template_sha256: str) -> str:
+def source_hash_as_tuned(rendered: Rendered, tuned_template_sha256: str, tuned_params: dict | None = None) -> str:
     """The hash today's source would have had when the template files hashed to
-    tuned_template_sha256 (what an entry records). The header's first line names that hash, a
-    comment the compiler never sees: an edit elsewhere in the template tree that leaves a variant's
-    code as it was (code for other variants, behind a jinja condition) changes only that line."""
+    tuned_template_sha256 and the point was written as tuned_params (what an entry records). The
+    header's first two lines name both, comments the compiler never sees: an edit elsewhere in the
+    template tree that leaves a variant's code as it was (code for other variants, behind a jinja
+    condition) changes only the first, and a parameter added since, at the value that reproduces
+    the old kernel (OpSpec.added_params), only the second."""
     first, newline, rest = rendered.source.partition("\n")
     then = first.replace(f"(sha256 {rendered.template_sha256[:16]})", f"(sha256 {tuned_template_sha256[:16]})", 1)
+    if tuned_params is not None and rest.startswith("// params "):
+        _, params_end, after = rest.partition("\n")
+        rest = f"// params {json.dumps(tuned_params, sort_keys=True)}" + params_end + after
     return source_hash(then + newline + rest)
 
 

@@ -271,6 +271,28 @@ def test_an_entry_whose_code_renders_unchanged_under_another_template_hash_stays
     assert runtime.entry_state(CONTACT, dict(tuned, template_sha256="b" * 64, source_sha256=source_hash(then))) == "stale"
 
 
+def test_an_entry_written_before_a_parameter_was_added_stays_ok():
+    """A parameter added since an entry was written takes the value that reproduces the old kernel
+    (added_params); today's header lists it, the entry's recorded source did not: still the same
+    kernel. The added parameter at its other value renders other code: stale."""
+    from pairgen.codegen import source_hash
+    from pairgen.spec import DeviceLimits
+
+    widths = {"P": 128, "H": 64}
+    old_point = {"groups": 1, "prefetch": False, "swizzle": True}  # before ln_quads existed
+    plan = CONTACT.plan("wgmma", old_point, widths, "bfloat16")
+    assert plan.params["ln_quads"] is False and not CONTACT.infeasible(plan, DeviceLimits(arch="sm_90"))
+    first, rest = codegen.render_plan(plan).source.split("\n", 1)
+    params_line, after = rest.split("\n", 1)
+    assert '"ln_quads": false' in params_line
+    as_written = first + "\n// params " + json.dumps(old_point, sort_keys=True) + "\n" + after
+    tuned = {"strategy": "wgmma", "params": old_point, "key": {"dtype": "bfloat16", "n_bucket": 1024, "widths": widths},
+             "template_sha256": codegen.template_hash("contact", "wgmma"), "source_sha256": source_hash(as_written)}
+    assert runtime.entry_state(CONTACT, tuned) == "ok"
+    quads = codegen.render_plan(CONTACT.plan("wgmma", {**old_point, "ln_quads": True}, widths, "bfloat16")).source
+    assert runtime.entry_state(CONTACT, dict(tuned, source_sha256=source_hash(quads))) == "stale"
+
+
 def test_every_shipped_entry_is_current():
     """The committed tuned/ entries plan, fit the sm_90 limits and render the source they were tuned
     with (a template edit that changes a tuned variant's code must come with its re-tune)."""

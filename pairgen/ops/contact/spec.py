@@ -193,7 +193,7 @@ def _derive_mma(params: dict, widths: dict, name: str):
     context = {"P": P, "H": H, "mma_kind": MMA_KINDS[precision], "off": mma_weight_offsets(P, H, eb),
                "tile_side": params["tile_side"], "warps_m": params["warps_m"], "warps_n": params["warps_n"],
                "wn": params["wn"], "prefetch": params["prefetch"], "smem": smem,
-               "min_blocks": params["blocks_per_sm"], "mma_shape": shape}
+               "min_blocks": params["blocks_per_sm"], "mma_shape": shape, "ln_quads": params["ln_quads"]}
 
     def grid(B, N, sms, resident, _side=params["tile_side"], _per_sm=params["blocks_per_sm"]):
         nb = ceil_div(N, _side)
@@ -209,19 +209,25 @@ def _mma_layout_ok(plan: Plan, limits: DeviceLimits) -> bool:
     return shape["mt"] >= 1 and w["H"] % shape["pass"] == 0 and w["P"] % 8 == 0 and w["H"] % 8 == 0
 
 
+_LN_QUADS_FIT = Restriction(
+    "ln_quads splits each row into 16-byte pieces over a quad's 4 lanes: P a multiple of 32 (16-bit) or 16 (fp32)",
+    lambda p, _: not p.params["ln_quads"] or (p.widths["P"] * element_bytes(p.precision)) % 64 == 0)
+
 MMA = Strategy(
     name="mma",
     summary="symmetric tiles on tensor cores: layers 1 and 2 as mma.sync products on resident weights, layer 3 "
             "in layer 2's epilogue",
     # tile_side: pairs per side of a symmetric tile (64 or 256 rows); warps_m x warps_n warps, wn
     # columns of H each per pass; blocks_per_sm: the persistent grid's blocks per SM; prefetch: the
-    # next tile's rows copied into shared memory during this tile's products.
+    # next tile's rows copied into shared memory during this tile's products; ln_quads: step 1 with a
+    # quad of lanes per pair and 16-byte loads (else a warp per pair).
     space={"tile_side": (8, 16), "warps_m": (1, 2, 4), "warps_n": (1, 2, 4), "wn": (16, 32, 64),
-           "blocks_per_sm": (1, 2), "prefetch": (True, False)},
+           "blocks_per_sm": (1, 2), "prefetch": (True, False), "ln_quads": (True, False)},
     derive=_derive_mma,
     restrictions=(
         Restriction("tiles must split into 16-row fragments per warp, passes must tile H, and P, H be "
                     "multiples of 8", _mma_layout_ok),
+        _LN_QUADS_FIT,
         *MMA_TILE_RESTRICTIONS,
     ),
     precisions=tuple(MMA_KINDS),
@@ -244,7 +250,7 @@ def _derive_wgmma(params: dict, widths: dict, name: str):
     smem = align(H * P * eb, 1024) + align(H * H * eb, 1024) + groups * group_bytes
     context = {"P": P, "H": H, "mma_kind": MMA_KINDS[precision], "off": mma_weight_offsets(P, H, eb),
                "groups": groups, "swizzle": cuda_bool(params["swizzle"]), "prefetch": params["prefetch"],
-               "wgmma_widths": [H], "smem": smem}
+               "wgmma_widths": [H], "smem": smem, "ln_quads": params["ln_quads"]}
 
     def grid(B, N, sms, resident, _groups=groups):
         nb = ceil_div(N, 8)
@@ -267,14 +273,15 @@ WGMMA = Strategy(
             "warpgroup), weights resident, layer 3 summed in the quads",
     # groups: warpgroups per block (each alone on its tiles, sharing the weights); swizzle: the
     # 128-byte swizzle where K is a multiple of 64; prefetch: the next tile's raw rows copied
-    # during this one's products.
-    space={"groups": (1, 2), "swizzle": (False, True), "prefetch": (True, False)},
+    # during this one's products; ln_quads: as in mma.
+    space={"groups": (1, 2), "swizzle": (False, True), "prefetch": (True, False), "ln_quads": (True, False)},
     derive=_derive_wgmma,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("P and H must be multiples of 16, H at most 256 (128 with two warpgroups)",
                               _wgmma_widths_fit),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)",
                               lambda p, _: not p.params["swizzle"] or p.widths["P"] % 64 == 0 or p.widths["H"] % 64 == 0),
+                  _LN_QUADS_FIT,
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
     precisions=HALF_PRECISIONS,
 )
@@ -282,9 +289,9 @@ WGMMA = Strategy(
 
 class ContactSpec(OpSpec):
     # stage_rows and ln_lanes came after the first tuned entries: 0 is the kernel they ran; so does
-    # mma's prefetch, False.
+    # mma's prefetch, False, and the tensor-core strategies' ln_quads, False.
     added_params = {"tiled": {"stage_rows": 0, "ln_lanes": 0}, "symmetric_tiled": {"stage_rows": 0, "ln_lanes": 0},
-                    "mma": {"prefetch": False}}
+                    "mma": {"prefetch": False, "ln_quads": False}, "wgmma": {"ln_quads": False}}
     name = "contact"
     width_names = ("P", "H")
     strategies = {s.name: s for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED, MMA, WGMMA)}
