@@ -10,7 +10,7 @@ import torch
 from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases, compiled_variant, generator,
                      run_variant, sampled_plans)
 from pairgen.ops.contact import CONTACT
-from pairgen.spec import HALF_PRECISIONS, MMA_KINDS
+from pairgen.spec import HALF_PRECISIONS, MMA_KINDS, DeviceLimits
 from pairgen.tuning.check import compare, reference64
 
 pytestmark = pytest.mark.gpu
@@ -21,8 +21,13 @@ AUTOCAST_BOUND = 2e-2
 
 
 def _default_and_two_samples(precision: str, widths: dict, strategy: str = "mma") -> list:
-    plans = sampled_plans(CONTACT.at(precision), strategy, widths, 2, seed=21)
-    return list({id(p): p for p in plans[:1] + plans[-2:]}.values())
+    """The default, two samples, and the default with the other step 1 (ln_quads), where feasible."""
+    view = CONTACT.at(precision)
+    plans = sampled_plans(view, strategy, widths, 2, seed=21)
+    first = plans[0]
+    other = view.plan(strategy, {**first.params, "ln_quads": not first.params["ln_quads"]}, widths)
+    plans += [] if CONTACT.infeasible(other, DeviceLimits(arch="sm_90")) else [other]
+    return list({p.label: p for p in plans[:1] + plans[-3:]}.values())
 
 
 CASES = [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
