@@ -37,6 +37,12 @@ CASES = [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
 WGMMA_CASES = [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
                for precision in HALF_PRECISIONS for w in ({"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64})
                for plan in _default_and_two_samples(precision, w, "wgmma")]
+#: Three and four warpgroups a block (the 384 and 512 threads cap registers at 168 and 128).
+WGMMA_CASES += [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
+                for precision in HALF_PRECISIONS for w in ({"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64})
+                for plan in [CONTACT.at(precision).plan("wgmma", {"groups": groups, "swizzle": True, "prefetch": False,
+                                                                  "ln_quads": True}, w) for groups in (3, 4)]
+                if not CONTACT.infeasible(plan, DeviceLimits(arch="sm_90"))]
 variants = compiled_cases(CASES + WGMMA_CASES)
 
 

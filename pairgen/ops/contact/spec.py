@@ -262,7 +262,8 @@ def _derive_wgmma(params: dict, widths: dict, name: str):
 
 def _wgmma_widths_fit(plan: Plan, limits: DeviceLimits) -> bool:
     """K in whole 16-element steps for both layers, and one wgmma (n <= 256) covering H: its H / 2
-    accumulators per thread, at most 64 where a block has 2 warpgroups (128 registers a thread)."""
+    accumulators per thread, at most 64 where a block has 2 or more warpgroups (at most 255, 168 and
+    128 registers a thread for 2, 3 and 4)."""
     P, H = plan.widths["P"], plan.widths["H"]
     return P % 16 == 0 and H % 16 == 0 and H <= (128 if plan.params["groups"] > 1 else 256)
 
@@ -271,13 +272,14 @@ WGMMA = Strategy(
     name="wgmma",
     summary="Hopper tensor cores: the mma strategy's symmetric tiles as warpgroup products (64 pairs per "
             "warpgroup), weights resident, layer 3 summed in the quads",
-    # groups: warpgroups per block (each alone on its tiles, sharing the weights); swizzle: the
+    # groups: warpgroups per block (each alone on its tiles, sharing the weights; more of them hide
+    # more of each other's phases, in fewer registers: 168 a thread at 3, 128 at 4); swizzle: the
     # 128-byte swizzle where K is a multiple of 64; prefetch: the next tile's raw rows copied
     # during this one's products; ln_quads: as in mma.
-    space={"groups": (1, 2), "swizzle": (False, True), "prefetch": (True, False), "ln_quads": (True, False)},
+    space={"groups": (1, 2, 3, 4), "swizzle": (False, True), "prefetch": (True, False), "ln_quads": (True, False)},
     derive=_derive_wgmma,
     restrictions=(WGMMA_ON_SM90,
-                  Restriction("P and H must be multiples of 16, H at most 256 (128 with two warpgroups)",
+                  Restriction("P and H must be multiples of 16, H at most 256 (128 with two or more warpgroups)",
                               _wgmma_widths_fit),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)",
                               lambda p, _: not p.params["swizzle"] or p.widths["P"] % 64 == 0 or p.widths["H"] % 64 == 0),
@@ -318,6 +320,9 @@ class ContactSpec(OpSpec):
         # Hopper (16-bit): two warpgroups sharing the weights, each prefetching its next tile.
         ("wgmma", {"groups": 2, "swizzle": True, "prefetch": True}),
         ("wgmma", {"groups": 1, "swizzle": False, "prefetch": False}),
+        # Four warpgroups (512 threads, 128 registers each, no spill at the preset widths), so a
+        # tuning run always measures the most warps an SM can hold against the two above.
+        ("wgmma", {"groups": 4, "swizzle": True, "prefetch": False, "ln_quads": True}),
     )
     presets = {
         "seed": ({"B": 4, "N": 64, "P": 64, "H": 32},),
