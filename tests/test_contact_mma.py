@@ -57,6 +57,14 @@ def test_restrictions_name_what_is_wrong():
                        {"P": 128, "H": 128}, "tf32x3")
     assert any("co-resident" in why for why in CONTACT.infeasible(two, DeviceLimits()))
     assert feasible_defaults(CONTACT, "mma", {"P": 128, "H": 128}, "tf32x3")[0].params["blocks_per_sm"] == 1
+    # ln_quads: a row in 16-byte pieces over a quad, 64 bytes a round: P = 48 in bf16 (96 bytes) cannot,
+    # in fp32 (192 bytes) it can; without ln_quads both can
+    point = {"tile_side": 8, "warps_m": 4, "warps_n": 2, "wn": 16, "blocks_per_sm": 1, "prefetch": False}
+    for precision, fits in (("bfloat16", False), ("tf32x3", True)):
+        quads = CONTACT.plan("mma", {**point, "ln_quads": True}, {"P": 48, "H": 32}, precision)
+        assert any("ln_quads" in why for why in CONTACT.infeasible(quads, DeviceLimits())) is not fits
+        warp = CONTACT.plan("mma", {**point, "ln_quads": False}, {"P": 48, "H": 32}, precision)
+        assert not any("ln_quads" in why for why in CONTACT.infeasible(warp, DeviceLimits()))
 
 
 def test_packed_weights_layout():
@@ -101,15 +109,30 @@ def test_wgmma_defaults_compile_for_sm90a_without_spills():
     plans = []
     for precision in HALF_PRECISIONS:
         for widths in WIDTHS[:3]:
-            plans += [(plan, True) for plan in feasible_defaults(CONTACT, "wgmma", widths, precision)[:1]]
+            defaults = feasible_defaults(CONTACT, "wgmma", widths, precision)
+            # the first, and the last: four warpgroups at 128 registers a thread
+            plans += [(plan, True) for plan in (defaults[0], defaults[-1])]
             plans += [(plan, False) for plan in sampled_plans(CONTACT.at(precision), "wgmma", widths, 1, seed=3)[-1:]]
-    assert len([p for p, default in plans if default]) == 6
+    assert len([p for p, default in plans if default]) == 12
+    assert all(plan.params["groups"] == 4 for plan, default in plans[1::3])
     rendered = [codegen.render_plan(plan) for plan, _ in plans]
     results = compiler.compile_many([(r.source, r.kernel_name, compiler.target_for(r.source, "sm_90")) for r in rendered])
     for (plan, default), result in zip(plans, results):
         assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
         if default:
             assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label}: {result.summary()}"
+
+
+def test_the_quads_step_compiles_in_16_bits_and_tf32x3():
+    """ln_quads' step 1 (16-byte pieces: 8 elements in 16 bits, 4 in fp32) compiles for a 16-bit and an fp32 kind."""
+    plans = [CONTACT.plan("mma", {**next(p for s, p in CONTACT.default_points if s == "mma"), "ln_quads": True,
+                                  "blocks_per_sm": 1, "prefetch": False}, {"P": 128, "H": 128}, precision)
+             for precision in ("bfloat16", "tf32x3")]
+    assert all(not CONTACT.infeasible(plan, DeviceLimits(arch="sm_90")) for plan in plans)
+    rendered = [codegen.render_plan(plan) for plan in plans]
+    assert all("symmetrised_rows_quads(x" in r.source for r in rendered)
+    for plan, result in zip(plans, compiler.compile_many([(r.source, r.kernel_name, "sm_90") for r in rendered])):
+        assert not isinstance(result, Exception), f"{plan.label}: {result}"
 
 
 def test_the_precision_option():
