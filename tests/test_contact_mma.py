@@ -110,11 +110,11 @@ def test_wgmma_defaults_compile_for_sm90a_without_spills():
     for precision in HALF_PRECISIONS:
         for widths in WIDTHS[:3]:
             defaults = feasible_defaults(CONTACT, "wgmma", widths, precision)
-            # the first, and the last: four warpgroups at 128 registers a thread
+            # the first, and the last: four warpgroups at 128 registers a thread, layer 1's output in registers
             plans += [(plan, True) for plan in (defaults[0], defaults[-1])]
             plans += [(plan, False) for plan in sampled_plans(CONTACT.at(precision), "wgmma", widths, 1, seed=3)[-1:]]
     assert len([p for p, default in plans if default]) == 12
-    assert all(plan.params["groups"] == 4 for plan, default in plans[1::3])
+    assert all(plan.params["groups"] == 4 and plan.params["z_registers"] for plan, default in plans[1::3])
     rendered = [codegen.render_plan(plan) for plan, _ in plans]
     results = compiler.compile_many([(r.source, r.kernel_name, compiler.target_for(r.source, "sm_90")) for r in rendered])
     for (plan, default), result in zip(plans, results):

@@ -43,6 +43,14 @@ WGMMA_CASES += [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.lab
                 for plan in [CONTACT.at(precision).plan("wgmma", {"groups": groups, "swizzle": True, "prefetch": False,
                                                                   "ln_quads": True}, w) for groups in (3, 4)]
                 if not CONTACT.infeasible(plan, DeviceLimits(arch="sm_90"))]
+#: Layer 1's output kept in registers as layer 2's A operand (z_registers), with and without the
+#: swizzle and prefetch, at one and four warpgroups.
+WGMMA_CASES += [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
+                for precision in HALF_PRECISIONS for w in ({"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64})
+                for plan in [CONTACT.at(precision).plan("wgmma", {"groups": groups, "swizzle": swizzle, "prefetch": prefetch,
+                                                                  "ln_quads": groups == 4, "z_registers": True}, w)
+                             for groups, swizzle, prefetch in ((1, False, False), (4, True, True), (4, True, False))]
+                if not CONTACT.infeasible(plan, DeviceLimits(arch="sm_90"))]
 variants = compiled_cases(CASES + WGMMA_CASES)
 
 

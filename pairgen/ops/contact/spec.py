@@ -244,13 +244,15 @@ def _derive_wgmma(params: dict, widths: dict, name: str):
     eb = element_bytes(precision)
     groups = params["groups"]
     # Every region 1024-byte aligned (the 128-byte swizzle's atoms): resident W1 and W2; per
-    # warpgroup the A tile, layer 1's output and (prefetch) the next tile's raw rows.
-    group_bytes = (align(64 * P * eb, 1024) + align(64 * H * eb, 1024)
+    # warpgroup the A tile, layer 1's output (unless z_registers keeps it in registers) and
+    # (prefetch) the next tile's raw rows.
+    group_bytes = (align(64 * P * eb, 1024) + (0 if params["z_registers"] else align(64 * H * eb, 1024))
                    + (align(2 * 64 * P * eb, 1024) if params["prefetch"] else 0))
     smem = align(H * P * eb, 1024) + align(H * H * eb, 1024) + groups * group_bytes
     context = {"P": P, "H": H, "mma_kind": MMA_KINDS[precision], "off": mma_weight_offsets(P, H, eb),
                "groups": groups, "swizzle": cuda_bool(params["swizzle"]), "prefetch": params["prefetch"],
-               "wgmma_widths": [H], "smem": smem, "ln_quads": params["ln_quads"]}
+               "wgmma_widths": [H], "smem": smem, "ln_quads": params["ln_quads"],
+               "z_registers": params["z_registers"], "wgmma_rs_widths": [H] if params["z_registers"] else []}
 
     def grid(B, N, sms, resident, _groups=groups):
         nb = ceil_div(N, 8)
@@ -275,8 +277,10 @@ WGMMA = Strategy(
     # groups: warpgroups per block (each alone on its tiles, sharing the weights; more of them hide
     # more of each other's phases, in fewer registers: 168 a thread at 3, 128 at 4); swizzle: the
     # 128-byte swizzle where K is a multiple of 64; prefetch: the next tile's raw rows copied
-    # during this one's products; ln_quads: as in mma.
-    space={"groups": (1, 2, 3, 4), "swizzle": (False, True), "prefetch": (True, False), "ln_quads": (True, False)},
+    # during this one's products; ln_quads: as in mma; z_registers: layer 1's output stays in
+    # registers as layer 2's A operand (wgmma with A from registers) instead of a shared tile.
+    space={"groups": (1, 2, 3, 4), "swizzle": (False, True), "prefetch": (True, False), "ln_quads": (True, False),
+           "z_registers": (True, False)},
     derive=_derive_wgmma,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("P and H must be multiples of 16, H at most 256 (128 with two or more warpgroups)",
@@ -291,9 +295,9 @@ WGMMA = Strategy(
 
 class ContactSpec(OpSpec):
     # stage_rows and ln_lanes came after the first tuned entries: 0 is the kernel they ran; so does
-    # mma's prefetch, False, and the tensor-core strategies' ln_quads, False.
+    # mma's prefetch, False, the tensor-core strategies' ln_quads, False, and wgmma's z_registers, False.
     added_params = {"tiled": {"stage_rows": 0, "ln_lanes": 0}, "symmetric_tiled": {"stage_rows": 0, "ln_lanes": 0},
-                    "mma": {"prefetch": False, "ln_quads": False}, "wgmma": {"ln_quads": False}}
+                    "mma": {"prefetch": False, "ln_quads": False}, "wgmma": {"ln_quads": False, "z_registers": False}}
     name = "contact"
     width_names = ("P", "H")
     strategies = {s.name: s for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED, MMA, WGMMA)}
@@ -323,6 +327,10 @@ class ContactSpec(OpSpec):
         # Four warpgroups (512 threads, 128 registers each, no spill at the preset widths), so a
         # tuning run always measures the most warps an SM can hold against the two above.
         ("wgmma", {"groups": 4, "swizzle": True, "prefetch": False, "ln_quads": True}),
+        # The same with layer 1's output in registers (no hidden tile: four groups then fit the
+        # next tile's rows too at H = 64), and without prefetch (every preset width).
+        ("wgmma", {"groups": 4, "swizzle": True, "prefetch": True, "ln_quads": True, "z_registers": True}),
+        ("wgmma", {"groups": 4, "swizzle": True, "prefetch": False, "ln_quads": True, "z_registers": True}),
     )
     presets = {
         "seed": ({"B": 4, "N": 64, "P": 64, "H": 32},),
