@@ -606,6 +606,12 @@ class ReadoutSpec(OpSpec):
         # tf32x3's (its split fragments double the operands' registers): 32 pairs, 64 columns per warp.
         ("mma", {"tile_i": 2, "tile_j": 16, "warps_m": 2, "warps_n": 4, "wn": 16, "blocks_per_sm": 1,
                  "prologue_rows": 8, "resident": False}),
+        # 128 pairs per step (8 nodes x 16 partners) in one stage over 16 warps (117 KB and 128
+        # registers at D256 H512 in bf16, no spill): each streamed chunk serves twice the pairs of
+        # the 64-pair steps, half the chunks' L2 traffic (the large shape's profile: the barriers
+        # around the chunk copies are its next stall).
+        ("mma", {"tile_i": 8, "tile_j": 16, "warps_m": 4, "warps_n": 4, "wn": 16, "blocks_per_sm": 1,
+                 "prologue_rows": 2, "resident": False, "stages": 1}),
         # Hopper (16-bit, D <= 256): two warpgroups of 64 pairs sharing chunks of 64 hidden columns
         # (each chunk's L2 read serves 128 pairs, twice mma's 64).
         ("wgmma", {"groups": 2, "hc": 64, "tile_i": 4, "prologue_rows": 8}),
