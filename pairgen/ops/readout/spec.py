@@ -298,12 +298,14 @@ def gemm_pool_smem(D: int, pool_nodes: int, pool_warps: int) -> int:
 GEMM_SCRATCH_ALIGN = 64
 
 
-def gemm_scratch_offsets(B: int, N: int, D: int, H: int) -> dict[str, int]:
-    """The gemm strategy's one scratch buffer, in floats: hidden (B*N*N, H), messages (B*N*N, D),
-    uv (B*N, 2H); "total" its length. B*N*N*(H + D) floats dominate: 805 MB at B16 N128 D256 H512."""
+def gemm_scratch_offsets(B: int, N: int, D: int, H: int, split_product: bool = False) -> dict[str, int]:
+    """The gemm strategy's one scratch buffer, in floats: hidden (B*N*N, H; with split_product
+    (B*N*N, 2H), each row [hi | lo]), messages (B*N*N, D), uv (B*N, 2H); "total" its length.
+    B*N*N*(H + D) floats dominate: 805 MB at B16 N128 D256 H512 (1342 MB split)."""
     pairs = B * N * N
     offsets, at = {}, 0
-    for name, size in (("hidden", pairs * H), ("messages", pairs * D), ("uv", B * N * 2 * H)):
+    hidden_width = 2 * H if split_product else H
+    for name, size in (("hidden", pairs * hidden_width), ("messages", pairs * D), ("uv", B * N * 2 * H)):
         offsets[name] = at
         at = align(at + size, GEMM_SCRATCH_ALIGN)
     offsets["total"] = at
@@ -324,7 +326,7 @@ def _derive_gemm(params: dict, w: dict, name: str):
                "prologue_rows": PROLOGUE_ROWS, "prologue_threads": PROLOGUE_THREADS,
                "prologue_cols": PROLOGUE_COLS,
                "pool_nodes": params["pool_nodes"], "pool_warps": params["pool_warps"],
-               "pool_threads": pool_threads, "pool_smem": pool_smem}
+               "pool_threads": pool_threads, "pool_smem": pool_smem, "split_product": params["split_product"]}
     floats = (tile * context["p_stride"]                 # the tile's pair rows
               + (P * layout["cn"] if staged else 0)      # a [P][cn] chunk of W_p
               + 2 * tile)                                # each pair's uv rows (ints)
@@ -352,13 +354,18 @@ GEMM = Strategy(
     summary="large shapes: the split prologue (U, V per node); a hidden kernel writes SiLU(U_i + V_j + W_p p_ij) "
             "of every pair to a (B*N*N, H) scratch; cuBLAS fp32 mm (TF32 forced off) gives the (B*N*N, D) "
             "messages; a pool kernel takes the masked max over j, adds b2, LayerNorms and adds the residual. "
-            "Scratch per call: B*N*N*(H + D) floats (805 MB at B16 N128 D256 H512)",
+            "Scratch per call: B*N*N*(H + D) floats (805 MB at B16 N128 D256 H512). tf32x3 with split_product: "
+            "the hidden rows as [hi | lo] TF32 parts and the product as two TF32 GEMMs (hi.W2hi + lo.W2hi, then "
+            "+ hi.W2lo) instead of the exact fp32 one",
     # tile: pairs per block of the hidden kernel; tm x tn its micro-tile (tm = 1 makes 8 columns
     # per chunk with 64-pair tiles: any H multiple of 8 at P up to 512); weights_smem: W_p staged
     # per column chunk (else read through the cache). pool_nodes: nodes per block of the pool
     # kernel; pool_warps: warps per node (its partners split between them), for small B*N.
+    # split_product (tf32x3 only): hidden written as TF32 [hi | lo] and the H -> D product on
+    # TF32 tensor cores, three products of split operands (see gemm.cu.j2).
     space={"tile": (64, 128, 256), "threads": (128, 256), "tm": (1, 2, 4, 8), "tn": (4, 8), "unroll": (2, 4),
-           "weights_smem": (False, True), "pool_nodes": (1, 2, 4, 8), "pool_warps": (1, 2, 4)},
+           "weights_smem": (False, True), "pool_nodes": (1, 2, 4, 8), "pool_warps": (1, 2, 4),
+           "split_product": (False, True)},
     derive=_derive_gemm,
     restrictions=(
         Restriction("D, P and H must be multiples of 4 (float4 reads)", _widths_vectorise),
@@ -368,6 +375,8 @@ GEMM = Strategy(
         Restriction("at most 64 accumulators per thread", lambda p, _: p.params["tm"] * p.params["tn"] <= 64),
         Restriction("shared memory exceeds the per-block limit", smem_fits),
         Restriction("the pool kernel's block exceeds 1024 threads", lambda p, _: p.context["pool_threads"] <= 1024),
+        Restriction("split_product is tf32x3's (split operands on TF32 tensor cores); the exact precisions "
+                    "keep the fp32 product", lambda p, _: not p.params["split_product"] or p.precision == "tf32x3"),
     ),
     precisions=EXACT_SERVES,
 )
@@ -547,7 +556,8 @@ WGMMA = Strategy(
 class ReadoutSpec(OpSpec):
     #: Parameters added after entries were tuned (and studies recorded), per strategy, with the value
     #: that gives the kernel those entries ran: plan() fills them in where a point leaves them out.
-    added_params = {"split": {"j_split": 1, "prologue_rows": 8}, "direct": {"j_split": 1}, "mma": {"stages": 1, "one_launch": False}}
+    added_params = {"split": {"j_split": 1, "prologue_rows": 8}, "direct": {"j_split": 1}, "mma": {"stages": 1, "one_launch": False},
+                    "gemm": {"split_product": False}}
     name = "readout"
     width_names = ("D", "P", "H")
     strategies = {s.name: s for s in (SPLIT, DIRECT, FUSED, GEMM, MMA, WGMMA)}
@@ -616,9 +626,13 @@ class ReadoutSpec(OpSpec):
         # (each chunk's L2 read serves 128 pairs, twice mma's 64).
         ("wgmma", {"groups": 2, "hc": 64, "tile_i": 4, "prologue_rows": 8}),
         ("gemm", {"tile": 128, "threads": 128, "tm": 8, "tn": 8, "unroll": 2, "weights_smem": False,
-                  "pool_nodes": 4, "pool_warps": 2}),
+                  "pool_nodes": 4, "pool_warps": 2, "split_product": False}),
         ("gemm", {"tile": 64, "threads": 128, "tm": 1, "tn": 4, "unroll": 4, "weights_smem": False,
-                  "pool_nodes": 4, "pool_warps": 2}),
+                  "pool_nodes": 4, "pool_warps": 2, "split_product": False}),
+        # tf32x3's: the first point with the product on TF32 tensor cores (the exact one stays the
+        # other precisions' default; the restriction rejects this one there).
+        ("gemm", {"tile": 128, "threads": 128, "tm": 8, "tn": 8, "unroll": 2, "weights_smem": False,
+                  "pool_nodes": 4, "pool_warps": 2, "split_product": True}),
     )
     presets = {
         "seed": ({"B": 4, "N": 24, "D": 96, "P": 16, "H": 192},),
