@@ -358,7 +358,7 @@ def test_j_split_counters_reset_between_calls_growth_and_graph_replays(j_split_v
 
 # ---- the gemm strategy: prologue, hidden kernel, cuBLAS mm (fp32), pool kernel --------------------
 
-_GEMM_DEFAULT, _GEMM_GENERAL = (params for strategy, params in READOUT.default_points if strategy == "gemm")
+_GEMM_DEFAULT, _GEMM_SPLIT, _GEMM_GENERAL = (params for strategy, params in READOUT.default_points if strategy == "gemm")
 GEMM_POINTS = [
     (_GEMM_DEFAULT, SEED_WIDTHS),
     (dict(_GEMM_DEFAULT, pool_nodes=1, pool_warps=4), SEED_WIDTHS),  # N = 37: warps 2, 3 see no partner
@@ -369,8 +369,10 @@ GEMM_POINTS = [
     (_GEMM_DEFAULT, WIDTHS[2]),
     (dict(_GEMM_DEFAULT, weights_smem=True), WIDTHS[2]),
 ]
+# tf32x3's split product (hidden rows [hi | lo], two TF32 GEMMs): the fp32 standard still holds.
+GEMM_SPLIT_PLANS = [READOUT.plan("gemm", _GEMM_SPLIT, w, "tf32x3") for w in (SEED_WIDTHS, WIDTHS[2])]
 GEMM_CASES = [pytest.param(plan, id="D{D}P{P}H{H}-".format_map(plan.widths) + plan.label)
-              for plan in (READOUT.plan("gemm", p, w) for p, w in GEMM_POINTS)]
+              for plan in [*(READOUT.plan("gemm", p, w) for p, w in GEMM_POINTS), *GEMM_SPLIT_PLANS]]
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +404,7 @@ def test_gemm_matches_float64_reference_on_poisoned_scratch(plan, gemm_variants)
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("plan", GEMM_CASES[:3] + GEMM_CASES[5:6])
+@pytest.mark.parametrize("plan", GEMM_CASES[:3] + GEMM_CASES[5:6] + GEMM_CASES[-2:-1])
 def test_gemm_single_edges_nan_masked_rows_and_float_masks(plan, gemm_variants):
     """_check_single_edges_nan_and_masked_rows with N = 123 (four chunks of 32 partners) and node
     2 + s's only edge to the last partner of chunk s (with several warps per node, each warp holds

@@ -150,6 +150,27 @@ def test_tf32_kinds_through_the_module(precision):
     assert compare(out, reference64(module, inputs), READOUT.tolerance[precision]).ok
 
 
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
+def test_nan_propagates_in_the_tf32_kinds(precision):
+    """A NaN feature at a valid edge makes its node's row NaN (through layer 2, where the hidden
+    value is the GPU's own NaN, 0x7fffffff: a rounding add on it carries into the sign bit); one
+    at a masked edge is ignored."""
+    gen = generator(34)
+    widths = {"D": 128, "P": 32, "H": 256}
+    module = READOUT.make_module(widths, gen).cuda()
+    nodes, pair, mask = (t.cuda() for t in READOUT.make_inputs({"B": 2, "N": 37, **widths}, gen))
+    pair[0, 5, 9, 3] = float("nan")
+    mask[0, 5, 9] = True
+    pair[1, 6, 9, 3] = float("nan")
+    mask[1, 6, 9] = False
+    plan = _default_and_two_samples(precision, widths)[0]
+    out = run_variant(module, (nodes, pair, mask), runtime.build_variant(plan), (2, 37, widths["D"]))
+    assert torch.isnan(out[0, 5]).all(), plan.label
+    nan_rows = torch.isnan(out).any(-1)
+    nan_rows[0, 5] = False
+    assert not nan_rows.any(), f"{plan.label}: NaN outside the edge's row"
+
+
 def test_launch_into_nan_prefilled_output_is_complete():
     """Every row of a B3 N123 output is written (NaN-prefilled, odd N, partial steps)."""
     widths = {"D": 48, "P": 24, "H": 80}

@@ -3,10 +3,12 @@ scratch, restrictions, defaults for every width, the weight layout, the cost mod
 j-split variants compile with NVRTC without spills. The node prologue (split and gemm): its
 blocks cover every node row and column once over all of k, and it compiles without spills. The gemm strategy: hidden tiles and pool
 warps cover every pair and node once, its scratch, shared memory, defaults, TF32 switched off
-around its matmul; its variants compile without spills."""
+around its matmul, tf32x3's split product (TF32 rounding, W2's split); its variants compile
+without spills."""
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 import pytest
@@ -17,11 +19,15 @@ from pairgen import codegen, runtime
 from pairgen.modules import fp32_matmul
 from pairgen.spec import DeviceLimits
 from pairgen.ops.readout import PairReadout
+from pairgen.ops.readout.module import split_w2t, tf32_rounded
 from pairgen.ops.readout.spec import (GEMM_SCRATCH_ALIGN, PROLOGUE_COLS, PROLOGUE_THREADS, READOUT,
                                  gemm_pool_blocks, gemm_pool_smem, gemm_scratch_offsets, hidden_layout,
                                  pair_max_scratch, prologue_blocks, split_scratch_floats, weight_offsets)
 
 LIMITS = DeviceLimits()
+#: The gemm strategy's default points: the exact first (every preset width), tf32x3's with the
+#: product on TF32 tensor cores, the general one (any D, P, H multiple of 8).
+GEMM_FIRST, GEMM_SPLIT, GEMM_GENERAL = (params for strategy, params in READOUT.default_points if strategy == "gemm")
 PRESET_WIDTHS = [READOUT.widths_of(s) for p in READOUT.presets.values() for s in p]
 PAIR_MAX = ("direct", "split")  # the strategies of _pair_max.cuh.j2 (tiles of rows i, j splits)
 
@@ -202,7 +208,7 @@ PROLOGUE_WIDTHS = PRESET_WIDTHS + [{"D": 504, "P": 8, "H": 496}, {"D": 8, "P": 8
 
 def prologue_plans() -> list:
     """gemm (PROLOGUE_ROWS) and split (prologue_rows 2 and 8) at every PROLOGUE_WIDTHS, feasible or not."""
-    split, gemm = READOUT.default_points[3][1], READOUT.default_points[-1][1]
+    split, gemm = READOUT.default_points[3][1], GEMM_GENERAL
     plans = [READOUT.plan("gemm", gemm, w) for w in PROLOGUE_WIDTHS]
     return plans + [READOUT.plan("split", dict(split, prologue_rows=rows), w) for w in PROLOGUE_WIDTHS for rows in (2, 8)]
 
@@ -311,7 +317,7 @@ def test_widths_no_pair_max_kernel_fits_run_the_gemm_strategy():
     for strategy in PAIR_MAX:
         assert not READOUT.feasible_plans(strategy, widths, LIMITS)
     plan = READOUT.default_plan(widths, LIMITS)
-    assert plan.strategy == "gemm" and plan.params == READOUT.default_points[-1][1]
+    assert plan.strategy == "gemm" and plan.params == GEMM_GENERAL
 
 
 def test_presets_get_the_intended_defaults():
@@ -458,7 +464,7 @@ def hidden_writes(plan, B: int, N: int) -> list[tuple[int, int]]:
 def test_gemm_hidden_kernel_writes_every_pair_and_column_once(B, N):
     widths = {"D": 16, "P": 8, "H": 48}
     space = READOUT.strategies["gemm"].space
-    plans = [READOUT.plan("gemm", dict(READOUT.default_points[-1][1], tile=tile, threads=threads, tm=tm, tn=tn), widths)
+    plans = [READOUT.plan("gemm", dict(GEMM_GENERAL, tile=tile, threads=threads, tm=tm, tn=tn), widths)
              for tile in space["tile"] for threads in space["threads"] for tm in space["tm"] for tn in space["tn"]]
     plans = [p for p in plans if not READOUT.infeasible(p, LIMITS)]
     micro_tiles = {(p.params["tm"], p.params["tn"]) for p in plans}
@@ -521,7 +527,7 @@ def test_gemm_plan_shared_memory_and_launch_bounds():
     """The hidden kernel's shared memory: the pair tile (rows of P_STRIDE), a [P][cn] chunk of W_p
     when staged, two ints per pair; __launch_bounds__ grants 8x8 micro-tiles ~168 registers."""
     w = PRESET_WIDTHS[-1]
-    base = dict(READOUT.default_points[-2][1])
+    base = dict(GEMM_FIRST)
     plan = READOUT.plan("gemm", base, w)
     stride = plan.context["p_stride"]
     assert stride >= w["P"] and stride % 32 == 4
@@ -557,7 +563,7 @@ def test_gemm_restrictions_prune_impossible_points():
 def test_gemm_defaults_are_valid_at_every_preset_width_and_one_fits_any_multiple_of_8():
     """The first gemm default (what complete_point fills new parameters from, and the tuner's
     first gemm trial) at every preset width; the second at any D, P, H multiple of 8 up to 512."""
-    first, general = (params for strategy, params in READOUT.default_points if strategy == "gemm")
+    first, general = GEMM_FIRST, GEMM_GENERAL
     for widths in PRESET_WIDTHS:
         assert not READOUT.infeasible(READOUT.plan("gemm", first, widths), LIMITS), widths
     for D, P, H in itertools.product((8, 24, 96, 136, 248, 504, 512), repeat=3):
@@ -567,7 +573,7 @@ def test_gemm_defaults_are_valid_at_every_preset_width_and_one_fits_any_multiple
 
 def test_gemm_points_have_no_j_split():
     """j_split belongs to the pair-max strategies: plan() adds it to their old points only."""
-    params = READOUT.default_points[-1][1]
+    params = GEMM_GENERAL
     assert "j_split" not in READOUT.plan("gemm", params, PRESET_WIDTHS[0]).params
     with pytest.raises(ValueError, match="params"):
         READOUT.plan("gemm", dict(params, j_split=1), PRESET_WIDTHS[0])
@@ -585,6 +591,59 @@ def test_gemm_scratch_is_one_buffer_of_hidden_messages_and_uv():
     assert small == {"hidden": 0, "messages": 64, "uv": 128, "total": 192}
 
 
+def test_split_product_is_tf32x3s_and_doubles_the_hidden_scratch():
+    """split_product puts the H -> D product on TF32 tensor cores: only tf32x3 may; the exact
+    precisions keep the fp32 product. Its hidden rows are [hi | lo]: 2H floats a pair."""
+    large = PRESET_WIDTHS[-1]
+    assert GEMM_SPLIT == dict(GEMM_FIRST, split_product=True)
+    for precision in ("float32", "tf32"):
+        reasons = READOUT.infeasible(READOUT.plan("gemm", GEMM_SPLIT, large, precision), LIMITS)
+        assert any("split_product is tf32x3's" in r for r in reasons), precision
+    assert not READOUT.infeasible(READOUT.plan("gemm", GEMM_SPLIT, large, "tf32x3"), LIMITS)
+    assert READOUT.plan("gemm", {k: v for k, v in GEMM_FIRST.items() if k != "split_product"}, large,
+                        "tf32x3").params["split_product"] is False, "entries from before the parameter: exact"
+    B, N, D, H = 16, 128, 256, 512
+    plain, split = gemm_scratch_offsets(B, N, D, H), gemm_scratch_offsets(B, N, D, H, split_product=True)
+    assert split["messages"] - plain["messages"] == B * N * N * H
+    assert 4 * (split["uv"] - split["hidden"]) == 1_342_177_280, "the 1342 MB the docs quote"
+
+
+def _tf32_round_reference(value: float) -> float:
+    """value rounded to 10 mantissa bits, to nearest with ties away from zero (cvt.rna.tf32)."""
+    if value == 0 or not math.isfinite(value):
+        return value
+    _, exponent = math.frexp(abs(value))                  # abs(value) = m * 2**exponent, m in [0.5, 1)
+    # 11 significant bits (the implicit one and 10); below 2^-126 (subnormal) a fixed step of 2^-136.
+    step = 2.0 ** max(exponent - 11, -136)
+    return math.copysign(math.floor(abs(value) / step + 0.5) * step, value)  # ties away from zero
+
+
+def test_tf32_rounding_and_the_split_of_w2():
+    """tf32_rounded: nearest with ties away from zero, NaN and infinity kept; split_w2t: [hi; hi; lo]
+    of W2^T with hi + lo = W2 to ~2^-22 and both halves exact TF32 values (low 13 bits zero)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4096, generator=gen) * torch.logspace(-30, 30, 4096)
+    ties = torch.tensor([1 + 2 ** -11, -(1 + 3 * 2 ** -11), 2 ** -140])  # ties (up and away), a subnormal
+    x = torch.cat([x, ties])
+    got = tf32_rounded(x)
+    assert [float(v) for v in got] == [_tf32_round_reference(float(v)) for v in x]
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), 3.4028235e38])
+    rounded = tf32_rounded(special)
+    assert torch.isnan(rounded[0]) and rounded[1] == float("inf") and rounded[2] == float("-inf")
+    assert rounded[3] == float("inf"), "past the largest TF32 value: infinity, as cvt.rna"
+    module = READOUT.make_module(PRESET_WIDTHS[0], gen)
+    params = [module.fuse[0].weight, module.fuse[0].bias, module.fuse[2].weight]
+    H = PRESET_WIDTHS[0]["H"]
+    stacked = split_w2t(params)
+    hi, hi_again, lo = stacked[:H], stacked[H: 2 * H], stacked[2 * H:]
+    w2t = module.fuse[2].weight.detach().t()
+    assert stacked.shape == (3 * H, PRESET_WIDTHS[0]["D"]) and torch.equal(hi, hi_again)
+    for half in (hi, lo):
+        assert not (half.view(torch.int32) & 0x1FFF).any(), "exact TF32 values"
+    error = (hi.double() + lo.double() - w2t.double()).abs().max() / w2t.abs().max()
+    assert 0 < error <= 2.0 ** -21
+
+
 def test_pair_max_scratch():
     w = PRESET_WIDTHS[0]
     D, H = w["D"], w["H"]
@@ -598,12 +657,14 @@ def test_gemm_variants_compile_without_spills():
     the points the tuner is expected to weigh at the large shape: 8x8 and 8x4 micro-tiles,
     W_p staged or through the cache, 256-pair tiles, four warps per node. Three kernels each."""
     large = PRESET_WIDTHS[-1]
-    first, general = (params for strategy, params in READOUT.default_points if strategy == "gemm")
+    first, general = GEMM_FIRST, GEMM_GENERAL
     points = [(first, w) for w in PRESET_WIDTHS] + [(general, {"D": 504, "P": 8, "H": 496}), (general, large)]
     points += [(dict(first, weights_smem=True), large), (dict(first, tn=4, threads=256, unroll=4), large),
                (dict(first, tile=256, threads=256, weights_smem=True), large),
                (dict(first, pool_warps=4, pool_nodes=8), large)]
     plans = [READOUT.plan("gemm", params, widths) for params, widths in points]
+    # tf32x3's split product ([hi | lo] hidden rows) at the seed and the large shape.
+    plans += [READOUT.plan("gemm", GEMM_SPLIT, widths, "tf32x3") for widths in (PRESET_WIDTHS[0], large)]
     assert not [p.label for p in plans if READOUT.infeasible(p, LIMITS)]
     variants = compile_plans(plans)
     for plan in plans:

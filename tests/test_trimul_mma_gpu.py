@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases, compiled_variant, generator,
-                     sampled_plans)
+                     run_variant, sampled_plans)
+from pairgen import runtime
 from pairgen.ops.trimul import TRIMUL
 from pairgen.spec import DeviceLimits
 from pairgen.ops.trimul.spec import MMA_KINDS
@@ -134,3 +135,24 @@ def test_tf32x3_module_meets_the_fp32_standard_with_tf32_allowed_elsewhere():
         torch.backends.cuda.matmul.fp32_precision = saved
     assert torch.backends.cuda.matmul.fp32_precision == saved, "the caller's setting is restored"
     assert compare(out, reference64(module, (x, mask)), TRIMUL.tolerance["tf32x3"]).ok
+
+
+@pytest.mark.parametrize("precision", MMA_KINDS)
+def test_nan_propagates_along_its_row_and_column(precision):
+    """A NaN feature at (p, p) reaches, through the projections (whose LayerNorm row is the GPU's
+    own NaN, 0x7fffffff: a rounding add on it carries into the sign bit), exactly the outputs that
+    sum over it: row p and column p, outgoing and incoming alike."""
+    widths = {"P": 64, "H": 32, **OPTION_SETS[-1]}
+    view = TRIMUL.at(precision)
+    plan = sampled_plans(view, "mma", widths, 0, seed=11)[0]
+    gen = generator(10)
+    module = TRIMUL.make_module(widths, gen).cuda()
+    x, mask = (t.cuda() for t in TRIMUL.make_inputs({"B": 2, "N": 29, **widths}, gen))
+    if precision in ("bfloat16", "float16"):
+        module, x = module.to(getattr(torch, precision)), x.to(getattr(torch, precision))
+    mask = torch.ones_like(mask)
+    x[1, 11, 11, 5] = float("nan")
+    out = run_variant(module, (x, mask), runtime.build_variant(plan), x.shape)
+    expected = torch.zeros(x.shape[:3], dtype=torch.bool, device=x.device)
+    expected[1, 11, :] = expected[1, :, 11] = True
+    assert torch.equal(torch.isnan(out).any(-1), expected), plan.label

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...modules import (OPERAND_DTYPES, HeldBuffer, KernelModule, PackedParameters, TensorCorePrecisions,
-                        check_float_tensor, check_mask, contiguous_aligned, fp32_matmul, grow_held)
+                        check_float_tensor, check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul, grow_held)
 from . import backward
 from .reference import PairReadoutReference
 from .spec import (DIRECT, FUSED, GEMM, MMA, READOUT, SPLIT, WGMMA, gemm_scratch_offsets, mma_weight_offsets,
@@ -67,25 +67,53 @@ def run_direct(module, variant, nodes, pair_feats, edge_mask, out) -> None:
     _run_pair_max(module, variant, nodes, pair_feats, edge_mask, out, with_uv=False)
 
 
+def split_w2t(params: list) -> torch.Tensor:
+    """W2^T split for the tf32x3 product (gemm's split_product), (3H, D): [W2hi^T; W2hi^T; W2lo^T]
+    with hi = W2 rounded to TF32 (to nearest, ties away from zero, as the kernels' cvt.rna) and
+    lo = W2 - hi rounded too, both exact TF32 values. [hi | lo] rows of hidden times the first 2H
+    rows give hi W2hi + lo W2hi; hidden's hi half times the last H rows adds hi W2lo."""
+    w2t = params[2].detach().t().contiguous().float()
+    hi = tf32_rounded(w2t)
+    lo = tf32_rounded(w2t - hi)
+    return torch.cat([hi, hi, lo])
+
+
+def tf32_rounded(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values rounded to TF32 (10 mantissa bits), to nearest with ties away from zero; NaN and
+    infinity stay as they are."""
+    bits = x.view(torch.int32)
+    rounded = ((bits + 0x1000) & -0x2000).view(torch.float32)  # -0x2000: the int32 of 0xffffe000
+    return torch.where(torch.isfinite(x), rounded, x)
+
+
 def run_gemm(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -> None:
     """Prologue -> hidden kernel -> fp32 mm -> pool kernel, all on the current stream, on one
-    scratch buffer (hidden, messages, uv) from the caching allocator, held until all are enqueued."""
+    scratch buffer (hidden, messages, uv) from the caching allocator, held until all are enqueued.
+    With split_product (tf32x3) hidden rows are [hi | lo] and the mm is two TF32 GEMMs."""
     B, N, D = nodes.shape
     H, pairs = module.widths["H"], B * N * N
+    split = variant.plan.params.get("split_product", False)
+    hidden_width = 2 * H if split else H
     hidden_kernel, prologue, pool = variant.launches(nodes.get_device(), B, N)
     packed = module._weights.get()
     weights = packed.data_ptr()
-    at = gemm_scratch_offsets(B, N, D, H)
+    at = gemm_scratch_offsets(B, N, D, H, split)
     scratch = torch.empty(at["total"], device=nodes.device, dtype=torch.float32)
-    hidden = scratch[at["hidden"]: at["hidden"] + pairs * H].view(pairs, H)
+    hidden = scratch[at["hidden"]: at["hidden"] + pairs * hidden_width].view(pairs, hidden_width)
     messages = scratch[at["messages"]: at["messages"] + pairs * D].view(pairs, D)
     uv = scratch.data_ptr() + 4 * at["uv"]
     prologue(nodes.data_ptr(), weights, uv, *prologue.tail)
     hidden_kernel(pair_feats.data_ptr(), uv, weights, hidden.data_ptr(), *hidden_kernel.tail)
     # messages = hidden W2^T without b2: the pool kernel adds it after the max (gemm.cu.j2 says why).
-    w2t = packed[module._w2t_at: module._w2t_at + H * D].view(H, D)
-    with fp32_matmul():
-        torch.mm(hidden, w2t, out=messages)
+    if split:
+        w2t = module._packed_for("tf32x3 W2^T", split_w2t).get()
+        with cublas_fp32_mode(True):  # every operand an exact TF32 value: the products are exact
+            torch.mm(hidden, w2t[: 2 * H], out=messages)
+            messages.addmm_(hidden[:, :H], w2t[2 * H:])
+    else:
+        w2t = packed[module._w2t_at: module._w2t_at + H * D].view(H, D)
+        with fp32_matmul():
+            torch.mm(hidden, w2t, out=messages)
     pool(messages.data_ptr(), edge_mask.data_ptr(), nodes.data_ptr(), weights, out.data_ptr(), *pool.tail)
 
 
