@@ -6,7 +6,8 @@ import torch
 
 from helpers import (ODD_SHAPES, REAL_WIDTHS, SEED_WIDTHS, assert_closed_form_meets_the_standard,
                      assert_variant_matches_float64, check_tuned_entries, compiled_cases, compiled_variant, generator,
-                     run_under_graph_capture, sampled_cases)
+                     run_under_graph_capture, run_variant, sampled_cases, sampled_plans)
+from pairgen import runtime
 from pairgen.tuning.check import compare, reference64
 from pairgen.spec import DeviceLimits
 from pairgen.ops.contact import CONTACT
@@ -106,6 +107,37 @@ def test_gradients_meet_the_standard(recompute, fused, monkeypatch):
     (x,) = (t.cuda() for t in CONTACT.make_inputs({"B": 2, "N": 37, **SEED_WIDTHS}, gen, "cauchy"))
     g = torch.randn(2, 37, 37, generator=gen).cuda()
     assert_closed_form_meets_the_standard(module, (x,), g)
+
+
+#: Every strategy in every precision that runs it, at one point (the default, where it has one),
+#: and wgmma with layer 1's ReLU output kept in registers (z_registers); the seed widths are every
+#: strategy's.
+NAN_PLANS = [sampled_plans(CONTACT.at(precision), strategy, SEED_WIDTHS, 1, seed=21)[0]
+             for precision in CONTACT.precisions for strategy in CONTACT.at(precision).strategies]
+NAN_PLANS += [CONTACT.at(precision).plan("wgmma", {"groups": 1, "swizzle": True, "prefetch": False, "ln_quads": True,
+                                                   "z_registers": True}, SEED_WIDTHS) for precision in ("bfloat16", "float16")]
+
+
+@pytest.mark.parametrize("plan", [pytest.param(plan, id=plan.label) for plan in NAN_PLANS])
+def test_nan_propagates_to_both_symmetric_outputs(plan):
+    """A NaN feature at (i, j) makes out[i, j] and out[j, i] NaN and nothing else, as in the
+    reference: a ReLU as fmaxf(v, 0) returns 0 for NaN and hid it, and a TF32 split's rounding add
+    on the GPU's own NaN (0x7fffffff) carries into the sign bit; the other outputs as the float64
+    reference's."""
+    precision = plan.precision
+    gen = generator(8)
+    module = CONTACT.make_module(SEED_WIDTHS, gen).cuda()
+    (x,) = CONTACT.make_inputs({"B": 2, "N": 37, **SEED_WIDTHS}, gen)
+    dtype = getattr(torch, precision) if precision in ("bfloat16", "float16") else torch.float32
+    module, x = module.to(dtype), x.cuda().to(dtype)
+    x[1, 4, 30, 7] = float("nan")
+    out = run_variant(module, (x,), runtime.build_variant(plan), x.shape[:3])
+    expected = torch.zeros_like(out, dtype=torch.bool)
+    expected[1, 4, 30] = expected[1, 30, 4] = True
+    assert torch.equal(torch.isnan(out), expected), plan.label
+    finite = ~expected
+    reference = reference64(module, (x,))
+    assert compare(out[finite], reference[finite], CONTACT.tolerance[precision]).ok, plan.label
 
 
 def test_weights_updated_in_place_are_repacked():
