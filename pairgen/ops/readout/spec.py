@@ -8,9 +8,8 @@ Five strategies:
   gemm    large shapes: the node prologue, a kernel writing every pair's hidden layer to scratch,
           cuBLAS for the second Linear (TF32 forced off), a pool kernel (masked max, LayerNorm,
           residual). Scratch B*N*N*(H + D) floats per call: 805 MB at B16 N128 D256 H512.
-  fused   split in one launch: every block first computes its share of the node prologue, then
-          waits at a grid-wide barrier (a cooperative launch where the grid fits on the GPU; two
-          plain launches of the same kernel where it does not) (templates/readout/fused.cu.j2).
+  fused   split in one plain launch: the first blocks to start run the node prologue's blocks, the
+          others split's pair blocks, which wait for them (templates/readout/fused.cu.j2).
   mma     tensor cores (bf16, fp16, tf32, tf32x3): split's node prologue, then per step of pairs
           the W_p product and the second layer as mma.sync products on resident weights, the
           masked max in the second one's epilogue (templates/readout/mma.cu.j2).
@@ -25,9 +24,9 @@ from ...spec import (HALF_PRECISIONS, MMA_KINDS, MMA_TILE_RESTRICTIONS, SIXTEEN_
 #: The pair-max kernel (split, direct): nodes, pair features, mask, weights, uv, scratch, counters,
 #: out, then B, N, row tiles.
 PAIR_MAX_ARGS = ("ptr",) * 8 + ("i32",) * 3
-#: The fused strategy's kernel: the pair-max pointers, the grid barrier's two ints, then B, N, row
-#: tiles and the phase (0: prologue, grid barrier, pairs; 1: prologue only; 2: pairs only).
-FUSED_ARGS = ("ptr",) * 9 + ("i32",) * 4
+#: The fused strategy's kernel: the pair-max pointers, the arrival order's two ints
+#: (common/arrival_order.cuh), then B, N, row tiles.
+FUSED_ARGS = ("ptr",) * 9 + ("i32",) * 3
 #: The node prologue: nodes, weights, uv, then the node rows B*N.
 NODES_ARGS = ("ptr",) * 3 + ("i32",)
 #: The gemm strategy's hidden kernel: pair features, uv, weights, hidden, then B, N, tiles.
@@ -172,13 +171,23 @@ def _derive_split(params: dict, w: dict, name: str):
                      _nodes_kernel(name, w["H"], params["prologue_rows"]))
 
 
+def _fused_grid(H: int, prologue_rows: int, tile_i: int, j_split: int):
+    """The node prologue's blocks (as split's prologue kernel), then split's pair blocks."""
+    pair_blocks = _pair_max_grid(tile_i, j_split)
+
+    def grid(B, N, sms, resident, _H=H, _rows=prologue_rows):
+        blocks, tail = pair_blocks(B, N, sms, resident)
+        return prologue_blocks(B * N, _H, _rows) + blocks, tail
+
+    return grid
+
+
 def _derive_fused(params: dict, w: dict, name: str):
-    """split's pair-max kernel with the node prologue inside: one kernel, launched cooperatively
-    where its grid (one block per tile and split, as split's) fits on the GPU at once."""
+    """split's node prologue and pair-max kernel as one plain launch (fused.cu.j2)."""
     context, smem = _pair_max_context(params, w, split=True)
     context = {**context, "fused": True, "nodes_inline": True}
-    grid = _pair_max_grid(params["tile_i"], params["j_split"])
-    return context, (Kernel(name, params["threads"], smem, FUSED_ARGS, grid, mode="cooperative_or_plain"),)
+    grid = _fused_grid(w["H"], params["prologue_rows"], params["tile_i"], params["j_split"])
+    return context, (Kernel(name, params["threads"], smem, FUSED_ARGS, grid),)
 
 
 def _columns_divide_widths(plan: Plan, limits: DeviceLimits) -> bool:
@@ -251,8 +260,8 @@ def _prologue_fits_beside(plan: Plan, limits: DeviceLimits) -> bool:
 
 FUSED = Strategy(
     name="fused",
-    summary="split in one launch: each block computes its share of U and V, a grid-wide barrier, then "
-            "split's per-pair work (two launches of the kernel where the grid does not fit at once)",
+    summary="split in one plain launch: the first blocks to start compute U and V as the prologue's "
+            "blocks would, the others run split's per-pair work once they are done",
     # split's space, prologue_rows included. Why one launch: a second costs the host ~3-4 us per
     # call, and the seed's repeated calls are bound by host time.
     space=dict(SPLIT.space), derive=_derive_fused,
@@ -575,11 +584,10 @@ class ReadoutSpec(OpSpec):
         # Any D, P, H multiple of 8: 8 columns per pass.
         ("split", {"tile_i": 8, "tile_j": 8, "threads": 128, "threads_n": 2, "tn": 4, "unroll": 2,
                    "weights_smem": False, "j_split": 1, "prologue_rows": 8}),
-        # fused: the seed's split layout (72 blocks, one per SM: they fit at once on an H200), with
-        # 8 node rows per prologue block: the seed's 36 prologue blocks then take one round of the
-        # 72 (a prologue block's time is its weight loads' round trips, hardly its rows).
+        # fused: the seed's split point, prologue blocks and pair blocks as split's (144 + 72 blocks
+        # at the seed: two per SM, resident at once on an H200).
         ("fused", {"tile_i": 4, "tile_j": 8, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4,
-                   "weights_smem": True, "j_split": 3, "prologue_rows": 8}),
+                   "weights_smem": True, "j_split": 3, "prologue_rows": 2}),
         # gemm, for the tuner's defaults (complete_point) and the widths no split point fits: 8x8
         # micro-tiles, 64 hidden columns per chunk (every preset width; unroll 4 spilled 4 bytes at
         # P = 16, where it unrolls the whole k loop); then 8 columns of 64-pair tiles (any D, P, H
