@@ -105,20 +105,19 @@ def test_module_forward_noncontiguous_inputs():
     assert compare(out, reference64(module, (nodes, pair_t, mask_t)), TOL).ok
 
 
-@pytest.mark.parametrize("batch,n", [(4, 24), (48, 61)])
-def test_fused_is_one_plain_launch_at_any_grid_size(batch, n):
-    """The seed's grid (144 prologue + 72 pair blocks) is resident at once; B48 N61's (4,392 +
-    2,304) is not: pair blocks wait only for prologue blocks that started before them, so both
-    finish, in one plain launch, and each launch leaves its ordering ints zeroed for the next."""
+@pytest.mark.parametrize("batch,n,mode", [(4, 24, "cooperative"), (48, 61, "plain")])
+def test_fused_is_one_cooperative_launch_where_its_grid_fits_else_two(batch, n, mode):
+    """The seed's grid (36 prologue + 96 pair blocks) is resident at once: one cooperative launch,
+    the pair blocks waiting for the prologue's; B48 N61's (1,098 + 2,928) is not: the same kernel
+    twice, prologue blocks then pair blocks. Each launch leaves the producers' counter zeroed."""
     widths = SEED_WIDTHS
     plan = READOUT.plan("fused", next(p for s, p in READOUT.default_points if s == "fused"), widths)
     variant = runtime.build_variant(plan)
     module, inputs, ref = reference_case(READOUT, widths, batch, n, seed=batch)
-    (launch,) = variant.launches(0, batch, n)
-    assert launch.mode == "plain"
+    assert variant.launches(0, batch, n)[0].mode == mode
     for _ in range(3):
         result = compare(_run(module, inputs, variant), ref, TOL)
-        assert result.ok, f"B={batch} N={n}: {result}"
+        assert result.ok, f"B={batch} N={n} ({mode}): {result}"
     assert module._barrier[1].tolist() == [0, 0]
 
 

@@ -102,14 +102,14 @@ def test_grid_is_j_split_blocks_per_tile_of_rows():
 
 
 def test_fused_grid_is_the_prologue_blocks_then_splits_pair_blocks():
-    """One launch holds both of split's grids: the prologue kernel's blocks (the first tickets,
-    common/arrival_order.cuh) and then the pair-max kernel's, with split's shape arguments."""
+    """One launch holds both of split's grids: the prologue kernel's blocks first (the producers of
+    common/block_roles.cuh), then the pair-max kernel's, with split's shape arguments."""
     widths = PRESET_WIDTHS[0]
     point = next(p for s, p in READOUT.default_points if s == "fused")
     for prologue_rows in READOUT.strategies["fused"].space["prologue_rows"]:
         fused = READOUT.plan("fused", dict(point, prologue_rows=prologue_rows), widths)
         split = READOUT.plan("split", dict(point, prologue_rows=prologue_rows), widths)
-        assert len(fused.kernels) == 1 and fused.main.mode == "plain"
+        assert len(fused.kernels) == 1 and fused.main.mode == "cooperative_or_plain"
         for B, N in [(1, 1), (4, 24), (3, 37), (48, 61)]:
             pair_blocks, pair_tail = split.main.grid(B, N, 132, 2)
             prologue, _ = split.kernels[1].grid(B, N, 132, 2)

@@ -40,23 +40,24 @@ def _run_pair_max(module: "PairReadout", variant, nodes, pair_feats, edge_mask, 
 
 
 def _launch_with_prologue_inside(module: "PairReadout", main, pointers: tuple, device: torch.device) -> None:
-    """A kernel that runs the node prologue itself before a grid-wide barrier (mma's one_launch):
-    one cooperative launch (phase 0) where its grid is resident at once, else the same
-    kernel twice, plainly: phase 1 the prologue, phase 2 the pairs. Its arguments: the pointers,
-    the barrier's two ints, the shape tail, the phase."""
+    """A kernel that runs the node prologue itself, then waits for all of it (fused: its prologue
+    blocks, common/block_roles.cuh; mma's one_launch: a grid-wide barrier): one cooperative launch
+    (phase 0) where its grid is resident at once, else the same kernel twice, plainly: phase 1 the
+    prologue, phase 2 the pairs. Its arguments: the pointers, the two ints its wait counts on
+    (zeroed once, left zeroed by each launch), the shape tail, the phase."""
     barrier = module._barrier_ints(device)
     for phase in ((0,) if main.mode == "cooperative" else (1, 2)):
         main(*pointers, barrier, *main.tail, phase)
 
 
 def run_fused(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -> None:
-    """split's buffers and arguments in one launch, with the two ints that order its blocks
-    (zeroed once, left zeroed by each launch: common/arrival_order.cuh)."""
+    """split's buffers and arguments, the prologue's blocks in the same launch (_launch_with_prologue_inside)."""
     B, N, D = nodes.shape
     (main,) = variant.launches(nodes.get_device(), B, N)
     uv, partials, counters = _pair_max_buffers(module, variant, main, B, N, D, with_uv=True)
-    main(nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), module._weights.get().data_ptr(), uv,
-         partials, counters, out.data_ptr(), module._barrier_ints(nodes.device), *main.tail)
+    _launch_with_prologue_inside(module, main, (nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(),
+                                                module._weights.get().data_ptr(), uv, partials, counters,
+                                                out.data_ptr()), nodes.device)
 
 
 def run_split(module, variant, nodes, pair_feats, edge_mask, out) -> None:

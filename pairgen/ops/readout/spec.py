@@ -8,8 +8,9 @@ Five strategies:
   gemm    large shapes: the node prologue, a kernel writing every pair's hidden layer to scratch,
           cuBLAS for the second Linear (TF32 forced off), a pool kernel (masked max, LayerNorm,
           residual). Scratch B*N*N*(H + D) floats per call: 805 MB at B16 N128 D256 H512.
-  fused   split in one plain launch: the first blocks to start run the node prologue's blocks, the
-          others split's pair blocks, which wait for them (templates/readout/fused.cu.j2).
+  fused   split in one cooperative launch: the first blocks are the node prologue's, the others
+          split's pair blocks, which wait for them (two launches of the kernel where the grid
+          cannot be resident at once) (templates/readout/fused.cu.j2).
   mma     tensor cores (bf16, fp16, tf32, tf32x3): split's node prologue, then per step of pairs
           the W_p product and the second layer as mma.sync products on resident weights, the
           masked max in the second one's epilogue (templates/readout/mma.cu.j2).
@@ -24,9 +25,9 @@ from ...spec import (HALF_PRECISIONS, MMA_KINDS, MMA_TILE_RESTRICTIONS, SIXTEEN_
 #: The pair-max kernel (split, direct): nodes, pair features, mask, weights, uv, scratch, counters,
 #: out, then B, N, row tiles.
 PAIR_MAX_ARGS = ("ptr",) * 8 + ("i32",) * 3
-#: The fused strategy's kernel: the pair-max pointers, the arrival order's two ints
-#: (common/arrival_order.cuh), then B, N, row tiles.
-FUSED_ARGS = ("ptr",) * 9 + ("i32",) * 3
+#: The fused strategy's kernel: the pair-max pointers, the producers' counter (common/block_roles.cuh),
+#: then B, N, row tiles and the phase (0: prologue and pair blocks; 1: prologue only; 2: pairs only).
+FUSED_ARGS = ("ptr",) * 9 + ("i32",) * 4
 #: The node prologue: nodes, weights, uv, then the node rows B*N.
 NODES_ARGS = ("ptr",) * 3 + ("i32",)
 #: The gemm strategy's hidden kernel: pair features, uv, weights, hidden, then B, N, tiles.
@@ -183,11 +184,11 @@ def _fused_grid(H: int, prologue_rows: int, tile_i: int, j_split: int):
 
 
 def _derive_fused(params: dict, w: dict, name: str):
-    """split's node prologue and pair-max kernel as one plain launch (fused.cu.j2)."""
+    """split's node prologue and pair-max kernel in one launch (fused.cu.j2)."""
     context, smem = _pair_max_context(params, w, split=True)
     context = {**context, "fused": True, "nodes_inline": True}
     grid = _fused_grid(w["H"], params["prologue_rows"], params["tile_i"], params["j_split"])
-    return context, (Kernel(name, params["threads"], smem, FUSED_ARGS, grid),)
+    return context, (Kernel(name, params["threads"], smem, FUSED_ARGS, grid, mode="cooperative_or_plain"),)
 
 
 def _columns_divide_widths(plan: Plan, limits: DeviceLimits) -> bool:
@@ -260,8 +261,8 @@ def _prologue_fits_beside(plan: Plan, limits: DeviceLimits) -> bool:
 
 FUSED = Strategy(
     name="fused",
-    summary="split in one plain launch: the first blocks to start compute U and V as the prologue's "
-            "blocks would, the others run split's per-pair work once they are done",
+    summary="split in one launch: the first blocks compute U and V as the prologue's blocks would, "
+            "the others run split's per-pair work once they are done",
     # split's space, prologue_rows included. Why one launch: a second costs the host ~3-4 us per
     # call, and the seed's repeated calls are bound by host time.
     space=dict(SPLIT.space), derive=_derive_fused,
@@ -584,10 +585,15 @@ class ReadoutSpec(OpSpec):
         # Any D, P, H multiple of 8: 8 columns per pass.
         ("split", {"tile_i": 8, "tile_j": 8, "threads": 128, "threads_n": 2, "tn": 4, "unroll": 2,
                    "weights_smem": False, "j_split": 1, "prologue_rows": 8}),
-        # fused: the seed's split point, prologue blocks and pair blocks as split's (144 + 72 blocks
-        # at the seed: two per SM, resident at once on an H200).
-        ("fused", {"tile_i": 4, "tile_j": 8, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4,
-                   "weights_smem": True, "j_split": 3, "prologue_rows": 2}),
+        # One node i per block with all its partners in one tile of 32 (N <= 32), 8-row prologue
+        # blocks: at the seed 96 pair blocks and 36 prologue blocks, 132 in all, one per SM of an
+        # H200 (a pair block's staged weights, 121 KB, leave room for no second block). Graph
+        # replay at the seed, H200: split 16.9 us against 18.4 for the point above; fused (both
+        # grids in one launch) 17.4 with its wait before the first tile's staging.
+        ("split", {"tile_i": 1, "tile_j": 32, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4,
+                   "weights_smem": True, "j_split": 1, "prologue_rows": 8}),
+        ("fused", {"tile_i": 1, "tile_j": 32, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4,
+                   "weights_smem": True, "j_split": 1, "prologue_rows": 8}),
         # gemm, for the tuner's defaults (complete_point) and the widths no split point fits: 8x8
         # micro-tiles, 64 hidden columns per chunk (every preset width; unroll 4 spilled 4 bytes at
         # P = 16, where it unrolls the whole k loop); then 8 columns of 64-pair tiles (any D, P, H
