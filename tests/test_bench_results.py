@@ -54,3 +54,17 @@ def test_the_compile_peers_mode_is_chosen_on_the_command_line_and_checked():
     assert parse_args(["--backward", "--compile-mode", "default"])[1].compile_mode == "default"
     with pytest.raises(SystemExit):
         parse_args(["--compile-mode", "fastest"])
+
+
+def test_host_time_is_measured_as_separate_runs_with_the_gpu_drained_between(monkeypatch):
+    """host_us_runs: one value per run, each run `calls` back-to-back calls after one untimed call,
+    the GPU drained (synchronize) before and after every run, so no run waits on another's work."""
+    import torch
+
+    from pairgen.tuning import timing
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("sync"))
+    values = timing.host_us_runs(lambda: events.append("call"), calls=3, runs=4)
+    assert len(values) == 4 and all(v > 0 for v in values)
+    assert events == (["call", "sync"] + ["call"] * 3 + ["sync"]) * 4

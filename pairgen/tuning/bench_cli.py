@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -81,7 +82,7 @@ def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE):
     from pairgen import runtime
     from pairgen.tuning.check import compare, reference64
     from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision, reference_in_precision
-    from pairgen.tuning.timing import floor_us, host_us_per_call, time_cuda, time_graph_replay
+    from pairgen.tuning.timing import floor_us, host_us_runs, time_cuda, time_graph_replay
 
     device = torch.device("cuda", torch.cuda.current_device())
     precision = precision_of(spec)
@@ -101,7 +102,8 @@ def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE):
         call = lambda: module(*inputs)  # noqa: E731
         row["call_us"] = time_cuda(call, device, reps=reps).median_us
         row["graph_us"] = time_graph_replay(call, device, reps=reps).median_us
-        row["host_us"] = host_us_per_call(call)
+        row["host_runs_us"] = [round(us, 2) for us in host_us_runs(call)]
+        row["host_us"] = statistics.median(row["host_runs_us"])
         timed = {}
         if "eager" in peers:
             timed["eager"] = lambda: eager(*inputs)
