@@ -527,8 +527,11 @@ class KernelModule:
         self._handle = library.register(self)  # a copy is another module, with its own handle
 
     def _barrier_ints(self, device: torch.device) -> int:
-        """The grid barrier's ints on this device (common/grid_barrier.cuh), zeroed once: each launch
-        leaves them zeroed. Two launches of the same module on different streams at once would share them."""
+        """The grid barrier's ints on this device (common/grid_barrier.cuh; the readout's fused
+        strategy counts its prologue blocks in the first, common/block_roles.cuh), zeroed once: each
+        launch leaves them as the next one needs them (the counts at 0, the barrier's sense flipped),
+        so no launch needs a memset. Two launches of the same module on different streams at once
+        would share them."""
         index = device.index or 0
         if self.__dict__.get("_state_per_call"):  # inside an operator call (library.state_per_call)
             return self._call_buffer(index, 2, torch.int32, zeroed=True)

@@ -43,8 +43,9 @@ def _launch_with_prologue_inside(module: "PairReadout", main, pointers: tuple, d
     """A kernel that runs the node prologue itself, then waits for all of it (fused: its prologue
     blocks, common/block_roles.cuh; mma's one_launch: a grid-wide barrier): one cooperative launch
     (phase 0) where its grid is resident at once, else the same kernel twice, plainly: phase 1 the
-    prologue, phase 2 the pairs. Its arguments: the pointers, the two ints its wait counts on
-    (zeroed once, left zeroed by each launch), the shape tail, the phase."""
+    prologue, phase 2 the pairs. Its arguments: the pointers, the module's two ints its wait counts
+    on (zeroed once; each launch leaves them as the next one needs them: fused's counter at 0, the
+    barrier's count at 0 and its sense flipped), the shape tail, the phase."""
     barrier = module._barrier_ints(device)
     for phase in ((0,) if main.mode == "cooperative" else (1, 2)):
         main(*pointers, barrier, *main.tail, phase)
