@@ -8,31 +8,43 @@ the triangle sums, LayerNorm, `p_out`, and the output gated by `g_out` of the no
 That is `TriangleMultiplication(P, H, direction, gate_on="normalized")` with proj_a = p_in[:H],
 proj_b = p_in[H:], gate_a = g_in[:H], gate_b = g_in[H:], out_proj = p_out, out_gate = g_out.
 
+The calls it takes are cuEquivariance's: x of shape (..., N, N, P) with any leading dimensions
+(flattened into one batch, the result shaped like x); a mask of shape (..., N, N) whose leading
+dimensions broadcast to x's (absent, or of size 1), or None (every pair kept); `precision` as
+cuEquivariance's TriMulPrecision enum or its name in any case.
+
 How a call runs:
-- without gradients (inference), on a module built once per set of weights and kept (up to
-  MAX_MODULES): its parameters share the caller's weight tensors' memory (no copy); a weight
-  updated in place (its version moves) or replaced builds a fresh one. CUDA input runs the tuned
-  kernels, CPU input the reference.
-- with gradients wanted (an input or a weight requires grad, grad mode on): the reference
-  computation in PyTorch on the caller's tensors, so gradients reach them.
+- without gradients (inference), on a module built once per set of weight storages and kept (up
+  to MAX_MODULES): its parameters share the caller's weight tensors' memory (no copy), so an
+  in-place update is seen (the version counter is shared) and only a tensor in other memory
+  builds a fresh one. CUDA input runs the tuned kernels, CPU input the reference.
+- with gradients wanted (an input or a weight requires grad, grad mode on): the module's closed
+  form, its gradients mapped onto the caller's tensors; the PyTorch definition where the closed
+  form has no such call (float64, a mask that wants a gradient, under torch.compile, a CPU
+  autocast).
 - eps other than 1e-5 (the kernels' LayerNorm epsilon): the PyTorch computation.
 """
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 
-from .modules import current_autocast, graphless_gradients
+from .modules import CLOSED_FORM_DTYPES, current_autocast, graphless_gradients
 
 #: Weight sets whose modules are kept (least recently used first out).
 MAX_MODULES = 16
 KERNEL_EPS = 1e-5
-#: cuEquivariance's `precision` -> pairgen's for fp32 inputs (None: exact fp32, pairgen's default).
-_PRECISIONS = {None: "ieee", "default": "ieee", "none": "ieee", "ieee": "ieee", "tf32x3": "tf32x3", "tf32": "tf32"}
+#: What an fp32 call computes in, by cuEquivariance's name (its TriMulPrecision members, any case)
+#: or pairgen's: "default" and "none" are exact fp32, pairgen's default; "bfloat16" computes on the
+#: bf16 kernels, as an fp32 call under autocast to bf16 does, and answers in fp32.
+PRECISIONS = {"default": "ieee", "none": "ieee", "ieee": "ieee", "float32": "ieee", "tf32x3": "tf32x3",
+              "tf32": "tf32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 _WEIGHT_NAMES = ("norm_in_weight", "norm_in_bias", "p_in_weight", "p_in_bias", "g_in_weight", "g_in_bias",
                  "norm_out_weight", "norm_out_bias", "p_out_weight", "p_out_bias", "g_out_weight", "g_out_bias")
+_REQUIRED = ("p_in_weight", "g_in_weight", "p_out_weight", "g_out_weight")
 
 _modules: OrderedDict = OrderedDict()
 
@@ -41,39 +53,75 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
                                    norm_in_weight=None, norm_in_bias=None, p_in_weight=None, p_in_bias=None,
                                    g_in_weight=None, g_in_bias=None, norm_out_weight=None, norm_out_bias=None,
                                    p_out_weight=None, p_out_bias=None, g_out_weight=None, g_out_bias=None,
-                                   eps: float = 1e-5, precision: str | None = None) -> torch.Tensor:
-    """x: (B, N, N, P) or (N, N, P); mask: (B, N, N) or (N, N), bool, integer or float, or None (every
-    pair kept); p_in_weight, g_in_weight: (2H, P); p_out_weight: (P, H); g_out_weight: (P, P);
-    LayerNorm weights default to ones and biases to zeros; the Linear biases are optional.
-    precision: None (exact fp32 for fp32 input), "ieee", "tf32x3" or "tf32" (pairgen's precisions;
-    bf16/fp16 inputs compute in their own dtype). Returns the update, shaped like x."""
+                                   eps: float = 1e-5, precision=None) -> torch.Tensor:
+    """x: (..., N, N, P); mask: (..., N, N) (leading dimensions broadcast to x's), bool, integer or
+    float, or None (every pair kept); p_in_weight, g_in_weight: (2H, P); p_out_weight: (P, H);
+    g_out_weight: (P, P); LayerNorm weights default to ones and biases to zeros; the Linear biases
+    are optional. precision: None, a TriMulPrecision member or a name (PRECISIONS, any case); it
+    applies to fp32 input: bf16/fp16 inputs compute in their own dtype. Returns the update, shaped
+    like x."""
     weights = dict(zip(_WEIGHT_NAMES, (norm_in_weight, norm_in_bias, p_in_weight, p_in_bias, g_in_weight, g_in_bias,
                                        norm_out_weight, norm_out_bias, p_out_weight, p_out_bias, g_out_weight,
                                        g_out_bias)))
-    _check(x, direction, mask, weights, precision)
-    batched = x.dim() == 4
-    if not batched:
-        x = x.unsqueeze(0)
-        mask = mask.unsqueeze(0) if mask is not None else None
-    weights = _complete(weights, x)
+    precision = precision_name(precision)
+    _check(x, direction, mask, weights)
+    flat = x.reshape(-1, *x.shape[-3:])
+    flat_mask = None if mask is None else _flat_mask(mask, x)
+    if precision == "bfloat16" and x.dtype is torch.float32 and x.is_cuda:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = _update(flat, direction, flat_mask, _complete(weights, x), eps, "ieee")
+        out = out.to(x.dtype)
+    else:
+        out = _update(flat, direction, flat_mask, _complete(weights, x), eps,
+                      "ieee" if precision == "bfloat16" else precision)
+    return out.reshape(x.shape)
+
+
+def precision_name(precision) -> str:
+    """pairgen's precision for cuEquivariance's `precision` argument: None, an enum member (its
+    name) or a string, in any case."""
+    if precision is None:
+        return "ieee"
+    name = precision.name if isinstance(precision, enum.Enum) else precision
+    if isinstance(name, str) and name.lower() in PRECISIONS:
+        return PRECISIONS[name.lower()]
+    raise ValueError(f"precision must be None, a TriMulPrecision member or one of {sorted(PRECISIONS)} (any case), "
+                     f"got {precision!r} (bf16/fp16 inputs compute in their own dtype)")
+
+
+def _flat_mask(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The mask as (B, N, N) for x flattened to (B, N, N, P): its leading dimensions broadcast to
+    x's first (a mask without them, or of size 1 in them, is the same for every batch entry)."""
+    lead, n = x.shape[:-3], x.shape[-3:-1]
+    if mask.dim() - 2 == len(lead) and mask.shape[:-2] == lead:
+        return mask.reshape(-1, *n)
+    return mask.expand(*lead, *n).reshape(-1, *n)
+
+
+def _update(x, direction: str, mask, weights: dict, eps: float, precision: str) -> torch.Tensor:
+    """The update of x (B, N, N, P) with mask (B, N, N) or None."""
     tensors = [x, *(w for w in weights.values() if w is not None)] + ([mask] if mask is not None else [])
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    # The PyTorch path for gradients where the closed form does not apply: a floating mask that
-    # wants one, and under torch.compile (it traces the definition; the autograd.Function below
-    # would have it trace a Python backward).
-    if eps != KERNEL_EPS or (wants_grad and ((mask is not None and mask.requires_grad)
-                                             or torch.compiler.is_compiling())):
-        out = reference(x, direction, mask, weights, eps)
-    else:
-        if mask is None:
-            mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
-        module = _module_for(weights, direction, _PRECISIONS[precision], x)
-        if wants_grad:  # the closed form, its gradients mapped onto the caller's tensors
-            names = [n for n, w in weights.items() if w is not None]
-            out = _ClosedFormForCaller.apply(module, names, current_autocast(), x, mask, *(weights[n] for n in names))
-        else:
-            out = module(x, mask)
-    return out if batched else out.squeeze(0)
+    if eps != KERNEL_EPS or (wants_grad and not _closed_form_trains(x, mask)):
+        return reference(x, direction, mask, weights, eps)
+    if mask is None:
+        mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
+    module = _module_for(weights, direction, precision, x)
+    if not wants_grad:
+        return module(x, mask)
+    # the closed form, its gradients mapped onto the caller's tensors
+    names = [n for n, w in weights.items() if w is not None]
+    return _ClosedFormForCaller.apply(module, names, current_autocast(), x, mask, *(weights[n] for n in names))
+
+
+def _closed_form_trains(x: torch.Tensor, mask) -> bool:
+    """Whether the closed form computes this call's gradients. Not for a mask that wants its own
+    gradient, for dtypes it has no arithmetic for (float64), under a CPU autocast (it computes
+    in the dtypes it chooses, where the reference's products follow the autocast), nor under
+    torch.compile (it traces the definition; the autograd.Function would have it trace a Python
+    backward)."""
+    return (x.dtype in CLOSED_FORM_DTYPES and not (mask is not None and mask.requires_grad)
+            and not (not x.is_cuda and torch.is_autocast_enabled("cpu")) and not torch.compiler.is_compiling())
 
 
 class _ClosedFormForCaller(torch.autograd.Function):
@@ -146,33 +194,62 @@ def reference(x, direction: str, mask, weights: dict, eps: float = 1e-5) -> torc
         F.linear(xn, weights["g_out_weight"], weights["g_out_bias"]))
 
 
-def _check(x, direction, mask, weights: dict, precision) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4) or not x.is_floating_point():
-        raise ValueError("x must be a floating-point tensor of shape (B, N, N, P) or (N, N, P), got "
+def _check(x, direction, mask, weights: dict) -> None:
+    """Every argument's type, shape, dtype class and device, each error naming the argument at fault."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 3 or not x.is_floating_point() or x.shape[-3] != x.shape[-2]:
+        raise ValueError("x must be a floating-point tensor of shape (..., N, N, P), got "
                          + (f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
     if direction not in ("outgoing", "incoming"):
         raise ValueError(f"direction must be 'outgoing' or 'incoming', got {direction!r}")
-    if precision not in _PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(p for p in _PRECISIONS if p)} or None, got {precision!r} "
-                         "(bf16/fp16 inputs compute in their own dtype)")
-    P = x.shape[-1]
-    missing = [n for n in ("p_in_weight", "g_in_weight", "p_out_weight", "g_out_weight") if weights[n] is None]
+    missing = [n for n in _REQUIRED if weights[n] is None]
     if missing:
         raise ValueError(f"pairgen's triangle_multiplicative_update needs the projection weights; missing: {missing}")
-    two_h = weights["p_in_weight"].shape[0]
-    expected = {"p_in_weight": (two_h, P), "g_in_weight": (two_h, P), "p_out_weight": (P, two_h // 2),
-                "g_out_weight": (P, P), "norm_in_weight": (P,), "norm_in_bias": (P,), "p_in_bias": (two_h,),
-                "g_in_bias": (two_h,), "norm_out_weight": (two_h // 2,), "norm_out_bias": (two_h // 2,),
-                "p_out_bias": (P,), "g_out_bias": (P,)}
+    for name, w in weights.items():
+        if w is None:
+            continue
+        if not isinstance(w, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+        if not w.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got dtype {w.dtype}")
+        if w.device != x.device:
+            raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
+    P, H = x.shape[-1], _hidden_width(weights)
+    expected = {"p_out_weight": (P, H), "p_in_weight": (2 * H, P), "g_in_weight": (2 * H, P), "g_out_weight": (P, P), "norm_in_weight": (P,),
+                "norm_in_bias": (P,), "p_in_bias": (2 * H,), "g_in_bias": (2 * H,), "norm_out_weight": (H,),
+                "norm_out_bias": (H,), "p_out_bias": (P,), "g_out_bias": (P,)}
     for name, shape in expected.items():
         w = weights[name]
         if w is not None and tuple(w.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape} for x with P={P} and p_in_weight's 2H={two_h}, "
+            hint = " (a's H rows, then b's)" if name in ("p_in_weight", "g_in_weight") else ""
+            raise ValueError(f"{name} must have shape {shape}{hint} for x with P={P} and H={H}, "
                              f"got {tuple(w.shape)}")
-    if two_h % 2:
-        raise ValueError(f"p_in_weight's rows must be 2H (a's H, then b's), got {two_h}")
-    if mask is not None and tuple(mask.shape) != tuple(x.shape[:-1]):
-        raise ValueError(f"mask must have shape {tuple(x.shape[:-1])}, got {tuple(mask.shape)}")
+    if mask is not None:
+        _check_mask(mask, x)
+
+
+def _hidden_width(weights: dict) -> int:
+    """H as most of p_in_weight (2H rows), g_in_weight (2H rows) and p_out_weight (H columns) have it
+    (p_out_weight's where none agree), so the error names the weight that disagrees."""
+    said = [w.shape[0] // 2 for w in (weights["p_in_weight"], weights["g_in_weight"]) if w.dim() == 2 and w.shape[0] % 2 == 0]
+    p_out = weights["p_out_weight"]
+    said.append(p_out.shape[-1] if p_out.dim() == 2 else -1)
+    return max(set(said), key=lambda h: (said.count(h), h == said[-1]))
+
+
+def _check_mask(mask, x: torch.Tensor) -> None:
+    lead, n = tuple(x.shape[:-3]), tuple(x.shape[-3:-1])
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    shape = tuple(mask.shape)
+    broadcasts = mask.dim() >= 2 and mask.dim() - 2 <= len(lead) and shape[-2:] == n and all(
+        m in (1, l) for m, l in zip(shape[:-2][::-1], lead[::-1]))
+    if not broadcasts:
+        raise ValueError(f"mask must have shape (..., N, N) = {lead + n} (leading dimensions absent or of size 1 "
+                         f"broadcast), got {shape}")
+    if mask.dtype.is_complex:
+        raise ValueError(f"mask must be bool, integer or floating point, got dtype {mask.dtype}")
+    if mask.device != x.device:
+        raise ValueError(f"mask is on {mask.device} but x is on {x.device}")
 
 
 def _complete(weights: dict, x) -> dict:
@@ -188,19 +265,17 @@ def _complete(weights: dict, x) -> dict:
 
 
 def _key(weights: dict, direction: str, precision: str, x) -> tuple:
-    """Identity, memory and version of every weight: an in-place update or another tensor is
-    another key, so a kept module never serves stale weights."""
-    parts = tuple((id(w), w.data_ptr(), _version_of(w)) if w is not None else None for w in weights.values())
+    """Where every weight lies (its storage, offset, shape and strides): the kept module's
+    parameters are views of that memory, so they hold it (no other tensor can be given it while the
+    module is kept) and share its version counter (an in-place update repacks, as the module's own
+    parameters do). A slice of a parameter taken anew on every call (alphafold3-pytorch's fused
+    projections) finds its module again."""
+    parts = tuple(_place_of(w) if w is not None else None for w in weights.values())
     return direction, precision, x.dtype, x.device, parts
 
 
-def _version_of(t: torch.Tensor) -> int:
-    """The tensor's version counter; an inference tensor has none (-1: only its identity and memory
-    key the kept module, so an in-place update made under inference_mode is not seen)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
+def _place_of(t: torch.Tensor) -> tuple:
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 
 def _module_for(weights: dict, direction: str, precision: str, x):

@@ -5,6 +5,8 @@ input, other eps; gradients reach the caller's weights; in-place weight updates 
 arguments say what is wrong."""
 from __future__ import annotations
 
+import enum
+
 import pytest
 import torch
 
@@ -142,7 +144,7 @@ def test_bad_arguments_say_what_is_wrong():
     x = torch.randn(1, 4, 4, P, generator=gen)
     with pytest.raises(ValueError, match="direction must be"):
         pairgen.triangle_multiplicative_update(x, "sideways", None, **w)
-    with pytest.raises(ValueError, match="precision must be one of"):
+    with pytest.raises(ValueError, match="precision must be None, a TriMulPrecision member or one of"):
         pairgen.triangle_multiplicative_update(x, "outgoing", None, **w, precision="mxfp8")
     with pytest.raises(ValueError, match="missing: \\['g_out_weight'\\]"):
         pairgen.triangle_multiplicative_update(x, "outgoing", None, **{**w, "g_out_weight": None})
@@ -194,3 +196,108 @@ def test_a_second_derivative_is_refused_not_zero():
     (grad_x,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="second derivative"):
         grad_x.sum().backward()
+
+
+def test_leading_dimensions_and_masks_as_cuequivariance_takes_them():
+    """x of any leading dimensions is flattened into one batch and the result shaped like x; a mask's
+    leading dimensions broadcast to x's: Protenix calls with z[None] and an unbatched mask, or with
+    5-D z and a (B, N, N) mask."""
+    gen = torch.Generator().manual_seed(7)
+    w = weights(gen, bias=False)
+    x = torch.randn(2, 3, 6, 6, P, generator=gen)
+    keep = torch.rand(3, 6, 6, generator=gen) > 0.3
+    keep[1, 2] = False
+    full = keep.expand(2, 3, 6, 6)
+    with torch.no_grad():
+        expected = boltz_form(x.reshape(6, 6, 6, P), "incoming", full.reshape(6, 6, 6).float(), w).reshape(x.shape)
+        for mask in (keep, keep[None], full, full.float()):
+            out = pairgen.triangle_multiplicative_update(x, "incoming", mask, **w)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        z = x[0, 0]  # Protenix: kernel_triangular_mult(z[None], mask=pair_mask (N, N), ...)[0]
+        out = pairgen.triangle_multiplicative_update(z[None], "incoming", keep[0], **w)[0]
+        torch.testing.assert_close(out, expected[0, 0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="mask must have shape"):
+        pairgen.triangle_multiplicative_update(x, "incoming", torch.ones(2, 6, 6, dtype=torch.bool), **w)
+
+
+class TriMulPrecision(enum.IntEnum):
+    """cuEquivariance's precision enum, as it defines it where its ops are not installed."""
+    NONE = -1
+    DEFAULT = 0
+    TF32 = 1
+    TF32x3 = 2
+    IEEE = 3
+
+
+@pytest.mark.parametrize("precision", [TriMulPrecision.IEEE, TriMulPrecision.DEFAULT, TriMulPrecision.NONE, "IEEE",
+                                       "Default", "none", "bfloat16", "BF16", None])
+def test_precision_as_cuequivariance_spells_it(precision):
+    """The enum's members and the names in any case are taken; on the CPU every one computes the
+    fp32 definition (the 16-bit and TF32 kernels are the GPU's)."""
+    gen = torch.Generator().manual_seed(8)
+    w = weights(gen, bias=True)
+    x = torch.randn(1, 5, 5, P, generator=gen)
+    with torch.no_grad():
+        out = pairgen.triangle_multiplicative_update(x, "outgoing", None, **w, precision=precision)
+    torch.testing.assert_close(out, boltz_form(x, "outgoing", torch.ones(1, 5, 5), w), rtol=1e-5, atol=1e-5)
+    assert functional.precision_name(TriMulPrecision.TF32x3) == "tf32x3"
+
+
+def test_wrong_weights_are_named():
+    gen = torch.Generator().manual_seed(9)
+    w = weights(gen, bias=False)
+    x = torch.randn(1, 4, 4, P, generator=gen)
+    with pytest.raises(ValueError, match=r"p_in_weight must have shape \(32, 24\)"):  # only a's H rows
+        pairgen.triangle_multiplicative_update(x, "outgoing", None, **{**w, "p_in_weight": w["p_in_weight"][:H]})
+    with pytest.raises(ValueError, match="g_out_weight must be a torch.Tensor, got ndarray"):
+        pairgen.triangle_multiplicative_update(x, "outgoing", None, **{**w, "g_out_weight": w["g_out_weight"].numpy()})
+    with pytest.raises(ValueError, match="p_out_weight must have shape"):
+        pairgen.triangle_multiplicative_update(x, "outgoing", None, **{**w, "p_out_weight": w["p_out_weight"].t()})
+
+
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+def test_float64_gradcheck(direction):
+    """float64 has no kernel and no closed form: the definition runs, and torch.autograd.gradcheck
+    passes through the function (input and every weight)."""
+    gen = torch.Generator().manual_seed(10)
+    w = {k: v.double().requires_grad_() for k, v in weights(gen, bias=True, P=6, H=4).items()}
+    x = torch.randn(1, 4, 4, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(1, 4, 4, generator=gen) > 0.3
+    names = sorted(w)
+
+    def update(x, *ws):
+        return pairgen.triangle_multiplicative_update(x, direction, mask, **dict(zip(names, ws)))
+
+    assert torch.autograd.gradcheck(update, (x, *(w[n] for n in names)))
+
+
+def test_training_under_a_cpu_autocast():
+    """Under torch.autocast("cpu") the gradients are the definition's under the same autocast
+    (the closed form chooses its own dtypes, so it stands aside)."""
+    gen = torch.Generator().manual_seed(11)
+    w = {k: v.requires_grad_() for k, v in weights(gen, bias=False).items()}
+    x = torch.randn(1, 6, 6, P, generator=gen, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = pairgen.triangle_multiplicative_update(x, "outgoing", None, **w)
+        expected = functional.reference(x, "outgoing", None, {n: w.get(n) for n in functional._WEIGHT_NAMES})
+    assert out.dtype == expected.dtype
+    grads = torch.autograd.grad(out.float().square().sum(), [x, *w.values()])
+    exact = torch.autograd.grad(expected.float().square().sum(), [x, *w.values()])
+    for ours, theirs in zip(grads, exact):
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_slices_of_a_parameter_taken_on_every_call_find_their_module_again():
+    """alphafold3-pytorch's stand-in passes slices of one fused weight, new tensors on every call:
+    they lie where the last call's did, so the kept module serves them."""
+    gen = torch.Generator().manual_seed(12)
+    w = weights(gen, bias=False)
+    fused = torch.cat([w["p_in_weight"], w["g_in_weight"]])
+    x = torch.randn(1, 5, 5, P, generator=gen)
+    functional._modules.clear()
+    with torch.no_grad():
+        for _ in range(3):
+            out = pairgen.triangle_multiplicative_update(x, "outgoing", None, **{**w, "p_in_weight": fused[: 2 * H],
+                                                                                  "g_in_weight": fused[2 * H:]})
+    assert len(functional._modules) == 1
+    torch.testing.assert_close(out, boltz_form(x, "outgoing", torch.ones(1, 5, 5), w), rtol=1e-5, atol=1e-5)
