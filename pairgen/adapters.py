@@ -9,7 +9,7 @@ Recognised by their parameter names (the projects' own classes, or anything laid
 | AlphaFold 3 / Boltz | `norm_in`, `p_in`, `g_in` (fused, 2H rows: a's H, then b's), `norm_out`, `p_out`, `g_out` | on the normalised input | as the source has them | copied: pairgen keeps a and b apart, so the fused rows are split into new tensors |
 | OpenFold 3, fused (`FusedTriangleMultiplicationOutgoing/Incoming`) | `linear_ab_p`, `linear_ab_g` (fused as AlphaFold 3's `p_in`, `g_in`), `linear_z`, `linear_g`, `layer_norm_in`, `layer_norm_out` | on the normalised input | as the source has them | copied, as the AlphaFold 3 form |
 | lucidrains' triangle-multiplicative-module (and its copies, e.g. IgFold's) | `norm`, `left_proj`, `right_proj`, `left_gate`, `right_gate`, `out_gate` (Linear(P, H): the gate in hidden width, on the normalised triangle sums before `to_out`), `to_out_norm`, `to_out`, `mix_einsum_eq` | on the normalised input, placed in hidden width (`gate_at="hidden"`) | all | copied (`patch`'s stand-in shares them); the incoming direction's "left" is pairgen's b |
-| alphafold3-pytorch | its `PreLayerNorm` wrapper (`norm`) around `TriangleMultiplication` (`fn`: `left_right_proj` = Linear(P, 4H) + GLU, `out_gate`, `to_out_norm`, `to_out`); needs P = H, as that module itself does | on the normalised input | none | copied (the GLU's rows are split); the incoming direction's "left" is pairgen's b |
+| alphafold3-pytorch | its `PreLayerNorm` wrapper (`norm`) around `TriangleMultiplication` (`fn`: `left_right_proj` = Linear(P, 4H) + GLU, `out_gate`, `to_out_norm`, `to_out`); needs P = H, as that module itself does | on the normalised input | none | copied (the GLU's rows are split; `patch`'s stand-in takes views of them and trains them); the incoming direction's "left" is pairgen's b |
 
 The direction comes from the source (`_outgoing`, else its class name containing "Outgoing" or
 "Incoming"), or from `direction=`. The LayerNorms must use eps 1e-5 (the kernels').
@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional import KERNEL_EPS, af3_parameters, assign_parameters, empty_trimul, triangle_multiplicative_update
+from .functional import (KERNEL_EPS, ClosedFormForCaller, af3_parameters, assign_parameters, closed_form_trains,
+                         empty_trimul, place_of, triangle_multiplicative_update)
+from .modules import current_autocast
 
 _OPENFOLD = ("linear_a_p", "linear_a_g", "linear_b_p", "linear_b_g", "linear_g", "linear_z", "layer_norm_in",
              "layer_norm_out")
@@ -121,28 +123,64 @@ def _einsum_direction(fn: nn.Module) -> str:
     return "outgoing" if inputs[0].endswith("ikd") else "incoming"
 
 
-def _from_af3_pytorch(source: nn.Module):
-    fn, norm = source.fn, source.norm
-    _check_eps(norm, fn.to_out_norm)
-    w = fn.left_right_proj[0].weight.detach()  # (4H, P): GLU values (left, right), then their gates
-    H, P = w.shape[0] // 4, w.shape[1]
+def _check_af3_pytorch(source: nn.Module) -> None:
+    fn = source.fn
+    _check_eps(source.norm, fn.to_out_norm)
+    four_h, P = fn.left_right_proj[0].weight.shape
     if fn.out_gate.weight.shape != (P, P):
-        raise ValueError(f"alphafold3-pytorch's TriangleMultiplication gates its output in width dim_hidden={H}; it "
-                         f"runs only with dim_hidden == dim (got dim={P}), and so does pairgen's adaptation")
-    direction = _einsum_direction(fn)
-    left = {"proj": w[0:H], "gate": w[2 * H:3 * H]}
-    right = {"proj": w[H:2 * H], "gate": w[3 * H:4 * H]}
-    # outgoing sums left[i,k]·right[j,k]: a = left; incoming sums left[k,j]·right[k,i]: a = right.
-    a, b = (left, right) if direction == "outgoing" else (right, left)
-    values = {"layer_norm_in.weight": norm.weight.detach().clone(), "layer_norm_in.bias": norm.bias.detach().clone(),
-              "layer_norm_out.weight": fn.to_out_norm.weight.detach().clone(),
-              "layer_norm_out.bias": fn.to_out_norm.bias.detach().clone(),
-              "out_proj.weight": fn.to_out[0].weight.detach().clone(),
-              "out_gate.weight": fn.out_gate.weight.detach().clone()}
-    for half, rows in (("a", a), ("b", b)):
-        values[f"proj_{half}.weight"] = rows["proj"].clone()
-        values[f"gate_{half}.weight"] = rows["gate"].clone()
-    return assign_parameters(empty_trimul(P, H, direction, bias=False), values)
+        raise ValueError(f"alphafold3-pytorch's TriangleMultiplication gates its output in width dim_hidden="
+                         f"{four_h // 4}; it runs only with dim_hidden == dim (got dim={P}), and so does pairgen's "
+                         "adaptation")
+
+
+#: alphafold3-pytorch's GLU projection (4H, P) by blocks of H rows: the values of left and right,
+#: then their gates. Outgoing sums left[i,k]·right[j,k]: a = left; incoming sums
+#: left[k,j]·right[k,i]: a = right.
+_GLU_BLOCKS = {"outgoing": {"proj_a": 0, "proj_b": 1, "gate_a": 2, "gate_b": 3},
+               "incoming": {"proj_a": 1, "proj_b": 0, "gate_a": 3, "gate_b": 2}}
+
+
+def _af3_pytorch_weights(source: nn.Module) -> dict:
+    """alphafold3-pytorch's parameters as pairgen's module names them: the GLU projection as it is
+    (its row blocks are taken apart by _af3_pytorch_values and put together by
+    _af3_pytorch_gradients)."""
+    fn = source.fn
+    return {"layer_norm_in.weight": source.norm.weight, "layer_norm_in.bias": source.norm.bias,
+            "glu": fn.left_right_proj[0].weight, "layer_norm_out.weight": fn.to_out_norm.weight,
+            "layer_norm_out.bias": fn.to_out_norm.bias, "out_proj.weight": fn.to_out[0].weight,
+            "out_gate.weight": fn.out_gate.weight}
+
+
+def _af3_pytorch_values(weights: dict, direction: str, take) -> dict:
+    """pairgen's parameters from _af3_pytorch_weights, each through take(tensor)."""
+    glu = weights["glu"]
+    H = glu.shape[0] // 4
+    values = {name: take(t) for name, t in weights.items() if name != "glu"}
+    for name, block in _GLU_BLOCKS[direction].items():
+        values[f"{name}.weight"] = take(glu[block * H:(block + 1) * H])
+    return values
+
+
+def _af3_pytorch_gradients(grads: dict, direction: str) -> list:
+    """The gradients of _af3_pytorch_weights's tensors, in order, from pairgen's parameters'."""
+    by_block = sorted(_GLU_BLOCKS[direction], key=_GLU_BLOCKS[direction].get)
+    glu = torch.cat([grads[f"{name}.weight"] for name in by_block])
+    return [glu if name == "glu" else grads[name] for name in
+            ("layer_norm_in.weight", "layer_norm_in.bias", "glu", "layer_norm_out.weight", "layer_norm_out.bias",
+             "out_proj.weight", "out_gate.weight")]
+
+
+def _from_af3_pytorch(source: nn.Module, shared: bool = False):
+    """Copies of the source's parameters (adapt), or views of them (patch's stand-in: no copy, never
+    stale, gradients mapped back by _af3_pytorch_gradients)."""
+    _check_af3_pytorch(source)
+    direction = _einsum_direction(source.fn)
+    weights = _af3_pytorch_weights(source)
+    take = (lambda t: nn.Parameter(t.detach(), requires_grad=False)) if shared else \
+        (lambda t: nn.Parameter(t.detach().clone()))
+    four_h, P = weights["glu"].shape
+    return assign_parameters(empty_trimul(P, four_h // 4, direction, bias=False),
+                             _af3_pytorch_values(weights, direction, take))
 
 
 # ---- patching a model in place ------------------------------------------------------------------
@@ -160,6 +198,21 @@ class _Patched(nn.Module):
         self._parameters, self._buffers, self._modules = source._parameters, source._buffers, source._modules
         self.__dict__["source"] = source
         self.direction = direction
+        self.training = source.training
+        #: Calls run on pairgen, and calls handed to the source's own forward (options pairgen does
+        #: not implement, or a dtype it has no computation for while gradients are wanted).
+        self.pairgen_calls = self.source_calls = 0
+
+    def train(self, mode: bool = True):
+        """The source's own flag follows (its forward runs for the options pairgen does not take,
+        and unpatch puts it back)."""
+        super().train(mode)
+        self.source.training = mode
+        return self
+
+    def _source_forward(self, *args, **kwargs):
+        self.source_calls += 1
+        return self.source(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"pairgen stand-in for {type(self.source).__name__} ({self.form} form, {self.direction})"
@@ -195,11 +248,16 @@ class PatchedOpenFold(_Patched):
     call the source's own forward."""
 
     form = "OpenFold"
-    _IGNORED = ("use_cueq_triangle_kernels", "use_triton_triangle_kernels", "_inplace_chunk_size")
+    #: The kernel choices of OpenFold 3 (use_*_triangle_kernels, _inplace_chunk_size) and Protenix
+    #: (triangle_multiplicative="torch" or "cuequivariance"): pairgen is the kernel.
+    _IGNORED = ("use_cueq_triangle_kernels", "use_triton_triangle_kernels", "_inplace_chunk_size",
+                "triangle_multiplicative")
 
     def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, **options):
         if any(name not in self._IGNORED for name in options):
-            return self.source(z, mask, inplace_safe=inplace_safe, _add_with_inplace=_add_with_inplace, **options)
+            return self._source_forward(z, mask, inplace_safe=inplace_safe, _add_with_inplace=_add_with_inplace,
+                                        **options)
+        self.pairgen_calls += 1
         # shared parameters: only their replacement by other objects needs a new module
         module = self._kept(tuple(id(p) for p in self.source.parameters()),
                             lambda source: _from_openfold(source, self.direction))
@@ -218,13 +276,10 @@ class PatchedAF3(_Patched):
         return self._update(x, mask)
 
     def _update(self, x, mask):
-        """The update on the model's live weights; leading dimensions beyond one batch flattened."""
+        """The update on the model's live weights (the function takes any leading dimensions)."""
+        self.pairgen_calls += 1
         eps = getattr(self.source, self.names["norm_in"]).eps
-        lead, (n1, n2, c) = x.shape[:-3], x.shape[-3:]
-        flat_mask = mask.reshape(-1, n1, n2) if mask is not None else None
-        out = triangle_multiplicative_update(x.reshape(-1, n1, n2, c), self.direction, flat_mask,
-                                             **_af3_weights(self.source, self.names), eps=eps)
-        return out.reshape(*lead, n1, n2, c)
+        return triangle_multiplicative_update(x, self.direction, mask, **_af3_weights(self.source, self.names), eps=eps)
 
 
 class PatchedOpenFold3Fused(PatchedAF3):
@@ -238,27 +293,44 @@ class PatchedOpenFold3Fused(PatchedAF3):
 
     def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, **options):
         if any(name not in PatchedOpenFold._IGNORED for name in options):
-            return self.source(z, mask, inplace_safe=inplace_safe, _add_with_inplace=_add_with_inplace, **options)
+            return self._source_forward(z, mask, inplace_safe=inplace_safe, _add_with_inplace=_add_with_inplace,
+                                        **options)
         return _openfold_call(z, mask, inplace_safe, _add_with_inplace, self._update)
 
 
 class PatchedAF3Pytorch(_Patched):
-    """alphafold3-pytorch's PreLayerNorm(TriangleMultiplication) on pairgen's kernels, through
-    `adapt` (copies, rebuilt when a parameter is replaced or updated in place). Its per-token mask
-    becomes the pair mask it implies. With gradients wanted, dropout active, or other options, the
-    source's own forward runs (the copies take no gradients)."""
+    """alphafold3-pytorch's PreLayerNorm(TriangleMultiplication) on pairgen: a module whose
+    parameters are views of the live ones (no copy; rebuilt only when a parameter moves to other
+    memory), trained through its closed form with the gradients put back into the GLU projection's
+    row blocks. Its per-token mask becomes the pair mask it implies; its output dropout (a
+    multiplicative mask, so it commutes with the output gate) is applied to pairgen's result.
+    A dtype the closed form does not train in (float64) with gradients wanted, and options pairgen
+    does not know, run the source's own forward."""
 
     form = "alphafold3-pytorch"
 
     def forward(self, x, mask=None, **options):
-        dropout = getattr(self.source.fn.to_out[-1], "p", 0.0) if len(self.source.fn.to_out) > 1 else 0.0
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
-        if options or wants_grad or (self.training and dropout > 0):
-            return self.source(x, mask=mask, **options) if mask is not None else self.source(x, **options)
-        # copies: an in-place update (a version) needs a new module too
-        module = self._kept(tuple((id(p), p._version) for p in self.source.parameters()), _from_af3_pytorch)
-        pair = (mask[..., :, None] & mask[..., None, :]) if mask is not None else x.new_ones(x.shape[:-1], dtype=torch.bool)
-        return _run_flat(module, x, pair)
+        if options or (wants_grad and not closed_form_trains(x, None)):
+            return self._source_forward(x, mask=mask, **options) if mask is not None else \
+                self._source_forward(x, **options)
+        self.pairgen_calls += 1
+        weights = _af3_pytorch_weights(self.source)
+        module = self._kept(tuple(place_of(w) for w in weights.values()),
+                            lambda source: _from_af3_pytorch(source, shared=True))
+        pair = (mask[..., :, None] & mask[..., None, :]) if mask is not None else \
+            x.new_ones(x.shape[:-1], dtype=torch.bool)
+        flat, flat_pair = x.reshape(-1, *x.shape[-3:]), pair.reshape(-1, *x.shape[-3:-1])
+        if wants_grad:
+            direction = self.direction
+            out = ClosedFormForCaller.apply(module, lambda grads: _af3_pytorch_gradients(grads, direction),
+                                            current_autocast(), flat, flat_pair, *weights.values())
+        else:
+            out = module(flat, flat_pair)
+        dropout = self.source.fn.to_out[1] if len(self.source.fn.to_out) > 1 else None
+        if dropout is not None and self.training:
+            out = dropout(out)
+        return out.reshape(x.shape)
 
 
 class PatchedLucidrains(_Patched):
@@ -270,6 +342,7 @@ class PatchedLucidrains(_Patched):
     form = "lucidrains"
 
     def forward(self, x, mask=None):
+        self.pairgen_calls += 1
         module = self._kept(tuple(id(p) for p in self.source.parameters()),
                             lambda source: _from_lucidrains(source, shared=True))
         return _run_flat(module, x, mask if mask is not None else x.new_ones(x.shape[:-1]))
@@ -287,7 +360,7 @@ def _stand_in_for(module: nn.Module):
         return PatchedLucidrains, _einsum_direction(module)
     if _is_af3_pytorch(module):
         try:
-            _check_eps(module.norm, module.fn.to_out_norm)
+            _check_af3_pytorch(module)
         except ValueError as exc:
             return str(exc)
         return PatchedAF3Pytorch, _einsum_direction(module.fn)
@@ -333,6 +406,7 @@ def unpatch(model: nn.Module) -> int:
     for name, module in list(model.named_modules()):
         if isinstance(module, _Patched):
             parent_name, _, child = name.rpartition(".")
+            module.source.training = module.training  # model.train()/eval() while patched reached the stand-in
             setattr(model.get_submodule(parent_name), child, module.source)
             count += 1
     return count

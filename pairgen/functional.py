@@ -102,7 +102,7 @@ def _update(x, direction: str, mask, weights: dict, eps: float, precision: str) 
     """The update of x (B, N, N, P) with mask (B, N, N) or None."""
     tensors = [x, *(w for w in weights.values() if w is not None)] + ([mask] if mask is not None else [])
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if eps != KERNEL_EPS or (wants_grad and not _closed_form_trains(x, mask)):
+    if eps != KERNEL_EPS or (wants_grad and not closed_form_trains(x, mask)):
         return reference(x, direction, mask, weights, eps)
     if mask is None:
         mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
@@ -111,10 +111,11 @@ def _update(x, direction: str, mask, weights: dict, eps: float, precision: str) 
         return module(x, mask)
     # the closed form, its gradients mapped onto the caller's tensors
     names = [n for n, w in weights.items() if w is not None]
-    return _ClosedFormForCaller.apply(module, names, current_autocast(), x, mask, *(weights[n] for n in names))
+    return ClosedFormForCaller.apply(module, lambda grads: af3_gradients(grads, names), current_autocast(), x, mask,
+                                     *(weights[n] for n in names))
 
 
-def _closed_form_trains(x: torch.Tensor, mask) -> bool:
+def closed_form_trains(x: torch.Tensor, mask) -> bool:
     """Whether the closed form computes this call's gradients. Not for a mask that wants its own
     gradient, for dtypes it has no arithmetic for (float64), under a CPU autocast (it computes
     in the dtypes it chooses, where the reference's products follow the autocast), nor under
@@ -124,17 +125,18 @@ def _closed_form_trains(x: torch.Tensor, mask) -> bool:
             and not (not x.is_cuda and torch.is_autocast_enabled("cpu")) and not torch.compiler.is_compiling())
 
 
-class _ClosedFormForCaller(torch.autograd.Function):
-    """A call with gradients wanted, through the module whose parameters are views of the
-    caller's weights: as the module trains (KernelModule's SavedClosedForm), the forward computed
-    the closed form's way with its intermediates kept for the backward; or, with the module's
+class ClosedFormForCaller(torch.autograd.Function):
+    """A call with gradients wanted, through a module whose parameters are views of the caller's
+    weights: as the module trains (KernelModule's SavedClosedForm), the forward computed the closed
+    form's way with its intermediates kept for the backward; or, with the module's
     recompute_for_backward, its kernel forward without autograd and a backward that recomputes
-    them (pairgen/ops/trimul/backward.py). The gradients are mapped back onto the caller's tensors
-    in their fused layout (af3_gradients)."""
+    them (pairgen/ops/trimul/backward.py). `gather(gradients by parameter path, and "input")`
+    returns the caller's weights' gradients, in the order of `weights` (e.g. af3_gradients for
+    fused 2H-row weights)."""
 
     @staticmethod
-    def forward(ctx, module, names, autocast, x, mask, *weights):
-        ctx.module, ctx.names, ctx.autocast, ctx.saved = module, names, autocast, None
+    def forward(ctx, module, gather, autocast, x, mask, *weights):
+        ctx.module, ctx.gather, ctx.autocast, ctx.saved = module, gather, autocast, None
         if module._saves_for_backward([x, mask]):
             params = {path: p.detach() for path, p in module.named_parameters()}
             out, ctx.saved = module.closed_form_forward((x, mask), params)
@@ -154,16 +156,16 @@ class _ClosedFormForCaller(torch.autograd.Function):
                 grads = module.analytic_gradients([x, mask], [p.detach() for _, p in named], grad_out.detach(),
                                                   autocast=ctx.autocast)
                 by_name = {"input": grads[0], **{path: g for (path, _), g in zip(named, grads[2:])}}
-        caller = af3_gradients(by_name, ctx.names)
         wanted = ctx.needs_input_grad[5:]
+        caller = ctx.gather(by_name) if any(wanted) else [None] * len(wanted)
         grads = [by_name["input"] if ctx.needs_input_grad[3] else None,
-                 *(caller[name] if want else None for name, want in zip(ctx.names, wanted))]
+                 *(g if want else None for g, want in zip(caller, wanted))]
         grad_x, *weights = graphless_gradients(grad_out, grads)
         return (None, None, None, grad_x, None, *weights)
 
 
-def af3_gradients(grads: dict, names: list[str]) -> dict:
-    """The gradients of the caller's AlphaFold 3-layout weights `names` from those of the
+def af3_gradients(grads: dict, names: list[str]) -> list:
+    """The gradients of the caller's AlphaFold 3-layout weights `names`, in order, from those of the
     TriangleMultiplication's parameters (dotted paths) that af3_parameters made from them: a fused
     2H-row weight's gradient is its a rows' then its b rows'."""
     fused = {"p_in": ("proj_a", "proj_b"), "g_in": ("gate_a", "gate_b")}
@@ -175,7 +177,7 @@ def af3_gradients(grads: dict, names: list[str]) -> dict:
             out[name] = torch.cat([grads[f"{half}.{kind}"] for half in fused[part]])
         else:
             out[name] = grads[f"{single[part]}.{kind}"]
-    return out
+    return [out[name] for name in names]
 
 
 def reference(x, direction: str, mask, weights: dict, eps: float = 1e-5) -> torch.Tensor:
@@ -270,11 +272,11 @@ def _key(weights: dict, direction: str, precision: str, x) -> tuple:
     module is kept) and share its version counter (an in-place update repacks, as the module's own
     parameters do). A slice of a parameter taken anew on every call (alphafold3-pytorch's fused
     projections) finds its module again."""
-    parts = tuple(_place_of(w) if w is not None else None for w in weights.values())
+    parts = tuple(place_of(w) if w is not None else None for w in weights.values())
     return direction, precision, x.dtype, x.device, parts
 
 
-def _place_of(t: torch.Tensor) -> tuple:
+def place_of(t: torch.Tensor) -> tuple:
     return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 
