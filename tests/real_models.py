@@ -40,9 +40,9 @@ class Block:
     in_float64: Callable = lambda module: module.double()
 
 
-def boltz_block() -> Block:
+def boltz_block(c_z: int = C_Z) -> Block:
     pairformer = need("boltz.model.layers.pairformer")
-    block = pairformer.PairformerLayer(token_s=8, token_z=C_Z, num_heads=2, dropout=0.0, pairwise_head_width=4, v2=True,
+    block = pairformer.PairformerLayer(token_s=8, token_z=c_z, num_heads=2, dropout=0.0, pairwise_head_width=4, v2=True,
                                        pairwise_num_heads=2)
 
     def call(module, z, tokens, pair):
@@ -59,9 +59,9 @@ def boltz_block() -> Block:
     return Block(block, call, float64_itself=False, in_float64=in_float64)
 
 
-def openfold3_block(fused: bool) -> Block:
+def openfold3_block(fused: bool, c_z: int = C_Z) -> Block:
     blocks = need("openfold3.core.model.latent.base_blocks")
-    block = blocks.PairBlock(c_z=C_Z, c_hidden_mul=C_Z, c_hidden_pair_att=4, no_heads_pair=2, transition_type="relu",
+    block = blocks.PairBlock(c_z=c_z, c_hidden_mul=c_z, c_hidden_pair_att=4, no_heads_pair=2, transition_type="relu",
                              transition_n=2, pair_dropout=0.0, fuse_projection_weights=fused, inf=1e9)
 
     def call(module, z, tokens, pair):
@@ -69,9 +69,9 @@ def openfold3_block(fused: bool) -> Block:
     return Block(block, call)
 
 
-def protenix_block() -> Block:
+def protenix_block(c_z: int = C_Z) -> Block:
     pairformer = need("protenix.model.modules.pairformer")
-    block = pairformer.PairformerBlock(n_heads=2, c_z=C_Z, c_s=0, c_hidden_mul=C_Z, c_hidden_pair_att=4,
+    block = pairformer.PairformerBlock(n_heads=2, c_z=c_z, c_s=0, c_hidden_mul=c_z, c_hidden_pair_att=4,
                                        no_heads_pair=2, dropout=0.0)
 
     def call(module, z, tokens, pair):
@@ -81,15 +81,16 @@ def protenix_block() -> Block:
     return Block(block, call)
 
 
-def af3_pytorch_block() -> Block:
+def af3_pytorch_block(c_z: int = C_Z) -> Block:
     af3 = need("alphafold3_pytorch.alphafold3")
-    block = af3.PairwiseBlock(dim_pairwise=C_Z, tri_attn_dim_head=4, tri_attn_heads=2, dropout_row_prob=0.0,
+    block = af3.PairwiseBlock(dim_pairwise=c_z, tri_attn_dim_head=4, tri_attn_heads=2, dropout_row_prob=0.0,
                               dropout_col_prob=0.0)
     return Block(block, lambda module, z, tokens, pair: module(z, mask=tokens))
 
 
-BLOCKS = {"boltz": boltz_block, "openfold3": lambda: openfold3_block(False),
-          "openfold3-fused": lambda: openfold3_block(True), "protenix": protenix_block,
+#: name -> builder(c_z=C_Z)
+BLOCKS = {"boltz": boltz_block, "openfold3": lambda c_z=C_Z: openfold3_block(False, c_z),
+          "openfold3-fused": lambda c_z=C_Z: openfold3_block(True, c_z), "protenix": protenix_block,
           "alphafold3-pytorch": af3_pytorch_block}
 
 
@@ -99,19 +100,20 @@ def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+            scale = 0.3 if p.dim() == 1 else p.shape[-1] ** -0.5  # Linear outputs of unit size at any width
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if p.dim() == 1 else 0.0))
     return module
 
 
-def inputs(B: int, N: int, seed: int, device="cpu", dtype=torch.float32):
+def inputs(B: int, N: int, seed: int, device="cpu", dtype=torch.float32, c_z: int = C_Z):
     """Pair features, a token mask (every token valid: the blocks' attention over a fully masked row
     depends on rounding, fp32 against float64), a pair mask with random holes (the diagonal kept),
     an upstream gradient."""
     gen = torch.Generator().manual_seed(seed)
-    z = torch.randn(B, N, N, C_Z, generator=gen)
+    z = torch.randn(B, N, N, c_z, generator=gen)
     tokens = torch.ones(B, N, dtype=torch.bool)
     pair = (torch.rand(B, N, N, generator=gen) > 0.2) | torch.eye(N, dtype=torch.bool)
-    grad = torch.randn(B, N, N, C_Z, generator=gen)
+    grad = torch.randn(B, N, N, c_z, generator=gen)
     return z.to(device, dtype), tokens.to(device), pair.to(device), grad.to(device, dtype)
 
 
