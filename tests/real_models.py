@@ -30,14 +30,17 @@ def need(module: str):
 @dataclass
 class Block:
     """A block, a call of it on (pair z, token mask, pair mask) returning the pair output, how many triangle
-    updates patch swaps in it, and whether its own triangle update computes in float64 (Boltz's
-    casts a and b to float32)."""
+    updates patch swaps in it, and whether its own triangle update runs in float64 and bf16 (Boltz's
+    casts a and b to float32, so it runs in fp32 and under autocast only)."""
     module: torch.nn.Module
     call: Callable
     swapped: int = 2
-    float64_itself: bool = True
-    #: The block for the float64 reference of its pair output (the parts it does not depend on may stay fp32).
-    in_float64: Callable = lambda module: module.double()
+    runs_in_every_dtype: bool = True
+    #: The block in a dtype (its pair track; parts the pair output does not depend on may stay fp32).
+    in_dtype: Callable = lambda module, dtype: module.to(dtype)
+
+    def in_float64(self, module: torch.nn.Module) -> torch.nn.Module:
+        return self.in_dtype(module, torch.float64)
 
 
 def boltz_block(c_z: int = C_Z) -> Block:
@@ -49,14 +52,14 @@ def boltz_block(c_z: int = C_Z) -> Block:
         s = torch.ones(*z.shape[:2], 8, device=z.device)  # the single track computes in fp32 (it casts)
         return module(s, z, tokens.to(z.dtype), pair.to(z.dtype))[1]
 
-    def in_float64(module):
-        """The pair track in float64; the single track (it casts to fp32, and the pair output does
+    def in_dtype(module, dtype):
+        """The pair track in dtype; the single track (it casts to fp32, and the pair output does
         not depend on it) stays fp32."""
-        module.double()
+        module.to(dtype)
         for name in ("pre_norm_s", "attention", "transition_s", "s_post_norm"):
             getattr(module, name).float()
         return module
-    return Block(block, call, float64_itself=False, in_float64=in_float64)
+    return Block(block, call, runs_in_every_dtype=False, in_dtype=in_dtype)
 
 
 def openfold3_block(fused: bool, c_z: int = C_Z) -> Block:

@@ -36,7 +36,7 @@ def test_patched_block_trains_on_pairgen_within_the_fp32_standard(name):
     randomize(block.module, 1).train()
     z, tokens, pair, grad = inputs(2, 9, 2)
     exact = block.in_float64(copy.deepcopy(block.module))
-    if not block.float64_itself:  # its update is then pairgen's definition in float64 (tested in test_functional.py)
+    if not block.runs_in_every_dtype:  # its update is then pairgen's definition in float64 (tested in test_functional.py)
         pairgen.patch(exact)
     exact_out, exact_grads = run(block, exact, z.double(), tokens, pair, grad.double())
     patched = copy.deepcopy(block.module)
@@ -59,7 +59,7 @@ def test_patched_block_in_float64_trains_as_the_block_does(name):
     """float64 has no kernel and no closed form: the definition runs (pairgen's reference, or for
     alphafold3-pytorch its own forward), never a crash; gradients equal the unpatched block's."""
     block = BLOCKS[name]()
-    if not block.float64_itself:
+    if not block.runs_in_every_dtype:
         pytest.skip(f"{name}'s own triangle update computes in float32, so the unpatched block has no float64 run")
     randomize(block.module, 3).double().train()
     z, tokens, pair, grad = inputs(1, 6, 4, dtype=torch.float64)
