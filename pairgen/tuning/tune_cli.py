@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from ..spec import precision_of
-from .cli import add_selection_args, selected_shapes, shape_label
+from .cli import add_selection_args, environment_problem, selected_shapes, shape_label
 
 
 def parse_args(argv=None):
@@ -626,6 +626,9 @@ def _watch(workers, names: list[str], settings, n_devices: int, storage_url: str
 
 def main(argv=None) -> int:
     parser, args = parse_args(argv)
+    if (problem := environment_problem()) is not None:
+        print(f"pairgen-tune: {problem}", file=sys.stderr)
+        return 2
     if args.status:
         return status(described_gpu(args))
     if args.stale:
