@@ -113,7 +113,7 @@ def status(info=None) -> int:
     from pairgen.tuned import all_databases
 
     backward_dbs = {backward_tuning.db_name(op): op for op in backward_tuning.OPS}
-    totals = {"stale": 0, "invalid": 0}
+    totals = {"stale": 0, "invalid": 0, "malformed": 0}
     seen: dict[tuple, Path] = {}  # (gpu, op, key) -> the folder whose entry lookups use
     for root in config.tuned_read_dirs():
         dbs = all_databases(root)
@@ -146,10 +146,17 @@ def status(info=None) -> int:
                 print(f"| {db.gpu_slug} | {db.op} | {shape_label(e.get('shape', e['key']))} | {e['key']['dtype']} "
                       f"| {e['strategy']} "
                       f"| {e.get('us', '–')} | {ratio('eager')} | {ratio('compile')} | {cell} |")
+            for index, why in db.skipped():
+                totals["malformed"] += 1
+                print(f"| {db.gpu_slug} | {db.op} | entry {index} | – | – | – | – | – | MALFORMED: {why} ({db.path}) |")
     stale, invalid = totals["stale"], totals["invalid"]
     print(f"\n{stale} stale entr{'y' if stale == 1 else 'ies'}" + (f", {invalid} invalid" if invalid else "")
           + ("; re-tune them with: pairgen-tune --stale (the training path's, *_backward: pairgen-tune "
              "--backward)" if stale or invalid else ""))
+    if totals["malformed"]:
+        # Lookups skip them and pairgen-tune writes them back as they are: only a person can fix them.
+        print(f"{totals['malformed']} malformed entr{'y' if totals['malformed'] == 1 else 'ies'}, skipped by every "
+              "lookup: fix or remove each in its file (entry N: the file's entries list, counted from 0)")
     print(first_use_verdicts())
     info = info or this_gpu()
     if info is not None:
