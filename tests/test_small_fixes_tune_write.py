@@ -65,6 +65,7 @@ def _tune(capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.filterwarnings("ignore::pairgen.tuned.TunedDBWarning")  # lookups cannot read the folder either
 def test_an_unwritable_tuned_folder_is_one_line_per_shape_and_a_nonzero_exit(tmp_path, monkeypatch, capsys, fake_gpu):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")  # its "subfolder" cannot be made, even by root
