@@ -4,12 +4,9 @@ Imports no torch, so the tuner's compile workers start fast.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import re
-import tempfile
 import time
 import warnings
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -18,7 +15,7 @@ from functools import lru_cache
 from multiprocessing import get_context
 from pathlib import Path
 
-from . import config
+from . import config, files
 
 CACHE_FORMAT = "3"  # bumped when the cached metadata changes (2: resources per kernel, 3: cubin size and sha256)
 ELF_MAGIC = b"\x7fELF"  # every cubin is an ELF file
@@ -118,20 +115,6 @@ def _cache_paths(key: str) -> tuple[Path, Path]:
     return folder / f"{key}.cubin", folder / f"{key}.json"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Readers see the old file or the new one, never a partial write."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # a full disk must not also fill up with temp files
-            os.unlink(tmp)
-        raise
-
-
 def _cubin_problem(cubin: bytes, meta: dict) -> str | None:
     """Why a cached cubin cannot be trusted, or None if it matches what was written.
 
@@ -203,8 +186,8 @@ def _write_cache(key: str, compiled: Compiled) -> None:
     meta = {k: v for k, v in asdict(compiled).items() if k not in ("cubin", "from_cache")}
     meta.update(cubin_size=len(compiled.cubin), cubin_sha256=hashlib.sha256(compiled.cubin).hexdigest())
     try:
-        _write_atomic(cubin_path, compiled.cubin)  # the cubin first: metadata present means a cubin written
-        _write_atomic(meta_path, json.dumps(meta).encode())
+        files.write_atomic(cubin_path, compiled.cubin)  # the cubin first: metadata present means a cubin written
+        files.write_atomic(meta_path, json.dumps(meta).encode())
     except OSError as exc:
         _warn_unwritable_cache_once(exc)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -32,6 +33,12 @@ ENVIRONMENT = {
 #: A real GPU target, which NVRTC compiles to a cubin: sm_90, sm_90a, sm_100f, sm_120, ...
 #: (compute_XY is a virtual target: NVRTC gives PTX and an empty cubin for it.)
 ARCH_PATTERN = re.compile(r"sm_\d{2,3}[af]?")
+
+#: The real targets of the CUDA 12 and 13 NVRTCs, for where NVRTC cannot say which it compiles for
+#: (not loadable, or a cuda-bindings without nvrtcGetSupportedArchs): 90 is sm_90.
+KNOWN_ARCHS = (50, 52, 53, 60, 61, 62, 70, 72, 75, 80, 86, 87, 88, 89, 90, 100, 101, 103, 110, 120, 121)
+#: The first architectures with arch-specific ("a": sm_90a) and family-specific ("f": sm_100f) targets.
+SUFFIX_SINCE = {"a": 90, "f": 100}
 
 T = TypeVar("T")
 
@@ -140,10 +147,35 @@ def fused_backward() -> bool:
     return (_get("PAIRGEN_FUSED_BACKWARD") or "1") not in ("0", "false", "False")
 
 
+@lru_cache(maxsize=1)
+def supported_archs() -> tuple[int, ...]:
+    """The architectures the installed NVRTC compiles for (90 for sm_90), else KNOWN_ARCHS."""
+    try:
+        from cuda.bindings import nvrtc
+
+        err, archs = nvrtc.nvrtcGetSupportedArchs()
+    except Exception:  # no cuda-bindings, NVRTC not loadable, a binding without the call
+        return KNOWN_ARCHS
+    return tuple(sorted(archs)) if err == nvrtc.nvrtcResult.NVRTC_SUCCESS and archs else KNOWN_ARCHS
+
+
+def _arch_supported(arch: str, archs: tuple[int, ...]) -> bool:
+    if not ARCH_PATTERN.fullmatch(arch):
+        return False
+    number, suffix = int(arch[3:].rstrip("af")), arch[3:].lstrip("0123456789")
+    return number in archs and (not suffix or number >= SUFFIX_SINCE[suffix])
+
+
 def arch_override() -> str | None:
-    return _parse("PAIRGEN_ARCH", str, ARCH_PATTERN.fullmatch,
-                  "a real GPU target sm_XY such as sm_80, sm_90, sm_90a, sm_100 or sm_120 "
-                  "(not compute_XY: NVRTC makes no cubin for a virtual target)")
+    """PAIRGEN_ARCH, checked against the targets NVRTC compiles for here: a target it does not know
+    would pass a pattern and then fail every compile."""
+    if _get("PAIRGEN_ARCH") is None:
+        return None
+    archs = supported_archs()
+    return _parse("PAIRGEN_ARCH", str, lambda arch: _arch_supported(arch, archs),
+                  f"a real GPU target the installed NVRTC compiles for: {', '.join(f'sm_{a}' for a in archs)} "
+                  f"(sm_{SUFFIX_SINCE['a']} and later also with an a suffix, sm_{SUFFIX_SINCE['f']} and later with "
+                  "an f, e.g. sm_90a, sm_100f; not compute_XY: NVRTC makes no cubin for a virtual target)")
 
 
 def compile_workers() -> int:

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
-import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Callable
 
-from . import config
+from . import config, files
 from .tuned import make_key
 
 log = logging.getLogger("pairgen")
@@ -65,20 +63,18 @@ def stored_verdict(op: str, gpu_slug: str, dtype: str, widths: dict, bucket: int
 
 def record_verdict(op: str, gpu_slug: str, dtype: str, widths: dict, bucket: int, source_sha256: str,
                    label: str, kernel_us: float, reference_us: float) -> Path:
-    """Write (or replace) the key's verdict; the file is replaced whole (a reader never sees half)."""
+    """Write (or replace) the key's verdict; the file is replaced whole (a reader never sees half),
+    under a lock file beside it (processes checking other keys at once keep their verdicts too)."""
     path = verdict_path(op, gpu_slug)
     key = make_key(dtype, widths, bucket)
-    verdicts = [v for v in load_verdicts(path) if v.get("key") != key]
-    verdicts.append({"key": key, "variant": label, "source_sha256": source_sha256,
-                     "kernel_us": round(kernel_us, 2), "reference_us": round(reference_us, 2),
-                     "winner": "kernel" if kernel_us <= reference_us else "reference",
-                     "date": time.strftime("%Y-%m-%d")})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as handle:
-        json.dump({"verdicts": sorted(verdicts, key=lambda v: json.dumps(v["key"], sort_keys=True))}, handle,
-                  indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    verdict = {"key": key, "variant": label, "source_sha256": source_sha256,
+               "kernel_us": round(kernel_us, 2), "reference_us": round(reference_us, 2),
+               "winner": "kernel" if kernel_us <= reference_us else "reference", "date": time.strftime("%Y-%m-%d")}
+    with files.locked(path.with_name(f"{path.name}.lock")):
+        verdicts = [v for v in load_verdicts(path) if v.get("key") != key] + [verdict]
+        text = json.dumps({"verdicts": sorted(verdicts, key=lambda v: json.dumps(v["key"], sort_keys=True))},
+                          indent=1, sort_keys=True)
+        files.write_atomic(path, text.encode())
     return path
 
 

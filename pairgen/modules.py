@@ -630,8 +630,18 @@ class KernelModule:
     def explain(self, n: int, device: torch.device | int | None = None,
                 precision: str = "float32") -> "runtime.Explanation":
         """What this module runs for length n on a GPU in `precision` (a tuned key's dtype: "float32",
-        "bfloat16", ...), where that came from, its parameters and its measured time (see runtime.explain)."""
-        index = device if isinstance(device, int) else (torch.device(device or "cuda").index or 0)
+        "bfloat16", ...), where that came from, its parameters and its measured time (see runtime.explain).
+        For the CPU device, or where torch sees no CUDA GPU, it says so: a call there runs the reference."""
+        if isinstance(device, int):
+            index = device
+        else:
+            device = torch.device(device or "cuda")
+            if device.type != "cuda":
+                return runtime.explain_on_cpu(self.op, n, "a call on CPU tensors")
+            index = device.index or 0
+        if not torch.cuda.is_available():
+            return runtime.explain_on_cpu(self.op, n, "a CPU call: torch sees no CUDA GPU here (`pairgen-tune "
+                                                      "--explain --gpu SLUG --arch sm_XY` says what a GPU would run)")
         return runtime.explain(self.op, precision, self.widths, n, index)
 
     def _dispatch(self, *inputs: torch.Tensor):

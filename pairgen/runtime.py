@@ -332,6 +332,12 @@ def explain(spec: OpSpec, dtype: str, widths: dict, n: int, device_index: int = 
                        choice.database)
 
 
+def explain_on_cpu(spec: OpSpec, n: int, why: str) -> Explanation:
+    """explain for a call on the CPU (`why`: CPU tensors, or no CUDA GPU visible to torch): the
+    reference, the only route there."""
+    return Explanation(spec.name, "the CPU", n, n_bucket(n), why, None, None, None, None)
+
+
 _variants: dict[tuple, Variant] = {}
 
 

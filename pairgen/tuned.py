@@ -21,18 +21,16 @@ keeps the old one's mode (or follows the umask), so a shared tuned/ folder stays
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import os
 import re
-import secrets
 import stat
 import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-from . import config
+from . import config, files
 
 SCHEMA_VERSION = 1
 
@@ -275,16 +273,8 @@ class TunedDB:
 
     # ---- writing ---------------------------------------------------------------------------
 
-    @contextlib.contextmanager
     def _locked(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Read-only is enough for flock, and lets a user lock a lock file another user created.
-        fd = os.open(self.path.with_suffix(".json.lock"), os.O_RDONLY | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing releases the lock
+        return files.locked(self.path.with_suffix(".json.lock"))
 
     def upsert(self, entry: dict, *, arch: str | None = None) -> None:
         """Insert or replace the entry with the same key, atomically and under the lock. `arch` (the
@@ -340,15 +330,10 @@ class TunedDB:
             keep_mode = stat.S_IMODE(os.stat(self.path).st_mode)
         except FileNotFoundError:
             keep_mode = None
-        while True:
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the kernel applies the umask
-            except FileExistsError:
-                continue
-            if keep_mode is not None:
-                os.fchmod(fd, keep_mode)
-            return fd, str(tmp)
+        fd, tmp = files.create_temp_beside(self.path)
+        if keep_mode is not None:
+            os.fchmod(fd, keep_mode)
+        return fd, tmp
 
 
 def _merged(snapshot: _Snapshot, entry: dict) -> list:

@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -6,6 +8,19 @@ import torch
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped, with the reason, where there is none)")
+    # Tests never write the user's cache. Set for the whole session, before any test module is
+    # imported: work at import or collection time, in module fixtures, or in a thread that outlives
+    # its test (the native helper's build) would miss a per-test setting. Compiled cubins are shared
+    # across the session.
+    if not os.environ.get("PAIRGEN_CACHE_DIR"):
+        config._pairgen_cache = os.environ["PAIRGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="pairgen-test-cache-")
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_pairgen_cache", None)
+    if cache is not None:
+        del os.environ["PAIRGEN_CACHE_DIR"]
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -18,10 +33,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Tests never write the user's cache; compiled cubins are shared across one test session."""
-    if not os.environ.get("PAIRGEN_CACHE_DIR"):
-        monkeypatch.setenv("PAIRGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "pairgen-cache"))
+def _first_use_check_off(monkeypatch):
     # Tests choose their variants: a first-use check would swap in the reference at small shapes
     # and write verdicts to the user's folder. tests/test_first_use*.py turn it on themselves.
     if not os.environ.get("PAIRGEN_FIRST_USE_CHECK"):

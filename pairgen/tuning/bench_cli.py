@@ -22,7 +22,7 @@ from pathlib import Path
 from ..ops import get_op, op_names
 from .. import config
 from ..spec import precision_of
-from .cli import add_selection_args, selected_shapes, shape_label
+from .cli import add_selection_args, environment_problem, selected_shapes, shape_label
 
 
 #: torch.compile's mode for the compile peer unless --compile-mode says otherwise: its best kernels,
@@ -276,6 +276,9 @@ def plot(rows, peers, path: Path) -> None:
 
 def main(argv=None) -> int:
     parser, args = parse_args(argv)
+    if (problem := environment_problem()) is not None:
+        print(f"pairgen-bench: {problem}", file=sys.stderr)
+        return 2
     peers = [p for p in args.peers.split(",") if p]
     work = selected_shapes(args, parser, without_kernels=("bfloat16", "float16"))
     known = {"eager", "compile"}.union(*(get_op(name).extra_peer_names for name in op_names()))

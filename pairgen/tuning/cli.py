@@ -26,6 +26,20 @@ def parse_shape(text: str) -> dict:
     return shape
 
 
+def environment_problem() -> str | None:
+    """The first environment variable pairgen parses whose value is bad, as one line naming it, its
+    value and the valid values; None when all are good. The commands check before any work: a typo
+    then ends them at once with that line, not with a traceback from a compile or a trial."""
+    from .. import config
+
+    for read in (config.arch_override, config.compile_workers, config.compile_budget_s, config.fastcall_enabled):
+        try:
+            read()
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def add_selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", choices=op_names(), action="append",
                         help="op to work on (repeatable; default: every op)")

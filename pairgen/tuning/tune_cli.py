@@ -16,13 +16,14 @@ to <repo>/tuned when run from a checkout, or to PAIRGEN_TUNED_DIR when it is set
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
 from pathlib import Path
 
 from ..spec import precision_of
-from .cli import add_selection_args, selected_shapes, shape_label
+from .cli import add_selection_args, environment_problem, selected_shapes, shape_label
 
 
 def parse_args(argv=None):
@@ -113,7 +114,7 @@ def status(info=None) -> int:
     from pairgen.tuned import all_databases
 
     backward_dbs = {backward_tuning.db_name(op): op for op in backward_tuning.OPS}
-    totals = {"stale": 0, "invalid": 0}
+    totals = {"stale": 0, "invalid": 0, "malformed": 0}
     seen: dict[tuple, Path] = {}  # (gpu, op, key) -> the folder whose entry lookups use
     for root in config.tuned_read_dirs():
         dbs = all_databases(root)
@@ -146,10 +147,17 @@ def status(info=None) -> int:
                 print(f"| {db.gpu_slug} | {db.op} | {shape_label(e.get('shape', e['key']))} | {e['key']['dtype']} "
                       f"| {e['strategy']} "
                       f"| {e.get('us', '–')} | {ratio('eager')} | {ratio('compile')} | {cell} |")
+            for index, why in db.skipped():
+                totals["malformed"] += 1
+                print(f"| {db.gpu_slug} | {db.op} | entry {index} | – | – | – | – | – | MALFORMED: {why} ({db.path}) |")
     stale, invalid = totals["stale"], totals["invalid"]
     print(f"\n{stale} stale entr{'y' if stale == 1 else 'ies'}" + (f", {invalid} invalid" if invalid else "")
           + ("; re-tune them with: pairgen-tune --stale (the training path's, *_backward: pairgen-tune "
              "--backward)" if stale or invalid else ""))
+    if totals["malformed"]:
+        # Lookups skip them and pairgen-tune writes them back as they are: only a person can fix them.
+        print(f"{totals['malformed']} malformed entr{'y' if totals['malformed'] == 1 else 'ies'}, skipped by every "
+              "lookup: fix or remove each in its file (entry N: the file's entries list, counted from 0)")
     print(first_use_verdicts())
     info = info or this_gpu()
     if info is not None:
@@ -452,10 +460,11 @@ def tune(work, args) -> int:
             return 2
         print(f"{len(devices)} workers, one per GPU ({', '.join(map(str, devices))}), share each shape's study")
     jobs = [(spec, shape, starting_points(spec, TunedDB(spec.name, info.slug), shape, info)) for spec, shape in work]
+    recorded = []
     if len(devices) > 1:
         results = _tune_on_devices(jobs, devices, settings, peers, info.slug, args.storage)
         for (spec, _, _), result in zip(jobs, results):
-            _record(spec, result, info)  # once per shape, by this process alone
+            recorded.append(_record(spec, result, info))  # once per shape, by this process alone
     else:
         results = []
         with compiler.compile_pool(_compile_share(1)) as pool:
@@ -464,7 +473,8 @@ def tune(work, args) -> int:
                 # With --storage, other hosts may work on the same studies: claim points first.
                 results.append(tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=precision_of(spec),
                                           shared=args.storage is not None, storage_url=args.storage))
-                _record(spec, results[-1], info)  # as each shape finishes: an interrupted run keeps them
+                # as each shape finishes: an interrupted run keeps them
+                recorded.append(_record(spec, results[-1], info))
     runtime.clear_caches()
     table = closing_table(results, peers)
     header = (f"{info.name}, torch {torch.__version__}, CUDA {torch.version.cuda}; fp32 with TF32 off unless a "
@@ -474,7 +484,7 @@ def tune(work, args) -> int:
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(header + table + "\n")
-    return 0 if all(r.best for r in results) else 1
+    return 0 if all(r.best for r in results) and all(recorded) else 1
 
 
 def _compile_share(workers: int) -> int:
@@ -486,17 +496,29 @@ def _compile_share(workers: int) -> int:
     return max(1, config.compile_workers() // workers - 1)
 
 
-def _record(spec, result, info) -> None:
-    """Write a shape's winner to the tuned database (or say why there is none)."""
-    from pairgen.tuned import TunedDB
+def _record(spec, result, info) -> bool:
+    """Write a shape's winner to the tuned database (or say why there is none). False when the
+    winner could not be written: said in one line, and the run goes on with the other shapes."""
+    from pairgen.tuned import TunedDB, TunedDBError
     from pairgen.tuning.evaluate import tuned_entry
 
+    written = True
     if result.best:
-        TunedDB(spec.name, info.slug).upsert(tuned_entry(result, spec), arch=info.arch)
+        db = TunedDB(spec.name, info.slug)
+        try:
+            db.upsert(tuned_entry(result, spec), arch=info.arch)
+        except (OSError, TunedDBError) as exc:  # a read-only folder, a full disk, a file a person must fix
+            written = False
+            print(f"{spec.name} {shape_label(result.shape)}: cannot write the tuned entry to {db.path} ({exc}). "
+                  "The trials are kept in the shape's study: re-running this command once that is fixed writes it "
+                  "without timing those points again (the peers and the finalists are re-timed). The winner: "
+                  f"{result.best['strategy']} {json.dumps(result.best['params'], sort_keys=True)}, "
+                  f"{result.best['us']:.1f} µs", file=sys.stderr)
     else:
         print(f"{spec.name} {shape_label(result.shape)}: no variant passed; nothing written", file=sys.stderr)
     for line in result.failures[:5]:
         print(f"  failed: {line}", file=sys.stderr)
+    return written
 
 
 def _devices(text: str | None, count: int, current: int) -> list[int]:
@@ -626,6 +648,9 @@ def _watch(workers, names: list[str], settings, n_devices: int, storage_url: str
 
 def main(argv=None) -> int:
     parser, args = parse_args(argv)
+    if (problem := environment_problem()) is not None:
+        print(f"pairgen-tune: {problem}", file=sys.stderr)
+        return 2
     if args.status:
         return status(described_gpu(args))
     if args.stale:

@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import statistics
-import tempfile
 import time
 from collections import deque
 from concurrent.futures import BrokenExecutor
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple, Protocol
 
-from .. import config
+from .. import config, files
 from ..spec import DeviceLimits, OpSpec, Plan, n_bucket, precision_of
 
 log = logging.getLogger("pairgen")
@@ -121,7 +120,7 @@ def repair_journal(path: Path) -> bool:
             return False
         aside = _aside_path(path)
         shutil.copyfile(path, aside)
-        _write_atomic(path, kept)
+        files.write_atomic(path, kept, durable=True)
     finally:
         lock.release()
     log.warning("%s: a record did not parse (a torn write?); moved the journal to %s and kept the %d "
@@ -152,20 +151,6 @@ def _aside_path(path: Path) -> Path:
         aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
         n += 1
     return aside
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """A crash mid-rewrite leaves the old file, never a half-written one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)  # a full disk must not also keep a temp file
-        raise
 
 
 def open_study(name: str, seed: int, storage_dir: Path | None = None, storage_url: str | None = None):
@@ -495,7 +480,7 @@ class PointClaims:
         taken_over = None
         for _ in range(2):  # a second try after removing a dead worker's claim
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # less the umask, as open() does
             except FileExistsError:
                 taken_over = self._stale(path)
                 if taken_over is None:
@@ -515,7 +500,8 @@ class PointClaims:
         """The point has its verdict in the study: the claim stands for good, even after this worker
         exits (a finished worker's claim must not look like a dead one's)."""
         path = self._path(point)
-        _write_atomic(path, json.dumps({"host": self.host, "pid": os.getpid(), "done": True}).encode())
+        files.write_atomic(path, json.dumps({"host": self.host, "pid": os.getpid(), "done": True}).encode(),
+                           durable=True)
 
     def live_count(self) -> int:
         """Claims that stand: finished, or held by a worker that is alive."""
