@@ -47,6 +47,9 @@ _WEIGHT_NAMES = ("norm_in_weight", "norm_in_bias", "p_in_weight", "p_in_bias", "
 _REQUIRED = ("p_in_weight", "g_in_weight", "p_out_weight", "g_out_weight")
 
 _modules: OrderedDict = OrderedDict()
+#: A module per structure (_structure_key), the last one built: its kernels serve weights made
+#: anew for each call through a per-call pack.
+_structures: OrderedDict = OrderedDict()
 
 
 def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing", mask: torch.Tensor | None = None,
@@ -106,7 +109,12 @@ def _update(x, direction: str, mask, weights: dict, eps: float, precision: str) 
         return reference(x, direction, mask, weights, eps)
     if mask is None:
         mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
-    module = _module_for(weights, direction, precision, x)
+    key = _key(weights, direction, precision, x)
+    if not wants_grad and key not in _modules:
+        out = _with_weights_packed_for_the_call(x, direction, mask, weights, precision)
+        if out is not None:
+            return out
+    module = _module_for(weights, direction, precision, x, key)
     if not wants_grad:
         return module(x, mask)
     # the closed form, its gradients mapped onto the caller's tensors
@@ -267,7 +275,7 @@ def _complete(weights: dict, x) -> dict:
 
 
 def _key(weights: dict, direction: str, precision: str, x) -> tuple:
-    """Where every weight lies (its storage, offset, shape and strides): the kept module's
+    """Where every weight lies (its address, shape and strides): the kept module's
     parameters are views of that memory, so they hold it (no other tensor can be given it while the
     module is kept) and share its version counter (an in-place update repacks, as the module's own
     parameters do). A slice of a parameter taken anew on every call (alphafold3-pytorch's fused
@@ -277,20 +285,54 @@ def _key(weights: dict, direction: str, precision: str, x) -> tuple:
 
 
 def place_of(t: torch.Tensor) -> tuple:
-    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+    return t.data_ptr(), t.shape, t.stride(), t.dtype
 
 
-def _module_for(weights: dict, direction: str, precision: str, x):
-    key = _key(weights, direction, precision, x)
+def _module_for(weights: dict, direction: str, precision: str, x, key: tuple):
     module = _modules.get(key)
     if module is not None:
         _modules.move_to_end(key)
         return module
     module = _build(weights, direction, precision, x)
-    _modules[key] = module
-    while len(_modules) > MAX_MODULES:
-        _modules.popitem(last=False)
+    _keep(_modules, key, module)
+    _keep(_structures, _structure_key(weights, direction, precision, x), module)
     return module
+
+
+def _keep(kept: OrderedDict, key: tuple, module) -> None:
+    kept[key] = module
+    while len(kept) > MAX_MODULES:
+        kept.popitem(last=False)
+
+
+def _structure_key(weights: dict, direction: str, precision: str, x) -> tuple:
+    """What a module's kernels depend on besides the weights' values."""
+    given = tuple(w is not None for w in weights.values())
+    return direction, precision, x.dtype, x.device, weights["p_in_weight"].dtype, tuple(weights["p_out_weight"].shape), given
+
+
+def _with_weights_packed_for_the_call(x, direction: str, mask, weights: dict, precision: str):
+    """The update on weights this process has not seen (made anew for the call) without building a
+    module for them: a module of the same structure built before runs its tensor-core kernels on
+    weights packed for this call on the GPU (ops/trimul/given_weights.py). None where that does not
+    apply (no such module, no wgmma variant for the call, weights the pack kernel does not read
+    as given, a default variant not yet checked on first use): then a module is built."""
+    from .first_use import Pending
+    from .modules import HALF_DTYPE_NAMES, as_mask
+    from .ops.trimul import given_weights
+
+    module = _structures.get(_structure_key(weights, direction, precision, x))
+    if module is None or not x.is_cuda or not given_weights.applies(weights):
+        return None
+    if x.dtype is not weights["p_in_weight"].dtype and not torch.is_autocast_enabled("cuda"):
+        return None  # the module path says what is wrong
+    kernel_precision = module.kernel_precision(x, mask)
+    if kernel_precision not in HALF_DTYPE_NAMES.values():
+        return None
+    variant = module._choice_for(x.shape[1], x.get_device(), kernel_precision)
+    if variant is None or type(variant) is Pending or variant.plan.strategy != "wgmma":
+        return None
+    return module.run_with_packed_weights(x, as_mask(mask), variant, given_weights.pack(weights, kernel_precision))
 
 
 def _build(weights: dict, direction: str, precision: str, x):

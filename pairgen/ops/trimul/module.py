@@ -141,7 +141,8 @@ def run_mma(module: "TriangleMultiplication", variant, x, mask, out) -> None:
     project, output = variant.launches(x.get_device(), B, N)
     copies = 3 if precision == "tf32x3" else 1
     ab = torch.empty((2, B * H, copies * N * N), device=x.device, dtype=OPERAND_DTYPES[precision])
-    w_ptr = module._tensor_core_weights(variant.plan.strategy, precision).get().data_ptr()
+    given = module.__dict__.get("_given_pack")  # weights packed for this call (run_with_packed_weights)
+    w_ptr = (given if given is not None else module._tensor_core_weights(variant.plan.strategy, precision).get()).data_ptr()
     if x.dtype is not ab.dtype:
         x = x.to(ab.dtype)  # an fp32 input under autocast: the kernels read x in the operand type
     x_ptr = x.data_ptr()
@@ -229,6 +230,16 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
         x = inputs[0]
         return config.fused_backward() and x.shape[0] * x.shape[1] * x.shape[2] >= self.MIN_16_BIT_CLOSED_FORM_PAIRS
 
+
+    def run_with_packed_weights(self, x, mask, variant, packed: torch.Tensor):
+        """A validated call (mask as as_mask gives it) of a tensor-core variant on weights packed
+        for this call in its layout (given_weights.pack for wgmma) instead of the module's own:
+        no packed copy is kept, so weights made anew on every call cost one pack launch."""
+        self.__dict__["_given_pack"] = packed
+        try:
+            return self._launch(x, mask, variant=variant)
+        finally:
+            del self.__dict__["_given_pack"]
 
     def _tensor_core_weights(self, strategy: str, precision: str) -> PackedParameters:
         """The mma or wgmma kernels' packed weights in this precision's operand dtype, rebuilt only
