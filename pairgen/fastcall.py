@@ -58,6 +58,20 @@ def note_scratch(tensor: torch.Tensor) -> None:
             noted.append(tensor)
 
 
+def note_product(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor) -> None:
+    """A runner's batched product out = left @ right (torch.bmm, on 16-bit operands: no cuBLAS mode
+    to set), between its kernels: a replay runs it in compiled code, in launch order, on the
+    same views of its inputs, output and per-call buffers. No-op outside a recording."""
+    if launch.RECORDING:
+        recorded = launch.RECORDING.get(threading.get_ident())
+        if recorded is not None:
+            recorded.append((PRODUCT, (left, right, out)))
+
+
+#: The mode fastcall.cpp runs a noted product in (its kernels' modes are launch.FASTCALL_MODES).
+PRODUCT = 3
+
+
 @contextlib.contextmanager
 def recording():
     """Collect this thread's launches and noted buffers: yields (launches, scratch) lists."""
@@ -117,6 +131,12 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, packs
     held_extents = [_extent(t) for t in held] + [extent for _, extent in packed]
     specs, constants = [], set()
     for bound, args in launches:
+        if bound is PRODUCT:
+            spec = _product_spec(args, input_data, out_extent, scratch_layout)
+            if spec is None:
+                return None
+            specs.append(spec)
+            continue
         slots = []
         for value in args:
             slot = classify(int(value), input_data, out_extent, scratch_layout, held_extents)
@@ -126,7 +146,7 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, packs
             if slot[0] == 0:
                 constants.add(slot[1])
         mode, address = bound.driver_entry()
-        specs.append((address, mode, bound.kernel._handle.value, bound.grid, bound.block, bound.smem, tuple(slots)))
+        specs.append((address, mode, bound.kernel._handle.value, bound.grid, bound.block, bound.smem, tuple(slots), ()))
     watched = []
     for pack, (start, end) in packed:
         if any(start <= value < end for value in constants):  # the call reads this pack
@@ -137,3 +157,18 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, packs
     return native_module.build(device.type, -1 if device.index is None else device.index, tuple((tuple(t.shape), t.dtype) for t in inputs),
                                (tuple(out.shape), out.dtype), scratch_bytes, tuple(watched), tuple(epochs),
                                tuple(specs))
+
+
+def _product_spec(tensors: tuple, input_data: dict, out_extent: tuple, scratch_layout: list):
+    """A noted product as fastcall.cpp takes it: its three tensors' data as slots (each an input, in
+    the output or in a per-call buffer: never a constant), with their sizes and strides; None where
+    one lies elsewhere."""
+    slots, geometry = [], []
+    for t in tensors:
+        slot = classify(t.data_ptr(), input_data, out_extent, scratch_layout, [])
+        if slot is None or slot[0] == 0:
+            return None
+        slots.append(slot)
+        geometry += [tuple(t.shape), tuple(t.stride())]
+    return 0, PRODUCT, 0, 0, 0, 0, tuple(slots), (*geometry, tensors[2].dtype)
+

@@ -27,6 +27,7 @@ How a call runs:
 from __future__ import annotations
 
 import enum
+import functools
 from collections import OrderedDict
 
 import torch
@@ -68,7 +69,7 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
                                        g_out_bias)))
     precision = precision_name(precision)
     _check(x, direction, mask, weights)
-    flat = x.reshape(-1, *x.shape[-3:])
+    flat = x if x.dim() == 4 else x.reshape(-1, *x.shape[-3:])
     flat_mask = None if mask is None else _flat_mask(mask, x)
     if precision == "bfloat16" and x.dtype is torch.float32 and x.is_cuda:
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -77,7 +78,7 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
     else:
         out = _update(flat, direction, flat_mask, _complete(weights, x), eps,
                       "ieee" if precision == "bfloat16" else precision)
-    return out.reshape(x.shape)
+    return out if out.dim() == x.dim() else out.reshape(x.shape)
 
 
 def precision_name(precision) -> str:
@@ -95,6 +96,8 @@ def precision_name(precision) -> str:
 def _flat_mask(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The mask as (B, N, N) for x flattened to (B, N, N, P): its leading dimensions broadcast to
     x's first (a mask without them, or of size 1 in them, is the same for every batch entry)."""
+    if x.dim() == 4 and mask.dim() == 3 and mask.shape[0] == x.shape[0]:
+        return mask  # the models' call: nothing to broadcast or flatten
     lead, n = x.shape[:-3], x.shape[-3:-1]
     if mask.dim() - 2 == len(lead) and mask.shape[:-2] == lead:
         return mask.reshape(-1, *n)
@@ -205,31 +208,24 @@ def reference(x, direction: str, mask, weights: dict, eps: float = 1e-5) -> torc
 
 
 def _check(x, direction, mask, weights: dict) -> None:
-    """Every argument's type, shape, dtype class and device, each error naming the argument at fault."""
+    """Every argument's type, shape, dtype class and device, each error naming the argument at
+    fault. Conditions first, messages only on failure: this runs on every call."""
     if not isinstance(x, torch.Tensor) or x.dim() < 3 or not x.is_floating_point() or x.shape[-3] != x.shape[-2]:
         raise ValueError("x must be a floating-point tensor of shape (..., N, N, P), got "
                          + (f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
-    if direction not in ("outgoing", "incoming"):
+    if direction != "outgoing" and direction != "incoming":
         raise ValueError(f"direction must be 'outgoing' or 'incoming', got {direction!r}")
     missing = [n for n in _REQUIRED if weights[n] is None]
     if missing:
         raise ValueError(f"pairgen's triangle_multiplicative_update needs the projection weights; missing: {missing}")
+    device = x.get_device()
     for name, w in weights.items():
-        if w is None:
-            continue
-        if not isinstance(w, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
-        if not w.is_floating_point():
-            raise ValueError(f"{name} must be floating point, got dtype {w.dtype}")
-        if w.device != x.device:
-            raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
+        if w is not None and not (isinstance(w, torch.Tensor) and w.dtype.is_floating_point and w.get_device() == device):
+            _explain_weight(name, w, x)
     P, H = x.shape[-1], _hidden_width(weights)
-    expected = {"p_out_weight": (P, H), "p_in_weight": (2 * H, P), "g_in_weight": (2 * H, P), "g_out_weight": (P, P), "norm_in_weight": (P,),
-                "norm_in_bias": (P,), "p_in_bias": (2 * H,), "g_in_bias": (2 * H,), "norm_out_weight": (H,),
-                "norm_out_bias": (H,), "p_out_bias": (P,), "g_out_bias": (P,)}
-    for name, shape in expected.items():
+    for name, shape in _shapes(P, H):
         w = weights[name]
-        if w is not None and tuple(w.shape) != shape:
+        if w is not None and w.shape != shape:
             hint = " (a's H rows, then b's)" if name in ("p_in_weight", "g_in_weight") else ""
             raise ValueError(f"{name} must have shape {shape}{hint} for x with P={P} and H={H}, "
                              f"got {tuple(w.shape)}")
@@ -237,9 +233,29 @@ def _check(x, direction, mask, weights: dict) -> None:
         _check_mask(mask, x)
 
 
+def _explain_weight(name: str, w, x) -> None:
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+    if not w.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got dtype {w.dtype}")
+    raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes(P: int, H: int) -> tuple:
+    """(weight name, the shape it must have) for widths P and H."""
+    return (("p_out_weight", (P, H)), ("p_in_weight", (2 * H, P)), ("g_in_weight", (2 * H, P)),
+            ("g_out_weight", (P, P)), ("norm_in_weight", (P,)), ("norm_in_bias", (P,)), ("p_in_bias", (2 * H,)),
+            ("g_in_bias", (2 * H,)), ("norm_out_weight", (H,)), ("norm_out_bias", (H,)), ("p_out_bias", (P,)),
+            ("g_out_bias", (P,)))
+
+
 def _hidden_width(weights: dict) -> int:
     """H as most of p_in_weight (2H rows), g_in_weight (2H rows) and p_out_weight (H columns) have it
     (p_out_weight's where none agree), so the error names the weight that disagrees."""
+    p_in, g_in, p_out = weights["p_in_weight"], weights["g_in_weight"], weights["p_out_weight"]
+    if p_out.dim() == 2 and p_in.shape[0] == g_in.shape[0] == 2 * p_out.shape[1]:
+        return p_out.shape[1]  # they agree
     said = [w.shape[0] // 2 for w in (weights["p_in_weight"], weights["g_in_weight"]) if w.dim() == 2 and w.shape[0] % 2 == 0]
     p_out = weights["p_out_weight"]
     said.append(p_out.shape[-1] if p_out.dim() == 2 else -1)
@@ -247,6 +263,9 @@ def _hidden_width(weights: dict) -> int:
 
 
 def _check_mask(mask, x: torch.Tensor) -> None:
+    if (isinstance(mask, torch.Tensor) and mask.shape == x.shape[:-1] and not mask.dtype.is_complex
+            and mask.get_device() == x.get_device()):
+        return  # the common case; the checks below build the message
     lead, n = tuple(x.shape[:-3]), tuple(x.shape[-3:-1])
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")

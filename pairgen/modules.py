@@ -453,6 +453,14 @@ class KernelModule:
     #: the module holds and per-call buffers they note (fastcall.note_scratch): their calls can
     #: be recorded. A runner that runs PyTorch operations between its kernels is not listed.
     fast_call_strategies: frozenset = frozenset()
+    #: Strategies whose calls can be recorded in bfloat16/float16 only.
+    fast_call_16_bit_strategies: frozenset = frozenset()
+
+    def _records(self, variant) -> bool:
+        """Whether a call of this variant can be recorded for replay."""
+        strategy = variant.plan.strategy
+        return strategy in self.fast_call_strategies or (
+            strategy in self.fast_call_16_bit_strategies and variant.plan.precision in HALF_PRECISION_DTYPES)
 
     def _fast_forward(self, *inputs):
         """The output of a recorded call that matches these inputs, or None: take the Python path.
@@ -474,7 +482,7 @@ class KernelModule:
 
     def _launch_recorded(self, inputs: tuple, variant):
         """_launch, recorded for replay where the call allows it (see fastcall.py)."""
-        if variant.plan.strategy not in self.fast_call_strategies:
+        if not self._records(variant):
             return self._launch(*inputs, variant=variant)
         replayer = native.fastcall()  # the first request starts the compiled module's build
         if (replayer is None or self._reference_only or self.__dict__.get("_state_per_call")

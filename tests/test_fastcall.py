@@ -237,3 +237,30 @@ def test_inputs_sharing_an_address_are_not_recorded():
     args = (x.data_ptr(), x.data_ptr(), pack._packed.data_ptr(), out.data_ptr(), 5, 1, 0)
     assert fastcall.build((x, x), out, [(bound(driver), args)], [], [pack], [], []) is None
 
+
+
+def test_a_noted_product_is_replayed_between_the_kernels():
+    """A runner's batched product between two launches (the 16-bit triangle update's bmm) runs in
+    the replay, in order, on views of the new inputs, into the new output; a product on anything
+    the replay cannot reproduce is not recorded."""
+    driver = Driver(2)
+    left, right = torch.randn(3, 4, 6), torch.randn(3, 5, 6)
+    out = torch.empty(3, 4, 5)
+    kernel = (bound(driver), (left.data_ptr(), out.data_ptr()))
+    product = (fastcall.PRODUCT, (left, right.transpose(1, 2), out))
+    recorded = fastcall.build((left, right), out, [kernel, product, kernel], [], [], [], [])
+    assert recorded is not None
+    left2, right2 = torch.randn(3, 4, 6), torch.randn(3, 5, 6)
+    replayed = _fastcall.call(recorded, 0, left2, right2)
+    torch.testing.assert_close(replayed, torch.bmm(left2, right2.transpose(1, 2)))
+    assert [call["args"] for call in driver.calls] == [[left2.data_ptr(), replayed.data_ptr()]] * 2
+    stray = torch.randn(3, 6, 5)  # made during the call and dropped: no replay can find it
+    assert fastcall.build((left, right), out, [kernel, (fastcall.PRODUCT, (left, stray, out))], [], [], [], []) is None
+
+
+def test_note_product_is_collected_only_while_recording():
+    a, b, out = torch.randn(2, 3, 4), torch.randn(2, 4, 5), torch.empty(2, 3, 5)
+    fastcall.note_product(a, b, out)  # outside a recording: nothing to collect, nothing raised
+    with fastcall.recording() as (launches, _):
+        fastcall.note_product(a, b, out)
+    assert launches == [(fastcall.PRODUCT, (a, b, out))]

@@ -77,6 +77,26 @@ def test_every_recording_strategy_replays_exactly(name, strategy):
     assert_replays_match_float64(spec, module, shape, gen, precision)
 
 
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+@pytest.mark.parametrize("strategy", ["mma", "wgmma"])
+def test_16_bit_triangle_update_replays_with_its_product(strategy, precision):
+    """The 16-bit tensor-core strategies run a cuBLAS product between their kernels; a replay runs
+    it too (fastcall.note_product), on the new inputs."""
+    shape = {**SEEDS["trimul"], "B": 3, "N": 37}
+    spec, module, gen = case("trimul", shape, seed=17, precision=precision)
+    plan = sampled_plans(spec.at(precision), strategy, spec.widths_of(shape), 1, seed=5)[0]
+    module.force_variant(runtime.build_variant(plan))
+    assert_replays_match_float64(spec, module, shape, gen, precision)
+
+
+def test_models_form_bf16_call_replays():
+    """The models' form (gate on the normalised input, no biases) at P = H = 128 in bf16, N128."""
+    shape = {"B": 1, "N": 128, "P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+    spec, module, gen = case("trimul", shape, seed=19, precision="bfloat16")
+    assert module.variant_for(128, 0, "bfloat16").plan.strategy in module.fast_call_16_bit_strategies
+    assert_replays_match_float64(spec, module, shape, gen, "bfloat16")
+
+
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_tuned_seed_calls_replay(name):
     """The seed shapes are where host time decides a call's speed: their tuned strategies record."""

@@ -10,13 +10,20 @@
 // allocate the output (and scratch) through ATen's caching allocator, write the arguments, launch.
 // Anything else returns None and the caller takes the Python path, which records again.
 //
+// A runner may also note a batched product between its kernels (fastcall.note_product: the 16-bit
+// triangle update's cuBLAS bmm); a replay runs it through ATen, in launch order, on views of the
+// same inputs, output and per-call buffers.
+//
 // The driver's launch functions arrive as addresses (libcuda's, or a test's stand-ins), so this
 // file needs neither the CUDA headers nor libcuda to build: the CPU-only CI builds and tests it.
 #include <Python.h>
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -48,7 +55,7 @@ constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROG
 constexpr int kInvalidContext = 201;                 // CUDA_ERROR_INVALID_CONTEXT
 constexpr size_t kMaxArguments = 64, kMaxInputs = 8;  // per kernel, per call: far above any op's
 
-enum class Mode { plain = 0, cooperative = 1, programmatic = 2 };
+enum class Mode { plain = 0, cooperative = 1, programmatic = 2, product = 3 };
 // Where a kernel argument comes from on each call.
 enum class Source { constant = 0, input = 1, output = 2, scratch = 3 };
 
@@ -62,7 +69,9 @@ struct Launch {
   Mode mode;
   void* kernel;  // the CUfunction
   unsigned grid, block, shared_bytes;
-  std::vector<Slot> slots;
+  std::vector<Slot> slots;  // a product's: its left operand, right operand and output
+  std::vector<std::vector<int64_t>> geometry;  // a product's: sizes, strides of each of the three
+  at::ScalarType dtype = at::kFloat;           // a product's element type
 };
 
 struct InputCheck {
@@ -180,6 +189,15 @@ PyObject* build(PyObject*, PyObject* args) {
                                 PyLong_AsLongLong(PyTuple_GetItem(slot, 1))});
         Py_DECREF(slot);
       }
+      if (launch.mode == Mode::product) {  // (sizes, strides) x 3, then the dtype
+        PyObject* geometry = PyTuple_GetItem(spec, 7);
+        if (launch.slots.size() != 3 || PySequence_Size(geometry) != 7) {
+          Py_DECREF(spec);
+          throw std::invalid_argument("a product takes three tensors");
+        }
+        for (Py_ssize_t k = 0; k < 6; ++k) launch.geometry.push_back(int_list(PyTuple_GetItem(geometry, k)));
+        launch.dtype = scalar_type(PyTuple_GetItem(geometry, 6));
+      }
       Py_DECREF(spec);
       call->launches.push_back(std::move(launch));
     }
@@ -226,8 +244,22 @@ bool module_unchanged(const FastCall& call) {
   return true;
 }
 
+// A noted product: out = left @ right on the recorded views, on the current stream of the
+// call's device (the stream the Python path's torch.bmm ran on).
+void run_product(const Launch& launch, const int64_t* values, const at::Device& device) {
+  auto options = at::TensorOptions().dtype(launch.dtype).device(device);
+  auto view = [&](int k) {
+    return at::from_blob(reinterpret_cast<void*>(values[k]), launch.geometry[2 * k], launch.geometry[2 * k + 1],
+                         options);
+  };
+  at::Tensor out = view(2);
+  at::bmm_out(out, view(0), view(1));
+}
+
 int launch_one(const Launch& launch, void* stream, void** pointers) {
   switch (launch.mode) {
+    case Mode::product:
+      return -1;  // run_product's, not a launch
     case Mode::plain:
       return reinterpret_cast<LaunchKernel>(launch.function_address)(
           launch.kernel, launch.grid, 1, 1, launch.block, 1, 1, launch.shared_bytes, stream, pointers, nullptr);
@@ -295,6 +327,11 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
           case Source::scratch: values[k] = scratch_data + slot.value; break;
         }
         pointers[k] = &values[k];  // the driver reads each parameter's own size from its slot
+      }
+      if (launch.mode == Mode::product) {
+        c10::DeviceGuard guard(fast->device);
+        run_product(launch, values, fast->device);
+        continue;
       }
       int code = launch_one(launch, stream, pointers);
       if (code == kInvalidContext && n == 0) Py_RETURN_NONE;  // a thread without a context: Python sets it

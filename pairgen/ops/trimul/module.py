@@ -14,13 +14,17 @@ from .spec import BMM, FUSED, MMA, TRIMUL, WGMMA, k_padded, mma_weight_offsets, 
 _FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
 
 
+def triangle_operands(ar: torch.Tensor, br: torch.Tensor, outgoing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The triangle sums as one batched product left @ right on the (B*H, N, N) layout
+    ar[(b*H + h), r, c] = a[b, r, c, h]: incoming out[i, j] = sum_k a[k, i] b[k, j] = (arᵀ·br)[i, j];
+    outgoing sum_k a[i, k] b[j, k] = (ar·brᵀ)[i, j]. The transposed views reach cuBLAS as flags,
+    not copies."""
+    return (ar, br.transpose(1, 2)) if outgoing else (ar.transpose(1, 2), br)
+
+
 def triangle_bmm(ar: torch.Tensor, br: torch.Tensor, outgoing: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The triangle sums on the (B*H, N, N) layout ar[(b*H + h), r, c] = a[b, r, c, h]:
-    incoming out[i, j] = sum_k a[k, i] b[k, j] = (arᵀ·br)[i, j]; outgoing sum_k a[i, k] b[j, k] =
-    (ar·brᵀ)[i, j]. The transposed views reach cuBLAS as flags, not copies."""
-    if outgoing:
-        return torch.bmm(ar, br.transpose(1, 2), out=out)
-    return torch.bmm(ar.transpose(1, 2), br, out=out)
+    """The triangle sums (triangle_operands' product)."""
+    return torch.bmm(*triangle_operands(ar, br, outgoing), out=out)
 
 
 def pack_weights(params: dict[str, torch.Tensor], P: int, H: int, bias: bool) -> torch.Tensor:
@@ -141,6 +145,7 @@ def run_mma(module: "TriangleMultiplication", variant, x, mask, out) -> None:
     project, output = variant.launches(x.get_device(), B, N)
     copies = 3 if precision == "tf32x3" else 1
     ab = torch.empty((2, B * H, copies * N * N), device=x.device, dtype=OPERAND_DTYPES[precision])
+    fastcall.note_scratch(ab)
     given = module.__dict__.get("_given_pack")  # weights packed for this call (run_with_packed_weights)
     w_ptr = (given if given is not None else module._tensor_core_weights(variant.plan.strategy, precision).get()).data_ptr()
     if x.dtype is not ab.dtype:
@@ -150,8 +155,12 @@ def run_mma(module: "TriangleMultiplication", variant, x, mask, out) -> None:
             int(mask.dtype is torch.float32))
     shape = (B * H, N, copies * N) if module._outgoing else (B * H, copies * N, N)
     ar, br = ab[0].view(shape), ab[1].view(shape)
-    if precision in HALF_DTYPE_NAMES.values():
-        z = triangle_bmm(ar, br, module._outgoing)  # fp32 accumulation, output in the operands' dtype
+    if precision in HALF_DTYPE_NAMES.values():  # fp32 accumulation, output in the operands' dtype
+        z = torch.empty((B * H, N, N), device=x.device, dtype=ab.dtype)
+        fastcall.note_scratch(z)
+        left, right = triangle_operands(ar, br, module._outgoing)
+        torch.bmm(left, right, out=z)
+        fastcall.note_product(left, right, z)  # a replay runs it between the two kernels
     else:
         with cublas_fp32_mode(tf32=True):
             z = triangle_bmm(ar, br, module._outgoing)
@@ -201,7 +210,10 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
 
     op = TRIMUL
     runners = {BMM.name: run_bmm, FUSED.name: run_fused, MMA.name: run_mma, WGMMA.name: run_mma}
-    fast_call_strategies = frozenset({FUSED.name})  # the others run a cuBLAS product between their kernels
+    fast_call_strategies = frozenset({FUSED.name})
+    # The tensor-core strategies run a cuBLAS product between their kernels: replayed (noted) in
+    # 16 bits; in fp32 its TF32 mode is set around it, which a replay does not do.
+    fast_call_16_bit_strategies = frozenset({MMA.name, WGMMA.name})
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "incoming", gate_on: str = "input",
                  bias: bool = True, precision: str = "ieee", *, gate_at: str = "output"):
