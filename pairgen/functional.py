@@ -351,7 +351,7 @@ def _with_weights_packed_for_the_call(x, direction: str, mask, weights: dict, pr
     variant = module._choice_for(x.shape[1], x.get_device(), kernel_precision)
     if variant is None or type(variant) is Pending or variant.plan.strategy != "wgmma":
         return None
-    return module.run_with_packed_weights(x, as_mask(mask), variant, given_weights.pack(weights, kernel_precision))
+    return module.run_on_given_weights(x, as_mask(mask), variant, {n: weights[n] for n in given_weights.WEIGHT_NAMES})
 
 
 def _build(weights: dict, direction: str, precision: str, x):

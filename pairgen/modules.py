@@ -3,6 +3,7 @@ length, packed weights, buffers held between calls, input validation, the autogr
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import warnings
 from typing import Callable, NamedTuple
@@ -480,21 +481,24 @@ class KernelModule:
         """Drop the recordings (the variant, the precision or the call's mode changed)."""
         self.__dict__.pop("_fast_calls", None)
 
-    def _launch_recorded(self, inputs: tuple, variant):
-        """_launch, recorded for replay where the call allows it (see fastcall.py)."""
+    def _launch_recorded(self, inputs: tuple, variant, run: "Callable[[], torch.Tensor] | None" = None):
+        """_launch (or `run`, a call of the variant on `inputs` by other means), recorded for
+        replay where the call allows it (see fastcall.py)."""
+        if run is None:
+            run = functools.partial(self._launch, *inputs, variant=variant)
         if not self._records(variant):
-            return self._launch(*inputs, variant=variant)
+            return run()
         replayer = native.fastcall()  # the first request starts the compiled module's build
         if (replayer is None or self._reference_only or self.__dict__.get("_state_per_call")
                 or torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing()):
-            return self._launch(*inputs, variant=variant)
+            return run()
         counts = self.__dict__.setdefault("_fast_call_counts", [0, 0])  # slow calls, recordings
         counts[0] += 1
         if not fastcall.may_record(*counts):
-            return self._launch(*inputs, variant=variant)
+            return run()
         counts[1] += 1
         with fastcall.recording() as (launches, scratch):
-            out = self._launch(*inputs, variant=variant)
+            out = run()
         packs, held = self._held_for_fast_calls()
         epochs = [(counter, counter[0]) for counter in (_STRUCTURE_EPOCH, _DATA_EPOCH, runtime.GENERATION)]
         recorded = fastcall.build(inputs, out, launches, scratch, packs, held, epochs)

@@ -35,7 +35,9 @@ def parse_args(argv=None):
     add_selection_args(parser)
     parser.add_argument("--peers", default="eager,compile,cuequivariance",
                         help="comma-separated peers: eager, compile, and an op's own (trimul: cuequivariance, "
-                             "timed where it is importable); default: all of them")
+                             "timed where it is importable; functional and functional-fresh, pairgen's function on "
+                             "the module's weights passed as the same tensors, or concatenated anew, on every call, "
+                             "in the models' form); default: eager,compile,cuequivariance")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="output folder: bench.md, bench.png and <date>-<gpu>.json (rows of one GPU and date, "
                              "merged across runs; the repo keeps them in benchmarks/results/)")

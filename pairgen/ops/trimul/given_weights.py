@@ -49,6 +49,9 @@ def pack(weights: dict, operand: str) -> torch.Tensor:
     found = context(P, H, operand)
     like = weights["p_in_weight"]
     packed = torch.empty(found["off_total"], dtype=torch.uint8, device=like.device)
+    from ... import fastcall  # imports torch: rendering the source needs none
+
+    fastcall.note_scratch(packed)  # a recorded call packs again on every replay
     rows = 4 * H + 2 * P
     pointers = [0 if weights[name] is None else weights[name].data_ptr() for name in WEIGHT_NAMES]
     TEMPLATE.launch(like, "", -(-rows // (THREADS // 32)), *pointers, packed.data_ptr(), **found)

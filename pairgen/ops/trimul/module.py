@@ -7,7 +7,7 @@ from ...modules import (HALF_DTYPE_NAMES, OPERAND_DTYPES, OUTPUT_DTYPES, KernelM
                         PackedParameters, TensorCorePrecisions, as_mask, check_float_tensor,
                         check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul)
 from ... import config, fastcall
-from . import backward
+from . import backward, given_weights
 from .reference import TriangleMultiplicationReference
 from .spec import BMM, FUSED, MMA, TRIMUL, WGMMA, k_padded, mma_weight_offsets, weight_offsets, wgmma_weight_offsets
 
@@ -243,15 +243,25 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
         return config.fused_backward() and x.shape[0] * x.shape[1] * x.shape[2] >= self.MIN_16_BIT_CLOSED_FORM_PAIRS
 
 
-    def run_with_packed_weights(self, x, mask, variant, packed: torch.Tensor):
-        """A validated call (mask as as_mask gives it) of a tensor-core variant on weights packed
-        for this call in its layout (given_weights.pack for wgmma) instead of the module's own:
-        no packed copy is kept, so weights made anew on every call cost one pack launch."""
-        self.__dict__["_given_pack"] = packed
-        try:
-            return self._launch(x, mask, variant=variant)
-        finally:
-            del self.__dict__["_given_pack"]
+    def run_on_given_weights(self, x, mask, variant, weights: dict):
+        """A validated call (mask as as_mask gives it) of a wgmma variant on `weights` in the
+        AlphaFold 3 layout (given_weights.WEIGHT_NAMES) instead of the module's own parameters: they
+        are packed for this call on the GPU, so no packed copy is kept and weights made anew on
+        every call cost one pack launch. Recorded and replayed as the module's own calls are, the
+        weights being inputs of the recording."""
+        inputs = (x, mask, *(w for w in weights.values() if w is not None))
+        if self._fast_calls:
+            out = self._fast_forward(*inputs)
+            if out is not None:
+                return out
+
+        def run():
+            self.__dict__["_given_pack"] = given_weights.pack(weights, variant.plan.precision)
+            try:
+                return self._launch(x, mask, variant=variant)
+            finally:
+                del self.__dict__["_given_pack"]
+        return self._launch_recorded(inputs, variant, run)
 
     def _tensor_core_weights(self, strategy: str, precision: str) -> PackedParameters:
         """The mma or wgmma kernels' packed weights in this precision's operand dtype, rebuilt only
