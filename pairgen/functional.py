@@ -33,7 +33,9 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from .modules import CLOSED_FORM_DTYPES, current_autocast, graphless_gradients
+from .first_use import Pending
+from .modules import CLOSED_FORM_DTYPES, HALF_DTYPE_NAMES, as_mask, current_autocast, graphless_gradients
+from .ops.trimul import given_weights
 
 #: Weight sets whose modules are kept (least recently used first out).
 MAX_MODULES = 16
@@ -43,8 +45,8 @@ KERNEL_EPS = 1e-5
 #: bf16 kernels, as an fp32 call under autocast to bf16 does, and answers in fp32.
 PRECISIONS = {"default": "ieee", "none": "ieee", "ieee": "ieee", "float32": "ieee", "tf32x3": "tf32x3",
               "tf32": "tf32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
-_WEIGHT_NAMES = ("norm_in_weight", "norm_in_bias", "p_in_weight", "p_in_bias", "g_in_weight", "g_in_bias",
-                 "norm_out_weight", "norm_out_bias", "p_out_weight", "p_out_bias", "g_out_weight", "g_out_bias")
+#: The weights in the AlphaFold 3 layout, in the function's argument order.
+_WEIGHT_NAMES = given_weights.WEIGHT_NAMES
 _REQUIRED = ("p_in_weight", "g_in_weight", "p_out_weight", "g_out_weight")
 
 _modules: OrderedDict = OrderedDict()
@@ -112,13 +114,16 @@ def _update(x, direction: str, mask, weights: dict, eps: float, precision: str) 
         return reference(x, direction, mask, weights, eps)
     if mask is None:
         mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
-    key = _key(weights, direction, precision, x)
-    if not wants_grad and key not in _modules:
-        out = _with_weights_packed_for_the_call(x, direction, mask, weights, precision)
+    if not wants_grad and x.is_cuda:
+        out = _with_weights_packed_for_the_call(x, direction, as_mask(mask), weights, precision)
         if out is not None:
             return out
-    module = _module_for(weights, direction, precision, x, key)
+    module = _module_for(weights, direction, precision, x, _key(weights, direction, precision, x))
     if not wants_grad:
+        if x.is_cuda and weights["p_in_weight"].is_inference():  # a kept pack would be rebuilt every call
+            out = _with_weights_packed_for_the_call(x, direction, as_mask(mask), weights, precision)
+            if out is not None:
+                return out
         return module(x, mask)
     # the closed form, its gradients mapped onto the caller's tensors
     names = [n for n, w in weights.items() if w is not None]
@@ -331,17 +336,22 @@ def _structure_key(weights: dict, direction: str, precision: str, x) -> tuple:
 
 
 def _with_weights_packed_for_the_call(x, direction: str, mask, weights: dict, precision: str):
-    """The update on weights this process has not seen (made anew for the call) without building a
-    module for them: a module of the same structure built before runs its tensor-core kernels on
-    weights packed for this call on the GPU (ops/trimul/given_weights.py). None where that does not
-    apply (no such module, no wgmma variant for the call, weights the pack kernel does not read
-    as given, a default variant not yet checked on first use): then a module is built."""
-    from .first_use import Pending
-    from .modules import HALF_DTYPE_NAMES, as_mask
-    from .ops.trimul import given_weights
-
+    """A CUDA inference call on a module of the same structure built before, its tensor-core
+    kernels run on the weights packed for this call on the GPU (ops/trimul/given_weights.py)
+    instead of a packed copy kept per weight tensor: weights made anew for every call (a torch.cat)
+    cost one pack launch, and the call is recorded and replayed with the weights as its inputs.
+    None where that does not apply (no such module yet, no wgmma variant for the call, weights the
+    pack kernel does not read as given, a default variant not yet checked on first use): then the
+    caller runs a module of its own for the weights."""
     module = _structures.get(_structure_key(weights, direction, precision, x))
-    if module is None or not x.is_cuda or not given_weights.applies(weights):
+    if module is None:
+        return None
+    present = [w for w in weights.values() if w is not None]
+    if module._fast_calls:  # a recording of such a call: it checks the inputs itself
+        out = module._fast_forward(x, mask, *present)
+        if out is not None:
+            return out
+    if not given_weights.applies(weights):
         return None
     if x.dtype is not weights["p_in_weight"].dtype and not torch.is_autocast_enabled("cuda"):
         return None  # the module path says what is wrong
@@ -351,7 +361,7 @@ def _with_weights_packed_for_the_call(x, direction: str, mask, weights: dict, pr
     variant = module._choice_for(x.shape[1], x.get_device(), kernel_precision)
     if variant is None or type(variant) is Pending or variant.plan.strategy != "wgmma":
         return None
-    return module.run_on_given_weights(x, as_mask(mask), variant, {n: weights[n] for n in given_weights.WEIGHT_NAMES})
+    return module.run_on_given_weights(x, mask, variant, dict(zip(given_weights.WEIGHT_NAMES, weights.values())))
 
 
 def _build(weights: dict, direction: str, precision: str, x):

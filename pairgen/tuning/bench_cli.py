@@ -82,6 +82,7 @@ def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE):
     import torch
 
     from pairgen import runtime
+    from pairgen.tuning import function_peers
     from pairgen.tuning.check import compare, reference64
     from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision, reference_in_precision
     from pairgen.tuning.timing import floor_us, host_us_runs, time_cuda, time_graph_replay
@@ -119,10 +120,14 @@ def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE):
         for name in peers:
             if name in spec.extra_peer_names:
                 peer = spec.extra_peer(name, module, inputs)
-                if isinstance(peer, str):
-                    row.setdefault("unavailable", {})[name] = peer
-                else:
-                    timed[name] = peer
+            elif spec.name == "trimul" and name in function_peers.NAMES:
+                peer = function_peers.functional_peer(name, module, inputs)
+            else:
+                continue
+            if isinstance(peer, str):
+                row.setdefault("unavailable", {})[name] = peer
+            else:
+                timed[name] = peer
         for name, fn in timed.items():
             try:
                 row[f"{name}_rel_l2"] = compare(fn(), expected, spec.tolerance[precision]).rel_l2

@@ -4,7 +4,7 @@ with or without biases.
 reference.py  the reference module and its test inputs
 spec.py       strategies, search space, restrictions, defaults, plans (no torch)
 module.py     the drop-in module and the strategies' runners
-peers.py      cuEquivariance and pairgen's own function, timed beside it by scripts/bench.py
+peers.py      cuEquivariance, timed beside it by scripts/bench.py
 
 Importing the package imports only the spec; the torch half loads on first use.
 """
@@ -14,10 +14,10 @@ from .spec import TRI_BUDGET, TRI_KC, TRIMUL, options_of, triangle_staging, weig
 
 def _torch_half():
     from .module import TriangleMultiplication
-    from .peers import trimul_peer
+    from .peers import cuequivariance_peer
     from .reference import TriangleMultiplicationReference, make_inputs
 
-    return TriangleMultiplicationReference, TriangleMultiplication, make_inputs, trimul_peer
+    return TriangleMultiplicationReference, TriangleMultiplication, make_inputs, cuequivariance_peer
 
 
 TRIMUL.bind(_torch_half)

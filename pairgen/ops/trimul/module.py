@@ -247,13 +247,10 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
         """A validated call (mask as as_mask gives it) of a wgmma variant on `weights` in the
         AlphaFold 3 layout (given_weights.WEIGHT_NAMES) instead of the module's own parameters: they
         are packed for this call on the GPU, so no packed copy is kept and weights made anew on
-        every call cost one pack launch. Recorded and replayed as the module's own calls are, the
-        weights being inputs of the recording."""
+        every call cost one pack launch. Recorded for replay as the module's own calls are, the
+        weights being inputs of the recording (the caller tries the replay: _fast_forward(x, mask,
+        *weights present))."""
         inputs = (x, mask, *(w for w in weights.values() if w is not None))
-        if self._fast_calls:
-            out = self._fast_forward(*inputs)
-            if out is not None:
-                return out
 
         def run():
             self.__dict__["_given_pack"] = given_weights.pack(weights, variant.plan.precision)

@@ -1,5 +1,4 @@
-"""Peers scripts/bench.py times beside the triangle update: cuEquivariance's fused kernel, and
-pairgen's own function (pairgen.triangle_multiplicative_update) called as the models call it."""
+"""Peers scripts/bench.py times beside the triangle update: cuEquivariance's fused kernel."""
 from __future__ import annotations
 
 import torch
@@ -11,14 +10,7 @@ import torch
 _FP32_MODES = {"ieee": "ieee", "tf32x3": "ieee", "tf32": None}
 
 
-def trimul_peer(name: str, module, inputs: tuple, train: bool = False):
-    """The peer `name` (TRIMUL.extra_peer_names) on the module's weights and inputs."""
-    if name == "cuequivariance":
-        return cuequivariance_peer(name, module, inputs, train)
-    return functional_peer(name, module, inputs, train)
-
-
-def _af3_weights(m, cat) -> dict:
+def af3_weights(m, cat) -> dict:
     """The module's weights in the AlphaFold 3 layout (fused p_in, g_in), concatenated by `cat`."""
     bias = m.widths["bias"]
     return dict(
@@ -31,25 +23,8 @@ def _af3_weights(m, cat) -> dict:
         g_out_weight=m.out_gate.weight, g_out_bias=m.out_gate.bias if bias else None)
 
 
-def _cat(first, second):
+def cat(first, second):
     return torch.cat([first, second]) if first is not None else None
-
-
-def functional_peer(name: str, module, inputs: tuple, train: bool = False):
-    """pairgen.triangle_multiplicative_update on the module's weights: "functional" passes the same
-    fused tensors on every call (as Boltz does), "functional-fresh" concatenates them anew on every
-    call (as OpenFold 3 and Protenix do, torch.cat included in the time). The models' form only
-    (the output gated on the normalised input, in input width)."""
-    from ...functional import triangle_multiplicative_update
-
-    if not module.widths["gate_normalized"] or module.widths.get("gate_hidden"):
-        return "the function computes the models' form (gate_on='normalized', gate in input width)"
-    x, mask = inputs
-    direction = "outgoing" if module.widths["outgoing"] else "incoming"
-    same = _af3_weights(module, _cat)
-    if name == "functional":
-        return lambda: triangle_multiplicative_update(x, direction, mask, **same)
-    return lambda: triangle_multiplicative_update(x, direction, mask, **_af3_weights(module, _cat))
 
 
 def cuequivariance_peer(name: str, module, inputs: tuple, train: bool = False):
@@ -65,7 +40,7 @@ def cuequivariance_peer(name: str, module, inputs: tuple, train: bool = False):
         return f"cuequivariance_torch is not importable ({type(exc).__name__}: {exc})"
     x, mask = inputs
     m = module
-    weights = _af3_weights(m, _cat)
+    weights = af3_weights(m, cat)
     # Its own leaves, in the fused layouts it takes (as a model built for it holds them): for
     # training, they want gradients, and no concatenation is redone per step.
     weights = {k: (v.detach().clone().requires_grad_(train) if v is not None else None) for k, v in weights.items()}

@@ -480,7 +480,7 @@ class TrimulSpec(OpSpec):
                  "tf32": Tolerance(max_abs=float("inf"), rel_l2=5e-3),
                  "bfloat16": SIXTEEN_BIT_TOLERANCE, "float16": SIXTEEN_BIT_TOLERANCE}
     width_defaults = {"outgoing": 0, "gate_normalized": 0, "bias": 1}  # the reference's defaults
-    extra_peer_names = ("cuequivariance", "functional", "functional-fresh")
+    extra_peer_names = ("cuequivariance",)
 
     def constructor_args(self, widths: dict) -> dict:
         return {"pair_dim": widths["P"], "hidden_dim": widths["H"], **options_of(widths)}
