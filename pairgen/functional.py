@@ -50,6 +50,9 @@ _WEIGHT_NAMES = given_weights.WEIGHT_NAMES
 _REQUIRED = ("p_in_weight", "g_in_weight", "p_out_weight", "g_out_weight")
 
 _modules: OrderedDict = OrderedDict()
+#: (direction, precision, which weights are None) -> the module whose recording of such a call on
+#: given weights (_with_weights_packed_for_the_call) _replay tries first.
+_replayers: dict = {}
 #: A module per structure (_structure_key), the last one built: its kernels serve weights made
 #: anew for each call through a per-call pack.
 _structures: OrderedDict = OrderedDict()
@@ -66,10 +69,14 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
     are optional. precision: None, a TriMulPrecision member or a name (PRECISIONS, any case); it
     applies to fp32 input: bf16/fp16 inputs compute in their own dtype. Returns the update, shaped
     like x."""
-    weights = dict(zip(_WEIGHT_NAMES, (norm_in_weight, norm_in_bias, p_in_weight, p_in_bias, g_in_weight, g_in_bias,
-                                       norm_out_weight, norm_out_bias, p_out_weight, p_out_bias, g_out_weight,
-                                       g_out_bias)))
+    given = (norm_in_weight, norm_in_bias, p_in_weight, p_in_bias, g_in_weight, g_in_bias, norm_out_weight,
+             norm_out_bias, p_out_weight, p_out_bias, g_out_weight, g_out_bias)
     precision = precision_name(precision)
+    if _replayers and eps == KERNEL_EPS and mask is not None:
+        out = _replay(x, direction, mask, given, precision)
+        if out is not None:
+            return out
+    weights = dict(zip(_WEIGHT_NAMES, given))
     _check(x, direction, mask, weights)
     flat = x if x.dim() == 4 else x.reshape(-1, *x.shape[-3:])
     flat_mask = None if mask is None else _flat_mask(mask, x)
@@ -81,6 +88,17 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
         out = _update(flat, direction, flat_mask, _complete(weights, x), eps,
                       "ieee" if precision == "bfloat16" else precision)
     return out if out.dim() == x.dim() else out.reshape(x.shape)
+
+
+def _replay(x, direction: str, mask, given: tuple, precision: str):
+    """A call like a recorded one (the same direction, precision, weights given and, checked by the
+    replay itself, the same shapes, dtypes, device and contiguity of x, the mask and every weight,
+    and no autograd or autocast): replayed from compiled code before any Python check, as a
+    module's own repeated calls are. None: take the ordinary path."""
+    module = _replayers.get((direction, precision, *(w is None for w in given)))
+    if module is None:
+        return None
+    return module._fast_forward(x, mask, *(w for w in given if w is not None))
 
 
 def precision_name(precision) -> str:
@@ -361,7 +379,10 @@ def _with_weights_packed_for_the_call(x, direction: str, mask, weights: dict, pr
     variant = module._choice_for(x.shape[1], x.get_device(), kernel_precision)
     if variant is None or type(variant) is Pending or variant.plan.strategy != "wgmma":
         return None
-    return module.run_on_given_weights(x, mask, variant, dict(zip(given_weights.WEIGHT_NAMES, weights.values())))
+    out = module.run_on_given_weights(x, mask, variant, dict(zip(given_weights.WEIGHT_NAMES, weights.values())))
+    if module._fast_calls:  # recorded: the next such call is replayed before any Python check
+        _replayers[(direction, precision, *(w is None for w in weights.values()))] = module
+    return out
 
 
 def _build(weights: dict, direction: str, precision: str, x):

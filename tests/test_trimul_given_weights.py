@@ -75,6 +75,7 @@ def test_weights_made_anew_every_call_run_on_a_pack_not_a_new_module(monkeypatch
     monkeypatch.setattr(given_weights, "pack", lambda *a: packs.append(1) or real_pack(*a))
     functional._modules.clear()
     functional._structures.clear()
+    functional._replayers.clear()
     outs = []
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         for _ in range(3):
@@ -83,6 +84,7 @@ def test_weights_made_anew_every_call_run_on_a_pack_not_a_new_module(monkeypatch
     # One module (the first call); then a pack on the Python path, recorded, and a replay of it
     # (the pack launch included) where the call is not under autocast.
     assert len(functional._modules) == 1 and len(packs) == (2 if autocast else 1), packs
+    assert bool(functional._replayers) is not autocast, "a recorded call is replayed before any Python check"
     module = next(iter(functional._modules.values()))
     assert module.variant_for(123, x.device, precision).plan.strategy == "wgmma"
     assert outs[0].dtype == (torch.bfloat16 if autocast else dtype)
