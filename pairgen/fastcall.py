@@ -68,6 +68,10 @@ def note_product(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor) -> 
             recorded.append((PRODUCT, (left, right, out)))
 
 
+#: Tensor subclasses a replay takes as inputs like plain tensors: parameters (a model passes its
+#: weights to pairgen's function as they are); pairgen/modules.py adds the subclass it watches.
+PLAIN_TYPES: tuple = (torch.nn.Parameter,)
+
 #: The mode fastcall.cpp runs a noted product in (its kernels' modes are launch.FASTCALL_MODES).
 PRODUCT = 3
 
@@ -156,7 +160,7 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, packs
     device = out.device
     return native_module.build(device.type, -1 if device.index is None else device.index, tuple((tuple(t.shape), t.dtype) for t in inputs),
                                (tuple(out.shape), out.dtype), scratch_bytes, tuple(watched), tuple(epochs),
-                               tuple(specs))
+                               tuple(specs), PLAIN_TYPES)
 
 
 def _product_spec(tensors: tuple, input_data: dict, out_extent: tuple, scratch_layout: list):

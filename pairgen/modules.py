@@ -211,6 +211,9 @@ class WatchedParameter(nn.Parameter):
         torch.Tensor.data.__set__(self, value)
 
 
+fastcall.PLAIN_TYPES = (nn.Parameter, WatchedParameter)  # a replay takes both as plain tensors
+
+
 def _watch(param) -> None:
     if type(param) is nn.Parameter:  # other subclasses (DTensor parameters, ...) keep their class
         param.__class__ = WatchedParameter

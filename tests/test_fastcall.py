@@ -128,10 +128,22 @@ def test_inputs_unlike_the_recording_take_the_python_path(change):
             "dtype": (x.double(), mask),
             "strides": (torch.randn(2, 5, 8, 5).transpose(2, 3), mask),
             "count": (x,),
-            "subclass": (torch.nn.Parameter(x), mask),
+            "subclass": (x.as_subclass(OtherTensor), mask),
             "device-like": ("not a tensor", mask)}[change]
     assert _fastcall.call(recorded, 0, *args) is None
     assert driver.calls == []
+
+
+class OtherTensor(torch.Tensor):
+    """A tensor subclass: its __torch_function__ may mean anything, so a replay does not take it."""
+
+
+def test_parameters_are_taken_as_plain_tensors():
+    """A model passes its weights to pairgen's function as they are: nn.Parameter inputs replay."""
+    driver, layer = Driver(7), torch.nn.Linear(3, 2)
+    x, mask = inputs()
+    recorded, _ = record(driver, x, mask, layer)
+    assert _fastcall.call(recorded, 0, torch.nn.Parameter(x, requires_grad=False), mask) is not None
 
 
 def test_misaligned_input_takes_the_python_path():

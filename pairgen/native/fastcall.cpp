@@ -27,6 +27,7 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -93,6 +94,7 @@ struct Epoch {  // one of pairgen's counters: a one-element list and the value i
 
 struct FastCall {
   at::Device device{at::kCPU};
+  std::vector<PyTypeObject*> plain_types;  // tensor subclasses taken as plain tensors (nn.Parameter)
   std::vector<InputCheck> inputs;
   std::vector<int64_t> out_sizes;
   at::ScalarType out_dtype;
@@ -133,17 +135,17 @@ at::ScalarType scalar_type(PyObject* dtype) {
   return reinterpret_cast<THPDtype*>(dtype)->scalar_type;
 }
 
-// build(device_type, device_index, inputs, out, scratch_bytes, watched, epochs, launches) -> capsule
+// build(device_type, device_index, inputs, out, scratch_bytes, watched, epochs, launches, plain_types) -> capsule
 //   inputs: ((sizes, dtype), ...); out: (sizes, dtype); watched: ((owner dict, name, param, version), ...)
 //   epochs: ((one-element list, value), ...); launches: ((driver function address, mode, CUfunction,
 //   grid, block, shared bytes, ((source, value), ...)), ...)
 PyObject* build(PyObject*, PyObject* args) {
   const char* device_type;
   int device_index;
-  PyObject *inputs, *out, *watched, *epochs, *launches;
+  PyObject *inputs, *out, *watched, *epochs, *launches, *plain_types;
   long long scratch_bytes;
-  if (!PyArg_ParseTuple(args, "siOOLOOO", &device_type, &device_index, &inputs, &out, &scratch_bytes, &watched,
-                        &epochs, &launches))
+  if (!PyArg_ParseTuple(args, "siOOLOOOO", &device_type, &device_index, &inputs, &out, &scratch_bytes, &watched,
+                        &epochs, &launches, &plain_types))
     return nullptr;
   auto* call = new FastCall();
   try {
@@ -157,6 +159,15 @@ PyObject* build(PyObject*, PyObject* args) {
     call->out_sizes = int_list(PyTuple_GetItem(out, 0));
     call->out_dtype = scalar_type(PyTuple_GetItem(out, 1));
     call->scratch_bytes = scratch_bytes;
+    for (Py_ssize_t i = 0; i < PySequence_Size(plain_types); ++i) {
+      PyObject* type = PySequence_GetItem(plain_types, i);
+      if (!PyType_Check(type)) {
+        Py_DECREF(type);
+        throw std::invalid_argument("plain_types holds types");
+      }
+      call->plain_types.push_back(reinterpret_cast<PyTypeObject*>(keep(call, type)));
+      Py_DECREF(type);
+    }
     for (Py_ssize_t i = 0; i < PySequence_Size(watched); ++i) {
       PyObject* spec = PySequence_GetItem(watched, i);
       call->watched.push_back({keep(call, PyTuple_GetItem(spec, 0)), keep(call, PyTuple_GetItem(spec, 1)),
@@ -290,7 +301,10 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t input_data[kMaxInputs];
   for (size_t i = 0; i < fast->inputs.size(); ++i) {
     PyObject* obj = args[2 + i];
-    if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) Py_RETURN_NONE;  // subclasses: Python
+    PyTypeObject* type = Py_TYPE(obj);
+    if (type != reinterpret_cast<PyTypeObject*>(THPVariableClass) &&
+        std::find(fast->plain_types.begin(), fast->plain_types.end(), type) == fast->plain_types.end())
+      Py_RETURN_NONE;  // other subclasses (their __torch_function__ may mean anything): Python
     const at::Tensor& t = THPVariable_Unpack(obj);
     const InputCheck& want = fast->inputs[i];
     if (t.scalar_type() != want.dtype || t.device() != fast->device || !same_sizes(t, want.sizes) ||

@@ -25,6 +25,9 @@ from ..spec import precision_of
 from .cli import add_selection_args, environment_problem, selected_shapes, shape_label
 
 
+#: pairgen's function beside the triangle update's module (pairgen/tuning/function_peers.py: its
+#: NAMES; that module imports torch, which the command's parsing does not).
+FUNCTION_PEERS = ("functional", "functional-fresh")
 #: torch.compile's mode for the compile peer unless --compile-mode says otherwise: its best kernels,
 #: without CUDA graphs (pairgen's own call is timed without them too; graph replay is its own column).
 COMPILE_MODE = "max-autotune-no-cudagraphs"
@@ -120,7 +123,7 @@ def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE):
         for name in peers:
             if name in spec.extra_peer_names:
                 peer = spec.extra_peer(name, module, inputs)
-            elif spec.name == "trimul" and name in function_peers.NAMES:
+            elif spec.name == "trimul" and name in FUNCTION_PEERS:
                 peer = function_peers.functional_peer(name, module, inputs)
             else:
                 continue
@@ -288,7 +291,7 @@ def main(argv=None) -> int:
         return 2
     peers = [p for p in args.peers.split(",") if p]
     work = selected_shapes(args, parser, without_kernels=("bfloat16", "float16"))
-    known = {"eager", "compile"}.union(*(get_op(name).extra_peer_names for name in op_names()))
+    known = {"eager", "compile", *FUNCTION_PEERS}.union(*(get_op(name).extra_peer_names for name in op_names()))
     bad = set(peers) - known
     if bad:
         parser.error(f"unknown peers {sorted(bad)}; known: {sorted(known)}")

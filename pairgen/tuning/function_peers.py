@@ -5,10 +5,6 @@ from __future__ import annotations
 from ..functional import triangle_multiplicative_update
 from ..ops.trimul.peers import af3_weights, cat
 
-#: The peers' names (bench --peers), for the triangle update.
-NAMES = ("functional", "functional-fresh")
-
-
 def functional_peer(name: str, module, inputs: tuple, train: bool = False):
     """pairgen.triangle_multiplicative_update on the module's weights: "functional" passes the same
     fused tensors on every call (as Boltz does), "functional-fresh" concatenates them anew on every
