@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pairgen
-from pairgen import compiler, functional
+from pairgen import compiler, functional, native
 from pairgen.functional import af3_parameters
 from pairgen.ops.trimul import given_weights
 from pairgen.ops.trimul.module import pack_wgmma_weights
@@ -61,6 +61,8 @@ def test_the_gpu_pack_is_the_pytorch_pack(P, H, dtype, operand, bias):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "autocast"])
 def test_weights_made_anew_every_call_run_on_a_pack_not_a_new_module(monkeypatch, dtype, direction):
     """bf16 and fp16 weights and input, and fp32 ones under autocast to bf16."""
+    if native.fastcall(wait=True) is None:  # built in the background on first use: a call before records nothing
+        pytest.skip(f"the compiled fast path: {native.status()}")
     P = H = 128
     autocast = dtype == "autocast"
     dtype, precision = (torch.float32, "bfloat16") if autocast else (dtype, str(dtype).split(".")[1])
