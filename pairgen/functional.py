@@ -279,8 +279,7 @@ def _hidden_width(weights: dict) -> int:
     p_in, g_in, p_out = weights["p_in_weight"], weights["g_in_weight"], weights["p_out_weight"]
     if p_out.dim() == 2 and p_in.shape[0] == g_in.shape[0] == 2 * p_out.shape[1]:
         return p_out.shape[1]  # they agree
-    said = [w.shape[0] // 2 for w in (weights["p_in_weight"], weights["g_in_weight"]) if w.dim() == 2 and w.shape[0] % 2 == 0]
-    p_out = weights["p_out_weight"]
+    said = [w.shape[0] // 2 for w in (p_in, g_in) if w.dim() == 2 and w.shape[0] % 2 == 0]
     said.append(p_out.shape[-1] if p_out.dim() == 2 else -1)
     return max(set(said), key=lambda h: (said.count(h), h == said[-1]))
 
