@@ -274,12 +274,33 @@ class OpSpec:
         plans = (self.plan(strategy, params, widths, precision) for params in self.points(strategy))
         return [plan for plan in plans if not self.infeasible(plan, limits)]
 
+    #: Random draws per wanted point before sample_plans enumerates the whole space instead.
+    SAMPLE_DRAWS_PER_POINT = 200
+
     def sample_plans(self, strategy: str, widths: dict, k: int, rng: random.Random,
                      limits: DeviceLimits = DeviceLimits(), precision: str | None = None) -> list[Plan]:
-        """The strategy's feasible default points, then k feasible points drawn by rng."""
+        """The strategy's feasible default points, then k distinct feasible points drawn by rng,
+        uniformly: points drawn from the whole space and the infeasible ones rejected (a space can
+        hold millions of points, and building every plan costs seconds), or, where too few of
+        the draws are feasible, a sample of every feasible point."""
         defaults = [self.plan(s, p, widths, precision) for s, p in self.default_points if s == strategy]
-        feasible = self.feasible_plans(strategy, widths, limits, precision)
-        return [p for p in defaults if not self.infeasible(p, limits)] + rng.sample(feasible, min(k, len(feasible)))
+        space = self.strategies[strategy].space
+        names = sorted(space)
+        drawn, seen = [], set()
+        for _ in range(self.SAMPLE_DRAWS_PER_POINT * k):
+            if len(drawn) == k:
+                break
+            values = tuple(rng.choice(space[n]) for n in names)
+            if values in seen:
+                continue
+            seen.add(values)
+            plan = self.plan(strategy, dict(zip(names, values)), widths, precision)
+            if not self.infeasible(plan, limits):
+                drawn.append(plan)
+        if len(drawn) < k:
+            feasible = self.feasible_plans(strategy, widths, limits, precision)
+            drawn = rng.sample(feasible, min(k, len(feasible)))
+        return [p for p in defaults if not self.infeasible(p, limits)] + drawn
 
     def widths_of(self, shape: dict) -> dict:
         """The widths as a tuned key names them: every width name, then the optional ones that

@@ -32,6 +32,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def compiled_fast_path():
+    """The compiled fast path (pairgen/native), built before the first test that asks for it rather
+    than at collection (the build takes seconds of the C++ compiler), or that test skipped with
+    the reason it cannot be built."""
+    from pairgen import native
+
+    module = native.fastcall(wait=True)
+    if module is None:
+        pytest.skip(f"the compiled fast path: {native.status()}")
+    return module
+
+
 @pytest.fixture(autouse=True)
 def _first_use_check_off(monkeypatch):
     # Tests choose their variants: a first-use check would swap in the reference at small shapes

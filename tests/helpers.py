@@ -26,6 +26,15 @@ REAL_WIDTHS = ({"P": 128, "H": 128}, {"P": 128, "H": 64})
 ODD_SHAPES = [(b, n) for n in (1, 7, 37, 64, 123) for b in (1, 3)]
 
 
+def gpu_params(build) -> list:
+    """The pytest params build() makes, where torch sees a GPU; elsewhere one placeholder, which the
+    gpu marker skips. GPU test modules build their case lists through this: sampling and enumerating
+    search spaces costs seconds that a machine without a GPU would spend only to skip the cases."""
+    if torch.cuda.is_available():
+        return build()
+    return [pytest.param(None, id="no-gpu")]
+
+
 def sampled_plans(spec, strategy: str, widths: dict, k: int, seed: int = 0, limits=DeviceLimits()):
     """k feasible points of a strategy (a fixed random sample, defaults first)."""
     return spec.sample_plans(strategy, widths, k, random.Random(f"{seed}-{strategy}-{sorted(widths.items())}"), limits)

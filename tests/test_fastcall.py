@@ -14,8 +14,9 @@ from helpers import CU_LAUNCH_KERNEL
 from pairgen import fastcall, native
 from pairgen.launch import FASTCALL_MODES, _LaunchConfig
 
-_fastcall = native.fastcall(wait=True)
-pytestmark = pytest.mark.skipif(_fastcall is None, reason=f"the compiled fast path: {native.status()}")
+
+
+pytestmark = pytest.mark.usefixtures("compiled_fast_path")
 
 EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
@@ -99,7 +100,7 @@ def test_replay_writes_every_argument_and_allocates_the_output():
     recorded, pack = record(driver, x, mask, layer)
     assert recorded is not None
     x2, mask2 = inputs()
-    out = _fastcall.call(recorded, 0xABC, x2, mask2)
+    out = native.fastcall().call(recorded, 0xABC, x2, mask2)
     assert out.shape == (2, 5, 5) and out.dtype is torch.float32 and out.device == x2.device
     (call,) = driver.calls
     assert call["kernel"] == 0x1234 and call["dims"] == (7, 1, 1, 128, 1, 1, 4096) and call["stream"] == 0xABC
@@ -114,7 +115,7 @@ def test_programmatic_launch_sets_the_stream_serialization_attribute():
     driver, layer = Driver(7), torch.nn.Linear(3, 2)
     x, mask = inputs()
     recorded, _ = record(driver, x, mask, layer, mode="programmatic")
-    _fastcall.call(recorded, 0x55, x, mask)
+    native.fastcall().call(recorded, 0x55, x, mask)
     (call,) = driver.calls
     assert call["attribute"] == (1, 6, 1) and call["stream"] == 0x55 and call["dims"] == (7, 1, 1, 128, 1, 1, 4096)
 
@@ -130,7 +131,7 @@ def test_inputs_unlike_the_recording_take_the_python_path(change):
             "count": (x,),
             "subclass": (x.as_subclass(OtherTensor), mask),
             "device-like": ("not a tensor", mask)}[change]
-    assert _fastcall.call(recorded, 0, *args) is None
+    assert native.fastcall().call(recorded, 0, *args) is None
     assert driver.calls == []
 
 
@@ -143,7 +144,7 @@ def test_parameters_are_taken_as_plain_tensors():
     driver, layer = Driver(7), torch.nn.Linear(3, 2)
     x, mask = inputs()
     recorded, _ = record(driver, x, mask, layer)
-    assert _fastcall.call(recorded, 0, torch.nn.Parameter(x, requires_grad=False), mask) is not None
+    assert native.fastcall().call(recorded, 0, torch.nn.Parameter(x, requires_grad=False), mask) is not None
 
 
 def test_misaligned_input_takes_the_python_path():
@@ -151,23 +152,23 @@ def test_misaligned_input_takes_the_python_path():
     x, mask = inputs()
     recorded, _ = record(driver, x, mask, layer)
     storage = torch.randn(2 * 5 * 5 * 8 + 1)
-    assert _fastcall.call(recorded, 0, storage[1:].view(2, 5, 5, 8), mask) is None
+    assert native.fastcall().call(recorded, 0, storage[1:].view(2, 5, 5, 8), mask) is None
 
 
 def test_parameter_updates_and_replacements_take_the_python_path():
     driver, layer = Driver(7), torch.nn.Linear(3, 2)
     x, mask = inputs()
     recorded, _ = record(driver, x, mask, layer)
-    assert _fastcall.call(recorded, 0, x, mask) is not None
+    assert native.fastcall().call(recorded, 0, x, mask) is not None
     with torch.no_grad():
         layer.weight.add_(1.0)  # in place: a new version
-    assert _fastcall.call(recorded, 0, x, mask) is None
+    assert native.fastcall().call(recorded, 0, x, mask) is None
     recorded, _ = record(driver, x, mask, layer)
     layer.bias = torch.nn.Parameter(torch.zeros(2))  # another object under the name
-    assert _fastcall.call(recorded, 0, x, mask) is None
+    assert native.fastcall().call(recorded, 0, x, mask) is None
     recorded, _ = record(driver, x, mask, layer)
     del layer.bias
-    assert _fastcall.call(recorded, 0, x, mask) is None
+    assert native.fastcall().call(recorded, 0, x, mask) is None
 
 
 def test_autograd_and_epochs_take_the_python_path():
@@ -176,15 +177,15 @@ def test_autograd_and_epochs_take_the_python_path():
     x, mask = inputs()
     recorded, _ = record(driver, x, mask, layer, epoch=epoch)
     with torch.enable_grad():
-        assert _fastcall.call(recorded, 0, x, mask) is None  # the parameters want gradients
-    assert _fastcall.call(recorded, 0, x, mask) is not None
+        assert native.fastcall().call(recorded, 0, x, mask) is None  # the parameters want gradients
+    assert native.fastcall().call(recorded, 0, x, mask) is not None
     epoch[0] += 1
-    assert _fastcall.call(recorded, 0, x, mask) is None
+    assert native.fastcall().call(recorded, 0, x, mask) is None
     layer.requires_grad_(False)
     epoch[0] -= 1
     with torch.enable_grad():
-        assert _fastcall.call(recorded, 0, x, mask) is not None  # nothing wants gradients
-        assert _fastcall.call(recorded, 0, x.requires_grad_(), mask) is None
+        assert native.fastcall().call(recorded, 0, x, mask) is not None  # nothing wants gradients
+        assert native.fastcall().call(recorded, 0, x.requires_grad_(), mask) is None
 
 
 def test_launch_failures():
@@ -192,10 +193,10 @@ def test_launch_failures():
     x, mask = inputs()
     driver = Driver(7, codes=[201])  # no context current on this thread: the Python path sets it
     recorded, _ = record(driver, x, mask, layer)
-    assert _fastcall.call(recorded, 0, x, mask) is None
+    assert native.fastcall().call(recorded, 0, x, mask) is None
     driver.codes = [700]
     with pytest.raises(RuntimeError, match="CUresult 700"):
-        _fastcall.call(recorded, 0, x, mask)
+        native.fastcall().call(recorded, 0, x, mask)
 
 
 def test_unknown_addresses_are_not_recorded():
@@ -263,7 +264,7 @@ def test_a_noted_product_is_replayed_between_the_kernels():
     recorded = fastcall.build((left, right), out, [kernel, product, kernel], [], [], [], [])
     assert recorded is not None
     left2, right2 = torch.randn(3, 4, 6), torch.randn(3, 5, 6)
-    replayed = _fastcall.call(recorded, 0, left2, right2)
+    replayed = native.fastcall().call(recorded, 0, left2, right2)
     torch.testing.assert_close(replayed, torch.bmm(left2, right2.transpose(1, 2)))
     assert [call["args"] for call in driver.calls] == [[left2.data_ptr(), replayed.data_ptr()]] * 2
     stray = torch.randn(3, 6, 5)  # made during the call and dropped: no replay can find it

@@ -17,8 +17,7 @@ from pairgen import launch, modules, native
 from pairgen.launch import BoundLaunch
 from pairgen.modules import KernelModule, PackedParameters
 
-_fastcall = native.fastcall(wait=True)
-pytestmark = pytest.mark.skipif(_fastcall is None, reason=f"the compiled fast path: {native.status()}")
+pytestmark = pytest.mark.usefixtures("compiled_fast_path")
 
 
 

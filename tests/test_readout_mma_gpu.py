@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases, compiled_variant,
-                     feasible_defaults, generator, run_variant, sampled_plans)
+                     feasible_defaults, generator, run_variant, sampled_plans, gpu_params)
 from pairgen import runtime
 from pairgen.ops.readout import READOUT
 from pairgen.spec import HALF_PRECISIONS, MMA_KINDS, DeviceLimits
@@ -33,29 +33,36 @@ def _streamed(precision: str, widths: dict) -> list:
     return plans[:1] + plans[len(plans) // 2: len(plans) // 2 + 1]
 
 
-CASES = [pytest.param(plan, id=f"{precision}-D{w['D']}P{w['P']}H{w['H']}-{plan.label}")
-         for precision in MMA_KINDS for w in (SEED_WIDTHS, {"D": 128, "P": 32, "H": 256}, {"D": 48, "P": 24, "H": 80})
-         for plan in _default_and_two_samples(precision, w) + _streamed(precision, w)]
+def _case(precision: str, widths: dict, plan):
+    return pytest.param(plan, id=f"{precision}-D{widths['D']}P{widths['P']}H{widths['H']}-{plan.label}")
+
+
+def _one_launch(precision: str, widths: dict) -> list:
+    """The first feasible default made one-launch (the node prologue inside the kernel)."""
+    view = READOUT.at(precision)
+    return [view.plan("mma", {**p.params, "one_launch": True, "prologue_rows": 8}, widths, precision)
+            for p in feasible_defaults(READOUT, "mma", widths, precision)[:1]]
+
+
+LARGE_WIDTHS = {"D": 256, "P": 64, "H": 512}
+CASES = gpu_params(lambda: [_case(precision, w, plan) for precision in MMA_KINDS
+                            for w in (SEED_WIDTHS, {"D": 128, "P": 32, "H": 256}, {"D": 48, "P": 24, "H": 80})
+                            for plan in _default_and_two_samples(precision, w) + _streamed(precision, w)])
 #: The large preset's widths, streamed (16 bits; odd shapes only up to N = 37: the float64 reference
 #: of D256 H512 at N = 123 dominates the time).
-LARGE_CASES = [pytest.param(plan, id=f"{precision}-D256P64H512-{plan.label}")
-               for precision in ("bfloat16", "tf32x3")
-               for plan in _default_and_two_samples(precision, {"D": 256, "P": 64, "H": 512})[:1]]
-#: The node prologue inside the kernel (one_launch), in each precision at two widths: the first
-#: feasible default made one-launch.
-ONE_LAUNCH_CASES = [pytest.param(plan, id=f"{precision}-D{w['D']}P{w['P']}H{w['H']}-{plan.label}")
-                    for precision in MMA_KINDS for w in (SEED_WIDTHS, {"D": 48, "P": 24, "H": 80})
-                    for plan in [READOUT.at(precision).plan("mma", {**p.params, "one_launch": True, "prologue_rows": 8},
-                                                            w, precision)
-                                 for p in feasible_defaults(READOUT, "mma", w, precision)[:1]]]
+LARGE_CASES = gpu_params(lambda: [_case(precision, LARGE_WIDTHS, plan) for precision in ("bfloat16", "tf32x3")
+                                  for plan in _default_and_two_samples(precision, LARGE_WIDTHS)[:1]])
+#: The node prologue inside the kernel (one_launch), in each precision at two widths.
+ONE_LAUNCH_CASES = gpu_params(lambda: [_case(precision, w, plan) for precision in MMA_KINDS
+                                       for w in (SEED_WIDTHS, {"D": 48, "P": 24, "H": 80})
+                                       for plan in _one_launch(precision, w)])
 #: Hopper's warpgroup products (16 bits, sm_90a): the default and two samples at three widths,
 #: and the large preset's widths (odd shapes up to N = 37, as LARGE_CASES).
 WGMMA_WIDTHS = (SEED_WIDTHS, {"D": 128, "P": 32, "H": 256}, {"D": 64, "P": 32, "H": 96})
-WGMMA_CASES = [pytest.param(plan, id=f"{precision}-D{w['D']}P{w['P']}H{w['H']}-{plan.label}")
-               for precision in HALF_PRECISIONS for w in WGMMA_WIDTHS
-               for plan in sampled_plans(READOUT.at(precision), "wgmma", w, 2, seed=29)]
-WGMMA_LARGE = [pytest.param(plan, id=f"{precision}-D256P64H512-{plan.label}") for precision in HALF_PRECISIONS
-               for plan in sampled_plans(READOUT.at(precision), "wgmma", {"D": 256, "P": 64, "H": 512}, 1)[:1]]
+WGMMA_CASES = gpu_params(lambda: [_case(precision, w, plan) for precision in HALF_PRECISIONS for w in WGMMA_WIDTHS
+                                  for plan in sampled_plans(READOUT.at(precision), "wgmma", w, 2, seed=29)])
+WGMMA_LARGE = gpu_params(lambda: [_case(precision, LARGE_WIDTHS, plan) for precision in HALF_PRECISIONS
+                                  for plan in sampled_plans(READOUT.at(precision), "wgmma", LARGE_WIDTHS, 1)[:1]])
 variants = compiled_cases(CASES + LARGE_CASES + ONE_LAUNCH_CASES + WGMMA_CASES + WGMMA_LARGE)
 
 

@@ -12,7 +12,7 @@ import torch
 from helpers import (ODD_SHAPES, assert_graph_survives_larger_calls,
                      assert_variant_matches_float64, check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
                      assert_closed_form_meets_the_standard, closed_form_paths, run_under_graph_capture, run_variant,
-                     sampled_cases, gradient_errors64)
+                     sampled_cases, gradient_errors64, gpu_params)
 from pairgen import runtime
 from pairgen.tuning.check import compare, reference64
 from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
@@ -31,8 +31,8 @@ def _label(widths):
     return "".join(f"{k[0]}{v}" for k, v in widths.items())
 
 
-CASES = sampled_cases(TRIMUL, [{**channels, **options} for channels in CHANNELS for options in OPTION_SETS],
-                      POINTS_PER_STRATEGY, label=_label)
+CASES = gpu_params(lambda: sampled_cases(TRIMUL, [{**channels, **options} for channels in CHANNELS
+                                               for options in OPTION_SETS], POINTS_PER_STRATEGY, label=_label))
 
 # The staged triangle sums (fused, tri_smem): row tiles cut at N (37 = 16 + 16 + 5), k stages cut at N
 # (37 = 32 + 5), N = 1, batches past the first; random non-symmetric masks with an empty row and column,
@@ -55,9 +55,10 @@ def _staged_plans(widths):
     return plans
 
 
-STAGED_CASES = [pytest.param(plan, id=f"{_label(widths)}-{plan.label}")
-                for widths in [{**channels, **options} for channels in CHANNELS for options in OPTION_SETS]
-                for plan in _staged_plans(widths)]
+STAGED_CASES = gpu_params(lambda: [pytest.param(plan, id=f"{_label(widths)}-{plan.label}")
+                                   for widths in [{**channels, **options} for channels in CHANNELS
+                                                  for options in OPTION_SETS]
+                                   for plan in _staged_plans(widths)])
 
 
 # The bmm output kernel with its weight chunks in shared memory (o_weights_smem): the default point so
@@ -69,9 +70,10 @@ def _output_smem_plans(widths):
     return [plan for plan in (TRIMUL.plan("bmm", p, widths) for p in points) if not TRIMUL.infeasible(plan, limits)]
 
 
-OUTPUT_SMEM_CASES = [pytest.param(plan, id=f"{_label(widths)}-{plan.label}")
-                     for widths in [{**channels, **options} for channels in CHANNELS[:2] for options in OPTION_SETS]
-                     for plan in _output_smem_plans(widths)]
+OUTPUT_SMEM_CASES = gpu_params(lambda: [pytest.param(plan, id=f"{_label(widths)}-{plan.label}")
+                                        for widths in [{**channels, **options} for channels in CHANNELS[:2]
+                                                       for options in OPTION_SETS]
+                                        for plan in _output_smem_plans(widths)])
 
 
 # The out gate in hidden width (gate_hidden, lucidrains' placement): the fp32 output kernel's gate
@@ -80,11 +82,11 @@ OUTPUT_SMEM_CASES = [pytest.param(plan, id=f"{_label(widths)}-{plan.label}")
 # triangle sums.
 HIDDEN_WIDTHS = [{**channels, **options, "gate_hidden": 1} for channels in CHANNELS
                  for options in (OPTION_SETS[0], OPTION_SETS[-1])]
-HIDDEN_CASES = ([case for case in sampled_cases(TRIMUL, HIDDEN_WIDTHS, 1, label=_label)
-                 if case.values[0].strategy in ("bmm", "fused")]
-                + [pytest.param(plan, id=f"{_label(widths)}-{plan.label}")
-                   for widths in HIDDEN_WIDTHS[:4]
-                   for plan in _output_smem_plans(widths) + _staged_plans(widths)[:1]])
+HIDDEN_CASES = gpu_params(lambda: [case for case in sampled_cases(TRIMUL, HIDDEN_WIDTHS, 1, label=_label)
+                                   if case.values[0].strategy in ("bmm", "fused")]
+                                  + [pytest.param(plan, id=f"{_label(widths)}-{plan.label}")
+                                     for widths in HIDDEN_WIDTHS[:4]
+                                     for plan in _output_smem_plans(widths) + _staged_plans(widths)[:1]])
 
 
 @pytest.fixture(scope="module")
