@@ -6,8 +6,18 @@ import pytest
 import torch
 
 
+SLOW_REASON = "a broad sweep whose coverage a fast test shares in part: run with --slow (or PAIRGEN_SLOW_TESTS=1)"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow: broad compile sweeps (every preset width, a second "
+                          "architecture, further option sets), minutes of NVRTC on a small machine")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped, with the reason, where there is none)")
+    config.addinivalue_line("markers", f"slow: {SLOW_REASON}")
     # Tests never write the user's cache. Set for the whole session, before any test module is
     # imported: work at import or collection time, in module fixtures, or in a thread that outlives
     # its test (the native helper's build) would miss a per-test setting. Compiled cubins are shared
@@ -24,12 +34,14 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: none is visible to torch on this machine")
+    run_slow = config.getoption("--slow") or os.environ.get("PAIRGEN_SLOW_TESTS") == "1"
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: none is visible to torch on this machine")
+    not_slow = pytest.mark.skip(reason=SLOW_REASON)
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        elif "slow" in item.keywords and not run_slow:
+            item.add_marker(not_slow)
 
 
 @pytest.fixture(scope="session")

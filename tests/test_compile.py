@@ -35,17 +35,17 @@ def _label(widths: dict) -> str:
     return "".join(f"{k}{v}" for k, v in widths.items())
 
 
-@pytest.fixture(scope="module", params=op_names())
-def compiled(request):
-    spec = get_op(request.param)
-    plans = [p for items, k in _points_per_width(spec).items() for s in spec.strategies
+def _compile_sampled(spec, points_per_width: dict) -> list:
+    """(plan, Compiled or the exception) for the sampled points of every strategy at each widths
+    (at least one point per strategy, where a strategy has no default that fits)."""
+    plans = [p for items, k in points_per_width.items() for s in spec.strategies
              for p in (sampled_plans(spec, s, dict(items), k, seed=7) or sampled_plans(spec, s, dict(items), 1, seed=7))]
     rendered = [codegen.render_plan(p) for p in plans]
-    return spec, list(zip(plans, compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])))
+    return list(zip(plans, compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])))
 
 
-def test_every_strategy_compiles_at_every_preset_width(compiled):
-    spec, results = compiled
+def _assert_compiled(results) -> set:
+    """Every result a cubin with sane resources; the (strategy, widths label) pairs seen."""
     seen = set()
     for plan, result in results:
         assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
@@ -53,22 +53,61 @@ def test_every_strategy_compiles_at_every_preset_width(compiled):
         assert result.registers and result.registers <= 255
         assert result.spill_bytes is not None and result.compile_s > 0
         seen.add((plan.strategy, _label(plan.widths)))
+    return seen
+
+
+@pytest.mark.parametrize("op", op_names())
+def test_every_strategy_compiles_at_the_seed_widths(op):
+    """The fast share of the sweep below: each strategy's defaults and one sampled point at the
+    seed preset's widths."""
+    spec = get_op(op)
+    seed_widths = spec.widths_of(spec.presets["seed"][0])
+    seen = _assert_compiled(_compile_sampled(spec, {tuple(seed_widths.items()): 1}))
+    assert seen == {(s, _label(seed_widths)) for s in spec.strategies}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", op_names())
+def test_every_strategy_compiles_at_every_preset_width(op):
+    spec = get_op(op)
+    seen = _assert_compiled(_compile_sampled(spec, _points_per_width(spec)))
     # wgmma keeps all of its weights resident in shared memory: from pair width 256 (trimul's wide
     # preset) they exceed it, and mma serves those widths
     too_wide = {("wgmma", _label(w)) for w in preset_widths(spec) if spec.name == "trimul" and w["P"] >= 256}
     assert seen == {(s, _label(w)) for s in spec.strategies for w in preset_widths(spec)} - too_wide
 
 
-@pytest.mark.parametrize("op", op_names())
-def test_default_variants_do_not_spill(op):
-    spec = get_op(op)
+def _feasible_defaults(spec, first_per_strategy: bool) -> list:
+    """The op's feasible default plans at every preset width: all of them, or the first of each
+    strategy (the one a module runs where nothing is tuned; the later ones serve other limits)."""
+    plans = []
     for widths in preset_widths(spec):
+        strategies_seen = set()
         for strategy, params in spec.default_points:
             plan = spec.plan(strategy, params, widths)
-            if spec.infeasible(plan, runtime.DeviceLimits()):
+            if spec.infeasible(plan, runtime.DeviceLimits()) or (first_per_strategy and strategy in strategies_seen):
                 continue  # a later default covers these widths (checked in each op's spec tests)
-            result = runtime.build_variant(plan, ARCH).compiled
-            assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{plan.label} {widths}: {result.summary()}"
+            strategies_seen.add(strategy)
+            plans.append(plan)
+    return plans
+
+
+def _assert_no_spills(plans) -> None:
+    rendered = [codegen.render_plan(p) for p in plans]
+    for plan, result in zip(plans, compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])):
+        assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
+        assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{plan.label} {plan.widths}: {result.summary()}"
+
+
+@pytest.mark.parametrize("op", op_names())
+def test_first_default_of_each_strategy_does_not_spill(op):
+    _assert_no_spills(_feasible_defaults(get_op(op), first_per_strategy=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", op_names())
+def test_default_variants_do_not_spill(op):
+    _assert_no_spills(_feasible_defaults(get_op(op), first_per_strategy=False))
 
 
 def test_compile_error_shows_the_offending_line():

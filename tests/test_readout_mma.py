@@ -80,7 +80,7 @@ def test_packed_weights_layout():
         torch.testing.assert_close(w2, params[2].detach().to(dtype))
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("arch", ["sm_90", pytest.param("sm_80", marks=pytest.mark.slow)])
 def test_defaults_compile_without_spills_and_samples_compile(arch):
     assert_tensor_core_defaults_compile(READOUT, "mma", WIDTHS, arch, min_defaults=12)
 

@@ -76,10 +76,10 @@ def _plans_to_compile():
     return plans
 
 
-@pytest.fixture(scope="module")
-def compiled_mma():
-    """(plan, arch, Compiled or the exception) for each sampled plan on sm_90 and sm_80."""
-    cases = [(plan, arch) for plan in _plans_to_compile() for arch in ("sm_90", "sm_80")]
+@pytest.fixture(scope="module", params=["sm_90", pytest.param("sm_80", marks=pytest.mark.slow)])
+def compiled_mma(request):
+    """(plan, arch, Compiled or the exception) for each sampled plan on the architecture."""
+    cases = [(plan, request.param) for plan in _plans_to_compile()]
     jobs = []
     for plan, arch in cases:
         rendered = codegen.render_plan(plan)
@@ -89,14 +89,14 @@ def compiled_mma():
     return [(plan, arch, result) for (plan, arch), result in zip(cases, results)]
 
 
-def test_every_precision_compiles_for_sm90_and_sm80(compiled_mma):
-    seen = set()
+def test_every_precision_compiles(compiled_mma):
+    seen, arch = set(), compiled_mma[0][1]
     for plan, arch, result in compiled_mma:
         assert not isinstance(result, Exception), f"{plan.label} {plan.widths} {arch}: {result}"
         assert set(result.kernels) == {"pairgen_trimul_mma", "pairgen_trimul_mma_output"}
         assert result.registers <= 255
         seen.add((plan.precision, arch))
-    assert seen == {(p, a) for p in PRECISIONS for a in ("sm_90", "sm_80")}
+    assert seen == {(p, arch) for p in PRECISIONS}
 
 
 def test_default_points_do_not_spill_in_16_bit_precisions():

@@ -236,7 +236,8 @@ def test_staged_triangle_sums_compile_without_spills(options):
     assert {p.params["o_tile"] for p in plans} == {16, 32, 64}
 
 
-@pytest.mark.parametrize("options", [DEFAULT_OPTIONS, OTHER_OPTIONS], ids=["default", "out-norm-nobias"])
+@pytest.mark.parametrize("options", [DEFAULT_OPTIONS, pytest.param(OTHER_OPTIONS, marks=pytest.mark.slow)],
+                         ids=["default", "out-norm-nobias"])
 def test_sampled_points_of_every_strategy_compile(options):
     plans = [p for s in TRIMUL.strategies for w in ((64, 32), (40, 24), (128, 128))
              for p in sampled_plans(TRIMUL, s, widths(*w, options), 1, seed=3)]
@@ -330,7 +331,8 @@ def test_gate_hidden_packs_its_gate_in_hidden_width_and_chunks_divide_h():
         assert 40 % plan.context["o_cn"] == 0 and 96 % plan.context["o_cn"] == 0
 
 
-@pytest.mark.parametrize("options", [DEFAULT_OPTIONS, OTHER_OPTIONS], ids=["default", "out-norm-nobias"])
+@pytest.mark.parametrize("options", [DEFAULT_OPTIONS, pytest.param(OTHER_OPTIONS, marks=pytest.mark.slow)],
+                         ids=["default", "out-norm-nobias"])
 def test_gate_hidden_compiles_without_spills(options):
     """The default, its output weights staged in shared memory, the staged triangle sums, sampled
     points of bmm and fused, mma's default and a sampled point in bf16 and tf32x3, and wgmma's in
