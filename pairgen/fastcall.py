@@ -1,9 +1,8 @@
 """Fast calls: a module call recorded once, replayed from compiled code (pairgen/native/fastcall.cpp).
 
-At the seed shapes a module call is bound by its host path (21-57 us of Python checks, dispatch,
-packed-weight checks, allocation and a ctypes driver call, against 11-27 us of GPU work on the H200
-host). So a kernel call made the ordinary way is recorded: every launch with its arguments, each
-argument classified as
+At the seed shapes a module call is bound by its host path (Python checks, dispatch, packed-weight
+checks, allocation and a ctypes driver call take longer than the GPU work). So a kernel call
+made the ordinary way is recorded: every launch with its arguments, each argument classified as
   - the data of one of the call's inputs,
   - an address inside the output, or inside a per-call buffer a runner noted (note_scratch),
   - a constant: a small integer (shapes, flags) or an address inside a tensor the module holds

@@ -279,8 +279,8 @@ class PackedParameters:
             self._key = None  # other parameters than the last pack's: repack (a registration elsewhere is not)
         self._slots, self._params = tuple(slots), params
         # The per-call check runs over parallel tuples with C-level map() (a little faster than a
-        # Python loop over the slots). Its cost is mostly the version reads: ~0.17 µs per
-        # parameter for the watched subclass against ~0.07 for a plain Parameter (CPU host).
+        # Python loop over the slots). Its cost is mostly the version reads, dearer for the watched
+        # subclass than for a plain Parameter.
         self._owners = tuple(owner for owner, _, _ in slots)
         self._names = tuple(name for _, name, _ in slots)
         self._computed = any(p is None for p in params)
@@ -812,8 +812,7 @@ class KernelModule:
         accumulation and LayerNorm statistics, as PyTorch's own 16-bit forward and backward: the
         standard they meet is the 16-bit one; computing them in fp32 measured slower than the
         16-bit reference); exact fp32 otherwise, tf32x3 modules included (splitting pair-sized
-        operands into TF32 heads and tails in PyTorch cost more than the tensor cores saved: 18.7 ms
-        against 13.8 ms for trimul N512 on an H200)."""
+        operands into TF32 heads and tails in PyTorch cost more than the tensor cores saved)."""
         half = HALF_DTYPE_NAMES.get(autocast or x.dtype)  # autocast's dtype, else a 16-bit module's
         return half if half is not None else "ieee"
 
@@ -828,7 +827,7 @@ class KernelModule:
 def check_float_tensor(name: str, t, rank: int, param: torch.Tensor) -> None:
     """Type, dtype, rank, and the device of `param` (one of the module's parameters)."""
     if isinstance(t, torch.Tensor) and t.dtype is param.dtype and t.dim() == rank and t.device == param.device:
-        return  # the common case, in ~1 us: the checks below only build the message
+        return  # the common case, cheap: the checks below only build the message
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.dtype.is_floating_point:

@@ -1,9 +1,11 @@
-"""The README documents what the code does: the environment table and the commands."""
+"""The README documents what the code does: the environment table, the commands, code blocks that run;
+and it stays a front door (at most 250 lines)."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from pairgen.config import ENVIRONMENT
@@ -70,3 +72,36 @@ def test_the_readme_training_example_trains():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert not torch.equal(p.detach().cpu(), p0.detach()), f"{name} did not move"
     assert torch.isfinite(scope["loss"])
+
+
+def test_the_readme_is_a_front_door_of_at_most_250_lines():
+    """The README says what pairgen is, how to install, use and tune it, one results table per op
+    and its limits; the long material lives in docs/ (performance.md, architecture.md)."""
+    assert len(README.splitlines()) <= 250
+
+
+def python_blocks() -> list[str]:
+    """Every python code block of the README, in order."""
+    return re.findall(r"^```python\n(.*?)^```", README, re.M | re.S)
+
+
+def _missing_import(code: str) -> str | None:
+    """The first top-level package a block imports that is not installed (e.g. a model package)."""
+    import importlib.util
+
+    for name in re.findall(r"^(?:from|import) ([A-Za-z_][\w]*)", code, re.M):
+        if importlib.util.find_spec(name) is None:
+            return name
+    return None
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks())))
+def test_every_readme_python_block_runs_on_the_cpu(index):
+    """Each block, its "cuda" device made "cpu" (the modules run their references there), runs as
+    written against the current API. tests/test_readme_gpu.py runs them on the GPU as they are."""
+    code = python_blocks()[index]
+    missing = _missing_import(code)
+    if missing:
+        pytest.skip(f"the block imports {missing}, not installed (pip install --no-deps -r tests/real-models.txt)")
+    code = code.replace('"cuda"', '"cpu"').replace(".cuda()", ".cpu()")
+    exec(compile(code, f"README.md python block {index}", "exec"), {})

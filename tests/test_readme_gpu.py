@@ -3,14 +3,15 @@ parameter moved), its triangle update's backward at every step the one its setti
 default ("auto") PyTorch's autocast forward and backward of the reference for a call this small,
 the 16-bit closed form from the intermediates its forward kept for a large one (the threshold
 lowered here); with recompute_for_backward the kernel forward and the closed form from the
-inputs; with "reference" the reference whatever the size."""
+inputs; with "reference" the reference whatever the size. And every python block of the README runs
+as written on the GPU."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from pairgen import TriangleMultiplication
-from test_docs import training_example
+from test_docs import _missing_import, python_blocks, training_example
 
 pytestmark = pytest.mark.gpu
 
@@ -41,3 +42,13 @@ def test_the_readme_training_example_trains_on_the_gpu(monkeypatch, mode, recomp
     for (name, p), p0 in zip(model.named_parameters(), initial.parameters()):
         assert torch.isfinite(p.grad).all(), name
         assert not torch.equal(p, p0), f"{name} did not move"
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks())))
+def test_every_readme_python_block_runs_on_the_gpu(index):
+    """Each python block of the README runs as written on the GPU (through the kernels)."""
+    code = python_blocks()[index]
+    missing = _missing_import(code)
+    if missing:
+        pytest.skip(f"the block imports {missing}, not installed (pip install --no-deps -r tests/real-models.txt)")
+    exec(compile(code, f"README.md python block {index}", "exec"), {})

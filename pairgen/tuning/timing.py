@@ -45,8 +45,8 @@ def time_cuda(fn: Callable[[], object], device: torch.device | None = None, reps
     """Median time of fn() between CUDA events on the current stream.
 
     The warm-up keeps compilation and handle creation out and runs for at least warmup_seconds:
-    after an idle spell (a torch.compile build) the clocks are low, and a 5-call warm-up timed
-    a 32 us kernel at 98 us. The first timed call sets how many repetitions fit in max_seconds.
+    after an idle spell (a torch.compile build) the clocks are low, and a short warm-up times
+    a kernel far slower than it runs. The first timed call sets how many repetitions fit in max_seconds.
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
@@ -60,7 +60,7 @@ def time_cuda(fn: Callable[[], object], device: torch.device | None = None, reps
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     # The stream fetched once: Event.record() without one looks up the current stream each time,
-    # 11.7 us of host time per record against 3.2 with the stream given (measured on the H200 host).
+    # several times the host time of a record with the stream given.
     # The end record's lookup fell inside the timed interval of every host-bound call, pairgen's
     # and the peers' alike, and both lookups lengthened each repetition's host time, which the L2
     # flush before the call must hide for the call to be timed as the GPU runs it.
@@ -99,9 +99,9 @@ def time_graph_replay(fn: Callable[[], object], device: torch.device | None = No
     return time_cuda(graph.replay, device, reps=reps)
 
 
-#: Runs of back-to-back calls per host-time measurement: one run on the H200 host ranged 7.8-13.4
-#: us for the same contact seed call within a session (other processes, clocks); the median of
-#: several runs is what the bench reports, and every run is kept beside it.
+#: Runs of back-to-back calls per host-time measurement: one run varies within a session (other
+#: processes, clocks); the median of several runs is what the bench reports, and every run is
+#: kept beside it.
 HOST_RUNS = 5
 
 

@@ -383,9 +383,7 @@ def starting_points(spec, db, shape: dict, info) -> list[tuple[str, dict]]:
     """The entry in use for the shape's key, and the one recorded for exactly its key even if a
     template edit made it stale (with each value of any parameter added since: spec.restarts),
     are tried first: a re-tune after an edit that grew the space then cannot come out worse than
-    the old winner, as a re-tune once did (contact B1 N1024 on the H200: 588 us against 538
-    before, the old point never sampled). Then the winners at the same shape in the
-    RELATED_PRECISIONS."""
+    the old winner. Then the winners at the same shape in the RELATED_PRECISIONS."""
     from pairgen import runtime
     from pairgen.spec import n_bucket
 

@@ -352,7 +352,7 @@ def retime_points(evaluator: Evaluator, spec: OpSpec, widths: dict, points: list
 def retime_finalists(study, spec: OpSpec, widths: dict, evaluator: Evaluator, settings: TuneSettings) -> dict:
     """Time the best few points again, `retime_rounds` times each, in turns, and keep each one's
     median on the study (user attr "retimed", which _best prefers). The search times a point once,
-    and one timing of a ~20 µs call can be 10-25% off (H200, seed shapes): the search's minimum is
+    and one timing of a short call can be well off: the search's minimum is
     then partly luck, and a longer search only finds luckier timings."""
     from optuna.trial import TrialState
 

@@ -70,12 +70,8 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
     saved_gradients = staticmethod(backward.gradients_from)
     closed_form_without_kernel = True  # 16-bit calls no kernel serves (an autocast of the other 16-bit dtype)
     #: From this many pairs (B*N*N) a 16-bit forward that no tensor-core kernel serves runs the
-    #: closed form, below it the fp32 kernel on the input made fp32. Measured on the H200 before the
-    #: 16-bit kernels existed (bf16, P=H=128; µs): the closed form at
-    #: N512 (2^18 pairs) 188 against the bf16 reference's 652, at N1024 413 against 1991, but at
-    #: N256 (2^16) 307 against 177, where both are bound by the host's time per PyTorch operation;
-    #: the fp32 kernel at N256 takes 81 (N512: 264). Training keeps the reference ("auto"):
-    #: forward + backward at N512 measured 1929 against its 1755.
+    #: closed form, below it the fp32 kernel on the input made fp32 (below, the closed form is bound
+    #: by the host's time per PyTorch operation). Training keeps the reference ("auto"): measured faster.
     MIN_16_BIT_FORWARD_PAIRS = 2**17
 
     def closed_form_pays(self, inputs) -> bool:

@@ -302,8 +302,7 @@ class ContactSpec(OpSpec):
     width_names = ("P", "H")
     strategies = {s.name: s for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED, MMA, WGMMA)}
     # tn=4: with tn=8 the P=128, H=64 build spilled 8 B (NVRTC 13.0, sm_90); every tuned winner so far has tn=4.
-    # The first point: the seed's fastest (6.7 us of kernel, CUPTI, H200; ln_lanes 4 took the
-    # seed's tiled winner from 10.8 to 8.4 us). The second, the earlier default, serves any P % 4 == 0.
+    # The first point: the seed's fastest. The second, the earlier default, serves any P % 4 == 0.
     default_points = (
         ("symmetric_tiled", {"tile_side": 4, "threads": 64, "tn": 4, "unroll": 2, "ln_rows": 2,
                              "weights_smem": True, "blocks_per_sm": 0, "stage_rows": 0, "ln_lanes": 4}),

@@ -218,13 +218,10 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
     input_gradients = ("input", "pair_feats", None)
     # closed_form_without_kernel stays False: 16-bit modules run the reference. The closed form
     # computes the readout in fp32 (its sparse max gradient has no 16-bit path), and for bf16 it
-    # measured slower than the bf16 reference (H200, B16 N128 D256 P64 H512: forward 1875 µs
-    # against 1336, forward + backward 5247 against 3619).
+    # measured slower than the bf16 reference.
 
     #: Up to this many pairs (B*N*N) a 16-bit (or autocast) forward runs the fp32 kernels on the
-    #: inputs made fp32. Measured on the H200 (µs): fp32 kernels 17.9 at the seed (B4 N24, 2304
-    #: pairs) and 96.7 at B8 N64 (2^15) against the bf16 reference's 158 and 258; at B16 N128
-    #: (2^18) 2008 against 1336.
+    #: inputs made fp32: faster than the 16-bit reference up to there, slower beyond.
     MAX_FP32_KERNEL_PAIRS = 2**15
 
     def fp32_kernel_pays(self, inputs) -> bool:
@@ -321,7 +318,7 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
     def _split_scratch(self, index: int, floats: int) -> int:
         """At least `floats` of scratch on device `index` for a split or direct launch (U/V, the
         j split's partial maxima): held by the module, not allocated per call, since at the seed
-        shape the host path is most of a call and a torch.empty was 5.3 of its 34 us (H200 host)."""
+        shape the host path is most of a call and an allocation a noticeable part of it."""
         if self.__dict__.get("_state_per_call"):
             return self._call_buffer(index, floats, torch.float32, zeroed=False)
         held = self._scratch

@@ -55,8 +55,8 @@ def weight_offsets(D: int, P: int, H: int) -> dict[str, int]:
 #: of partial sums, over the 48 KB static shared memory with D = 512's 32 KB of node rows.
 PROLOGUE_ROWS = 8
 #: Threads per prologue block: 4 warps, each a quarter of the k loop (D/4 k-steps) for the same
-#: 128 columns, lane l taking a float4 of them. The former 64 threads walking all D k-steps each
-#: ran 8.9 us at the seed shape (issued IPC 0.22, stalled on weight loads: _nodes.cuh.j2).
+#: 128 columns, lane l taking a float4 of them (64 threads walking all D k-steps each stalled on
+#: weight loads: _nodes.cuh.j2).
 PROLOGUE_THREADS = 128
 #: Columns of 2H per prologue block: 32 lanes x a float4.
 PROLOGUE_COLS = 128
@@ -217,9 +217,8 @@ _RESTRICTIONS = (
 
 # threads_n = 2 with tn = 4 (8 columns per pass) is what makes every D, H multiple of 8 feasible.
 # threads_n 24 (96 columns per pass, with threads 192 or 384) fits widths that are multiples of
-# 96, such as the seed's D = 96: one pass of the W2 product covers all of D. At the seed shape,
-# threads 192 with threads_n 24 and j_split 3 ran the main kernel in 12.2 us against 16.5 for the
-# best 128-thread point (CUPTI, warm L2, H200); threads_n 12 (48 columns) ran 23.3.
+# 96, such as the seed's D = 96: one pass of the W2 product covers all of D (the fastest main
+# kernel measured at the seed shape).
 # j_split: blocks sharing one tile of rows i, each taking every j_split-th tile of partners j
 # (small B*N leaves SMs idle otherwise); 3 and 6 fit j-tile counts such as 24/8 and 48/8.
 # tile_j 4 with j_split 6 gives the seed (N = 24) 144 blocks of 16 pairs, each with work. The
@@ -263,7 +262,7 @@ FUSED = Strategy(
     name="fused",
     summary="split in one launch: the first blocks compute U and V as the prologue's blocks would, "
             "the others run split's per-pair work once they are done",
-    # split's space, prologue_rows included. Why one launch: a second costs the host ~3-4 us per
+    # split's space, prologue_rows included. Why one launch: a second costs the host time per
     # call, and the seed's repeated calls are bound by host time.
     space=dict(SPLIT.space), derive=_derive_fused,
     restrictions=_RESTRICTIONS + (
@@ -576,7 +575,7 @@ class ReadoutSpec(OpSpec):
         ("split", {"tile_i": 4, "tile_j": 16, "threads": 256, "threads_n": 8, "tn": 8, "unroll": 4,
                    "weights_smem": False, "j_split": 1, "prologue_rows": 8}),
         # Widths with D and H multiples of 96 (the seed's): 96 columns per pass, one W2 pass over
-        # D = 96; 12.2 against 16.5 us for the next point at the seed shape (H200).
+        # D = 96 (faster than the next point at the seed shape).
         ("split", {"tile_i": 4, "tile_j": 8, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4,
                    "weights_smem": True, "j_split": 3, "prologue_rows": 2}),
         # Seed widths (D = 96): 32 columns per pass.
@@ -587,9 +586,8 @@ class ReadoutSpec(OpSpec):
                    "weights_smem": False, "j_split": 1, "prologue_rows": 8}),
         # One node i per block with all its partners in one tile of 32 (N <= 32), 8-row prologue
         # blocks: at the seed 96 pair blocks and 36 prologue blocks, 132 in all, one per SM of an
-        # H200 (a pair block's staged weights, 121 KB, leave room for no second block). Graph
-        # replay at the seed, H200: split 16.9 us against 18.4 for the point above; fused (both
-        # grids in one launch) 17.4 with its wait before the first tile's staging.
+        # H200 (a pair block's staged weights, 121 KB, leave room for no second block); the
+        # fastest split point at the seed, and fused is the same grids in one launch.
         ("split", {"tile_i": 1, "tile_j": 32, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4,
                    "weights_smem": True, "j_split": 1, "prologue_rows": 8}),
         ("fused", {"tile_i": 1, "tile_j": 32, "threads": 192, "threads_n": 24, "tn": 4, "unroll": 4,

@@ -185,10 +185,10 @@ BMM = Strategy(
     # min_blocks: the launch bounds' minimum blocks per SM. Unbounded, ptxas gives the 8x8 tiles
     # ~210 registers (one 256-thread block per SM); 2 caps them at 128. unroll: the 32 k-steps
     # of a 128-wide product unrolled 4 deep (a single value, kept as data to widen later).
-    # The output kernel ran its two products at 21 TFLOP/s against the projection's 35 (H200,
-    # N512: 796 us for 17.2 GFLOP). o_weights_smem stages its Wout/Wgate column chunks in shared
-    # memory (as p_weights_smem does for the projection): it has not won a tuning yet. o_tn 8 gives
-    # each product 4 x 8 micro-tiles, 10.7 multiply-adds per load as in the projection's (8 with o_tn 4).
+    # The output kernel's two products ran slower than the projection's. o_weights_smem stages
+    # its Wout/Wgate column chunks in shared memory (as p_weights_smem does for the projection):
+    # it has not won a tuning yet. o_tn 8 gives each product 4 x 8 micro-tiles, 10.7 multiply-adds
+    # per load as in the projection's (8 with o_tn 4).
     space={"p_tile": (64, 128), "p_tm": (4, 8), "p_tn": (4, 8), "p_weights_smem": (False, True),
            "o_tile": (32, 64, 128), "o_tm": (1, 2, 4), "o_tn": (4, 8), "o_weights_smem": (False, True),
            "threads": (128, 256), "unroll": (4,), "min_blocks": (1, 2)},
@@ -439,10 +439,9 @@ class TrimulSpec(OpSpec):
         ("bmm", {"p_tile": 64, "p_tm": 4, "p_tn": 4, "p_weights_smem": False, "o_tile": 64, "o_tm": 1, "o_tn": 4,
                  "o_weights_smem": False, "threads": 128, "unroll": 4, "min_blocks": 1}),
         # Hopper tensor cores (16-bit, sm_90): 4 warpgroups per SM with one x tile each and swizzled
-        # operands (H200, B1 N512 P=H=128 bf16: 365 us; two warpgroups with the next tile in flight
-        # 378-387, unswizzled 401-437; mma 498). The others are unswizzled, as they must be where
-        # neither P nor H is a multiple of 64; the last has passes small enough for any P a multiple
-        # of 16 and H of 8.
+        # operands (the fastest layout measured at P = H = 128). The others are unswizzled, as they
+        # must be where neither P nor H is a multiple of 64; the last has passes small enough for any
+        # P a multiple of 16 and H of 8.
         ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 64, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True}),
         ("wgmma", {"p_groups": 3, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 64, "o_stages": 2, "swizzle": False}),
         ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1, "swizzle": False}),
