@@ -6,6 +6,8 @@ lowered here); with recompute_for_backward the kernel forward and the closed for
 inputs; with "reference" the reference whatever the size."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -29,7 +31,8 @@ def test_the_readme_training_example_trains_on_the_gpu(monkeypatch, mode, recomp
     monkeypatch.setattr(TriangleMultiplication, "_backward_mode", mode)
     monkeypatch.setattr(TriangleMultiplication, "recompute_for_backward", recompute)
     if min_pairs is not None:
-        monkeypatch.setattr(TriangleMultiplication, "MIN_16_BIT_CLOSED_FORM_PAIRS", min_pairs)
+        monkeypatch.setattr(TriangleMultiplication, "routing",
+                            replace(TriangleMultiplication.routing, closed_form_16_bit_training_min_pairs=min_pairs))
     monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD", raising=False)
     scope = {}
     exec(compile(training_example(), "README.md", "exec"), scope)
