@@ -166,7 +166,13 @@ def route(module, inputs: tuple, settle: bool = True) -> Route:
         if saves_for_backward(module, inputs):
             return Route(SAVED_CLOSED_FORM, _SAVED, precision, variant)
         return Route(KERNEL_TRAINING, _KERNEL_TRAINING, precision, variant)
-    return Route(KERNEL, _KERNEL, precision, variant)
+    # The route of the module's last kernel call, kept: building a Route costs 0.3 µs of host time
+    # and a repeated call's is the same.
+    last = module.__dict__.get("_kernel_route")
+    if last is not None and last[3] is variant and last[2] == precision:
+        return last
+    last = module.__dict__["_kernel_route"] = Route(KERNEL, _KERNEL, precision, variant)
+    return last
 
 
 def _without_kernel(module, inputs: tuple, training: bool) -> Route:

@@ -61,7 +61,7 @@ class KernelModule:
 
     # Loaded kernels and packed weights belong to this process and device: a copy or a pickle
     # (an EMA copy of the model, torch.save) starts without them and rebuilds them on first use.
-    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_handle", "_extra_packs", "_barrier")
+    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_handle", "_extra_packs", "_barrier", "_kernel_route")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
