@@ -21,7 +21,7 @@ from torch import nn
 
 from .functional import (KERNEL_EPS, ClosedFormForCaller, af3_parameters, assign_parameters, closed_form_trains,
                          empty_trimul, place_of, triangle_multiplicative_update)
-from .modules import current_autocast
+from .module.modes import current_autocast
 
 _OPENFOLD = ("linear_a_p", "linear_a_g", "linear_b_p", "linear_b_g", "linear_g", "linear_z", "layer_norm_in",
              "layer_norm_out")

@@ -68,7 +68,7 @@ def note_product(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor) -> 
 
 
 #: Tensor subclasses a replay takes as inputs like plain tensors: parameters (a model passes its
-#: weights to pairgen's function as they are); pairgen/modules.py adds the subclass it watches.
+#: weights to pairgen's function as they are); pairgen/module/weights.py adds the subclass it watches.
 PLAIN_TYPES: tuple = (torch.nn.Parameter,)
 
 #: The mode fastcall.cpp runs a noted product in (its kernels' modes are launch.FASTCALL_MODES).

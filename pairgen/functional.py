@@ -34,17 +34,23 @@ import torch
 import torch.nn.functional as F
 
 from .first_use import Pending
-from .modules import CLOSED_FORM_DTYPES, HALF_DTYPE_NAMES, as_mask, current_autocast, graphless_gradients
+from .module.autograd import graphless_gradients
+from .module.dispatch import saves_for_backward
+from .module.modes import current_autocast
+from .module.validation import as_mask
+from .precision import ALIASES, CLOSED_FORM_DTYPES, CUEQUIVARIANCE_ALIASES, HALF_PRECISIONS
 from .ops.trimul import given_weights
 
 #: Weight sets whose modules are kept (least recently used first out).
 MAX_MODULES = 16
 KERNEL_EPS = 1e-5
-#: What an fp32 call computes in, by cuEquivariance's name (its TriMulPrecision members, any case)
-#: or pairgen's: "default" and "none" are exact fp32, pairgen's default; "bfloat16" computes on the
-#: bf16 kernels, as an fp32 call under autocast to bf16 does, and answers in fp32.
-PRECISIONS = {"default": "ieee", "none": "ieee", "ieee": "ieee", "float32": "ieee", "tf32x3": "tf32x3",
-              "tf32": "tf32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+#: What an fp32 call computes in (a module's precision= spelling, or "bfloat16"), by cuEquivariance's
+#: name (its TriMulPrecision members, any case) or pairgen's (pairgen/precision.py): "default" and
+#: "none" are exact fp32, pairgen's default; "bfloat16" computes on the bf16 kernels, as an fp32
+#: call under autocast to bf16 does, and answers in fp32. float16 is not one (cuEquivariance has no
+#: such mode; fp16 inputs compute in their own dtype).
+PRECISIONS = {alias: p.spelling for alias, p in {**CUEQUIVARIANCE_ALIASES, **ALIASES}.items()
+              if p.module_option or p.name == "bfloat16"}
 #: The weights in the AlphaFold 3 layout, in the function's argument order.
 _WEIGHT_NAMES = given_weights.WEIGHT_NAMES
 _REQUIRED = ("p_in_weight", "g_in_weight", "p_out_weight", "g_out_weight")
@@ -171,7 +177,7 @@ class ClosedFormForCaller(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, gather, autocast, x, mask, *weights):
         ctx.module, ctx.gather, ctx.autocast, ctx.saved = module, gather, autocast, None
-        if module._saves_for_backward([x, mask]):
+        if saves_for_backward(module, [x, mask]):
             params = {path: p.detach() for path, p in module.named_parameters()}
             out, ctx.saved = module.closed_form_forward((x, mask), params)
             return out
@@ -373,7 +379,7 @@ def _with_weights_packed_for_the_call(x, direction: str, mask, weights: dict, pr
     if x.dtype is not weights["p_in_weight"].dtype and not torch.is_autocast_enabled("cuda"):
         return None  # the module path says what is wrong
     kernel_precision = module.kernel_precision(x, mask)
-    if kernel_precision not in HALF_DTYPE_NAMES.values():
+    if kernel_precision not in HALF_PRECISIONS:
         return None
     variant = module._choice_for(x.shape[1], x.get_device(), kernel_precision)
     if variant is None or type(variant) is Pending or variant.plan.strategy != "wgmma":

@@ -305,13 +305,18 @@ class Explanation:
     params: dict | None
     measured_us: float | None
     database: str | None
+    #: (label, route) of stand-in calls: what a module's calls of this length run and why
+    #: (pairgen/module/dispatch.py; a module's explain() fills them in)
+    routes: tuple = ()
 
     def __str__(self) -> str:
         what = f"{self.strategy}({', '.join(f'{k}={v}' for k, v in sorted(self.params.items()))})" \
             if self.strategy else "the PyTorch reference"
         timing = f", measured {self.measured_us} us when tuned" if self.measured_us is not None else ""
         origin = f" [{self.database}]" if self.database else ""
-        return f"{self.op} N={self.n} (bucket {self.n_bucket}) on {self.gpu}: {what} from {self.source}{timing}{origin}"
+        routes = "".join(f"\n  {label}: {route}" for label, route in self.routes)
+        return (f"{self.op} N={self.n} (bucket {self.n_bucket}) on {self.gpu}: {what} from {self.source}{timing}{origin}"
+                f"{routes}")
 
 
 def explain(spec: OpSpec, dtype: str, widths: dict, n: int, device_index: int = 0,

@@ -15,6 +15,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import precision as _precision
+
 #: Argument kinds of a kernel's parameters: a device pointer, a 32-bit int, a 64-bit int.
 ARG_KINDS = ("ptr", "i32", "i64")
 #: How a kernel is launched: plainly, cooperatively (all blocks resident: a grid barrier), as a
@@ -511,10 +513,11 @@ def persistent_tile_grid(tile: int) -> GridFn:
 
 # ---- tensor cores (mma.sync): what the ops' templates/common/mma.cuh.j2 kernels share -----------
 
-#: Precision (a tuned key's dtype) -> the template's MMA_KIND (templates/common/mma.cuh.j2).
-MMA_KINDS = {"bfloat16": 0, "float16": 1, "tf32": 2, "tf32x3": 3}
-#: The precisions whose operands are 16-bit (else fp32, rounded to TF32 in the kernels).
-HALF_PRECISIONS = ("bfloat16", "float16")
+#: Precision (a tuned key's dtype) -> the template's MMA_KIND (templates/common/mma.cuh.j2), and
+#: the precisions whose operands are 16-bit (else fp32, rounded to TF32 in the kernels): both
+#: from pairgen/precision.py.
+MMA_KINDS = _precision.MMA_KINDS
+HALF_PRECISIONS = _precision.HALF_PRECISIONS
 
 
 def byte_sections(sizes: list[tuple[str, int]]) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """contiguous_aligned: the kernels' float4 and cp.async reads need 16-byte aligned rows."""
 import torch
 
-from pairgen.modules import contiguous_aligned
+from pairgen.module.validation import contiguous_aligned
 
 
 def test_a_view_that_starts_mid_vector_is_copied_to_an_aligned_buffer():

@@ -1,6 +1,6 @@
 """GPU: calls no kernel computes (16-bit contact heads, and contact heads under autocast, with their
 tensor-core kernel set aside: it serves those calls otherwise) run the op's closed form in that dtype (cuBLAS products, fused row kernels) where it pays (forwards from
-MIN_16_BIT_FORWARD_PAIRS, lowered here to take these odd small shapes; training with
+Routing.closed_form_min_pairs, lowered here to take these odd small shapes; training with
 backward_mode "closed_form"): the output in the reference's dtype, within the 16-bit standard
 against float64 of the same rounded inputs and weights (autocast: within cuEquivariance's bf16
 error of the fp32 reference), and gradients within the 16-bit gradient standard; backward_mode
@@ -8,10 +8,13 @@ error of the fp32 reference), and gradients within the 16-bit gradient standard;
 slower.)"""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_paths, generator
+from pairgen.module.dispatch import pairs
 from pairgen.ops import get_op
 from pairgen.spec import Tolerance
 from pairgen.tuning.check import compare, reference64
@@ -28,7 +31,7 @@ def _case(op: str, seed: int, dtype: torch.dtype = torch.float32):
     spec = get_op(op)
     gen = generator(seed)
     module = spec.make_module(spec.widths_of(CASES[op]), gen).cuda().to(dtype)
-    module.MIN_16_BIT_FORWARD_PAIRS = 0  # every forward takes the closed form
+    module.routing = replace(module.routing, fp32_kernel_max_pairs=-1, closed_form_min_pairs=0)  # every forward: the closed form
     module.kernel_precision = lambda *call: None  # as a call no kernel serves (contact: its mma strategy would)
     inputs = tuple(t.cuda().to(dtype) if t.is_floating_point() else t.cuda()
                    for t in spec.make_inputs(CASES[op], gen, "cauchy"))
@@ -119,7 +122,7 @@ def test_small_16_bit_forwards_run_the_fp32_kernel_on_inputs_made_fp32(op, dtype
     """Below the size where the closed form pays, a 16-bit forward is the exact fp32 kernel on the
     rounded inputs (the weights are packed in fp32 anyway), returned in the module's dtype."""
     _, module, inputs, launched = _small_case(op, 45, dtype)
-    assert module.fp32_kernel_pays(inputs)
+    assert pairs(inputs[0]) <= module.routing.fp32_kernel_max_pairs
     with torch.no_grad():
         out = module(*inputs)
     assert launched == [torch.float32] and out.dtype == dtype
@@ -157,7 +160,8 @@ def test_pairgen_disable_runs_the_reference_for_calls_without_a_kernel_too(op, m
     monkeypatch.setenv("PAIRGEN_DISABLE", "1")
     runtime.clear_caches()
     spec, module, inputs, launched = _small_case(op, 48, torch.bfloat16)
-    module.MIN_16_BIT_FORWARD_PAIRS = 0  # the contact head would otherwise take its closed form
+    # the contact head would otherwise take its closed form
+    module.routing = replace(module.routing, fp32_kernel_max_pairs=-1, closed_form_min_pairs=0)
     calls = _spy_on_closed_form(module)
     with torch.no_grad():
         out = module(*inputs)

@@ -8,7 +8,8 @@ import torch
 
 from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_errors, generator, gradient_errors64
 from pairgen import compiler
-from pairgen.modules import SavedClosedForm
+from pairgen.module.autograd import SavedClosedForm
+from pairgen.module.dispatch import pairs
 from pairgen.ops import layer_norm_rows
 from pairgen.ops.contact import CONTACT, backward, fused_backward
 
@@ -86,16 +87,16 @@ def test_unique_pairs_cover_each_unordered_pair_once():
 
 
 def test_16_bit_forwards_take_the_closed_form_from_the_measured_size_and_training_keeps_the_reference():
-    """Without 16-bit kernels, a forward from MIN_16_BIT_FORWARD_PAIRS pairs runs the closed form
-    (below it, where the host's time per PyTorch operation makes the closed form slower than the
-    reference, the fp32 kernel on the input made fp32); "auto" trains 16-bit calls through the
-    reference, "closed_form" through the closed form."""
+    """Without 16-bit kernels, a forward from Routing.closed_form_min_pairs pairs runs the closed
+    form (below it, where the host's time per PyTorch operation makes the closed form slower than
+    the reference, the fp32 kernel on the input made fp32); "auto" trains 16-bit calls through the
+    reference, "closed_form" through the closed form (tests/test_dispatch.py follows the routes)."""
     module = CONTACT.make_module({"P": 8, "H": 8}, generator(62)).bfloat16()
-    threshold = module.MIN_16_BIT_FORWARD_PAIRS
-    assert threshold == 2**17
+    routing = module.routing
+    assert routing.closed_form_min_pairs == 2**17 and routing.fp32_kernel_max_pairs == 2**17 - 1
     below, at = (torch.empty(1, n, n, 8, dtype=torch.bfloat16) for n in (256, 363))
-    assert not module.closed_form_pays((below,)) and module.closed_form_pays((at,))
-    assert module.fp32_kernel_pays((below,)) and not module.fp32_kernel_pays((at,)), "below it: the fp32 kernel"
+    assert pairs(below) < routing.closed_form_min_pairs <= pairs(at)
+    assert pairs(below) <= routing.fp32_kernel_max_pairs < pairs(at), "below it: the fp32 kernel"
     assert module.trains_through_reference("bfloat16", (at,))
     module.backward_mode = "closed_form"
     assert not module.trains_through_reference("bfloat16", (at,))

@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from helpers import CU_LAUNCH_KERNEL
-from pairgen import launch, modules, native
+from pairgen import launch, native
 from pairgen.launch import BoundLaunch
-from pairgen.modules import KernelModule, PackedParameters
+from pairgen.module import kernel_module
+from pairgen.module.kernel_module import KernelModule
+from pairgen.module.weights import PackedParameters
 
 pytestmark = pytest.mark.usefixtures("compiled_fast_path")
 
@@ -81,7 +83,7 @@ class Scale(KernelModule, nn.Module):
 def cpu_streams(monkeypatch):
     """The CPU build of torch has no CUDA streams: stream handles are 0 here."""
     monkeypatch.setattr(launch, "_raw_stream", lambda index: 0)
-    monkeypatch.setattr(modules, "current_raw_stream", lambda index: 0)
+    monkeypatch.setattr(kernel_module, "current_raw_stream", lambda index: 0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with torch.no_grad():
         yield

@@ -7,6 +7,8 @@ inputs; with "reference" the reference whatever the size. And every python block
 as written on the GPU."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -30,7 +32,8 @@ def test_the_readme_training_example_trains_on_the_gpu(monkeypatch, mode, recomp
     monkeypatch.setattr(TriangleMultiplication, "_backward_mode", mode)
     monkeypatch.setattr(TriangleMultiplication, "recompute_for_backward", recompute)
     if min_pairs is not None:
-        monkeypatch.setattr(TriangleMultiplication, "MIN_16_BIT_CLOSED_FORM_PAIRS", min_pairs)
+        monkeypatch.setattr(TriangleMultiplication, "routing",
+                            replace(TriangleMultiplication.routing, closed_form_16_bit_training_min_pairs=min_pairs))
     monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD", raising=False)
     scope = {}
     exec(compile(training_example(), "README.md", "exec"), scope)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_errors, generator, gradient_errors64
-from pairgen.modules import SavedClosedForm
+from pairgen.module.autograd import SavedClosedForm
+from pairgen.module.dispatch import pairs
 from pairgen.ops.readout import READOUT
 
 
@@ -79,8 +80,8 @@ def test_the_saving_forward_is_exact_and_its_gradients_meet_the_standard():
 
 def test_16_bit_forwards_take_the_fp32_kernels_up_to_the_measured_size():
     module = READOUT.make_module({"D": 8, "P": 4, "H": 8}, generator(63)).bfloat16()
-    assert module.MAX_FP32_KERNEL_PAIRS == 2**15
+    assert module.routing.fp32_kernel_max_pairs == 2**15
     for B, N, takes in ((8, 64, True), (16, 128, False), (9, 64, False)):
         nodes = torch.empty(B, N, 8, dtype=torch.bfloat16)
-        assert module.fp32_kernel_pays((nodes, None, None)) is takes, (B, N)
-    assert not module.closed_form_without_kernel, "16-bit readouts never take the closed form"
+        assert (pairs(nodes) <= module.routing.fp32_kernel_max_pairs) is takes, (B, N)
+    assert module.routing.closed_form_min_pairs is None, "16-bit readouts never take the closed form"

@@ -16,7 +16,7 @@ import torch
 
 from helpers import compile_plans, compiled_variant, main_grid
 from pairgen import codegen, runtime
-from pairgen.modules import fp32_matmul
+from pairgen.module.modes import fp32_matmul
 from pairgen.spec import DeviceLimits
 from pairgen.ops.readout import PairReadout
 from pairgen.ops.readout.module import split_w2t, tf32_rounded

@@ -10,7 +10,7 @@ import torch
 
 from helpers import closed_form_errors, generator, gradient_errors64
 from pairgen import codegen, compiler, config
-from pairgen.modules import ReferenceBackward, SavedClosedForm
+from pairgen.module.autograd import ReferenceBackward, SavedClosedForm
 from pairgen.ops import layer_norm_rows
 from pairgen.ops.trimul import TRIMUL, fused_backward
 
@@ -122,7 +122,7 @@ def test_a_tf32x3_module_meets_the_fp32_standard():
 
 def test_backward_mode_is_checked_and_auto_trains_large_16_bit_calls_through_the_fused_closed_form(monkeypatch):
     """"auto": fp32 calls always through the closed form; 16-bit calls from
-    MIN_16_BIT_CLOSED_FORM_PAIRS pairs (below, a step is bound by the host and PyTorch's
+    Routing.closed_form_16_bit_training_min_pairs pairs (below, a step is bound by the host and PyTorch's
     reference is as fast) and only with the fused kernels; the explicit modes as they say."""
     monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD", raising=False)
     module = TRIMUL.make_module({"P": 16, "H": 8, "outgoing": 0, "gate_normalized": 0, "bias": 1}, generator(96))

@@ -418,7 +418,7 @@ def test_create_graph_differentiates_through_the_reference_or_is_refused():
 def test_the_hidden_gate_placements_closed_form_on_the_gpu():
     """gate_at="hidden" through the closed form with the fused kernels (the module does not take it
     yet: not measured; called directly here): every gradient within 2e-5 of float64 autograd."""
-    from pairgen.modules import SavedClosedForm
+    from pairgen.module.autograd import SavedClosedForm
 
     gen = generator(22)
     widths = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 1, "bias": 1, "gate_hidden": 1}

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from helpers import generator
-from pairgen.modules import WatchedParameter
+from pairgen.module.weights import WatchedParameter
 from pairgen.ops import get_op, op_names
 
 SEED_WIDTHS = {name: get_op(name).widths_of(get_op(name).presets["seed"][0]) for name in op_names()}

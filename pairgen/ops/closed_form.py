@@ -7,7 +7,8 @@ import contextlib
 
 import torch
 
-from ..modules import as_dtype, autocast_off, cublas_fp32_mode  # as_dtype: a training step makes about forty such casts
+from ..module.modes import as_dtype, autocast_off, cublas_fp32_mode  # as_dtype: a training step makes about forty such casts
+from ..precision import COMPUTE_DTYPES
 
 
 # Pair-sized tensors (B·N², C) dominate a backward's memory: these two make one new such tensor
@@ -78,8 +79,8 @@ class Products:
         return self.bmm(t, rows).sum(0)
 
 
-#: What a closed form computes in, by the precision its module's backward_precision names.
-COMPUTE_DTYPES = {"ieee": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: What a closed form computes in, by the precision its module's backward_precision names:
+#: COMPUTE_DTYPES (pairgen/precision.py) = {"ieee": float32, "tf32": float32, "bfloat16", "float16"}.
 
 
 def closed_form_gradients(compute, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out: torch.Tensor,

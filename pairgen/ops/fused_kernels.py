@@ -8,13 +8,15 @@ import functools
 from typing import TYPE_CHECKING, Callable
 
 from .. import codegen, compiler, runtime
+from ..precision import STORAGE_KINDS
 
 if TYPE_CHECKING:  # annotations only: the launches take torch tensors, rendering needs no torch
     import torch
 
-#: Storage types the templates are rendered for (`kind` in their context), by torch dtype name:
-#: rendering and `pairgen-tune --status` import this module where torch is not installed.
-_KIND_OF_DTYPE = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+#: Storage types the templates are rendered for (`kind` in their context), by torch dtype name
+#: (STORAGE_KINDS): rendering and `pairgen-tune --status` import this module where torch is not
+#: installed.
+_KIND_OF_DTYPE = STORAGE_KINDS
 
 
 def storage_kind(dtype) -> str | None:

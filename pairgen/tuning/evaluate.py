@@ -7,7 +7,7 @@ import time
 import torch
 
 from .. import codegen, compiler, runtime
-from ..modules import HALF_PRECISION_DTYPES
+from ..precision import HALF_DTYPES as HALF_PRECISION_DTYPES
 from .check import CheckFailed, compare, reference64
 from ..spec import OpSpec, Plan, precision_of
 from .timing import time_cuda

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import (OPERAND_DTYPES, OUTPUT_DTYPES, KernelModule, PackedParameters, TensorCorePrecisions,
-                        check_float_tensor, contiguous_aligned)
+from ...module.dispatch import Routing
+from ...module.kernel_module import KernelModule, TensorCorePrecisions
+from ...module.validation import check_float_tensor, contiguous_aligned
+from ...module.weights import PackedParameters
+from ...precision import OPERAND_DTYPES, OUTPUT_DTYPES
 from . import backward
 from .reference import ContactHeadReference
 from .spec import CONTACT, MMA, SYMMETRIC_TILED, THREAD_PER_PAIR, TILED, WGMMA, mma_weight_offsets, weight_offsets
@@ -68,17 +71,12 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
     closed_form = staticmethod(backward.gradients)
     saving_forward = staticmethod(backward.forward_saving)
     saved_gradients = staticmethod(backward.gradients_from)
-    closed_form_without_kernel = True  # 16-bit calls no kernel serves (an autocast of the other 16-bit dtype)
-    #: From this many pairs (B*N*N) a 16-bit forward that no tensor-core kernel serves runs the
-    #: closed form, below it the fp32 kernel on the input made fp32 (below, the closed form is bound
-    #: by the host's time per PyTorch operation). Training keeps the reference ("auto"): measured faster.
-    MIN_16_BIT_FORWARD_PAIRS = 2**17
-
-    def closed_form_pays(self, inputs) -> bool:
-        return _pairs(inputs[0]) >= self.MIN_16_BIT_FORWARD_PAIRS
-
-    def fp32_kernel_pays(self, inputs) -> bool:
-        return _pairs(inputs[0]) < self.MIN_16_BIT_FORWARD_PAIRS
+    #: A 16-bit forward that no tensor-core kernel serves (an autocast of the other 16-bit dtype)
+    #: runs the closed form from 2^17 pairs (B*N*N), below it the fp32 kernel on the input made fp32
+    #: (below, the closed form is bound by the host's time per PyTorch operation). Training keeps the
+    #: reference ("auto"): measured faster.
+    routing = Routing(fp32_kernel_max_pairs=2**17 - 1, closed_form_min_pairs=2**17)
+    input_layout = (("pair_repr", "BNNP", "float"),)
 
     def reference_forward(self, pair_repr):
         return ContactHeadReference.forward(self, pair_repr)
@@ -129,7 +127,3 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
             return out
         self._run(variant, x, out)
         return out
-
-
-def _pairs(x: torch.Tensor) -> int:
-    return x.shape[0] * x.shape[1] * x.shape[2]

@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import (OPERAND_DTYPES, HeldBuffer, KernelModule, PackedParameters, TensorCorePrecisions,
-                        check_float_tensor, check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul, grow_held)
+from ...module.buffers import HeldBuffer, grow_held
+from ...module.dispatch import Routing
+from ...module.kernel_module import KernelModule, TensorCorePrecisions
+from ...module.modes import cublas_fp32_mode, fp32_matmul
+from ...module.validation import check_float_tensor, check_mask, contiguous_aligned
+from ...module.weights import PackedParameters
+from ...precision import OPERAND_DTYPES
 from . import backward
 from .reference import PairReadoutReference
 from .spec import (DIRECT, FUSED, GEMM, MMA, READOUT, SPLIT, WGMMA, gemm_scratch_offsets, mma_weight_offsets,
@@ -216,17 +221,13 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
     saving_forward = staticmethod(backward.forward_saving)
     saved_gradients = staticmethod(backward.gradients_from)
     input_gradients = ("input", "pair_feats", None)
-    # closed_form_without_kernel stays False: 16-bit modules run the reference. The closed form
-    # computes the readout in fp32 (its sparse max gradient has no 16-bit path), and for bf16 it
-    # measured slower than the bf16 reference.
-
-    #: Up to this many pairs (B*N*N) a 16-bit (or autocast) forward runs the fp32 kernels on the
-    #: inputs made fp32: faster than the 16-bit reference up to there, slower beyond.
-    MAX_FP32_KERNEL_PAIRS = 2**15
-
-    def fp32_kernel_pays(self, inputs) -> bool:
-        nodes = inputs[0]
-        return nodes.shape[0] * nodes.shape[1] * nodes.shape[1] <= self.MAX_FP32_KERNEL_PAIRS
+    #: Up to 2^15 pairs (B*N*N) a 16-bit (or autocast) forward no kernel serves runs the fp32
+    #: kernels on the inputs made fp32: faster than the 16-bit reference up to there, slower beyond.
+    #: The closed form never runs without a kernel (16-bit modules run the reference): it computes
+    #: the readout in fp32 (its sparse max gradient has no 16-bit path), and for bf16 it measured
+    #: slower than the bf16 reference.
+    routing = Routing(fp32_kernel_max_pairs=2**15)
+    input_layout = (("nodes", "BND", "float"), ("pair_feats", "BNNP", "float"), ("edge_mask", "BNN", "mask"))
 
     def closed_form_output_dtype(self, first, autocast):
         """The reference ends in nodes + LayerNorm(...), and autocast runs LayerNorm in fp32."""

@@ -21,6 +21,7 @@ from ...spec import (HALF_PRECISIONS, MMA_KINDS, MMA_TILE_RESTRICTIONS, SIXTEEN_
                      Cost, DeviceLimits, Kernel, OpSpec, Plan, Restriction, Strategy, Tolerance, align, byte_sections,
                      ceil_div, cuda_bool, element_bytes, flat_tile_grid, mma_row_bytes, padded_stride,
                      persistent_blocks, section_offsets, smem_fits)
+from ...precision import FP32_PRECISIONS
 
 #: The pair-max kernel (split, direct): nodes, pair features, mask, weights, uv, scratch, counters,
 #: out, then B, N, row tiles.
@@ -89,7 +90,7 @@ def min_blocks_per_sm(smem_bytes: int, threads: int, limits: DeviceLimits, regis
 
 #: The exact fp32 strategies keep tf32x3's and tf32's promises too: where they are faster (small
 #: shapes), or where no tensor-core tile fits (W_p and W2 resident), those precisions run them.
-EXACT_SERVES = ("float32", "tf32x3", "tf32")
+EXACT_SERVES = FP32_PRECISIONS  # ("float32", "tf32x3", "tf32")
 
 
 # ---- split and direct ---------------------------------------------------------------------------

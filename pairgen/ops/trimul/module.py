@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from ...modules import (HALF_DTYPE_NAMES, OPERAND_DTYPES, OUTPUT_DTYPES, KernelModule,
-                        PackedParameters, TensorCorePrecisions, as_mask, check_float_tensor,
-                        check_mask, contiguous_aligned, cublas_fp32_mode, fp32_matmul)
-from ... import config, fastcall
+from ...module.dispatch import Routing
+from ...module.kernel_module import KernelModule, TensorCorePrecisions
+from ...module.modes import cublas_fp32_mode, fp32_matmul
+from ...module.validation import as_mask, check_float_tensor, check_mask, contiguous_aligned
+from ...module.weights import PackedParameters
+from ...precision import HALF_DTYPES, OPERAND_DTYPES, OUTPUT_DTYPES
+from ... import fastcall
 from . import backward, given_weights
 from .reference import TriangleMultiplicationReference
 from .spec import BMM, FUSED, MMA, TRIMUL, WGMMA, k_padded, mma_weight_offsets, weight_offsets, wgmma_weight_offsets
@@ -155,7 +158,7 @@ def run_mma(module: "TriangleMultiplication", variant, x, mask, out) -> None:
             int(mask.dtype is torch.float32))
     shape = (B * H, N, copies * N) if module._outgoing else (B * H, copies * N, N)
     ar, br = ab[0].view(shape), ab[1].view(shape)
-    if precision in HALF_DTYPE_NAMES.values():  # fp32 accumulation, output in the operands' dtype
+    if precision in HALF_DTYPES:  # fp32 accumulation, output in the operands' dtype
         z = torch.empty((B * H, N, N), device=x.device, dtype=ab.dtype)
         fastcall.note_scratch(z)
         left, right = triangle_operands(ar, br, module._outgoing)
@@ -230,17 +233,12 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
         self._param_names = tuple(f"{sub}.{name}" for sub, name in paths)
         self._weights = PackedParameters(self, paths, self._pack)
 
-    #: Pairs (B * N * N) from which "auto" trains a 16-bit call through the closed form. Below, a
-    #: training step is bound by the host's time to issue its kernels, and the closed form measured
-    #: no faster than PyTorch's reference.
-    MIN_16_BIT_CLOSED_FORM_PAIRS = 2**17
-
-    def fast_16_bit_closed_form(self, inputs: tuple) -> bool:
-        """With the fused backward kernels, from MIN_16_BIT_CLOSED_FORM_PAIRS pairs; without them
-        PyTorch's elementwise passes make the closed form slower than the reference at N256 too."""
-        x = inputs[0]
-        return config.fused_backward() and x.shape[0] * x.shape[1] * x.shape[2] >= self.MIN_16_BIT_CLOSED_FORM_PAIRS
-
+    #: "auto" trains a 16-bit call through the closed form from 2^17 pairs (B * N * N), with the
+    #: fused backward kernels only: below, a training step is bound by the host's time to issue its
+    #: kernels, and without the fused kernels PyTorch's elementwise passes make the closed form slower
+    #: than the reference. Calls no kernel computes run the reference.
+    routing = Routing(closed_form_16_bit_training_min_pairs=2**17, closed_form_16_bit_training_needs_fused_kernels=True)
+    input_layout = (("pair_repr", "BNNP", "float"), ("pair_mask", "BNN", "mask"))
 
     def run_on_given_weights(self, x, mask, variant, weights: dict):
         """A validated call (mask as as_mask gives it) of a wgmma variant on `weights` in the

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import torch
 
+from ...precision import PRECISIONS
+
 
 #: A float32 module's precision= -> cuEquivariance's mode for its fp32 inputs. Its 0.13 modes are
 #: None/default, ieee, bfloat16, mxfp8: no 3xTF32, so tf32x3 (fp32-accurate) is compared with its
 #: ieee mode, the one of the same accuracy; tf32 with its default (TF32 where PyTorch allows it).
-_FP32_MODES = {"ieee": "ieee", "tf32x3": "ieee", "tf32": None}
+_FP32_MODES = {p.spelling: p.cuequivariance_fp32 for p in PRECISIONS if p.module_option}
 
 
 def af3_weights(m, cat) -> dict:

@@ -1,0 +1,125 @@
+"""The autograd Functions that give a drop-in module's training calls their gradients: the kernel
+forward with a closed-form (or recomputed reference) backward, the closed form with its forward's
+intermediates kept, and the refusal of a second derivative through gradients computed without a
+graph."""
+from __future__ import annotations
+
+import torch
+
+
+def frozen_names(names: list[str], wanted: "list[bool] | None") -> frozenset:
+    """The parameter names whose gradient is not wanted (None: every one is)."""
+    return frozenset() if wanted is None else frozenset(name for name, w in zip(names, wanted) if not w)
+
+
+class ReferenceBackward(torch.autograd.Function):
+    """Forward through the kernel; backward through the module's closed-form gradients where it
+    has them for this call (`analytic_gradients`), else by recomputing the reference under
+    autograd (the reference's own gradients, at the cost of one recomputation)."""
+
+    @staticmethod
+    def forward(ctx, module, n_inputs, variant, *tensors):
+        ctx.module, ctx.n_inputs = module, n_inputs
+        # The recomputation runs under the forward's autocast, so its dtypes are the forward's.
+        ctx.autocast = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+        ctx.save_for_backward(*tensors)
+        return module._launch(*tensors[:n_inputs], variant=variant)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        tensors = ctx.saved_tensors
+        enabled, dtype = ctx.autocast
+        # Under create_graph (grad mode on here) the gradients must themselves be differentiable in
+        # the saved tensors: the closed form computes without autograd, so the reference's
+        # autograd answers, on the saved tensors as they are (not detached) and building a graph.
+        create_graph = torch.is_grad_enabled()
+        if create_graph:
+            inputs = list(tensors[: ctx.n_inputs])
+        else:
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in tensors[: ctx.n_inputs]]
+        params = list(tensors[ctx.n_inputs:])
+        wanted = [t for t in inputs + params if t.requires_grad]
+        analytic = None if create_graph else ctx.module.analytic_gradients(
+            inputs, params, grad_out, autocast=dtype if enabled else None, wanted=[p.requires_grad for p in params])
+        if analytic is not None:
+            return (None, None, None, *[g if t.requires_grad else None for t, g in zip(inputs + params, analytic)])
+        with torch.enable_grad(), torch.autocast("cuda", dtype=dtype, enabled=enabled):
+            out = ctx.module.reference_forward(*inputs)
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True, create_graph=create_graph))
+        return (None, None, None, *[next(grads) if t.requires_grad else None for t in inputs + params])
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether torch.autograd.graph.saved_tensors_hooks (or a user of them: non-reentrant
+    torch.utils.checkpoint, save_on_cpu) is active. PyTorch has no public query; without the
+    private one this answers False."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
+SECOND_DERIVATIVE_REFUSED = (
+    "pairgen: a second derivative (create_graph=True) through kept intermediates is not supported: their "
+    "gradients are computed without an autograd graph. Set the module's recompute_for_backward = True to "
+    "differentiate through the reference's autograd instead.")
+
+
+class _RefuseSecondDerivative(torch.autograd.Function):
+    """Identity on gradients computed without a graph, tied to the incoming gradient so that the
+    graph a create_graph=True backward builds reaches the caller's tensors; differentiating it
+    raises SECOND_DERIVATIVE_REFUSED (not PyTorch's 'appears to not have been used in the graph',
+    nor a silent zero)."""
+
+    @staticmethod
+    def forward(ctx, grad_out, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(SECOND_DERIVATIVE_REFUSED)
+
+
+def graphless_gradients(grad_out: torch.Tensor, grads: list) -> list:
+    """`grads` as a backward returns them: unchanged in a plain backward; under create_graph=True
+    (grad mode on during the backward), tied to `grad_out` through a node that refuses to be
+    differentiated."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not (torch.is_grad_enabled() and present):
+        return grads
+    # An incoming gradient with no graph of its own (d(out.sum())/d(out)) still gets a refusing
+    # node: the gradients depend on the inputs, and differentiating them must not pass for zero.
+    tie = grad_out if grad_out.requires_grad else grad_out.detach().requires_grad_()
+    tied = _RefuseSecondDerivative.apply(tie, *(grads[i] for i in present))
+    out = list(grads)
+    for i, g in zip(present, tied):
+        out[i] = g
+    return out
+
+
+class SavedClosedForm(torch.autograd.Function):
+    """Forward computed the closed form's way (the op's saving_forward), its intermediates kept
+    for the backward, which consumes them (saved_gradients): no kernel forward and no
+    recomputation, at the memory of the saved intermediates."""
+
+    @classmethod
+    def run(cls, module, inputs: tuple) -> torch.Tensor:
+        """The module's training call on `inputs` through this function (its parameters walked
+        once: a walk costs a call tens of µs of host time)."""
+        named = list(module.named_parameters())
+        return cls.apply(module, len(inputs), tuple(name for name, _ in named), *inputs, *(p for _, p in named))
+
+    @staticmethod
+    def forward(ctx, module, n_inputs, names, *tensors):
+        ctx.module, ctx.n_inputs, ctx.names = module, n_inputs, names
+        out, ctx.saved = module.closed_form_forward(tensors[:n_inputs], dict(zip(names, tensors[n_inputs:])))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        skipped = 3  # module, n_inputs, names
+        wanted = ctx.needs_input_grad[skipped + ctx.n_inputs:]
+        with torch.no_grad():
+            grads = ctx.module.saved_gradients(ctx.module, ctx.saved, grad_out.detach(), frozen_names(ctx.names, wanted))
+        needs = ctx.needs_input_grad[skipped: skipped + ctx.n_inputs]
+        inputs = [grads[key] if key and need else None for key, need in zip(ctx.module.input_gradients, needs)]
+        params = [grads.get(name) if want else None for name, want in zip(ctx.names, wanted)]
+        return (None,) * skipped + tuple(graphless_gradients(grad_out, [*inputs, *params]))

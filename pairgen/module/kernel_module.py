@@ -1,0 +1,459 @@
+"""KernelModule, the mixin every drop-in module is built on, and TensorCorePrecisions, the
+`precision` option of the modules with tensor-core kernels.
+
+KernelModule keeps what a module holds between calls (the variant per length, fast-call
+recordings, packs, barrier ints) and runs each call the way `dispatch.route` decides. The pieces
+it is built from live beside it: `dispatch` (which path a call runs), `autograd` (the training
+paths' autograd Functions), `weights` (packed weights that follow the parameters), `buffers`
+(scratch held between calls), `validation` (input checks), `modes` (autocast and cuBLAS modes)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable
+
+import torch
+
+from .. import fastcall, first_use, library, native, runtime
+from ..launch import current_raw_stream
+from ..precision import CLOSED_FORM_DTYPES, HALF_BY_DTYPE, HALF_DTYPES, MODULE_OPTIONS, MODULE_PRECISIONS, lookup
+from ..spec import OpSpec
+from . import dispatch
+from .autograd import ReferenceBackward, SavedClosedForm, frozen_names
+from .buffers import HeldBuffer
+from .dispatch import (CLOSED_FORM, COMPILED, FP32_KERNEL, KERNEL, KERNEL_TRAINING, REFERENCE, SAVED_CLOSED_FORM, Route,
+                       Routing, route)
+from .modes import as_dtype, autocast_off, current_autocast
+from .weights import DATA_EPOCH, STRUCTURE_EPOCH, PackedParameters
+
+
+class KernelModule:
+    """Mixin for drop-in modules: decides kernel or reference, and keeps the variant choice.
+
+    A subclass provides: `op` (its OpSpec), `runners` (strategy name -> the function that runs a
+    variant of that strategy), `widths`, `input_layout`, `reference_forward(*inputs)`,
+    `_launch(*inputs, out=None, variant=None)`, and validates its inputs before calling
+    `_dispatch`; where its dispatch differs from the default, a `routing` (dispatch.Routing) and
+    the methods that describe a call (`kernel_precision`, `uses_kernel`, `closed_form_applies`).
+    """
+
+    op: OpSpec
+    runners: dict[str, Callable] = {}
+    _forced_plan = None  # set by the tuner and the tests to run one specific variant
+    _reference_only = False  # set while pairgen.library runs the reference on weights it was given
+    _variant_cache: dict | None = None  # (device index, N) -> variant, valid for one runtime generation
+    #: Lengths remembered per module: a server meeting every protein's own N must not grow
+    #: without bound; past this many the oldest half is forgotten (re-selecting costs a lookup).
+    MAX_CACHED_LENGTHS = 256
+    #: How a training call (one that autograd records) gets its gradients; see backward_mode.
+    BACKWARD_MODES = dispatch.BACKWARD_MODES
+    _backward_mode = "auto"
+    #: The closed form of an op that can keep its forward's intermediates (saving_forward) keeps
+    #: them unless this is True: then the forward is the kernel and the backward recomputes them
+    #: from the inputs (the least memory, one forward more). Other ops always recompute.
+    recompute_for_backward = False
+    #: The op's dispatch facts and thresholds (pairgen/module/dispatch.py); an instance may
+    #: replace it (dataclasses.replace) to move a threshold.
+    routing: Routing = Routing()
+    #: The inputs, in forward's order: (name, the shape's letters over B, N and the widths, "float"
+    #: or "mask"); explain() builds stand-ins of them.
+    input_layout: tuple = ()
+
+    # Loaded kernels and packed weights belong to this process and device: a copy or a pickle
+    # (an EMA copy of the model, torch.save) starts without them and rebuilds them on first use.
+    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_handle", "_extra_packs", "_barrier", "_kernel_route")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The int that names this module to its torch.library operator (pairgen/library.py),
+        # registered here and not while torch.compile traces: a tracer does not keep side effects.
+        self._handle = library.register(self)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for name in self._RUNTIME_STATE:
+            if name in state:
+                state[name] = None
+        state.pop("_fast_calls", None)
+        state.pop("_fast_call_counts", None)
+        return state
+
+    # ---- fast calls (pairgen/fastcall.py) ----------------------------------------------------
+    #: Recorded calls, newest first: (the compiled replay function, its recording, device index).
+    _fast_calls: tuple = ()
+    #: Recordings kept per module: a few lengths called in turn all stay fast.
+    MAX_FAST_CALLS = 4
+    #: Strategies whose runners launch only pairgen kernels, on the inputs, the output, tensors
+    #: the module holds and per-call buffers they note (fastcall.note_scratch): their calls can
+    #: be recorded. A runner that runs PyTorch operations between its kernels is not listed.
+    fast_call_strategies: frozenset = frozenset()
+    #: Strategies whose calls can be recorded in bfloat16/float16 only.
+    fast_call_16_bit_strategies: frozenset = frozenset()
+
+    def _records(self, variant) -> bool:
+        """Whether a call of this variant can be recorded for replay."""
+        strategy = variant.plan.strategy
+        return strategy in self.fast_call_strategies or (
+            strategy in self.fast_call_16_bit_strategies and variant.plan.precision in HALF_DTYPES)
+
+    def _fast_forward(self, *inputs):
+        """The output of a recorded call that matches these inputs, or None: take the Python path.
+        Not while torch.compile traces (the operator of pairgen/library.py is what it sees)."""
+        if torch.compiler.is_compiling():
+            return None
+        stream_index = stream = None  # the current stream fetched once per device, not per recording tried
+        for replay, recorded, index in self._fast_calls:
+            if index != stream_index:
+                stream_index, stream = index, current_raw_stream(index)
+            out = replay(recorded, stream, *inputs)
+            if out is not None:
+                return out
+        return None
+
+    def forget_fast_calls(self) -> None:
+        """Drop the recordings (the variant, the precision or the call's mode changed)."""
+        self.__dict__.pop("_fast_calls", None)
+
+    def _launch_recorded(self, inputs: tuple, variant, run: "Callable[[], torch.Tensor] | None" = None):
+        """_launch (or `run`, a call of the variant on `inputs` by other means), recorded for
+        replay where the call allows it (see fastcall.py)."""
+        if run is None:
+            run = functools.partial(self._launch, *inputs, variant=variant)
+        if not self._records(variant):
+            return run()
+        replayer = native.fastcall()  # the first request starts the compiled module's build
+        if (replayer is None or self._reference_only or self.__dict__.get("_state_per_call")
+                or torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing()):
+            return run()
+        counts = self.__dict__.setdefault("_fast_call_counts", [0, 0])  # slow calls, recordings
+        counts[0] += 1
+        if not fastcall.may_record(*counts):
+            return run()
+        counts[1] += 1
+        with fastcall.recording() as (launches, scratch):
+            out = run()
+        packs, held = self._held_for_fast_calls()
+        epochs = [(counter, counter[0]) for counter in (STRUCTURE_EPOCH, DATA_EPOCH, runtime.GENERATION)]
+        recorded = fastcall.build(inputs, out, launches, scratch, packs, held, epochs)
+        if recorded is not None:
+            entry = (replayer.call, recorded, inputs[0].get_device())
+            self.__dict__["_fast_calls"] = (entry,) + self._fast_calls[: self.MAX_FAST_CALLS - 1]
+        return out
+
+    def _packed_for(self, key, pack: Callable[[list], torch.Tensor]) -> "PackedParameters":
+        """Another packing of the module's weights (a tensor-core layout in an operand dtype), kept
+        per key beside the fp32 one and, as it, rebuilt only after a parameter changed. `pack`
+        takes the parameters in the order of the fp32 pack's paths."""
+        packs = self.__dict__.get("_extra_packs")
+        if packs is None:
+            packs = self.__dict__["_extra_packs"] = {}
+        packed = packs.get(key)
+        if packed is None:
+            packed = packs[key] = PackedParameters(self, self._weights._paths, pack)
+        return packed
+
+    def _held_for_fast_calls(self) -> tuple[list, list]:
+        """(the module's PackedParameters, the other tensors it holds between calls): what a
+        recorded call may point into besides its inputs and output."""
+        packs, held = [], []
+        for value in self.__dict__.values():
+            if isinstance(value, PackedParameters):
+                packs.append(value)
+            elif isinstance(value, HeldBuffer):
+                held += [value.live, *value.retired]
+            elif isinstance(value, dict):  # the tensor-core packs (_packed_for)
+                packs += [v for v in value.values() if isinstance(v, PackedParameters)]
+            elif isinstance(value, tuple):  # e.g. the triangle update's (device, barrier ints)
+                held += [v for v in value if isinstance(v, torch.Tensor)]
+        return packs, held
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._handle = library.register(self)  # a copy is another module, with its own handle
+
+    def _barrier_ints(self, device: torch.device) -> int:
+        """The grid barrier's ints on this device (common/grid_barrier.cuh; the readout's fused
+        strategy counts its prologue blocks in the first, common/block_roles.cuh), zeroed once: each
+        launch leaves them as the next one needs them (the counts at 0, the barrier's sense flipped),
+        so no launch needs a memset. Two launches of the same module on different streams at once
+        would share them."""
+        index = device.index or 0
+        if self.__dict__.get("_state_per_call"):  # inside an operator call (library.state_per_call)
+            return self._call_buffer(index, 2, torch.int32, zeroed=True)
+        held = self.__dict__.get("_barrier")  # (device index, the two ints), made on first use
+        if held is None or held[0] != index:
+            held = self._barrier = (index, torch.zeros(2, device=device, dtype=torch.int32))
+        return held[1].data_ptr()
+
+    def _call_buffer(self, index: int, count: int, dtype: torch.dtype, zeroed: bool) -> int:
+        """A buffer for one operator call (library.state_per_call): kept until that call ends, so
+        no later allocation of the call reuses it before its kernel is enqueued, then dropped."""
+        device = torch.device("cpu") if index < 0 else torch.device("cuda", index)
+        buffer = (torch.zeros if zeroed else torch.empty)(count, device=device, dtype=dtype)
+        self.__dict__.setdefault("_call_buffers", []).append(buffer)
+        return buffer.data_ptr()
+
+    @property
+    def backward_mode(self) -> str:
+        """How a call that autograd records gets its gradients:
+        "closed_form": the op's closed-form gradients (backward_precision says in what): the
+        forward computed the closed form's way with its intermediates kept for the backward where
+        the op can (saving_forward), else, or with recompute_for_backward, the kernel forward and a
+        backward that recomputes them from the inputs (the least memory);
+        "reference": the reference module in PyTorch, forward and backward, in the call's dtype
+        (autograd saves the reference's intermediates), exactly what pairgen replaces;
+        "auto" (the default): the closed form for fp32 calls, where it is the faster of the two
+        for every op; for 16-bit calls and autocast, the closed form where the op computes it in
+        16 bits with fused kernels and the call is large enough for that to pay (the triangle
+        update: its Routing.closed_form_16_bit_training_min_pairs), else the reference
+        (docs/performance.md has the measurements)."""
+        return self._backward_mode
+
+    @backward_mode.setter
+    def backward_mode(self, mode: str) -> None:
+        if mode not in self.BACKWARD_MODES:
+            raise ValueError(f"backward_mode must be one of {', '.join(map(repr, self.BACKWARD_MODES))}, got {mode!r}")
+        self._backward_mode = mode
+
+    def trains_through_reference(self, precision: str, inputs: tuple) -> bool:
+        """Whether a training call on `inputs` in `precision` (kernel_precision's name) runs the
+        reference (dispatch.trains_through_reference)."""
+        return dispatch.trains_through_reference(self, precision, inputs)
+
+    def force_variant(self, variant) -> None:
+        """Run `variant` (a runtime.Variant) instead of the tuned choice; None restores it."""
+        self._forced_plan = variant
+        self.forget_fast_calls()
+
+    def uses_kernel(self, *tensors: torch.Tensor) -> bool:
+        """CUDA float32 runs a kernel. Callers have validated the inputs first (one device,
+        the parameters' dtype), so the first tensor speaks for all of them."""
+        first = tensors[0]
+        return first.is_cuda and first.dtype is torch.float32
+
+    def kernel_precision(self, *tensors: torch.Tensor) -> str | None:
+        """The precision a kernel would compute this call in (a tuned key's dtype), or None: run
+        the reference. Exact fp32 unless the op says otherwise; under torch.autocast the reference
+        (an op with low-precision kernels overrides this), whose dtypes autocast decides."""
+        if torch.is_autocast_enabled("cuda"):
+            return None
+        return "float32" if self.uses_kernel(*tensors) else None
+
+    def variant_for(self, n: int, device: "torch.device | int", precision: str = "float32"):
+        """The variant for length n on this device (a torch.device or a CUDA index; None: run the
+        reference). A default variant whose first-use check has not run yet is returned as is."""
+        choice = self._choice_for(n, device, precision)
+        return choice.winner if type(choice) is first_use.Pending else choice
+
+    def _choice_for(self, n: int, device: "torch.device | int", precision: str):
+        """variant_for, or a first_use.Pending. Cached on the module: the host time of a call is
+        what small shapes are made of."""
+        if self._forced_plan is not None:
+            return self._forced_plan
+        cache = self._variant_cache
+        generation = runtime.generation()
+        if cache is None or cache["generation"] != generation:
+            cache = self._variant_cache = {"generation": generation}
+        key = (device if type(device) is int else device.index or 0, n, precision)
+        variant = cache.get(key, cache)
+        if variant is cache:
+            if len(cache) > self.MAX_CACHED_LENGTHS:
+                for old in [k for k in cache if k != "generation"][: self.MAX_CACHED_LENGTHS // 2]:
+                    del cache[old]
+            variant = cache[key] = runtime.select(self.op, precision, self.widths, n, key[0])
+        return variant
+
+    def explain(self, n: int, device: torch.device | int | None = None,
+                precision: "str | None" = None, batch: int = 1) -> "runtime.Explanation":
+        """What this module runs for length n on a GPU in `precision` (a tuned key's dtype or any
+        alias of one: "float32", "bfloat16", ...; None: what this module's calls compute in), where
+        that came from, its parameters and its measured time (see runtime.explain), and the route
+        (dispatch.route) an inference and a training call of `batch` at that length take: in the
+        module's dtype, under an autocast to `precision` where that is 16-bit and the module fp32.
+        The route selects the variant as a call would (its first-use check is not run). For the
+        CPU device, or where torch sees no CUDA GPU, it says so: a call there runs the reference."""
+        dtype = self._weights.anchor().dtype
+        if precision is None:
+            own = HALF_BY_DTYPE.get(dtype)
+            precision = own if own is not None else MODULE_PRECISIONS.get(getattr(self, "_precision", "ieee"), "float32")
+        precision = lookup(precision).name
+        if isinstance(device, int):
+            index = device
+        else:
+            device = torch.device(device or "cuda")
+            if device.type != "cuda":
+                return self._with_routes(runtime.explain_on_cpu(self.op, n, "a call on CPU tensors"), n, batch,
+                                         dtype, "cpu", None)
+            index = device.index or 0
+        if not torch.cuda.is_available():
+            return self._with_routes(runtime.explain_on_cpu(
+                self.op, n, "a CPU call: torch sees no CUDA GPU here (`pairgen-tune --explain --gpu SLUG --arch "
+                "sm_XY` says what a GPU would run)"), n, batch, dtype, "cpu", None)
+        autocast = HALF_DTYPES.get(precision) if dtype is torch.float32 else None
+        return self._with_routes(runtime.explain(self.op, precision, self.widths, n, index), n, batch, dtype,
+                                 torch.device("cuda", index), autocast)
+
+    def _with_routes(self, explained: "runtime.Explanation", n: int, batch: int, dtype: torch.dtype, device,
+                     autocast: "torch.dtype | None") -> "runtime.Explanation":
+        """`explained` with the routes of stand-in calls (dispatch.explain_routes)."""
+        if self.input_layout:
+            with torch.autocast("cuda", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+                explained.routes = dispatch.explain_routes(self, batch, n, dtype, device)
+        return explained
+
+    def route(self, *inputs: torch.Tensor) -> Route:
+        """The path a call on these (validated) inputs would run, and why (dispatch.route); a
+        default variant's first-use check is not run."""
+        return route(self, inputs, settle=False)
+
+    def _dispatch(self, *inputs: torch.Tensor):
+        """Run the call the way dispatch.route decides."""
+        r = route(self, inputs)
+        path = r.path
+        if path == KERNEL:
+            return self._launch_recorded(inputs, r.variant)
+        if path == REFERENCE:
+            return self.reference_forward(*inputs)
+        if path == KERNEL_TRAINING:
+            return ReferenceBackward.apply(self, len(inputs), r.variant, *inputs, *self.parameters())
+        if path == SAVED_CLOSED_FORM:
+            return SavedClosedForm.run(self, inputs)
+        if path == FP32_KERNEL:
+            with autocast_off():  # a strategy's own PyTorch products stay fp32
+                out = self._launch(*r.inputs, variant=r.variant)
+            return as_dtype(out, self.closed_form_output_dtype(inputs[0], current_autocast()))
+        if path == CLOSED_FORM:
+            return self.closed_form_forward(inputs, {name: p.detach() for name, p in self.named_parameters()})[0]
+        if path == COMPILED:  # torch.compile sees one operator (pairgen/library.py)
+            return library.compiled_call(self, self.op.name, inputs)
+        raise AssertionError(f"pairgen: no runner for the route {r}")
+
+    def without_kernel_path(self, inputs: tuple, training: bool) -> tuple:
+        """What a call no kernel computes in its own dtype (16 bits, autocast) runs, as (path,
+        detail): ("fp32 kernel", (its variant, the inputs made fp32)), ("closed form", None) or
+        ("reference", None) (pairgen-bench labels its rows from it; dispatch._without_kernel
+        decides)."""
+        r = dispatch._without_kernel(self, inputs, training)
+        if r.path == FP32_KERNEL:
+            return FP32_KERNEL, (r.variant, r.inputs)
+        return (CLOSED_FORM if r.path in (CLOSED_FORM, SAVED_CLOSED_FORM) else REFERENCE), None
+
+    def closed_form_forward(self, inputs: tuple, params: dict) -> tuple:
+        """The op's forward computed the closed form's way (saving_forward) on `inputs` and
+        `params` (by name), in the precision backward_precision names under the current autocast:
+        (the output in the reference's dtype, what saved_gradients needs)."""
+        autocast = current_autocast()
+        out, saved = self.saving_forward(self, *inputs, params, self.backward_precision(inputs[0], autocast))
+        return as_dtype(out, self.closed_form_output_dtype(inputs[0], autocast)), saved
+
+    def closed_form_output_dtype(self, first: torch.Tensor, autocast: "torch.dtype | None") -> torch.dtype:
+        """The dtype the reference returns for a call whose first input is `first`, under an
+        autocast to `autocast` (None: none): what a closed-form call returns. The autocast dtype
+        when there is one (the reference ends in a Linear's output), else the input's; an op whose
+        reference ends otherwise says so."""
+        return autocast or first.dtype
+
+    def _first_use(self, pending: "first_use.Pending", inputs: tuple, precision: str):
+        """Settle a default variant against the reference on this call's inputs (first_use.py),
+        then remember the winner in this module's cache (a variant, or None: the reference)."""
+        first = inputs[0]
+        winner = pending.settle(lambda: self._launch(*inputs, variant=pending.variant),
+                                lambda: self.reference_forward(*inputs), first.device)
+        if pending.settled:
+            self._variant_cache[(first.get_device(), first.shape[1], precision)] = winner
+        return winner
+
+    #: The op's closed-form gradients (pairgen/ops/<op>/backward.py), as a staticmethod:
+    #: gradients(module, *inputs, params_by_name, grad_out, precision=, frozen=) -> {key: gradient};
+    #: None: no closed form, the backward recomputes the reference.
+    closed_form: Callable | None = None
+    #: Per input, the key of its gradient in closed_form's result (None: it gets none, a mask).
+    input_gradients: tuple = ("input",)
+
+    def analytic_gradients(self, inputs: list, params: list, grad_out: torch.Tensor,
+                           autocast: "torch.dtype | None" = None, wanted: "list[bool] | None" = None) -> list | None:
+        """Gradients of every input and parameter, in order (None for those that get none), in
+        closed form; None where the op has no closed form for this call (the reference is then
+        recomputed under autograd). autocast: the dtype of the torch.autocast the forward ran
+        under (None: none). wanted: per parameter, whether its gradient is wanted (None: all
+        are); the others' products are skipped."""
+        first = inputs[0]
+        if self.closed_form is None or first.dtype not in CLOSED_FORM_DTYPES or not self.closed_form_applies(inputs):
+            return None
+        names = [name for name, _ in self.named_parameters()]
+        grads = self.closed_form(self, *inputs, dict(zip(names, params)), grad_out,
+                                 precision=self.backward_precision(first, autocast), frozen=frozen_names(names, wanted))
+        return [grads[key] if key else None for key in self.input_gradients] + [grads.get(name) for name in names]
+
+    #: The op's forward computed the closed form's way, keeping what its backward needs, as
+    #: staticmethods: saving_forward(module, *inputs, params_by_name, precision) -> (out, saved);
+    #: saved_gradients(module, saved, grad_out, frozen) -> closed_form's result. None: the op's
+    #: training calls run the kernel forward and recompute (recompute_for_backward).
+    saving_forward: Callable | None = None
+    saved_gradients: Callable | None = None
+
+    def closed_form_applies(self, inputs: list) -> bool:
+        """Whether closed_form covers this call's inputs (an op narrows it)."""
+        return True
+
+    def _saves_for_backward(self, inputs) -> bool:
+        """Whether a training call runs SavedClosedForm (dispatch.saves_for_backward)."""
+        return dispatch.saves_for_backward(self, inputs)
+
+    def backward_precision(self, x: torch.Tensor, autocast: "torch.dtype | None") -> str:
+        """What the closed form computes in (closed_form.COMPUTE_DTYPES): 16-bit modules in their
+        dtype, and calls under a 16-bit autocast in its dtype (16-bit tensor cores, fp32
+        accumulation and LayerNorm statistics, as PyTorch's own 16-bit forward and backward: the
+        standard they meet is the 16-bit one; computing them in fp32 measured slower than the
+        16-bit reference); exact fp32 otherwise, tf32x3 modules included (splitting pair-sized
+        operands into TF32 heads and tails in PyTorch cost more than the tensor cores saved: 18.7 ms
+        against 13.8 ms for trimul N512 on an H200)."""
+        half = HALF_BY_DTYPE.get(autocast or x.dtype)  # autocast's dtype, else a 16-bit module's
+        return half if half is not None else "ieee"
+
+    def _run(self, variant, *tensors) -> None:
+        """The variant's strategy runs it on prepared tensors (inputs..., out)."""
+        self.runners[variant.plan.strategy](self, variant, *tensors)
+
+    def _needs_grad(self, inputs) -> bool:
+        return any(t.requires_grad for t in inputs) or any(p.requires_grad for p in self.parameters())
+
+
+
+class TensorCorePrecisions:
+    """For a KernelModule with tensor-core kernels: `precision` ("ieee": exact fp32, the default;
+    "tf32x3"; "tf32") says what its fp32 calls compute in; 16-bit modules compute in their dtype,
+    fp32 ones under torch.autocast in autocast's. Mixed in before KernelModule."""
+
+    _precision = "ieee"
+
+    @property
+    def precision(self) -> str:
+        """What an fp32 call computes in: "ieee" (exact fp32), "tf32x3" or "tf32" (docs/ops.md)."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        spelling = MODULE_OPTIONS.get(value) if isinstance(value, str) else None
+        if spelling is None:
+            raise ValueError(f"precision must be one of {tuple(MODULE_PRECISIONS)} (or an alias: "
+                             f"{', '.join(repr(a) for a in MODULE_OPTIONS if a not in MODULE_PRECISIONS)}), got {value!r}")
+        self._precision = spelling
+        self.forget_fast_calls()
+
+    def extra_repr(self) -> str:
+        return "" if self._precision == "ieee" else f"precision={self._precision!r}"
+
+    def kernel_precision(self, x, *rest) -> str | None:
+        """float32 in the module's precision, or autocast's dtype under torch.autocast("cuda");
+        bfloat16/float16 in their own; None (the reference) on CPU, for other dtypes, for a 16-bit
+        input under an autocast of the other 16-bit dtype, and past 2^31 pairs (32-bit indices)."""
+        if not x.is_cuda or x.shape[0] * x.shape[1] * x.shape[1] >= 2**31:
+            return None
+        autocast = torch.is_autocast_enabled("cuda")
+        if x.dtype is torch.float32:
+            return HALF_BY_DTYPE.get(torch.get_autocast_dtype("cuda")) if autocast else MODULE_PRECISIONS[self._precision]
+        precision = HALF_BY_DTYPE.get(x.dtype)
+        if autocast and torch.get_autocast_dtype("cuda") is not x.dtype:
+            return None
+        return precision
