@@ -299,3 +299,53 @@ def test_seen_and_stale_refuse_a_selection(capsys):
             tune_cli.parse_args(argv)
         assert stop.value.code == 2
         assert "picks its own keys: it takes --op, not --shape, --preset or --precision" in capsys.readouterr().err
+
+
+#: A pairgen-tune process on the CPU (the fixture's stand-ins), whose second shape gets a real
+#: SIGINT, as from a terminal's Ctrl-C, in the middle of its search.
+SIGINT_RUN = """
+import contextlib, os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+from pairgen import compiler, runtime
+from pairgen.tuning import evaluate, tune_cli
+import test_tuner_main_job as t
+
+class Interrupted(t.StandInEvaluator):
+    def evaluate(self, plan):
+        if self.number == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().evaluate(plan)
+
+tune_cli.gpu_missing = lambda what: False
+torch.cuda.current_device = lambda: 0
+torch.cuda.device_count = lambda: 1
+runtime.device_info = lambda index=0: t.INFO
+evaluate.GpuEvaluator = Interrupted
+compiler.compile_pool = lambda workers=None: contextlib.nullcontext()
+sys.exit(tune_cli.main(t._contact_argv("--no-progress")))
+"""
+
+
+def test_a_real_ctrl_c_exits_130_with_the_shapes_done(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PAIRGEN_CACHE_DIR": str(tmp_path / "cache"), "PAIRGEN_TUNED_DIR": str(tmp_path / "tuned"),
+           "PYTHONPATH": str(tests.parent)}
+    run = subprocess.run([sys.executable, "-c", SIGINT_RUN.format(tests=str(tests))], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 130, run.stderr
+    assert "[1/3] contact B1 N64 P64 H32 float32: `" in run.stdout and "[2/3]" not in run.stdout
+    assert "interrupted: 1 of 3 shape(s) done, their entries written" in run.stdout
+    assert "Traceback" not in run.stderr
+    assert [e["key"]["n_bucket"] for e in TunedDB("contact", "fake-gpu", tmp_path / "tuned").entries()] == [64]
+
+
+def test_compile_workers_leave_ctrl_c_to_the_command():
+    """A terminal's Ctrl-C reaches every process of the command: a compile worker that took it
+    would die (an idle one printing a traceback) and break the pool the command shuts down."""
+    import signal
+
+    with compiler.compile_pool(1) as pool:
+        assert pool.submit(signal.getsignal, signal.SIGINT).result(timeout=300) == signal.SIG_IGN

@@ -469,9 +469,10 @@ class ShapeDone:
     written: bool
 
 
-def shape_line(number: int, total: int, done: ShapeDone, peers) -> str:
+def shape_line(number: int, total: int, done: ShapeDone, peers, trials: int | None = None) -> str:
     """The line printed as soon as a shape is done: op, shape, precision, best variant and its µs
-    against each peer's."""
+    against each peer's; then how many points were timed ("40 of 64": the time budget stopped the
+    search, which a re-run continues)."""
     r = done.result
     head = f"[{number}/{total}] {r.op} {shape_label(r.shape)} {done.precision}:"
     if not r.best:
@@ -480,8 +481,9 @@ def shape_line(number: int, total: int, done: ShapeDone, peers) -> str:
     against = "".join(f" against {peer} {r.baselines[peer]:.1f} µs ({r.baselines[peer] / us:.1f}×)"
                       for peer in peers if peer in r.baselines)
     written = "" if done.written else "; NOT WRITTEN (see above)"
-    return (f"{head} `{r.best['label']}` {us:.1f} µs{against}; "
-            f"{r.counts.get('evaluated', 0)} trials in {r.elapsed_s:.0f} s{written}")
+    evaluated = r.counts.get("evaluated", 0)
+    of = f" of {trials}" if trials and evaluated < trials else ""
+    return f"{head} `{r.best['label']}` {us:.1f} µs{against}; {evaluated}{of} trials in {r.elapsed_s:.0f} s{written}"
 
 
 def closing_table(done: list[ShapeDone], peers) -> str:
@@ -624,7 +626,7 @@ def _tune_here(jobs, settings, args, info, third_party) -> tuple[list[ShapeDone]
                 result = tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=precision_of(spec),
                                     shared=args.storage is not None, storage_url=args.storage)
                 done.append(ShapeDone(precision_of(spec), result, _record(spec, result, info)))
-                say(shape_line(len(done), len(jobs), done[-1], peer_names(args.peers)))
+                say(shape_line(len(done), len(jobs), done[-1], peer_names(args.peers), settings.trials))
     except KeyboardInterrupt:
         return done, True
     return done, False
@@ -640,7 +642,7 @@ def _tune_on_devices_and_record(jobs, devices, settings, args, info, log_path) -
     done = []
     for (spec, _, _), result in zip(jobs, results):
         done.append(ShapeDone(precision_of(spec), result, _record(spec, result, info)))  # once per shape, here alone
-        say(shape_line(len(done), len(jobs), done[-1], peer_names(args.peers)))
+        say(shape_line(len(done), len(jobs), done[-1], peer_names(args.peers), settings.trials))
     return done, False
 
 
@@ -788,7 +790,14 @@ def _tune_on_devices(jobs, devices, settings, peers, slug, storage_url, log_path
         workers.append(ctx.Process(target=_device_worker, args=(job,)))
     for w in workers:
         w.start()
-    _watch(workers, names, settings, len(devices), storage_url)
+    try:
+        _watch(workers, names, settings, len(devices), storage_url)
+    except KeyboardInterrupt:
+        # A terminal's Ctrl-C reached the workers too; a signal sent to this process alone did not.
+        for w in workers:
+            w.terminate()
+            w.join()
+        raise
     dead = [d for d, w in zip(devices, workers) if w.exitcode != 0]
     if dead:
         print(f"workers on GPU(s) {dead} stopped with an error; their claimed points are retried by the next run",
