@@ -195,7 +195,8 @@ def test_other_libraries_output_goes_to_the_log_file_the_report_names(fake_gpu, 
     for where, text in NOISE.items():
         assert logged.count(text) == 3, f"{where}: one per shape in the log"
     lines = len(logged.splitlines())
-    assert out.rstrip().endswith(f"other libraries' output (torch.compile, torch's warnings and logs): {lines} lines in {log}")
+    said = f"other libraries' output (torch.compile, torch's warnings and logs): {lines} lines in {log}"
+    assert out.rstrip().endswith(said)
     # pairgen's own output stays on the terminal: a line per shape, the table
     assert out.count("against eager 100.0 µs") == 3 and out.count("against compile 150.0 µs") == 3
     assert out.split("µs = median module call")[1].count("| contact |") == 3
@@ -230,7 +231,7 @@ def test_ctrl_c_keeps_the_shapes_done_prints_their_table_and_exits_130(fake_gpu,
     assert code == 130 == tune_cli.INTERRUPTED_EXIT
     entries = TunedDB("contact", "fake-gpu").entries()
     assert sorted(e["key"]["n_bucket"] for e in entries) == [64, 128], "the two shapes done are written"
-    assert "interrupted: 2 of 3 shape(s) done, their entries written" in out
+    assert "interrupted: 2 of 3 shape(s) done, their entries written; a search cut short keeps its trials" in out
     closing = out.split("µs = median module call")[1]
     assert closing.count("| contact |") == 2 and "B1 N64 " in closing and "B1 N128 " in closing
     assert "B2 N256" not in closing and "Traceback" not in err
@@ -277,7 +278,8 @@ def test_seen_tunes_exactly_the_keys_run_without_a_tuned_entry(fake_gpu, capsys)
     assert tuned == sorted([("contact", "float32", json.dumps({"B": 1, "N": 128, "P": 48, "H": 16}, sort_keys=True)),
                             ("trimul", "bfloat16", json.dumps({"B": 1, "N": 512, **trimul_widths}, sort_keys=True))])
     assert "--seen: 2 key(s) this GPU's processes ran without a tuned entry" in out and "1 more tuned since" in out
-    keys = {json.dumps(e["key"], sort_keys=True) for op in ("contact", "trimul") for e in TunedDB(op, "fake-gpu").entries()}
+    keys = {json.dumps(e["key"], sort_keys=True)
+            for op in ("contact", "trimul") for e in TunedDB(op, "fake-gpu").entries()}
     for op, dtype, widths, bucket in ran:
         assert json.dumps(make_key(dtype, widths, bucket), sort_keys=True) in keys, "each key has its entry now"
     assert args_time_budget_of(["--seen"]) is None, "--seen keys get their trials"

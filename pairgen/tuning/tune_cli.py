@@ -434,14 +434,15 @@ def seen_work(ops=None) -> list[tuple]:
                 tuned_since += 1
                 continue
             work.append((spec.at(precision), {"B": 1, "N": bucket, **widths}))
-    root = first_use.verdict_path("OP", info.slug).parent
+    root = first_use.verdict_path("any-op", info.slug).parent  # the folder every op's records are in
     for line in unknown:
         print(f"--seen: skipping a record this pairgen cannot tune (an unknown precision or a malformed key): {line}",
               file=sys.stderr)
     since = f"; {tuned_since} more tuned since they ran" if tuned_since else ""
     if not work:
-        print(f"--seen: no key to tune: no first-use record of a key without a tuned entry under {root}{since}. A process "
-              "records a key the first time it runs one that has no tuned entry (unless PAIRGEN_FIRST_USE_CHECK=0).")
+        print(f"--seen: no key to tune: no first-use record of a key without a tuned entry under {root}{since}. "
+              "A process records a key the first time it runs one that has no tuned entry (unless "
+              "PAIRGEN_FIRST_USE_CHECK=0).")
     else:
         print(f"--seen: {len(work)} key(s) this GPU's processes ran without a tuned entry (records in {root}){since}")
     return work
@@ -581,9 +582,9 @@ def tune(work, args) -> int:
         return 2
     info = runtime.device_info(torch.cuda.current_device())
     budget = f" or {args.time_budget:.0f} s of search" if args.time_budget else ""
+    peers = ", ".join(peer_names(args.peers)) or "no peer"
     print(f"tuning {len(work)} shape(s) on {info.name} ({info.slug}, {info.arch}), {args.trials} trials{budget} "
-          f"each, against {', '.join(peer_names(args.peers)) or 'no peer'}; results go to {config.tuned_write_dir() / info.slug}",
-          flush=True)
+          f"each, against {peers}; results go to {config.tuned_write_dir() / info.slug}", flush=True)
     settings = TuneSettings(trials=args.trials, time_budget_s=args.time_budget, seed=args.seed,
                             progress=not args.no_progress)
     devices = _devices(args.devices, torch.cuda.device_count(), info.index)
@@ -617,16 +618,17 @@ def _tune_here(jobs, settings, args, info, third_party) -> tuple[list[ShapeDone]
     from pairgen.tuning.evaluate import GpuEvaluator
     from pairgen.tuning.tuner import tune_shape
 
+    peers = peer_names(args.peers)
     done: list[ShapeDone] = []
     try:
         with compiler.compile_pool(_compile_share(1)) as pool:
             for spec, shape, extra in jobs:
-                evaluator = third_party.quiet_peers(GpuEvaluator(spec, shape, info.index, args.seed, peer_names(args.peers), pool))
+                evaluator = third_party.quiet_peers(GpuEvaluator(spec, shape, info.index, args.seed, peers, pool))
                 # With --storage, other hosts may work on the same studies: claim points first.
                 result = tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=precision_of(spec),
                                     shared=args.storage is not None, storage_url=args.storage)
                 done.append(ShapeDone(precision_of(spec), result, _record(spec, result, info)))
-                say(shape_line(len(done), len(jobs), done[-1], peer_names(args.peers), settings.trials))
+                say(shape_line(len(done), len(jobs), done[-1], peers, settings.trials))
     except KeyboardInterrupt:
         return done, True
     return done, False
@@ -635,14 +637,15 @@ def _tune_here(jobs, settings, args, info, third_party) -> tuple[list[ShapeDone]
 def _tune_on_devices_and_record(jobs, devices, settings, args, info, log_path) -> tuple[list[ShapeDone], bool]:
     """--devices: the workers tune every shape; this process then writes each shape's entry and
     prints its line. Stopped by Ctrl-C, nothing is written (the studies keep every trial)."""
+    peers = peer_names(args.peers)
     try:
-        results = _tune_on_devices(jobs, devices, settings, peer_names(args.peers), info.slug, args.storage, log_path)
+        results = _tune_on_devices(jobs, devices, settings, peers, info.slug, args.storage, log_path)
     except KeyboardInterrupt:
         return [], True
     done = []
     for (spec, _, _), result in zip(jobs, results):
         done.append(ShapeDone(precision_of(spec), result, _record(spec, result, info)))  # once per shape, here alone
-        say(shape_line(len(done), len(jobs), done[-1], peer_names(args.peers), settings.trials))
+        say(shape_line(len(done), len(jobs), done[-1], peers, settings.trials))
     return done, False
 
 
@@ -673,7 +676,7 @@ def report(done: list[ShapeDone], total: int, args, info, interrupted: bool, thi
     import torch
 
     if interrupted:
-        print(f"\ninterrupted: {len(done)} of {total} shape(s) done, their entries written; the shape in progress "
+        print(f"\ninterrupted: {len(done)} of {total} shape(s) done, their entries written; a search cut short "
               "keeps its trials in its study, and running the same command again resumes it", flush=True)
     header = (f"{info.name}, torch {torch.__version__}, CUDA {torch.version.cuda}; fp32 with TF32 off unless a "
               "variant names its precision ([bfloat16], [tf32x3], ...; the peers then run in that dtype); "
