@@ -351,3 +351,15 @@ def test_compile_workers_leave_ctrl_c_to_the_command():
 
     with compiler.compile_pool(1) as pool:
         assert pool.submit(signal.getsignal, signal.SIGINT).result(timeout=300) == signal.SIG_IGN
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where there is no GPU")
+def test_seen_without_a_gpu_says_so_in_one_line():
+    import subprocess
+    from pathlib import Path
+
+    run = subprocess.run([sys.executable, "scripts/tune.py", "--seen"], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        "tuning the keys this GPU ran needs a CUDA GPU; none is visible to torch (--dry-run, --status, and "
+        "--explain with --gpu/--arch work without one)"]
