@@ -275,8 +275,18 @@ def _compile_job(job: tuple[str, str, str]) -> Compiled | CompileError:
 
 def compile_pool(workers: int | None = None) -> ProcessPoolExecutor:
     """A process pool for compile_many. Workers are spawned, not forked: the parent may hold a
-    CUDA context, and a forked child must not touch it."""
-    return ProcessPoolExecutor(max_workers=workers or config.compile_workers(), mp_context=get_context("spawn"))
+    CUDA context, and a forked child must not touch it. They ignore Ctrl-C, which the terminal
+    sends to every process of the command: the parent decides what stops (pairgen-tune keeps the
+    shapes done and shuts the pool down), and an idle worker it interrupted would die printing a
+    traceback and break the pool."""
+    return ProcessPoolExecutor(max_workers=workers or config.compile_workers(), mp_context=get_context("spawn"),
+                               initializer=_ignore_interrupts)
+
+
+def _ignore_interrupts() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def start_compile(job: tuple[str, str, str], pool: ProcessPoolExecutor) -> Future:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from ..ops import get_op, op_names
 
@@ -40,14 +41,19 @@ def environment_problem() -> str | None:
     return None
 
 
-def add_selection_args(parser: argparse.ArgumentParser) -> None:
+def add_selection_args(parser: argparse.ArgumentParser, main_job: bool = False) -> None:
+    """--op, --shape, --preset, --precision. main_job: with neither --shape, --preset nor
+    --precision, the command selects the main job (main_job_shapes; pairgen-tune), not the
+    seed and real shapes in fp32 (pairgen-bench)."""
     parser.add_argument("--op", choices=op_names(), action="append",
                         help="op to work on (repeatable; default: every op)")
     parser.add_argument("--shape", type=parse_shape, action="append", default=[],
                         help="a shape such as B=4,N=64,P=64,H=32 (repeatable; needs exactly one --op)")
-    parser.add_argument("--preset", choices=("seed", "real", "models", "wide", "hidden", "all"), default="all",
-                        help="the op's default shapes to use when no --shape is given (default: all, i.e. seed and "
-                             "real; models: the options the AlphaFold 3 family runs, where an op has them; wide: "
+    default = ("the main job (above); all: seed and real" if main_job else "all, i.e. seed and real")
+    parser.add_argument("--preset", choices=("seed", "real", "models", "wide", "hidden", "all"),
+                        default=None if main_job else "all",
+                        help=f"the op's default shapes to use when no --shape is given (default: {default}; "
+                             "models: the options the AlphaFold 3 family runs, where an op has them; wide: "
                              "that form at pair widths 256, 384 and 768; hidden: lucidrains' form, the out gate "
                              "in hidden width)")
     parser.add_argument("--precision", action="append", choices=PRECISIONS,
@@ -56,10 +62,43 @@ def add_selection_args(parser: argparse.ArgumentParser) -> None:
                              "precision=); ops without kernels in a precision are skipped")
 
 
-def selected_shapes(args, parser: argparse.ArgumentParser, without_kernels: tuple = ()) -> list[tuple]:
+#: The precision and the lengths (B = 1, as inference runs) of the main job's first shapes: the
+#: ops with a "models" preset (the triangle update) in the models' own form and dtype.
+MODELS_PRECISION = "bfloat16"
+MODELS_LENGTHS = (256, 512, 768)
+
+
+def is_main_job(args) -> bool:
+    """No --shape, --preset or --precision: pairgen-tune's default selection."""
+    return not args.shape and args.preset is None and not args.precision
+
+
+def main_job_shapes(names) -> list[tuple]:
+    """What `pairgen-tune` tunes by default, for the ops `names`: first what the models run, each
+    op's "models" preset form (the triangle update: the output gate on the normalised input, no
+    biases, P = H = 128, both directions) in bf16 at N = 256, 512 and 768 (a user's first run then
+    has those even if it is cut short); then every op's fp32 seed and real shapes."""
+    work = []
+    for name in names:
+        spec = get_op(name)
+        if "models" not in spec.presets or MODELS_PRECISION not in spec.precisions:
+            continue
+        forms = list({json.dumps(spec.widths_of(shape), sort_keys=True): spec.widths_of(shape)
+                      for shape in spec.presets["models"]}.values())
+        work += [(spec.at(MODELS_PRECISION), {"B": 1, "N": n, **widths}) for n in MODELS_LENGTHS for widths in forms]
+    return work + [(get_op(name).at("float32"), dict(shape)) for name in names for preset in ("seed", "real")
+                   for shape in get_op(name).presets.get(preset, ())]
+
+
+def selected_shapes(args, parser: argparse.ArgumentParser, without_kernels: tuple = (),
+                    main_job: bool = False) -> list[tuple]:
     """(op spec in a precision, shape) pairs from --op/--shape/--preset/--precision. An op named
     with --op must have kernels in every --precision but those of `without_kernels` (the bench
-    measures modules in those dtypes whatever they run); unnamed ops without them are left out."""
+    measures modules in those dtypes whatever they run); unnamed ops without them are left out.
+    main_job: the default selection is main_job_shapes (else, as with --preset all, the seed and
+    real shapes in each --precision)."""
+    if main_job and is_main_job(args):
+        return main_job_shapes(args.op or op_names())
     precisions = args.precision or ["float32"]
 
     def taken(name: str, precision: str) -> bool:
@@ -87,7 +126,7 @@ def selected_shapes(args, parser: argparse.ArgumentParser, without_kernels: tupl
                 also = f", and may name {sorted(optional)}" if optional else ""
                 parser.error(f"--shape for {spec.name} needs exactly {sorted(need)}{defaults}{also}, got {sorted(shape)}")
         return [(spec, shape) for spec in ops for shape in shapes]
-    presets = ("seed", "real") if args.preset == "all" else (args.preset,)
+    presets = ("seed", "real") if args.preset in ("all", None) else (args.preset,)
     return [(spec, dict(shape)) for spec in ops for p in presets for shape in spec.presets.get(p, ())]
 
 

@@ -1,13 +1,25 @@
 """Tune pairgen's kernels on this GPU and record the winners in the tuned database.
 
-  pairgen-tune                   every op, its default shapes (seed + real), 64 trials each
+  pairgen-tune                   the main job (below): what users run, about 10 minutes on an H200
+  pairgen-tune --seen            exactly the keys this GPU's processes ran without a tuned entry
+                                 (their first-use records), in the precisions they ran
   pairgen-tune --op contact --shape B=4,N=64,P=64,H=32 --trials 32
+  pairgen-tune --peers eager,compile   also time torch.compile (max-autotune: about a minute a shape)
   pairgen-tune --status          the tuned folders: what is tuned, for which GPU, and what is stale
   pairgen-tune --stale           re-tune exactly this GPU's stale entries
   pairgen-tune --dry-run         render and compile every strategy (no GPU needed)
   pairgen-tune --explain --op contact --shape B=1,N=300,P=128,H=128
                                  what a module runs for that shape on this GPU, and why
                                  (--gpu SLUG --arch sm_XY: on a GPU described by hand, no GPU needed)
+
+The main job (no --shape, --preset or --precision; --op narrows it) is 19 shapes: first the
+triangle update as the models run it (bf16, the output gate on the normalised input, no biases,
+P = H = 128, both directions) at B = 1, N = 256, 512 and 768; then every op's fp32 seed and real
+shapes (--preset all). Each shape gets 64 trials or 20 s of search, whichever comes first; running
+it again continues each search where it stopped. Eager PyTorch is the peer every shape is compared
+with. Each shape's line is printed as soon as it is done; Ctrl-C keeps the shapes that are done
+(their entries are written) and prints their table. Other libraries' output (torch.compile's,
+torch's warnings and logs) goes to a log file, which the report names at the end.
 
 Results go to the user folder ($XDG_DATA_HOME/pairgen/tuned, else ~/.local/share/pairgen/tuned),
 to <repo>/tuned when run from a checkout, or to PAIRGEN_TUNED_DIR when it is set.
@@ -16,6 +28,7 @@ to <repo>/tuned when run from a checkout, or to PAIRGEN_TUNED_DIR when it is set
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -23,16 +36,31 @@ import sys
 from pathlib import Path
 
 from ..spec import precision_of
-from .cli import add_selection_args, environment_problem, selected_shapes, shape_label
+from .cli import add_selection_args, environment_problem, is_main_job, selected_shapes, shape_label
+
+#: The main job's search time per shape. The search takes 12-22 s a shape at 64 trials on the H200
+#: (the larger fp32 triangle updates more); 20 s keeps its 19 shapes near 10 minutes, and a re-run
+#: resumes each study for the trials left.
+MAIN_JOB_TIME_BUDGET_S = 20.0
+
+#: The baselines a shape can be timed against. torch.compile (max-autotune) takes most of a minute
+#: per shape and floods the log with its autotuning: asked for, not the default.
+KNOWN_PEERS = ("eager", "compile")
+
+#: The exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report one.
+INTERRUPTED_EXIT = 130
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_selection_args(parser)
+    add_selection_args(parser, main_job=True)
     parser.add_argument("--trials", type=int, default=64, help="distinct points checked and timed per shape (default 64)")
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                        help="stop sampling a shape after this many seconds")
-    parser.add_argument("--peers", default="eager,compile", help="baselines measured per shape (default eager,compile)")
+                        help="stop sampling a shape after this many seconds (default: none; "
+                             f"{MAIN_JOB_TIME_BUDGET_S:.0f} for the main job)")
+    parser.add_argument("--peers", default="eager",
+                        help=f"baselines measured per shape, of {', '.join(KNOWN_PEERS)} (default eager; "
+                             "eager,compile adds torch.compile, about a minute a shape)")
     parser.add_argument("--seed", type=int, default=0, help="sampler and input seed")
     parser.add_argument("--report", type=Path, help="also write the closing table (markdown) here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -46,6 +74,10 @@ def parse_args(argv=None):
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--status", action="store_true", help="list tuned entries and whether they are stale")
     mode.add_argument("--stale", action="store_true", help="re-tune this GPU's stale entries")
+    mode.add_argument("--seen", action="store_true",
+                      help="tune exactly the keys this GPU's processes ran without a tuned entry (the first-use "
+                           "records under the tuned folder's <gpu>/first-use/), each in the precision it ran, at "
+                           "its N bucket with B = 1 (--op narrows them)")
     mode.add_argument("--dry-run", action="store_true", help="render and compile every strategy, then exit")
     mode.add_argument("--backward", action="store_true",
                       help="tune the training path instead: the closed forms' fused kernels (trimul, contact), every "
@@ -68,7 +100,27 @@ def parse_args(argv=None):
         parser.error("--gpu and --arch describe a GPU for --explain and --status only")
     if args.devices is not None and args.devices != "all" and not re.fullmatch(r"\d+(,\d+)*", args.devices):
         parser.error(f"--devices takes 'all' or GPU indices such as 0,1; got {args.devices!r}")
+    args.peers = _peers(args.peers, parser)
+    if (args.seen or args.stale) and (args.shape or args.preset or args.precision):
+        parser.error(f"--{'seen' if args.seen else 'stale'} picks its own keys: it takes --op, not --shape, "
+                     "--preset or --precision")
+    if args.time_budget is None and is_main_job(args) and not (args.seen or args.stale):
+        args.time_budget = MAIN_JOB_TIME_BUDGET_S
     return parser, args
+
+
+def _peers(text: str, parser) -> str:
+    """--peers checked: known peer names, comma-separated, in order, each once."""
+    peers = peer_names(text)
+    unknown = [p for p in peers if p not in KNOWN_PEERS]
+    if unknown:
+        parser.error(f"--peers: no peer named {', '.join(map(repr, unknown))}; the peers are "
+                     f"{', '.join(KNOWN_PEERS)} (e.g. --peers eager,compile)")
+    return ",".join(peers)
+
+
+def peer_names(text: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
 
 
 def _arch_pattern():
@@ -356,14 +408,94 @@ def stale_work(args, parser):
     return work
 
 
-def closing_table(results, peers) -> str:
-    head = ["op", "shape", "best variant", "best µs"] + [f"{p} µs" for p in peers] + [f"× vs {p}" for p in peers]
-    head += ["trials (evaluated / failed / pruned)", "compile s / variant", "tune s"]
+def seen_work(ops=None) -> list[tuple]:
+    """The keys this GPU's processes ran without a tuned entry, as (spec in the precision the key
+    ran in, shape) pairs: one per first-use record (pairgen/first_use.py writes one the first time
+    a process runs a key that has no tuned entry), at the key's N bucket with B = 1 (a record names
+    the key, not the call's B and N). Keys tuned since are left out; what is picked, and left out,
+    is said."""
+    import torch
+
+    from pairgen import first_use, runtime
+    from pairgen.ops import get_op, op_names
+
+    info = runtime.device_info(torch.cuda.current_device())
+    work, tuned_since, unknown = [], 0, []
+    for op in ops or op_names():
+        path = first_use.verdict_path(op, info.slug)
+        spec = get_op(op)
+        for verdict in first_use.load_verdicts(path):
+            key = verdict.get("key") or {}
+            precision, widths, bucket = key.get("dtype"), key.get("widths"), key.get("n_bucket")
+            if precision not in spec.precisions or not isinstance(widths, dict) or not isinstance(bucket, int):
+                unknown.append(f"{path}: {json.dumps(key, sort_keys=True)}")
+                continue
+            if _tuned_here(spec, key, info):
+                tuned_since += 1
+                continue
+            work.append((spec.at(precision), {"B": 1, "N": bucket, **widths}))
+    root = first_use.verdict_path("any-op", info.slug).parent  # the folder every op's records are in
+    for line in unknown:
+        print(f"--seen: skipping a record this pairgen cannot tune (an unknown precision or a malformed key): {line}",
+              file=sys.stderr)
+    since = f"; {tuned_since} more tuned since they ran" if tuned_since else ""
+    if not work:
+        print(f"--seen: no key to tune: no first-use record of a key without a tuned entry under {root}{since}. "
+              "A process records a key the first time it runs one that has no tuned entry (unless "
+              "PAIRGEN_FIRST_USE_CHECK=0).")
+    else:
+        print(f"--seen: {len(work)} key(s) this GPU's processes ran without a tuned entry (records in {root}){since}")
+    return work
+
+
+def _tuned_here(spec, key: dict, info) -> bool:
+    """Whether this GPU has a tuned entry for the key that lookups use (not stale or invalid)."""
+    from pairgen import config, runtime
+    from pairgen.tuned import TunedDB
+
+    for root in config.tuned_read_dirs():
+        for entry in TunedDB(spec.name, info.slug, root).entries():
+            if entry["key"] == key:
+                return runtime.entry_state(spec, entry, info.limits) == "ok"
+    return False
+
+
+@dataclasses.dataclass
+class ShapeDone:
+    """A tuned shape, as the report shows it: its precision, the search's result, and whether its
+    entry was written to the tuned database."""
+
+    precision: str
+    result: object  # tuner.TuneResult
+    written: bool
+
+
+def shape_line(number: int, total: int, done: ShapeDone, peers, trials: int | None = None) -> str:
+    """The line printed as soon as a shape is done: op, shape, precision, best variant and its µs
+    against each peer's; then how many points were timed ("40 of 64": the time budget stopped the
+    search, which a re-run continues)."""
+    r = done.result
+    head = f"[{number}/{total}] {r.op} {shape_label(r.shape)} {done.precision}:"
+    if not r.best:
+        return f"{head} no variant passed; nothing written"
+    us = r.best["us"]
+    against = "".join(f" against {peer} {r.baselines[peer]:.1f} µs ({r.baselines[peer] / us:.1f}×)"
+                      for peer in peers if peer in r.baselines)
+    written = "" if done.written else "; NOT WRITTEN (see above)"
+    evaluated = r.counts.get("evaluated", 0)
+    of = f" of {trials}" if trials and evaluated < trials else ""
+    return f"{head} `{r.best['label']}` {us:.1f} µs{against}; {evaluated}{of} trials in {r.elapsed_s:.0f} s{written}"
+
+
+def closing_table(done: list[ShapeDone], peers) -> str:
+    head = ["op", "shape", "precision", "best variant", "best µs"] + [f"{p} µs" for p in peers]
+    head += [f"× vs {p}" for p in peers] + ["trials (evaluated / failed / pruned)", "compile s / variant", "tune s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in results:
-        best = r.best
+    for d in done:
+        r, best = d.result, d.result.best
         us = best["us"] if best else None
-        cells = [r.op, shape_label(r.shape), f"`{best['label']}`" if best else "none passed", f"{us:.1f}" if us else "–"]
+        cells = [r.op, shape_label(r.shape), d.precision, f"`{best['label']}`" if best else "none passed",
+                 f"{us:.1f}" if us else "–"]
         cells += [f"{r.baselines[p]:.1f}" if p in r.baselines else "–" for p in peers]
         cells += [f"{r.baselines[p] / us:.1f}×" if us and p in r.baselines else "–" for p in peers]
         c = r.counts
@@ -432,21 +564,25 @@ def explain(work, info) -> int:
 
 
 def tune(work, args) -> int:
+    """Tune each (spec, shape) of `work`, write each winner as its shape finishes and say so in a
+    line, then print the closing table. 0: every shape has a written winner; 1: some shape has none
+    (or it could not be written); 130: stopped by Ctrl-C (the shapes done are kept)."""
     import torch
 
-    from pairgen import compiler, config, runtime
-    from pairgen.tuning.evaluate import GpuEvaluator
-    from pairgen.tuning.timing import strict_fp32
+    from pairgen import config, runtime
     from pairgen.tuned import TunedDB
-    from pairgen.tuning.tuner import TuneSettings, tune_shape
+    from pairgen.tuning.timing import strict_fp32
+    from pairgen.tuning.tuner import TuneSettings
+
+    from .third_party_log import ThirdPartyLog
 
     if gpu_missing("tuning"):
         return 2
-    strict_fp32()
-    peers = tuple(p for p in args.peers.split(",") if p)
     info = runtime.device_info(torch.cuda.current_device())
-    print(f"tuning {len(work)} shape(s) on {info.name} ({info.slug}, {info.arch}), {args.trials} trials each; "
-          f"results go to {config.tuned_write_dir() / info.slug}")
+    budget = f" or {args.time_budget:.0f} s of search" if args.time_budget else ""
+    peers = ", ".join(peer_names(args.peers)) or "no peer"
+    print(f"tuning {len(work)} shape(s) on {info.name} ({info.slug}, {info.arch}), {args.trials} trials{budget} "
+          f"each, against {peers}; results go to {config.tuned_write_dir() / info.slug}", flush=True)
     settings = TuneSettings(trials=args.trials, time_budget_s=args.time_budget, seed=args.seed,
                             progress=not args.no_progress)
     devices = _devices(args.devices, torch.cuda.device_count(), info.index)
@@ -457,32 +593,98 @@ def tune(work, args) -> int:
                   "model's: tune each model separately", file=sys.stderr)
             return 2
         print(f"{len(devices)} workers, one per GPU ({', '.join(map(str, devices))}), share each shape's study")
-    jobs = [(spec, shape, starting_points(spec, TunedDB(spec.name, info.slug), shape, info)) for spec, shape in work]
-    recorded = []
-    if len(devices) > 1:
-        results = _tune_on_devices(jobs, devices, settings, peers, info.slug, args.storage)
-        for (spec, _, _), result in zip(jobs, results):
-            recorded.append(_record(spec, result, info))  # once per shape, by this process alone
-    else:
-        results = []
+    with ThirdPartyLog(third_party_log_path(args)) as third_party:
+        strict_fp32()  # inside: torch may warn about the settings it changes
+        jobs = [(spec, shape, starting_points(spec, TunedDB(spec.name, info.slug), shape, info))
+                for spec, shape in work]
+        if len(devices) > 1:
+            done, interrupted = _tune_on_devices_and_record(jobs, devices, settings, args, info, third_party.path)
+        else:
+            done, interrupted = _tune_here(jobs, settings, args, info, third_party)
+        runtime.clear_caches()
+    report(done, len(jobs), args, info, interrupted, third_party.summary())
+    if interrupted:
+        return INTERRUPTED_EXIT
+    return 0 if all(d.result.best and d.written for d in done) else 1
+
+
+def _tune_here(jobs, settings, args, info, third_party) -> tuple[list[ShapeDone], bool]:
+    """Tune the jobs one after the other on this GPU, each shape's entry written and its line
+    printed as soon as it is done. Returns the shapes done, and whether Ctrl-C stopped the run (the
+    shape in progress then keeps its trials in its study, and a re-run resumes it)."""
+    from pairgen import compiler
+    from pairgen.tuning.evaluate import GpuEvaluator
+    from pairgen.tuning.tuner import tune_shape
+
+    peers = peer_names(args.peers)
+    done: list[ShapeDone] = []
+    try:
         with compiler.compile_pool(_compile_share(1)) as pool:
             for spec, shape, extra in jobs:
-                evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers, pool)
+                evaluator = third_party.quiet_peers(GpuEvaluator(spec, shape, info.index, args.seed, peers, pool))
                 # With --storage, other hosts may work on the same studies: claim points first.
-                results.append(tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=precision_of(spec),
-                                          shared=args.storage is not None, storage_url=args.storage))
-                # as each shape finishes: an interrupted run keeps them
-                recorded.append(_record(spec, results[-1], info))
-    runtime.clear_caches()
-    table = closing_table(results, peers)
+                result = tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=precision_of(spec),
+                                    shared=args.storage is not None, storage_url=args.storage)
+                done.append(ShapeDone(precision_of(spec), result, _record(spec, result, info)))
+                say(shape_line(len(done), len(jobs), done[-1], peers, settings.trials))
+    except KeyboardInterrupt:
+        return done, True
+    return done, False
+
+
+def _tune_on_devices_and_record(jobs, devices, settings, args, info, log_path) -> tuple[list[ShapeDone], bool]:
+    """--devices: the workers tune every shape; this process then writes each shape's entry and
+    prints its line. Stopped by Ctrl-C, nothing is written (the studies keep every trial)."""
+    peers = peer_names(args.peers)
+    try:
+        results = _tune_on_devices(jobs, devices, settings, peers, info.slug, args.storage, log_path)
+    except KeyboardInterrupt:
+        return [], True
+    done = []
+    for (spec, _, _), result in zip(jobs, results):
+        done.append(ShapeDone(precision_of(spec), result, _record(spec, result, info)))  # once per shape, here alone
+        say(shape_line(len(done), len(jobs), done[-1], peers, settings.trials))
+    return done, False
+
+
+def say(line: str) -> None:
+    """A line of pairgen's on the terminal now, above any progress bar, flushed (a pipe, as to tee,
+    is block-buffered: the line would otherwise come at the end)."""
+    from tqdm import tqdm
+
+    tqdm.write(line)
+    sys.stdout.flush()
+
+
+def third_party_log_path(args) -> Path:
+    """Where other libraries' output goes: beside --report (its name, .log), else a file per run
+    under the cache folder's logs/."""
+    import time
+
+    from pairgen import config
+
+    if args.report:
+        return args.report.with_suffix(".log")
+    return config.cache_dir() / "logs" / f"tune-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+
+
+def report(done: list[ShapeDone], total: int, args, info, interrupted: bool, third_party: str) -> None:
+    """The closing table (of the shapes done, when Ctrl-C stopped the run), to the terminal and to
+    --report; then where other libraries' output went."""
+    import torch
+
+    if interrupted:
+        print(f"\ninterrupted: {len(done)} of {total} shape(s) done, their entries written; a search cut short "
+              "keeps its trials in its study, and running the same command again resumes it", flush=True)
     header = (f"{info.name}, torch {torch.__version__}, CUDA {torch.version.cuda}; fp32 with TF32 off unless a "
               "variant names its precision ([bfloat16], [tf32x3], ...; the peers then run in that dtype); "
               "µs = median module call, L2 flushed.\n\n")
+    table = closing_table(done, peer_names(args.peers))
     print("\n" + header + table)
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(header + table + "\n")
-    return 0 if all(r.best for r in results) and all(recorded) else 1
+    print(f"\n{third_party}", flush=True)
 
 
 def _compile_share(workers: int) -> int:
@@ -542,6 +744,11 @@ def _device_worker(job: dict) -> None:
     from pairgen.tuning.timing import strict_fp32
     from pairgen.tuning.tuner import TuneSettings, tune_shape
 
+    from .third_party_log import ThirdPartyLog
+
+    third_party = ThirdPartyLog(job["log"]) if job.get("log") else None
+    if third_party is not None:
+        third_party.__enter__()  # for the worker's life: the process ends with it
     strict_fp32()
     os.environ["PAIRGEN_COMPILE_WORKERS"] = str(job["compile_workers"])  # the CPUs are shared by the workers
     torch.cuda.set_device(job["device"])
@@ -550,13 +757,15 @@ def _device_worker(job: dict) -> None:
         for task in job["tasks"]:
             spec = get_op(task["op"]).at(task["precision"])
             evaluator = GpuEvaluator(spec, task["shape"], job["device"], settings.seed, tuple(job["peers"]), pool)
+            if third_party is not None:
+                evaluator = third_party.quiet_peers(evaluator)
             result = tune_shape(spec, task["shape"], evaluator, job["slug"], settings, task["extra"],
                                 dtype=task["precision"], shared=True, storage_url=job["storage"])
             for line in result.failures[:5]:
                 print(f"  GPU {job['device']} failed: {line}", file=sys.stderr)
 
 
-def _tune_on_devices(jobs, devices, settings, peers, slug, storage_url) -> list:
+def _tune_on_devices(jobs, devices, settings, peers, slug, storage_url, log_path=None) -> list:
     """One worker process per GPU, each taking every shape in turn on the shape's shared study;
     this process shows their joint progress and reads each result back from its study once they
     are done (results do not depend on the number of workers)."""
@@ -575,14 +784,21 @@ def _tune_on_devices(jobs, devices, settings, peers, slug, storage_url) -> list:
     workers = []
     for k, device in enumerate(devices):
         job = {"tasks": tasks, "device": device, "slug": slug, "storage": storage_url,
-               "compile_workers": compile_workers,
+               "compile_workers": compile_workers, "log": log_path,  # other libraries' output (third_party_log)
                "peers": list(peers) if k == 0 else [],  # the peers are timed once, by the first worker
                # Distinct samplers; the finalists are re-timed here, once every worker is done.
                "settings": {**dataclasses.asdict(settings), "seed": settings.seed + k, "finalists": 0}}
         workers.append(ctx.Process(target=_device_worker, args=(job,)))
     for w in workers:
         w.start()
-    _watch(workers, names, settings, len(devices), storage_url)
+    try:
+        _watch(workers, names, settings, len(devices), storage_url)
+    except KeyboardInterrupt:
+        # A terminal's Ctrl-C reached the workers too; a signal sent to this process alone did not.
+        for w in workers:
+            w.terminate()
+            w.join()
+        raise
     dead = [d for d, w in zip(devices, workers) if w.exitcode != 0]
     if dead:
         print(f"workers on GPU(s) {dead} stopped with an error; their claimed points are retried by the next run",
@@ -660,13 +876,20 @@ def main(argv=None) -> int:
             print("nothing is stale for this GPU")
             return 0
         return tune(work, args)
+    if args.seen:
+        if gpu_missing("tuning the keys this GPU ran"):
+            return 2
+        work = seen_work(args.op)
+        if not work:
+            return 0
+        return tune(work, args)
     if args.backward:
         if gpu_missing("tuning the training path"):
             return 2
         from .backward_tune import main as tune_backward
 
         return tune_backward(selected_shapes(args, parser, without_kernels=("bfloat16", "float16")))
-    work = selected_shapes(args, parser)
+    work = selected_shapes(args, parser, main_job=True)
     if args.explain:
         info = described_gpu(args) or this_gpu()
         if info is None:
