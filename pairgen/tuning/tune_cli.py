@@ -40,9 +40,10 @@ def parse_args(argv=None):
                         help="tune on these GPUs at once: one worker process per GPU, all sharing each shape's "
                              "study (default: the current GPU alone)")
     parser.add_argument("--storage", metavar="URL",
-                        help="an Optuna storage for the studies, e.g. postgresql://user@host/db: workers on several "
-                             "hosts that name the same URL share each study (default: a journal file per study "
-                             "under PAIRGEN_CACHE_DIR)")
+                        help="a database for the studies, e.g. postgresql+psycopg://user:password@host:5432/pairgen: "
+                             "workers on several hosts that name the same URL share each study, and need share "
+                             "nothing else (docs/multi-host.md; default: a journal file per study under "
+                             "PAIRGEN_CACHE_DIR)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--status", action="store_true", help="list tuned entries and whether they are stale")
     mode.add_argument("--stale", action="store_true", help="re-tune this GPU's stale entries")
@@ -442,6 +443,9 @@ def tune(work, args) -> int:
     from pairgen.tuned import TunedDB
     from pairgen.tuning.tuner import TuneSettings, tune_shape
 
+    if args.storage is not None and (problem := storage_problem(args.storage)) is not None:
+        print(f"pairgen-tune: {problem}", file=sys.stderr)
+        return 2
     if gpu_missing("tuning"):
         return 2
     strict_fp32()
@@ -485,6 +489,19 @@ def tune(work, args) -> int:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(header + table + "\n")
     return 0 if all(r.best for r in results) and all(recorded) else 1
+
+
+def storage_problem(url: str) -> str | None:
+    """Why the database at --storage cannot be used, in one line (unreachable, no such database, a
+    driver missing, not a URL); None when it opens. Checked before any work starts."""
+    from pairgen.tuning.storage import StorageError
+    from pairgen.tuning.tuner import check_storage
+
+    try:
+        check_storage(url)
+    except StorageError as exc:
+        return str(exc)
+    return None
 
 
 def _compile_share(workers: int) -> int:
@@ -534,8 +551,10 @@ def _devices(text: str | None, count: int, current: int) -> list[int]:
 
 def _device_worker(job: dict) -> None:
     """One GPU's worker (a spawned process: it imports torch itself). It takes every shape in turn,
-    on the shape's study shared with the other workers, and moves to the next shape as soon as the
-    study's points are all claimed: no worker waits for another between shapes."""
+    on the shape's study shared with the other workers, and moves to the next shape once every
+    point of the study is taken and judged: the workers run out of points to ask for at the same
+    moment and wait only for each other's last few, or for a dead worker's heartbeat to lapse
+    (its point is then tried again)."""
     import torch
 
     from pairgen import compiler
@@ -587,8 +606,8 @@ def _tune_on_devices(jobs, devices, settings, peers, slug, storage_url) -> list:
     _watch(workers, names, settings, len(devices), storage_url)
     dead = [d for d, w in zip(devices, workers) if w.exitcode != 0]
     if dead:
-        print(f"workers on GPU(s) {dead} stopped with an error; their claimed points are retried by the next run",
-              file=sys.stderr)
+        print(f"workers on GPU(s) {dead} stopped with an error; the points they held were tried again by the "
+              "workers still running (or will be by the next run)", file=sys.stderr)
     _retime_on(devices[0], jobs, settings, slug, storage_url)
     return [result_from_study(spec, shape, slug, precision_of(spec), settings.seed, storage_url=storage_url)
             for spec, shape, _ in jobs]
