@@ -7,9 +7,9 @@ studies, and the database is all the hosts share).
 A worker claims a point by holding a RUNNING trial for it (tuner._Search). While it holds any, a
 thread records their heartbeat every HEARTBEAT_INTERVAL_S. A trial whose heartbeat has lapsed for
 GRACE_PERIOD_S belongs to a worker that died (killed, out of memory, its host down): the next
-worker that checks (take_over_lapsed, i.e. optuna.storages.fail_stale_trials) fails it, and the
-storage's callback queues its point again. Optuna's RDBStorage has this heartbeat; Optuna's
-JournalStorage (5.1) has not, and HeartbeatJournalStorage adds it.
+worker that checks (take_over_lapsed, as optuna.storages.fail_stale_trials) queues its point again
+and fails it. Optuna's RDBStorage has this heartbeat; Optuna's JournalStorage (5.1) has not, and
+HeartbeatJournalStorage adds it.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Callable
 
 from optuna.exceptions import ExperimentalWarning, UpdateFinishedTrialError
 from optuna.storages import JournalStorage, RDBStorage
-# Not exported by optuna.storages, but the interface fail_stale_trials looks for.
+# Not exported by optuna.storages, but the interface its heartbeat storages have.
 from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.trial import TrialState
 
@@ -38,10 +38,6 @@ GRACE_PERIOD_S = 120
 
 #: The system attr a journal trial's heartbeat is kept in (seconds since the epoch, the worker's clock).
 JOURNAL_HEARTBEAT_ATTR = "pairgen:heartbeat"
-
-#: Called as callback(study, trial) for each trial failed because its heartbeat lapsed.
-LapsedCallback = Callable[[object, object], None]
-
 
 class StorageError(Exception):
     """A storage URL that cannot be opened; the message is one line, for the command to print."""
@@ -58,7 +54,7 @@ def quiet_heartbeat_warnings():
 
 
 @functools.lru_cache(maxsize=None)
-def database_storage(url: str, on_lapsed: LapsedCallback) -> RDBStorage:
+def database_storage(url: str) -> RDBStorage:
     """The Optuna RDBStorage at `url`, heartbeat on: one per URL in a process (its engine holds a
     pool of connections). Raises StorageError, in one line, where it cannot be opened."""
     from sqlalchemy.engine import make_url
@@ -78,8 +74,7 @@ def database_storage(url: str, on_lapsed: LapsedCallback) -> RDBStorage:
         with quiet_heartbeat_warnings():
             return _with_retry(lambda: RDBStorage(url, engine_kwargs=engine_kwargs,
                                                   heartbeat_interval=HEARTBEAT_INTERVAL_S,
-                                                  grace_period=GRACE_PERIOD_S,
-                                                  heartbeat_stale_trial_callback=on_lapsed))
+                                                  grace_period=GRACE_PERIOD_S))
     except (SQLAlchemyError, ImportError) as exc:
         raise StorageError(f"--storage {shown}: cannot open it: {_first_line(exc)}{_hint(exc)}") from None
 
@@ -119,14 +114,10 @@ def _hint(exc: BaseException) -> str:
 
 
 class HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):
-    """A journal file with Optuna's heartbeat interface, so optuna.storages.fail_stale_trials treats
-    it as it treats a database. A trial's heartbeat is a system attr holding the worker's clock:
+    """A journal file with Optuna's heartbeat interface, so take_over_lapsed (and Optuna's
+    fail_stale_trials) treat it as they treat a database. A trial's heartbeat is a system attr holding the worker's clock:
     right for a journal on one host, and for one on a file system shared by hosts whose clocks
     agree to well within GRACE_PERIOD_S."""
-
-    def __init__(self, backend, on_lapsed: LapsedCallback):
-        super().__init__(backend)
-        self._on_lapsed = on_lapsed
 
     def record_heartbeat(self, trial_id: int) -> None:
         try:
@@ -145,16 +136,28 @@ class HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):
     def get_heartbeat_interval(self) -> int:
         return HEARTBEAT_INTERVAL_S
 
-    def get_heartbeat_stale_trial_callback(self) -> LapsedCallback:
-        return self._on_lapsed
+    def get_heartbeat_stale_trial_callback(self) -> None:
+        return None  # take_over_lapsed queues the points itself
 
 
-def take_over_lapsed(study) -> None:
-    """Fail the study's trials whose heartbeat lapsed; the storage's callback queues their points."""
-    from optuna.storages import fail_stale_trials
-
-    with quiet_heartbeat_warnings():
-        fail_stale_trials(study)
+def take_over_lapsed(study, requeue: Callable[[object, list[str]], None]) -> None:
+    """Fail the study's trials whose heartbeat lapsed, as optuna.storages.fail_stale_trials does, but
+    queue each one's point first, with requeue(study, [point]): a worker that finds the point free
+    then finds a trial waiting to take it, and asks for that, not for another point."""
+    heartbeat_storage = study._storage  # Optuna's Study has no public accessor for its storage
+    for trial_id in heartbeat_storage._get_stale_trial_ids(study._study_id):
+        trial = heartbeat_storage.get_trial(trial_id)
+        if trial.state != TrialState.RUNNING:
+            continue
+        point = trial.user_attrs.get("point")
+        if point is not None:
+            requeue(study, [point])
+        try:
+            heartbeat_storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
+        except UpdateFinishedTrialError:  # another worker took it over first (its copy of the point is a repeat)
+            continue
+        log.warning("trial %d's worker stopped (its heartbeat lapsed): its point is tried again: %s",
+                    trial.number, point)
 
 
 class Heartbeat:
@@ -163,7 +166,7 @@ class Heartbeat:
     no beat is never found stale), remove() it when told."""
 
     def __init__(self, study):
-        self.storage = study._storage  # Optuna's Study has no public accessor for its storage
+        self.storage = study._storage
         self.trial_ids: set[int] = set()
         self.lock = threading.Lock()
         self.stopped = threading.Event()

@@ -95,7 +95,7 @@ def _journal(path: Path) -> storage.HeartbeatJournalStorage:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     repair_journal(path)
-    return storage.HeartbeatJournalStorage(JournalFileBackend(str(path)), _retry_lapsed_point)
+    return storage.HeartbeatJournalStorage(JournalFileBackend(str(path)))
 
 
 # ---- torn journals --------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def open_study(name: str, seed: int, storage_dir: Path | None = None, storage_ur
     storage_dir = storage_dir or config.cache_dir() / "studies"
     sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=16)
     if storage_url is not None:
-        where = storage.database_storage(storage_url, _retry_lapsed_point)
+        where = storage.database_storage(storage_url)
     else:
         where = _journal(storage_dir / f"{name}.journal")
     return optuna.create_study(study_name=name, storage=where, sampler=sampler, direction="minimize",
@@ -176,17 +176,7 @@ def open_study(name: str, seed: int, storage_dir: Path | None = None, storage_ur
 def check_storage(url: str) -> None:
     """Open the database at url as the workers will: storage.StorageError, in one line, where it
     cannot be (a command says so before it starts any work)."""
-    storage.database_storage(url, _retry_lapsed_point)
-
-
-def _retry_lapsed_point(study, trial) -> None:
-    """The storage's callback for a trial failed because its heartbeat lapsed (its worker died while
-    it held the point): the point is queued to be asked next, by whichever worker asks first."""
-    point = trial.user_attrs.get("point")
-    if point is not None:
-        log.warning("trial %d's worker stopped (its heartbeat lapsed): its point is tried again: %s",
-                    trial.number, point)
-        enqueue_points(study, [point])
+    storage.database_storage(url)
 
 
 def _point_key(strategy: str, params: dict) -> str:
@@ -249,7 +239,7 @@ def _enqueue_unseen(study, points: list[tuple[str, dict]], taken: set[str], rng)
 
 def enqueue_points(study, points: list[str]) -> None:
     """Queue points (as _point_key writes them) to be the next trials asked, but not a point that
-    is waiting already (queued by another worker, or by the callback of a lapsed trial)."""
+    is waiting already (queued by another worker, or for a trial whose worker died)."""
     from optuna.trial import TrialState
 
     waiting = {t.user_attrs.get("point") for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))}
@@ -296,7 +286,7 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     limits = evaluator.limits
     name = study_name(gpu_slug, spec.name, dtype, widths, n_bucket(shape["N"]))
     study = open_study(name, settings.seed, storage_dir, storage_url)
-    storage.take_over_lapsed(study)  # an earlier run's worker killed mid-trial: its points are queued again
+    storage.take_over_lapsed(study, enqueue_points)  # an earlier run's worker killed mid-trial: its points queued again
     enqueue_first(study, spec, widths, limits, list(extra_points))
     seen, retry = past_outcomes(study)
     if retry:
@@ -530,8 +520,8 @@ class _Search:
 
     In a shared study (other workers on it at the same time) a trial is this worker's claim on its
     point: RUNNING, its point attr written, its heartbeat kept. A worker reads the study after
-    writing its claim, so of two workers that claim a point at the same moment at least one sees
-    the other's claim and gives its own up (_held_elsewhere): no point is timed twice."""
+    writing its claim, and keeps the point only where no earlier claim holds it (_claim_holds): no
+    point is timed twice."""
 
     def __init__(self, study, spec: OpSpec, widths: dict, evaluator: Evaluator, seen: dict[str, Outcome],
                  points: list[tuple[str, dict]], target: int, progress: _Progress, rng: random.Random,
@@ -566,14 +556,14 @@ class _Search:
                 self._tell(trial, state=TrialState.PRUNED)
                 self.counts["pruned"] += 1
                 continue
-            held_elsewhere = self.shared and self._held_elsewhere(trial, point)  # also learns the others' verdicts
+            holds = not self.shared or self._claim_holds(trial, point)  # also learns the others' verdicts
             if point in self.seen or point in self.in_flight:
                 trial.set_user_attr("repeat", True)
                 self._tell_outcome(trial, self.seen.get(point, Outcome(None, "repeated while in flight")))
                 self.counts["repeated"] += 1
                 _enqueue_unseen(self.study, self.points, set(self.seen) | self.in_flight, self.rng)
-            elif held_elsewhere:
-                trial.set_user_attr("taken", True)  # another worker has it: no verdict here
+            elif not holds:
+                trial.set_user_attr("taken", True)  # another worker has it, or the target is reached: no verdict here
                 self._tell(trial, state=TrialState.PRUNED)
                 self.counts["taken"] += 1
                 break  # the others may have taken every point left: the caller counts again
@@ -582,18 +572,31 @@ class _Search:
                 batch.append((trial, plan, point))
         return batch
 
-    def _held_elsewhere(self, trial, point: str) -> bool:
-        """Whether this trial must give its claim up: another worker's trial claims the point too
-        (both give up when each sees the other: the point stays untaken, and is asked for again),
-        or the verdicts and the claims made before this one fill the study's target (a worker that
-        counted the points left before they were made would ask for one too many)."""
-        claims = _read_claims(self.study)
-        self.seen.update(claims.verdicts)
+    def _claim_holds(self, trial, point: str) -> bool:
+        """Whether this trial keeps its claim on `point` in a shared study (False: it gives it up).
+
+        The claim (this RUNNING trial, its point attr written) is made before the study is read,
+        so of two claims on a point the later-read one sees the other. The earlier trial (lower id)
+        keeps the point: a later one gives it up on seeing it, and one that read the study before
+        this claim was made times the point, so this one waits for it and then finds its verdict.
+        The claim is also given up when the verdicts and the earlier claims on other points fill
+        the study's target (a worker that counted the points left before they were made would
+        ask for one too many)."""
         mine = _trial_id(trial)
-        if any(other != mine for other in claims.running.get(point, ())):
-            return True
+        pause = 0.05
+        while True:
+            claims = _read_claims(self.study)
+            self.seen.update(claims.verdicts)
+            others = [other for other in claims.running.get(point, ()) if other != mine]
+            if point in self.seen or any(other < mine for other in others):
+                return False
+            if not others:
+                break
+            time.sleep(pause)  # later claims on the point: they give it up, or time it
+            pause = min(2 * pause, 1.0)
+            self._take_over_lapsed_now_and_then()  # one of them may be a dead worker's
         earlier = {p for p, ids in claims.running.items() if p != point and min(ids) < mine}
-        return len(set(self.seen) | earlier) >= self.target
+        return len(set(self.seen) | earlier) < self.target
 
     def points_left(self, in_flight: int) -> int:
         """How many points are still to be asked for: the target less the points with a verdict and
@@ -610,7 +613,7 @@ class _Search:
         """storage.take_over_lapsed, twice a heartbeat interval at most: it is a query of its own."""
         if time.monotonic() - self.lapses_checked_at >= storage.HEARTBEAT_INTERVAL_S / 2:
             self.lapses_checked_at = time.monotonic()
-            storage.take_over_lapsed(self.study)
+            storage.take_over_lapsed(self.study, enqueue_points)
 
     def others_running(self) -> bool:
         """Whether other workers still hold points of this shared study (this worker holds none
