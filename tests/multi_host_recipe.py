@@ -25,16 +25,23 @@ def block(name: str, text: str | None = None) -> str:
 
 def settings(name: str) -> dict[str, str]:
     """The block's settings as the doc writes them (name -> the rest of the line, comment and all)."""
-    return dict(SETTING.match(line).groups() for line in _lines(name) if SETTING.match(line))
+    head, _ = _split(name)
+    return dict(SETTING.match(line).groups() for line in head)
 
 
 def commands(name: str) -> str:
     """The block less its settings lines."""
-    return "".join(line + "\n" for line in _lines(name) if not SETTING.match(line))
+    _, body = _split(name)
+    return "".join(line + "\n" for line in body)
 
 
-def _lines(name: str) -> list[str]:
-    return block(name).splitlines()
+def _split(name: str) -> tuple[list[str], list[str]]:
+    """The block's leading NAME=value lines, and the rest."""
+    lines = block(name).splitlines()
+    n = 0
+    while n < len(lines) and SETTING.match(lines[n]):
+        n += 1
+    return lines[:n], lines[n:]
 
 
 def run(name: str, values: dict[str, str], env: dict[str, str], **popen_kwargs) -> subprocess.Popen:

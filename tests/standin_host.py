@@ -9,10 +9,11 @@ points fail to compile or fail the check).
 
 Set by the test, in the environment:
   PAIRGEN_STANDIN_GPUS    how many GPUs this host has
-  PAIRGEN_STANDIN_DIR     where each worker appends the points of the search it starts timing
-                          (evaluated-<pid>.log), and where the victim says it is stalled (stalled.json)
+  PAIRGEN_STANDIN_DIR     where each worker appends the points of the search it attempts (compiles,
+                          then times unless the compile failed: attempted-<pid>.log), and where the
+                          victim says it is stalled (stalled.json)
   PAIRGEN_STANDIN_VICTIM  (on one host) the GPU whose worker stalls in the first point it times,
-                          holding it, until the test kills it; the other workers time nothing
+                          holding it, until the test kills it; the other workers attempt nothing
                           before it has stalled, so the victim is sure to hold a point
 """
 from __future__ import annotations
@@ -53,14 +54,17 @@ class StandInGpu(FakeEvaluator):
     def baselines(self):
         return {peer: us for peer, us in super().baselines().items() if peer in self.peers}
 
+    def compile(self, plans):
+        if not self.retiming:  # points of the search, each compiled once and then timed (or failed)
+            with open(self.log_dir / f"attempted-{os.getpid()}.log", "a") as log:
+                log.writelines(_point_key(plan.strategy, plan.params) + "\n" for plan in plans)
+            if not self.victim:
+                self._wait_for_the_victim()
+        return super().compile(plans)
+
     def evaluate(self, plan):
-        if not self.retiming:  # a point of the search
-            point = _point_key(plan.strategy, plan.params)
-            with open(self.log_dir / f"evaluated-{os.getpid()}.log", "a") as log:
-                log.write(point + "\n")
-            if self.victim:
-                self._stall(point)
-            self._wait_for_the_victim()
+        if self.victim and not self.retiming:
+            self._stall(_point_key(plan.strategy, plan.params))
         return super().evaluate(plan)
 
     def _stall(self, point: str) -> None:

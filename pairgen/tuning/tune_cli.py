@@ -2,6 +2,9 @@
 
   pairgen-tune                   every op, its default shapes (seed + real), 64 trials each
   pairgen-tune --op contact --shape B=4,N=64,P=64,H=32 --trials 32
+  pairgen-tune --storage URL --devices all
+                                 on each of several hosts: the studies in one database, every GPU
+                                 of every host working on them (docs/multi-host.md)
   pairgen-tune --status          the tuned folders: what is tuned, for which GPU, and what is stale
   pairgen-tune --stale           re-tune exactly this GPU's stale entries
   pairgen-tune --dry-run         render and compile every strategy (no GPU needed)
@@ -637,7 +640,7 @@ def _retime_on(device: int, jobs, settings, slug: str, storage_url: str | None) 
 
 def _watch(workers, names: list[str], settings, n_devices: int, storage_url: str | None) -> None:
     """Wait for the workers, with one progress bar over every shape's study (verdicts so far)."""
-    import time
+    from multiprocessing.connection import wait
 
     from pairgen.tuning.tuner import open_study, past_outcomes
 
@@ -648,7 +651,7 @@ def _watch(workers, names: list[str], settings, n_devices: int, storage_url: str
         bar = tqdm(total=settings.trials * len(names), desc=f"{len(names)} shape(s) on {n_devices} GPUs", unit="trial")
     done = [0] * len(names)
     while any(w.is_alive() for w in workers):
-        time.sleep(2.0)
+        wait([w.sentinel for w in workers if w.is_alive()], timeout=2.0)  # back at once when one ends
         if bar is None:
             continue
         for i, name in enumerate(names):
