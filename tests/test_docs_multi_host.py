@@ -12,7 +12,7 @@ from pathlib import Path
 import multi_host_recipe as recipe
 from test_tuner_cluster import BLOCKS_RUN
 
-from pairgen.tuning import tune_cli
+from pairgen.tuning import storage, tune_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL_BLOCKS = ("gpu-host-install", "database-host-install")
@@ -83,3 +83,8 @@ def test_the_readme_and_the_help_point_to_the_recipe(monkeypatch):
     assert "claim" not in readme.lower() and "shared file system" not in readme, "the claim files are gone"
     parser, _ = tune_cli.parse_args([])
     assert "--storage URL --devices all" in parser.format_help() and "docs/multi-host.md" in parser.format_help()
+
+
+def test_the_heartbeat_the_recipe_states_is_the_codes():
+    text = " ".join(recipe.RECIPE.read_text().split())
+    assert f"every {storage.HEARTBEAT_INTERVAL_S} s" in text and f"{storage.GRACE_PERIOD_S} s later" in text

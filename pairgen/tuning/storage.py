@@ -39,6 +39,7 @@ GRACE_PERIOD_S = 120
 #: The system attr a journal trial's heartbeat is kept in (seconds since the epoch, the worker's clock).
 JOURNAL_HEARTBEAT_ATTR = "pairgen:heartbeat"
 
+
 class StorageError(Exception):
     """A storage URL that cannot be opened; the message is one line, for the command to print."""
 

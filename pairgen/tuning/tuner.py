@@ -494,6 +494,7 @@ class _Claims(NamedTuple):
 
     verdicts: dict[str, Outcome]      # per point, the verdict a worker reached
     running: dict[str, list[int]]     # per point, the ids of the RUNNING trials that claim it
+    retries: set[str]                 # points with no verdict whose worker died (or whose machine failed them)
 
 
 def _read_claims(study) -> _Claims:
@@ -505,7 +506,8 @@ def _read_claims(study) -> _Claims:
         point = t.user_attrs.get("point")
         if t.state == TrialState.RUNNING and point is not None:
             running.setdefault(point, []).append(_trial_id(t))
-    return _Claims(_outcomes(trials)[0], running)
+    verdicts, retries = _outcomes(trials)
+    return _Claims(verdicts, running, set(retries))
 
 
 def _trial_id(trial) -> int:
@@ -581,7 +583,8 @@ class _Search:
         this claim was made times the point, so this one waits for it and then finds its verdict.
         The claim is also given up when the verdicts and the earlier claims on other points fill
         the study's target (a worker that counted the points left before they were made would
-        ask for one too many)."""
+        ask for one too many), unless the point is a dead worker's: it was counted in the target
+        when it was claimed, and is tried again whatever the count."""
         mine = _trial_id(trial)
         pause = 0.05
         while True:
@@ -595,6 +598,8 @@ class _Search:
             time.sleep(pause)  # later claims on the point: they give it up, or time it
             pause = min(2 * pause, 1.0)
             self._take_over_lapsed_now_and_then()  # one of them may be a dead worker's
+        if point in claims.retries:
+            return True
         earlier = {p for p, ids in claims.running.items() if p != point and min(ids) < mine}
         return len(set(self.seen) | earlier) < self.target
 
