@@ -91,9 +91,10 @@ def short_heartbeat(monkeypatch):
     monkeypatch.setattr(storage, "GRACE_PERIOD_S", 2)
 
 
-def _claim_by_another_worker(directory: Path) -> tuple[str, int]:
+def _claim_by_another_worker(directory: Path, beat: bool = True) -> tuple[str, int]:
     """A claim as a worker on another process or host leaves it: a RUNNING trial for a point (the
-    first default point), its heartbeat recorded once and then never again."""
+    first default point), its heartbeat recorded once and then never again (beat=False: never, as
+    a pairgen before heartbeats left it)."""
     spec = in_one_precision(CONTACT, "float32")  # the study's view of the op, as tune_shape's
     study = open_study(NAME, 0, directory)
     enqueue_points(study, [_point_key(*spec.default_points[0])])
@@ -101,7 +102,8 @@ def _claim_by_another_worker(directory: Path) -> tuple[str, int]:
         trial = study.ask()
     point = _point_key(*suggest(trial, spec))
     trial.set_user_attr("point", point)
-    study._storage.record_heartbeat(trial._trial_id)
+    if beat:
+        study._storage.record_heartbeat(trial._trial_id)
     return point, trial.number
 
 
@@ -122,10 +124,12 @@ def test_a_claim_holds_while_its_heartbeat_lasts_and_is_taken_over_when_it_lapse
     assert point in verdicts and not retry and result.counts["evaluated"] == len(verdicts) == 6
 
 
-def test_a_run_after_a_killed_one_tries_its_running_points_again_first(tmp_path, short_heartbeat):
+@pytest.mark.parametrize("beat", [True, False], ids=["heartbeat", "no-heartbeat"])
+def test_a_run_after_a_killed_one_tries_its_running_points_again_first(tmp_path, short_heartbeat, beat):
     """A worker killed mid-trial (SIGKILL: no chance to record anything) and the study run again
-    later, by one worker: the killed trial's heartbeat has lapsed, and its point is tried first."""
-    point, _ = _claim_by_another_worker(tmp_path)
+    later, by one worker: the killed trial's heartbeat has lapsed (or, never recorded, its start
+    is as old), and its point is tried first."""
+    point, _ = _claim_by_another_worker(tmp_path, beat)
     time.sleep(storage.GRACE_PERIOD_S + 0.5)
     ev = FakeEvaluator()
     tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(3), storage_dir=tmp_path)

@@ -129,10 +129,15 @@ class HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
         now = time.time()
         running = self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
-        # A trial with no beat yet is not stale (as RDBStorage has it): its first beat is its
-        # worker's next write.
-        return [t._trial_id for t in running
-                if now - t.system_attrs.get(JOURNAL_HEARTBEAT_ATTR, now) > GRACE_PERIOD_S]
+        return [t._trial_id for t in running if now - self._last_sign_of_life(t) > GRACE_PERIOD_S]
+
+    @staticmethod
+    def _last_sign_of_life(trial) -> float:
+        """Its last beat; else its start (its worker died before the first beat, or the trial was
+        left RUNNING by a pairgen without heartbeats): on one host, the clock that wrote both."""
+        if JOURNAL_HEARTBEAT_ATTR in trial.system_attrs:
+            return trial.system_attrs[JOURNAL_HEARTBEAT_ATTR]
+        return trial.datetime_start.timestamp() if trial.datetime_start else time.time()
 
     def get_heartbeat_interval(self) -> int:
         return HEARTBEAT_INTERVAL_S

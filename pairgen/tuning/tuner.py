@@ -189,9 +189,10 @@ def _trial_params(strategy: str, params: dict) -> dict:
 
 
 def _enqueue(study, strategy: str, params: dict) -> None:
-    """Queue a point as the next trial asked. Its point attr is set already, so the waiting trial
-    says which point it is (enqueue_points skips points already waiting)."""
-    study.enqueue_trial(_trial_params(strategy, params), user_attrs={"point": _point_key(strategy, params)})
+    """Queue a point as the next trial asked. The waiting trial says which point it is (attr
+    queued_point: enqueue_points skips points already waiting); its point attr, the claim, is
+    written by the worker that asks it, after the trial's first heartbeat (_Search._ask)."""
+    study.enqueue_trial(_trial_params(strategy, params), user_attrs={"queued_point": _point_key(strategy, params)})
 
 
 def enqueue_first(study, spec: OpSpec, widths: dict, limits: DeviceLimits, extra: list[tuple[str, dict]]) -> None:
@@ -242,7 +243,7 @@ def enqueue_points(study, points: list[str]) -> None:
     is waiting already (queued by another worker, or for a trial whose worker died)."""
     from optuna.trial import TrialState
 
-    waiting = {t.user_attrs.get("point") for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))}
+    waiting = {t.user_attrs.get("queued_point") for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))}
     for point in dict.fromkeys(points):
         if point not in waiting:
             _enqueue(study, *json.loads(point))
@@ -673,6 +674,8 @@ class _Search:
         with storage.quiet_heartbeat_warnings():
             trial = self.study.ask()
         self.running[trial.number] = trial
+        # Before the claim (the point attr) is written: a claim without a heartbeat would never be
+        # found stale, and would hold its point, and the workers waiting on it, for ever.
         self.heartbeat.add(_trial_id(trial))
         return trial
 
