@@ -87,4 +87,4 @@ def test_the_readme_and_the_help_point_to_the_recipe(monkeypatch):
 
 def test_the_heartbeat_the_recipe_states_is_the_codes():
     text = " ".join(recipe.RECIPE.read_text().split())
-    assert f"every {storage.HEARTBEAT_INTERVAL_S} s" in text and f"{storage.GRACE_PERIOD_S} s later" in text
+    assert f"every {storage.HEARTBEAT_INTERVAL_S} s" in text and f"{storage.GRACE_PERIOD_S} s without a beat" in text

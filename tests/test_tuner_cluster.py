@@ -4,9 +4,11 @@ by its own block, and against the one-host journal file. The GPU is stood in for
 (standin_host.py); everything else is pairgen-tune's own: --storage, --devices all and its worker
 processes, the heartbeat, the tuned entry.
 
-One worker is killed (SIGKILL) while it times a point. Then every point of the search is timed
-once, except that one, which another worker times again after the dead worker's heartbeat lapsed;
-and each host's tuned entry is the one a single worker writes from the same study.
+One worker is killed (SIGKILL) while it times a point. Then every point of the search is attempted
+(compiled, and timed unless the compile failed) once, except that one, which another worker
+attempts again after the dead worker's heartbeat lapsed; and each host's tuned entry is the one a
+single worker writes from the same study. Heartbeats are short here (standin_host.py): 1 s, lapsing
+after 3 s.
 """
 from __future__ import annotations
 
