@@ -24,7 +24,8 @@ def best_after(trials: list, ks: list[int]) -> dict[int, tuple[str, float]]:
     """Per k, the point with the lowest value among the first k points tried (trial order; a point
     that failed its check counts, as the tuner counts it; repeats and pruned proposals do not)."""
     tried = [(t.user_attrs["point"], t.value) for t in trials
-             if not t.user_attrs.get("repeat") and not t.user_attrs.get("env_failure")]
+             if not t.user_attrs.get("repeat") and not t.user_attrs.get("env_failure")
+             and not (t.value is None and "fail_reason" not in t.user_attrs)]  # nor a dead worker's (tuner._lapsed)
     out = {}
     for k in ks:
         timed = [pv for pv in tried[:k] if pv[1] is not None]

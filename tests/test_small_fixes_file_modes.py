@@ -42,28 +42,11 @@ def test_first_use_verdicts_follow_the_umask(tmp_path, monkeypatch, umask_022):
     assert mode(path) == 0o644
 
 
-def test_tuner_journal_repairs_and_claims_follow_the_umask(tmp_path, umask_022):
+def test_a_repaired_tuner_journal_follows_the_umask(tmp_path, umask_022):
     journal = tmp_path / "study.journal"
     journal.write_bytes(b'{"op_code": 0}\n{"torn')
     assert tuner.repair_journal(journal)
     assert mode(journal) == 0o644
-    claims = tuner.PointClaims(tmp_path / "study.claims")
-    assert claims.claim("point", 0)[0]
-    claims.finish("point")
-    (claim,) = (tmp_path / "study.claims").glob("*.claim")
-    assert mode(claim) == 0o644
-
-
-def test_claims_follow_a_group_writable_umask(tmp_path):
-    """A study shared by a group (umask 002): a claim the other members can take over."""
-    old = os.umask(0o002)
-    try:
-        claims = tuner.PointClaims(tmp_path / "study.claims")
-        assert claims.claim("point", 0)[0]
-    finally:
-        os.umask(old)
-    (claim,) = (tmp_path / "study.claims").glob("*.claim")
-    assert mode(claim) == 0o664
 
 
 def test_a_new_tuned_database_follows_the_umask(tmp_path, umask_022):

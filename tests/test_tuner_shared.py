@@ -1,19 +1,25 @@
 """Several tuning workers on one study (one per GPU or host): on the CPU with a fake evaluator in
 separate processes. No point is compiled and timed twice, none is lost (every attempted point has
-its verdict in the study), the work is shared; a dead worker's claim is taken over."""
+its verdict in the study), the work is shared. A worker's claim on a point is its RUNNING trial,
+respected while its heartbeat is kept and taken over once it lapses. (tests/test_tuner_cluster.py
+runs pairgen-tune itself on several stand-in hosts, on PostgreSQL and on a journal, and kills a
+worker mid-trial.)"""
 from __future__ import annotations
 
-import json
+import logging
 import multiprocessing
-import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from pairgen.ops.contact import CONTACT
-from pairgen.tuning.tuner import PointClaims, TuneSettings, _point_key, open_study, past_outcomes, study_name, tune_shape
-from test_tuner import SHAPE, WIDTHS, FakeEvaluator
+from pairgen.tuning import storage
+from pairgen.tuning.tuner import (TuneSettings, _point_key, enqueue_points, in_one_precision, open_study, past_outcomes,
+                                   study_name, suggest, tune_shape)
+from test_tuner import SHAPE, WIDTHS, FakeEvaluator, _settings
 
 
 class LoggingEvaluator(FakeEvaluator):
@@ -76,40 +82,58 @@ def test_workers_share_a_study_without_losing_or_doubling_a_point(tmp_path, stre
     assert sum(1 for log in logs if log.exists() and log.read_text()) >= 2, "the work was shared"
 
 
-def _dead_pid() -> int:
-    ctx = multiprocessing.get_context("spawn")
-    process = ctx.Process(target=time.sleep, args=(0,))
-    process.start()
-    process.join()
-    return process.pid
+NAME = study_name("fake-gpu", "contact", "float32", WIDTHS, 64)
 
 
-def test_claims_are_exclusive_and_a_dead_workers_claim_is_taken_over(tmp_path):
-    claims = PointClaims(tmp_path)
-    assert claims.claim("p1", 1) == (True, None)
-    assert PointClaims(tmp_path).claim("p1", 2) == (False, None), "held by a live process (this one)"
-    claims.release("p1")
-    assert claims.claim("p1", 3) == (True, None)
-
-    dead = {"host": os.uname().nodename, "pid": _dead_pid(), "trial": 7, "time": time.time()}
-    claims._path("p2").write_text(json.dumps(dead))
-    assert claims.claim("p2", 4) == (True, 7), "its worker is gone: taken over, its trial named"
-
-    recent = {"host": "elsewhere", "pid": 1, "trial": 8, "time": time.time()}
-    claims._path("p3").write_text(json.dumps(recent))
-    assert claims.claim("p3", 5) == (False, None), "another host's recent claim stands"
-    old = {**recent, "time": time.time() - 2 * claims.stale_after_s}
-    claims._path("p4").write_text(json.dumps(old))
-    assert claims.claim("p4", 6) == (True, 8), "another host's claim older than stale_after_s is taken over"
+@pytest.fixture
+def short_heartbeat(monkeypatch):
+    monkeypatch.setattr(storage, "HEARTBEAT_INTERVAL_S", 1)
+    monkeypatch.setattr(storage, "GRACE_PERIOD_S", 2)
 
 
-def test_a_finished_points_claim_outlives_its_worker(tmp_path):
-    """A worker that reached the target and exited leaves claims of points with verdicts: those
-    are final (a later worker that took them over timed a point twice)."""
-    claims = PointClaims(tmp_path)
-    done = {"host": os.uname().nodename, "pid": _dead_pid(), "done": True}
-    claims._path("p").write_text(json.dumps(done))
-    assert claims.claim("p", 1) == (False, None)
+def _claim_by_another_worker(directory: Path, beat: bool = True) -> tuple[str, int]:
+    """A claim as a worker on another process or host leaves it: a RUNNING trial for a point (the
+    first default point), its heartbeat recorded once and then never again (beat=False: never, as
+    a pairgen before heartbeats left it)."""
+    spec = in_one_precision(CONTACT, "float32")  # the study's view of the op, as tune_shape's
+    study = open_study(NAME, 0, directory)
+    enqueue_points(study, [_point_key(*spec.default_points[0])])
+    with storage.quiet_heartbeat_warnings():
+        trial = study.ask()
+    point = _point_key(*suggest(trial, spec))
+    trial.set_user_attr("point", point)
+    if beat:
+        study._storage.record_heartbeat(trial._trial_id)
+    return point, trial.number
+
+
+def test_a_claim_holds_while_its_heartbeat_lasts_and_is_taken_over_when_it_lapses(tmp_path, short_heartbeat, caplog):
+    point, number = _claim_by_another_worker(tmp_path)
+    ev = FakeEvaluator()
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="pairgen"):
+        result = tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(6), storage_dir=tmp_path, shared=True)
+    compiled = [_point_key(p.strategy, p.params) for p in ev.compiled]
+    assert compiled.count(point) == 1 and compiled[-1] == point, "the claimed point waited for its claim to lapse"
+    assert time.monotonic() - started >= storage.GRACE_PERIOD_S
+    assert f"trial {number}'s worker stopped" in caplog.text
+    study = open_study(NAME, 0, tmp_path)
+    lapsed = study.trials[number]
+    assert lapsed.state.name == "FAIL" and "fail_reason" not in lapsed.user_attrs
+    verdicts, retry = past_outcomes(study)
+    assert point in verdicts and not retry and result.counts["evaluated"] == len(verdicts) == 6
+
+
+@pytest.mark.parametrize("beat", [True, False], ids=["heartbeat", "no-heartbeat"])
+def test_a_run_after_a_killed_one_tries_its_running_points_again_first(tmp_path, short_heartbeat, beat):
+    """A worker killed mid-trial (SIGKILL: no chance to record anything) and the study run again
+    later, by one worker: the killed trial's heartbeat has lapsed (or, never recorded, its start
+    is as old), and its point is tried first."""
+    point, _ = _claim_by_another_worker(tmp_path, beat)
+    time.sleep(storage.GRACE_PERIOD_S + 0.5)
+    ev = FakeEvaluator()
+    tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(3), storage_dir=tmp_path)
+    assert _point_key(ev.compiled[0].strategy, ev.compiled[0].params) == point
 
 
 def test_a_study_in_an_optuna_storage_url(tmp_path):
@@ -122,3 +146,23 @@ def test_a_study_in_an_optuna_storage_url(tmp_path):
     study = open_study(study_name("fake-gpu", "contact", "float32", WIDTHS, 64), 0, None, url)
     assert len(past_outcomes(study)[0]) == 6 and study.user_attrs["baselines"]["eager"] == 200.0
     assert not list(tmp_path.glob("*.journal")), "nothing written to a journal file"
+
+
+def test_an_unreachable_storage_is_one_line_and_exit_2():
+    """Port 1 of this machine's loopback: nothing listens there. The password is never printed."""
+    url = "postgresql+psycopg://pairgen:s3cret@127.0.0.1:1/pairgen"
+    run = subprocess.run([sys.executable, "scripts/tune.py", "--storage", url, "--op", "contact", "--shape",
+                          "B=1,N=64,P=64,H=32"], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+    assert run.stderr.startswith("pairgen-tune: --storage postgresql+psycopg://pairgen:***@127.0.0.1:1/pairgen")
+    assert "s3cret" not in run.stderr and "multi-host.md" in run.stderr
+
+
+@pytest.mark.parametrize("url, says", [("nonsense", "is not a database URL"), ("nosuchdb://x", "Can't load plugin")])
+def test_a_storage_that_is_not_a_database_url_is_refused_in_one_line(url, says):
+    from pairgen.tuning.tune_cli import storage_problem
+
+    problem = storage_problem(url)
+    assert says in problem and "\n" not in problem and "postgresql+psycopg://" in problem

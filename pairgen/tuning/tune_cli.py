@@ -5,6 +5,9 @@
                                  (their first-use records), in the precisions they ran
   pairgen-tune --op contact --shape B=4,N=64,P=64,H=32 --trials 32
   pairgen-tune --peers eager,compile   also time torch.compile (max-autotune: about a minute a shape)
+  pairgen-tune --storage URL --devices all
+                                 on each of several hosts: the studies in one database, every GPU
+                                 of every host working on them (docs/multi-host.md)
   pairgen-tune --status          the tuned folders: what is tuned, for which GPU, and what is stale
   pairgen-tune --stale           re-tune exactly this GPU's stale entries
   pairgen-tune --dry-run         render and compile every strategy (no GPU needed)
@@ -68,9 +71,10 @@ def parse_args(argv=None):
                         help="tune on these GPUs at once: one worker process per GPU, all sharing each shape's "
                              "study (default: the current GPU alone)")
     parser.add_argument("--storage", metavar="URL",
-                        help="an Optuna storage for the studies, e.g. postgresql://user@host/db: workers on several "
-                             "hosts that name the same URL share each study (default: a journal file per study "
-                             "under PAIRGEN_CACHE_DIR)")
+                        help="a database for the studies, e.g. postgresql+psycopg://user:password@host:5432/pairgen: "
+                             "workers on several hosts that name the same URL share each study, and need share "
+                             "nothing else (docs/multi-host.md; default: a journal file per study under "
+                             "PAIRGEN_CACHE_DIR)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--status", action="store_true", help="list tuned entries and whether they are stale")
     mode.add_argument("--stale", action="store_true", help="re-tune this GPU's stale entries")
@@ -576,6 +580,9 @@ def tune(work, args) -> int:
 
     from .third_party_log import ThirdPartyLog
 
+    if args.storage is not None and (problem := storage_problem(args.storage)) is not None:
+        print(f"pairgen-tune: {problem}", file=sys.stderr)
+        return 2
     if gpu_missing("tuning"):
         return 2
     info = runtime.device_info(torch.cuda.current_device())
@@ -687,6 +694,19 @@ def report(done: list[ShapeDone], total: int, args, info, interrupted: bool, thi
     print(f"\n{third_party}", flush=True)
 
 
+def storage_problem(url: str) -> str | None:
+    """Why the database at --storage cannot be used, in one line (unreachable, no such database, a
+    driver missing, not a URL); None when it opens. Checked before any work starts."""
+    from pairgen.tuning.storage import StorageError
+    from pairgen.tuning.tuner import check_storage
+
+    try:
+        check_storage(url)
+    except StorageError as exc:
+        return str(exc)
+    return None
+
+
 def _compile_share(workers: int) -> int:
     """Compile processes per tuning worker: the CPUs split among the workers, less one core for the
     worker itself, which times kernels while the next ones compile (a host starved of its core
@@ -734,8 +754,10 @@ def _devices(text: str | None, count: int, current: int) -> list[int]:
 
 def _device_worker(job: dict) -> None:
     """One GPU's worker (a spawned process: it imports torch itself). It takes every shape in turn,
-    on the shape's study shared with the other workers, and moves to the next shape as soon as the
-    study's points are all claimed: no worker waits for another between shapes."""
+    on the shape's study shared with the other workers, and moves to the next shape once every
+    point of the study is taken and judged: the workers run out of points to ask for at the same
+    moment and wait only for each other's last few, or for a dead worker's heartbeat to lapse
+    (its point is then tried again)."""
     import torch
 
     from pairgen import compiler
@@ -801,8 +823,8 @@ def _tune_on_devices(jobs, devices, settings, peers, slug, storage_url, log_path
         raise
     dead = [d for d, w in zip(devices, workers) if w.exitcode != 0]
     if dead:
-        print(f"workers on GPU(s) {dead} stopped with an error; their claimed points are retried by the next run",
-              file=sys.stderr)
+        print(f"workers on GPU(s) {dead} stopped with an error; the points they held were tried again by the "
+              "workers still running (or will be by the next run)", file=sys.stderr)
     _retime_on(devices[0], jobs, settings, slug, storage_url)
     return [result_from_study(spec, shape, slug, precision_of(spec), settings.seed, storage_url=storage_url)
             for spec, shape, _ in jobs]
@@ -832,7 +854,7 @@ def _retime_on(device: int, jobs, settings, slug: str, storage_url: str | None) 
 
 def _watch(workers, names: list[str], settings, n_devices: int, storage_url: str | None) -> None:
     """Wait for the workers, with one progress bar over every shape's study (verdicts so far)."""
-    import time
+    from multiprocessing.connection import wait
 
     from pairgen.tuning.tuner import open_study, past_outcomes
 
@@ -843,7 +865,7 @@ def _watch(workers, names: list[str], settings, n_devices: int, storage_url: str
         bar = tqdm(total=settings.trials * len(names), desc=f"{len(names)} shape(s) on {n_devices} GPUs", unit="trial")
     done = [0] * len(names)
     while any(w.is_alive() for w in workers):
-        time.sleep(2.0)
+        wait([w.sentinel for w in workers if w.is_alive()], timeout=2.0)  # back at once when one ends
         if bar is None:
             continue
         for i, name in enumerate(names):

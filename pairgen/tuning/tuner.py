@@ -1,5 +1,6 @@
-"""The Optuna search: one study per (GPU, op, dtype, widths, N bucket), in journal storage, so an
-interrupted run resumes and processes on several GPUs can share a study.
+"""The Optuna search: one study per (GPU, op, dtype, widths, N bucket), in a journal file or a
+database (storage.py), so an interrupted run resumes and workers on several GPUs or hosts can share
+a study.
 
 Control flow (tested on the CPU with a fake evaluator): ask for trials; prune points that break a
 restriction before anything is compiled; compile the rest in parallel, in the background; check
@@ -8,14 +9,16 @@ and time each on the GPU as its compile finishes, one at a time; tell; ask for t
 A failed trial is a verdict on its point (never tried again in this study) unless the failure came
 from the machine rather than the point (a compile over the budget, NVRTC not loadable, a compile
 worker killed, an interrupted batch): those carry the user attr env_failure=True, and a later run
-tries the point again, first.
+tries the point again, first. So does a trial failed because its worker died (its heartbeat
+lapsed: storage.py), which fails with no reason at all; a live worker tries its point again at once.
+
+Workers that share a study claim a point by holding a RUNNING trial for it (_Search.ask_batch).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import os
 import random
 import shutil
 import statistics
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Protocol
 
 from .. import config, files
+from . import storage
 from ..spec import DeviceLimits, OpSpec, Plan, n_bucket, precision_of
 
 log = logging.getLogger("pairgen")
@@ -86,13 +90,12 @@ def study_name(gpu_slug: str, op: str, dtype: str, widths: dict, bucket: int) ->
     return f"{gpu_slug}-{op}-{dtype}-{inner}-n{bucket}-t{templates_digest(op)}"
 
 
-def _storage(path: Path):
-    from optuna.storages import JournalStorage
+def _journal(path: Path) -> storage.HeartbeatJournalStorage:
     from optuna.storages.journal import JournalFileBackend
 
     path.parent.mkdir(parents=True, exist_ok=True)
     repair_journal(path)
-    return JournalStorage(JournalFileBackend(str(path)))
+    return storage.HeartbeatJournalStorage(JournalFileBackend(str(path)))
 
 
 # ---- torn journals --------------------------------------------------------------------------------
@@ -155,15 +158,25 @@ def _aside_path(path: Path) -> Path:
 
 def open_study(name: str, seed: int, storage_dir: Path | None = None, storage_url: str | None = None):
     """The study `name`: in its journal file under storage_dir (default: the cache directory), or in
-    the Optuna storage at storage_url (e.g. postgresql://...: how workers on several hosts share)."""
+    the database at storage_url (e.g. postgresql+psycopg://...: how workers on several hosts share;
+    storage.StorageError where it cannot be opened)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage_dir = storage_dir or config.cache_dir() / "studies"
     sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=16)
-    storage = storage_url or _storage(storage_dir / f"{name}.journal")
-    return optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
+    if storage_url is not None:
+        where = storage.database_storage(storage_url)
+    else:
+        where = _journal(storage_dir / f"{name}.journal")
+    return optuna.create_study(study_name=name, storage=where, sampler=sampler, direction="minimize",
                                load_if_exists=True)
+
+
+def check_storage(url: str) -> None:
+    """Open the database at url as the workers will: storage.StorageError, in one line, where it
+    cannot be (a command says so before it starts any work)."""
+    storage.database_storage(url)
 
 
 def _point_key(strategy: str, params: dict) -> str:
@@ -173,6 +186,13 @@ def _point_key(strategy: str, params: dict) -> str:
 def _trial_params(strategy: str, params: dict) -> dict:
     """A point as the study's parameters (suggest's names), for enqueue_trial."""
     return {"strategy": strategy, **{f"{strategy}.{k}": v for k, v in params.items()}}
+
+
+def _enqueue(study, strategy: str, params: dict) -> None:
+    """Queue a point as the next trial asked. The waiting trial says which point it is (attr
+    queued_point: enqueue_points skips points already waiting); its point attr, the claim, is
+    written by the worker that asks it, after the trial's first heartbeat (_Search._ask)."""
+    study.enqueue_trial(_trial_params(strategy, params), user_attrs={"queued_point": _point_key(strategy, params)})
 
 
 def enqueue_first(study, spec: OpSpec, widths: dict, limits: DeviceLimits, extra: list[tuple[str, dict]]) -> None:
@@ -185,7 +205,7 @@ def enqueue_first(study, spec: OpSpec, widths: dict, limits: DeviceLimits, extra
         if key in queued or spec.infeasible(spec.plan(strategy, params, widths), limits):
             continue
         queued.add(key)
-        study.enqueue_trial(_trial_params(strategy, params))
+        _enqueue(study, strategy, params)
 
 
 def suggest(trial, spec: OpSpec) -> tuple[str, dict]:
@@ -215,13 +235,18 @@ def _enqueue_unseen(study, points: list[tuple[str, dict]], taken: set[str], rng)
     repeat is answered from memory, and an unseen feasible point is queued in its place."""
     unseen = [(s, p) for s, p in points if _point_key(s, p) not in taken]
     if unseen:
-        study.enqueue_trial(_trial_params(*rng.choice(unseen)))
+        _enqueue(study, *rng.choice(unseen))
 
 
 def enqueue_points(study, points: list[str]) -> None:
-    """Queue points (as _point_key writes them) to be the next trials asked."""
-    for point in points:
-        study.enqueue_trial(_trial_params(*json.loads(point)))
+    """Queue points (as _point_key writes them) to be the next trials asked, but not a point that
+    is waiting already (queued by another worker, or for a trial whose worker died)."""
+    from optuna.trial import TrialState
+
+    waiting = {t.user_attrs.get("queued_point") for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))}
+    for point in dict.fromkeys(points):
+        if point not in waiting:
+            _enqueue(study, *json.loads(point))
 
 
 class _Progress:
@@ -253,16 +278,16 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
                extra_points: list[tuple[str, dict]] = (), storage_dir: Path | None = None,
                dtype: str = "float32", shared: bool = False, storage_url: str | None = None) -> TuneResult:
     """Tune one shape to `settings.trials` distinct evaluated points. shared: other processes (one
-    per GPU, or per host) run the same study at the same time: points are claimed before they are
-    timed (PointClaims, beside the journal), every worker counts the others' verdicts, and each
-    asks only for the points not yet taken (with a verdict, or claimed by a live worker), and leaves
-    once all are: the study ends at the target, and a worker moves on without waiting for the others."""
+    per GPU, or per host) run the same study at the same time: each worker claims a point by holding
+    a RUNNING trial for it (kept alive by a heartbeat), counts the others' verdicts and claims, asks
+    only for the points not yet taken, and leaves once every point taken has its verdict. A dead
+    worker's claim lapses with its heartbeat, and a worker still on the study tries its point again."""
     spec = in_one_precision(spec, dtype)
     widths = spec.widths_of(shape)
     limits = evaluator.limits
     name = study_name(gpu_slug, spec.name, dtype, widths, n_bucket(shape["N"]))
     study = open_study(name, settings.seed, storage_dir, storage_url)
-    claims = PointClaims((storage_dir or config.cache_dir() / "studies") / f"{name}.claims") if shared else None
+    storage.take_over_lapsed(study, enqueue_points)  # an earlier run's worker killed mid-trial: its points queued again
     enqueue_first(study, spec, widths, limits, list(extra_points))
     seen, retry = past_outcomes(study)
     if retry:
@@ -277,9 +302,6 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     target = min(settings.trials, len(points))
     progress = _Progress(target, f"{spec.name} {' '.join(f'{k}{v}' for k, v in shape.items())}",
                          settings.progress, baselines.get("eager"))
-    search = _Search(study, spec, widths, evaluator, seen, points, target, progress, random.Random(settings.seed),
-                     asks_left=20 * max(1, settings.trials),  # sampling repeats or infeasible points cannot loop forever
-                     claims=claims)
     window = settings.batch or config.compile_workers()
 
     warned = []
@@ -291,14 +313,18 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
             warned.append(log.warning("time budget of %.0f s reached after %d trials", settings.time_budget_s, len(seen)))
         return True
 
-    search.show_progress()
-    try:
-        search.run(lambda in_flight: target - _taken(seen, study, claims, in_flight), window, time_is_up)
-    except BaseException as exc:  # Ctrl-C, a compile pool that broke, a toolchain that would not load
-        search.abandon_running(exc)
-        raise
-    finally:
-        progress.close()
+    with storage.Heartbeat(study) as heartbeat:
+        search = _Search(study, spec, widths, evaluator, seen, points, target, progress, random.Random(settings.seed),
+                         asks_left=20 * max(1, settings.trials),  # sampling repeats or infeasible points cannot loop forever
+                         heartbeat=heartbeat, shared=shared)
+        search.show_progress()
+        try:
+            search.run(window, time_is_up)
+        except BaseException as exc:  # Ctrl-C, a compile pool that broke, a toolchain that would not load
+            search.abandon_running(exc)
+            raise
+        finally:
+            progress.close()
     retime_finalists(study, spec, widths, evaluator, settings)
     counts = {"evaluated": len(seen), **search.counts}
     compile_s_mean = sum(search.compile_times) / len(search.compile_times) if search.compile_times else None
@@ -320,16 +346,6 @@ def result_from_study(spec: OpSpec, shape: dict, gpu_slug: str, dtype: str, seed
     elapsed_s = (max(ends) - min(starts)).total_seconds() if starts and ends else 0.0
     return TuneResult(spec.name, dict(shape), _best(study, spec, widths), study.user_attrs.get("baselines", {}),
                       {"evaluated": len(verdicts), "failed": failed}, None, elapsed_s)
-
-
-def _taken(seen: dict, study, claims: "PointClaims | None", in_flight: int) -> int:
-    """How many points have a verdict or are being compiled and timed (`in_flight` by this worker;
-    with other workers on the study, by any live worker: a claim is made before the compile). A
-    worker asks only for the rest, and leaves once every point is taken."""
-    if claims is None:
-        return len(seen) + in_flight
-    seen.update(past_outcomes(study)[0])
-    return max(len(seen), claims.live_count())
 
 
 def retime_points(evaluator: Evaluator, spec: OpSpec, widths: dict, points: list[str], rounds: int) -> dict[str, float]:
@@ -413,20 +429,37 @@ def past_outcomes(study) -> tuple[dict[str, Outcome], list[str]]:
     a toolchain since fixed)."""
     from optuna.trial import TrialState
 
+    return _outcomes(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)))
+
+
+def _outcomes(trials) -> tuple[dict[str, Outcome], list[str]]:
+    """past_outcomes of these trials (those not finished are skipped)."""
+    from optuna.trial import TrialState
+
     seen: dict[str, Outcome] = {}
     env_failed: list[str] = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
+    for t in trials:
+        if t.state not in (TrialState.COMPLETE, TrialState.FAIL):
+            continue
         point = t.user_attrs.get("point")
         # A repeat was answered from memory: the trial it repeated holds the verdict (a repeat
         # of a point in flight was told before the original was timed, and would read as a failure).
         if point is None or t.user_attrs.get("repeat"):
             continue
-        if t.user_attrs.get("env_failure"):
+        if t.user_attrs.get("env_failure") or _lapsed(t):
             env_failed.append(point)
         else:
             seen[point] = Outcome(t.value, t.user_attrs.get("fail_reason", ""))
     retry = list(dict.fromkeys(p for p in env_failed if p not in seen))
     return seen, retry
+
+
+def _lapsed(trial) -> bool:
+    """Failed by storage.take_over_lapsed (its worker died holding it): the tuner gives every
+    failure it records a fail_reason, and a trial failed for a lapsed heartbeat has none."""
+    from optuna.trial import TrialState
+
+    return trial.state == TrialState.FAIL and "fail_reason" not in trial.user_attrs
 
 
 def _start_compiles(evaluator: Evaluator, plans: list[Plan]) -> list[Callable[[], object]]:
@@ -457,84 +490,47 @@ def _run_one(evaluator: Evaluator, variant, compile_times: list[float]) -> Outco
         return Outcome(None, f"{type(exc).__name__}: {exc}", isinstance(exc, ENVIRONMENT_ERRORS))
 
 
-class PointClaims:
-    """Which worker evaluates a point when several processes (GPUs, hosts) share a study: one file
-    per point, created with O_EXCL (atomic, also on NFS), naming its host, process and trial. A
-    claim whose process is gone (this host) or older than `stale_after_s` (another host) is taken
-    over: its worker died, so the point is tried again, and that worker's trial is failed as an
-    environment failure (a later run retries such points first). The sampler proposes points, the
-    claims keep any of them from being timed twice."""
+class _Claims(NamedTuple):
+    """A shared study at one look: what the workers have judged, and what they hold."""
 
-    def __init__(self, directory: Path, stale_after_s: float = 3600.0):
-        self.directory, self.stale_after_s = Path(directory), stale_after_s
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.host = os.uname().nodename
+    verdicts: dict[str, Outcome]      # per point, the verdict a worker reached
+    running: dict[str, list[int]]     # per point, the ids of the RUNNING trials that claim it
+    retries: set[str]                 # points with no verdict whose worker died (or whose machine failed them)
 
-    def _path(self, point: str) -> Path:
-        return self.directory / (hashlib.sha256(point.encode()).hexdigest()[:32] + ".claim")
 
-    def claim(self, point: str, trial_number: int) -> tuple[bool, int | None]:
-        """(claimed, the trial number of a dead worker's claim that was taken over, else None)."""
-        path = self._path(point)
-        record = json.dumps({"host": self.host, "pid": os.getpid(), "trial": trial_number, "time": time.time()})
-        taken_over = None
-        for _ in range(2):  # a second try after removing a dead worker's claim
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # less the umask, as open() does
-            except FileExistsError:
-                taken_over = self._stale(path)
-                if taken_over is None:
-                    return False, None
-                path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as handle:
-                handle.write(record)
-            return True, taken_over
-        return False, None  # another worker took the dead one's claim first
+def _read_claims(study) -> _Claims:
+    from optuna.trial import TrialState
 
-    def release(self, point: str) -> None:
-        """Give a point back (an environment failure): another worker or a later run may try it."""
-        self._path(point).unlink(missing_ok=True)
+    trials = study.get_trials(deepcopy=False)
+    running: dict[str, list[int]] = {}
+    for t in trials:
+        point = t.user_attrs.get("point")
+        if t.state == TrialState.RUNNING and point is not None:
+            running.setdefault(point, []).append(_trial_id(t))
+    verdicts, retries = _outcomes(trials)
+    return _Claims(verdicts, running, set(retries))
 
-    def finish(self, point: str) -> None:
-        """The point has its verdict in the study: the claim stands for good, even after this worker
-        exits (a finished worker's claim must not look like a dead one's)."""
-        path = self._path(point)
-        files.write_atomic(path, json.dumps({"host": self.host, "pid": os.getpid(), "done": True}).encode(),
-                           durable=True)
 
-    def live_count(self) -> int:
-        """Claims that stand: finished, or held by a worker that is alive."""
-        return sum(1 for path in self.directory.glob("*.claim") if self._stale(path) is None)
-
-    def _stale(self, path: Path) -> int | None:
-        """The trial number of a claim whose worker is gone, else None."""
-        try:
-            owner = json.loads(path.read_text())
-        except (OSError, ValueError):  # being written right now, or removed meanwhile: not stale
-            return None
-        if owner.get("done"):
-            return None
-        if owner.get("host") == self.host:
-            try:
-                os.kill(int(owner["pid"]), 0)
-                return None
-            except ProcessLookupError:
-                return int(owner.get("trial", -1))
-            except PermissionError:  # alive, another user's
-                return None
-        return int(owner.get("trial", -1)) if time.time() - owner.get("time", 0) > self.stale_after_s else None
+def _trial_id(trial) -> int:
+    """The trial's id in its storage: unique across the studies of a database, and given in the
+    order trials are created (Optuna keeps it as the private _trial_id of Trial and FrozenTrial)."""
+    return trial._trial_id
 
 
 class _Search:
     """One tune_shape call's asking and telling: what is known per point (`seen`, shared with the
-    caller), the trials asked and not yet told, the counts."""
+    caller), the trials asked and not yet told, the counts.
+
+    In a shared study (other workers on it at the same time) a trial is this worker's claim on its
+    point: RUNNING, its point attr written, its heartbeat kept. A worker reads the study after
+    writing its claim, and keeps the point only where no earlier claim holds it (_claim_holds): no
+    point is timed twice."""
 
     def __init__(self, study, spec: OpSpec, widths: dict, evaluator: Evaluator, seen: dict[str, Outcome],
                  points: list[tuple[str, dict]], target: int, progress: _Progress, rng: random.Random,
-                 asks_left: int, claims: PointClaims | None = None):
+                 asks_left: int, heartbeat: storage.Heartbeat, shared: bool = False):
         self.study, self.spec, self.widths, self.evaluator = study, spec, widths, evaluator
-        self.claims = claims
+        self.heartbeat, self.shared = heartbeat, shared
         self.seen, self.points, self.target, self.progress, self.rng = seen, points, target, progress, rng
         self.asks_left = asks_left
         self.running: dict[int, object] = {}  # trial number -> trial asked and not yet told
@@ -542,6 +538,7 @@ class _Search:
         self.counts = {"pruned": 0, "failed": 0, "env_failed": 0, "repeated": 0, "taken": 0}
         self.compile_times: list[float] = []
         self.failures: list[str] = []
+        self.lapses_checked_at = time.monotonic()  # tune_shape checked just before the search
 
     def ask_batch(self, size: int) -> list[tuple[object, Plan, str]]:
         """Up to `size` trials of distinct unseen feasible points. Proposals that break a
@@ -551,24 +548,25 @@ class _Search:
         batch: list[tuple[object, Plan, str]] = []
         while len(batch) < size and self.asks_left > 0:
             self.asks_left -= 1
-            trial = self.study.ask()
-            self.running[trial.number] = trial
+            trial = self._ask()
             strategy, params = suggest(trial, self.spec)
             point = _point_key(strategy, params)
-            trial.set_user_attr("point", point)
+            trial.set_user_attr("point", point)  # in a shared study, the claim
             plan = self.spec.plan(strategy, params, self.widths)
             reasons = self.spec.infeasible(plan, self.evaluator.limits)
             if reasons:
                 trial.set_user_attr("pruned_reason", "; ".join(reasons))
                 self._tell(trial, state=TrialState.PRUNED)
                 self.counts["pruned"] += 1
-            elif point in self.seen or point in self.in_flight:
+                continue
+            holds = not self.shared or self._claim_holds(trial, point)  # also learns the others' verdicts
+            if point in self.seen or point in self.in_flight:
                 trial.set_user_attr("repeat", True)
                 self._tell_outcome(trial, self.seen.get(point, Outcome(None, "repeated while in flight")))
                 self.counts["repeated"] += 1
                 _enqueue_unseen(self.study, self.points, set(self.seen) | self.in_flight, self.rng)
-            elif self.claims is not None and not self._claim(trial, point):
-                trial.set_user_attr("taken", True)  # another worker has it: no verdict here
+            elif not holds:
+                trial.set_user_attr("taken", True)  # another worker has it, or the target is reached: no verdict here
                 self._tell(trial, state=TrialState.PRUNED)
                 self.counts["taken"] += 1
                 break  # the others may have taken every point left: the caller counts again
@@ -577,36 +575,81 @@ class _Search:
                 batch.append((trial, plan, point))
         return batch
 
-    def _claim(self, trial, point: str) -> bool:
-        from optuna.trial import TrialState
+    def _claim_holds(self, trial, point: str) -> bool:
+        """Whether this trial keeps its claim on `point` in a shared study (False: it gives it up).
 
-        claimed, dead_trial = self.claims.claim(point, trial.number)
-        if dead_trial is not None and dead_trial >= 0:
-            try:  # the dead worker's trial: failed, so the sampler stops counting it as running
-                self.study.tell(dead_trial, state=TrialState.FAIL)
-            except Exception as exc:  # already told (it finished after all), or gone
-                log.info("trial %d of a dead worker: %s", dead_trial, exc)
-        return claimed
+        The claim (this RUNNING trial, its point attr written) is made before the study is read,
+        so of two claims on a point the later-read one sees the other. The earlier trial (lower id)
+        keeps the point: a later one gives it up on seeing it, and one that read the study before
+        this claim was made times the point, so this one waits for it and then finds its verdict.
+        The claim is also given up when the verdicts and the earlier claims on other points fill
+        the study's target (a worker that counted the points left before they were made would
+        ask for one too many), unless the point is a dead worker's: it was counted in the target
+        when it was claimed, and is tried again whatever the count."""
+        mine = _trial_id(trial)
+        pause = 0.05
+        while True:
+            claims = _read_claims(self.study)
+            self.seen.update(claims.verdicts)
+            others = [other for other in claims.running.get(point, ()) if other != mine]
+            if point in self.seen or any(other < mine for other in others):
+                return False
+            if not others:
+                break
+            time.sleep(pause)  # later claims on the point: they give it up, or time it
+            pause = min(2 * pause, 1.0)
+            self._take_over_lapsed_now_and_then()  # one of them may be a dead worker's
+        if point in claims.retries:
+            return True
+        earlier = {p for p, ids in claims.running.items() if p != point and min(ids) < mine}
+        return len(set(self.seen) | earlier) < self.target
 
-    def run(self, points_left: Callable[[int], int], window: int, time_is_up: Callable[[], bool]) -> None:
+    def points_left(self, in_flight: int) -> int:
+        """How many points are still to be asked for: the target less the points with a verdict and
+        those claimed (`in_flight` by this worker; shared, by any live worker, whose claims the
+        study holds). A point whose worker died is claimed until its heartbeat lapses, then free."""
+        if not self.shared:
+            return self.target - len(self.seen) - in_flight
+        self._take_over_lapsed_now_and_then()
+        claims = _read_claims(self.study)
+        self.seen.update(claims.verdicts)
+        return self.target - len(set(self.seen) | set(claims.running))
+
+    def _take_over_lapsed_now_and_then(self) -> None:
+        """storage.take_over_lapsed, twice a heartbeat interval at most: it is a query of its own."""
+        if time.monotonic() - self.lapses_checked_at >= storage.HEARTBEAT_INTERVAL_S / 2:
+            self.lapses_checked_at = time.monotonic()
+            storage.take_over_lapsed(self.study, enqueue_points)
+
+    def others_running(self) -> bool:
+        """Whether other workers still hold points of this shared study (this worker holds none
+        when it asks). The study is not done before their verdicts are in, and one of them may be a
+        dead worker's, to be taken over when its heartbeat lapses."""
+        return self.shared and bool(_read_claims(self.study).running)
+
+    def run(self, window: int, time_is_up: Callable[[], bool]) -> None:
         """Keep up to `window` points compiling, and check and time each (on the GPU, one at a
         time, oldest first) as soon as its compile is done, asking for the next point as one
         finishes. The CPUs compile while the GPU times: with compiles in batches, each waited for
         the other, and the compile of a batch did not get shorter with more GPUs on the study.
-        points_left(in flight): how many points are still to be asked for."""
+        Shared, it returns once no worker holds a point of the study: the workers run out of points
+        to ask for at the same moment, so they wait for each other's last few points only."""
         pending: deque[tuple[tuple[object, Plan, str], Callable[[], object]]] = deque()
         while True:
-            # points_left reads the study (and, shared, every claim): only when there is room to ask
+            # points_left reads the study (shared): only when there is room to ask
             room = window - len(pending)
             if room > 0:
-                room = min(room, points_left(len(pending)))
+                room = min(room, self.points_left(len(pending)))
             if room > 0 and self.asks_left > 0 and not time_is_up():
                 batch = self.ask_batch(room)
                 pending.extend(zip(batch, _start_compiles(self.evaluator, [plan for _, plan, _ in batch])))
                 if len(batch) < room:
                     continue  # stopped at a point another worker took (or out of asks): count again
             if not pending:
-                return
+                if not self.others_running():
+                    return
+                time.sleep(min(1.0, storage.HEARTBEAT_INTERVAL_S / 2))
+                continue
             (trial, plan, point), variant = pending.popleft()
             outcome = _run_one(self.evaluator, variant(), self.compile_times)
             self._tell_outcome(trial, outcome)
@@ -614,18 +657,27 @@ class _Search:
 
     def abandon_running(self, exc: BaseException) -> None:
         """Fail the trials asked and not told as environment failures. Left running they would
-        stay so in the journal, and the sampler (constant liar) would count them as bad points in
-        every later run; failed as env failures, a later run tries them again."""
+        hold their points until their heartbeat lapsed, and the sampler (constant liar) would count
+        them as bad points meanwhile; failed as env failures, a later run tries them again."""
         reason = f"not evaluated: the run stopped ({type(exc).__name__}: {exc})"
         for trial in list(self.running.values()):
             try:
                 self._tell_outcome(trial, Outcome(None, reason, env_failure=True))
-            except Exception as tell_exc:  # the journal itself may be what failed; keep the original error
+            except Exception as tell_exc:  # the storage itself may be what failed; keep the original error
                 log.warning("could not record trial %d as abandoned: %s", trial.number, tell_exc)
 
     def show_progress(self) -> None:
         values = [o.value for o in self.seen.values() if o.value is not None]
         self.progress.update(min(len(self.seen), self.target), min(values) if values else None)
+
+    def _ask(self):
+        with storage.quiet_heartbeat_warnings():
+            trial = self.study.ask()
+        self.running[trial.number] = trial
+        # Before the claim (the point attr) is written: a claim without a heartbeat would never be
+        # found stale, and would hold its point, and the workers waiting on it, for ever.
+        self.heartbeat.add(_trial_id(trial))
+        return trial
 
     def _tell_outcome(self, trial, outcome: Outcome) -> None:
         from optuna.trial import TrialState
@@ -641,13 +693,13 @@ class _Search:
     def _tell(self, trial, value: float | None = None, state=None) -> None:
         self.study.tell(trial, value, state=state)
         del self.running[trial.number]
+        self.heartbeat.remove(_trial_id(trial))
 
     def _record(self, plan: Plan, point: str, outcome: Outcome) -> None:
         # In this run an env-failed point counts as seen too: the same machine would fail it again.
+        # (It is no verdict for the other workers on a shared study: one of them may try it.)
         self.seen[point] = outcome
         self.in_flight.discard(point)
-        if self.claims is not None:
-            (self.claims.release if outcome.env_failure else self.claims.finish)(point)
         if outcome.value is None:
             self.counts["failed"] += 1
             self.counts["env_failed"] += outcome.env_failure
