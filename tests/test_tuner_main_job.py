@@ -190,7 +190,7 @@ def test_other_libraries_output_goes_to_the_log_file_the_report_names(fake_gpu, 
     assert code == 0, err
     for where, text in NOISE.items():
         assert text not in out + err, f"{where} output reached the terminal"
-    log = report.with_suffix(".log")
+    log = report.with_suffix(".third-party.log")
     logged = log.read_text()
     for where, text in NOISE.items():
         assert logged.count(text) == 3, f"{where}: one per shape in the log"
@@ -213,6 +213,28 @@ def test_pairgens_own_warnings_are_not_other_libraries_output(tmp_path):
     assert [str(w.message) for w in shown] == ["pairgen: its own"]
     logged = (tmp_path / "run.log").read_text()
     assert "torch's" in logged and "pairgen: its own" not in logged
+
+
+def test_the_quiet_evaluator_is_the_evaluator_but_for_its_peers_output(tmp_path):
+    """Reads and settings reach the evaluator it wraps (the tuner and its tests set attributes on
+    the evaluator they are given); its baselines' output goes to the log."""
+    from pairgen.tuning.third_party_log import ThirdPartyLog
+
+    class Evaluator:
+        retiming = False
+
+        def baselines(self):
+            print("a peer's autotuning table")
+            return {"eager": 2.0}
+
+    inner = Evaluator()
+    log = ThirdPartyLog(tmp_path / "third-party.log")
+    with log:
+        quiet = log.quiet_peers(inner)
+        quiet.retiming = True
+        assert inner.retiming and quiet.retiming
+        assert quiet.baselines() == {"eager": 2.0}
+    assert "a peer's autotuning table" in (tmp_path / "third-party.log").read_text()
 
 
 def test_a_quiet_run_removes_its_empty_log_and_says_none(fake_gpu, capsys):

@@ -104,7 +104,8 @@ class QuietPeers:
     in the log; everything else is the wrapped evaluator's."""
 
     def __init__(self, evaluator, log: ThirdPartyLog):
-        self._evaluator, self._log = evaluator, log
+        object.__setattr__(self, "_evaluator", evaluator)
+        object.__setattr__(self, "_log", log)
 
     def baselines(self) -> dict[str, float]:
         with self._log.everything():
@@ -112,6 +113,9 @@ class QuietPeers:
 
     def __getattr__(self, name):
         return getattr(self._evaluator, name)
+
+    def __setattr__(self, name, value):  # settings made on the evaluator reach the one that runs
+        setattr(self._evaluator, name, value)
 
 
 def _is_pairgens(category, filename: str) -> bool:

@@ -664,14 +664,15 @@ def say(line: str) -> None:
 
 
 def third_party_log_path(args) -> Path:
-    """Where other libraries' output goes: beside --report (its name, .log), else a file per run
-    under the cache folder's logs/."""
+    """Where other libraries' output goes: beside --report (its name, .third-party.log: a plain .log
+    is where a user would send the command's own output), else a file per run under the cache
+    folder's logs/."""
     import time
 
     from pairgen import config
 
     if args.report:
-        return args.report.with_suffix(".log")
+        return args.report.with_suffix(".third-party.log")
     return config.cache_dir() / "logs" / f"tune-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
 
 
