@@ -15,6 +15,13 @@ def pytest_addoption(parser):
                           "architecture, further option sets), minutes of NVRTC on a small machine")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pytest-xdist): a worker per CPU where no GPU is visible, where the suite is mostly
+    NVRTC and Python; none where one is (the GPU tests time kernels and share the device: one
+    process runs them all)."""
+    return 0 if torch.cuda.is_available() else max(2, os.cpu_count() or 1)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped, with the reason, where there is none)")
     config.addinivalue_line("markers", f"slow: {SLOW_REASON}")

@@ -23,7 +23,7 @@ def test_environment_table_matches_the_code():
 
 
 def test_ci_runs_the_readme_test_command():
-    command = "python -m pytest -q"
+    command = "python -m pytest -q -n auto"
     assert command in README
     assert command in (ROOT / ".ci" / "run").read_text()
 

@@ -64,7 +64,7 @@ def owned_pairs(c: dict, n: int):
     return owned
 
 
-@pytest.mark.parametrize("n", [1, 7, 37, 64])
+@pytest.mark.parametrize("n", [1, 7, 37, pytest.param(64, marks=pytest.mark.slow)])  # 37: tiles cut at N
 @pytest.mark.parametrize("strategy", PAIR_MAX)
 def test_each_pair_is_folded_once_into_its_nodes_maximum(n, strategy):
     widths = {"D": 64, "P": 16, "H": 64}
@@ -181,7 +181,7 @@ def prologue_k_steps(warp: int, D: int, chunk: int) -> list[int]:
 
 @pytest.mark.parametrize("prologue_rows", [2, 8])
 @pytest.mark.parametrize("rows, D, H", [(1, 8, 8), (7, 24, 8), (37, 40, 56), (96, 96, 192), (111, 504, 496),
-                                        (2048, 256, 512)])
+                                        pytest.param(2048, 256, 512, marks=pytest.mark.slow)])
 def test_prologue_blocks_write_every_node_and_column_once_over_all_of_k(rows, D, H, prologue_rows):
     """The prologue's decomposition of blockIdx.x, threadIdx.x (_nodes.cuh.j2), simulated: the 4
     warps of a block fold disjoint k-slices that together are all of D (any D multiple of 8: a
@@ -229,6 +229,7 @@ def prologue_plans() -> list:
     return plans + [READOUT.plan("split", dict(split, prologue_rows=rows), w) for w in PROLOGUE_WIDTHS for rows in (2, 8)]
 
 
+@pytest.mark.slow
 def test_prologue_compiles_without_spills_at_every_rows_value():
     """The node prologue of split (prologue_rows 2 and 8) and gemm (PROLOGUE_ROWS) keeps its
     accumulators and a chunk of weight float4s in registers: no spill, no stack."""
@@ -382,7 +383,9 @@ KERNELS = {"direct": ("pairgen_readout_direct",),
            "wgmma": ("pairgen_readout_wgmma", "pairgen_readout_wgmma_nodes")}
 
 
-@pytest.mark.parametrize("widths", PRESET_WIDTHS, ids=lambda w: "D{D}P{P}H{H}".format(**w))
+@pytest.mark.parametrize("widths", [w if k == 0 else pytest.param(w, marks=pytest.mark.slow)  # the first default
+                                    for k, w in enumerate(PRESET_WIDTHS)],                     # of each strategy at
+                         ids=lambda w: "D{D}P{P}H{H}".format(**w))                              # the others: test_compile
 def test_default_variants_compile_without_spills(widths):
     for strategy, params in READOUT.default_points:
         plan = READOUT.plan(strategy, params, widths)

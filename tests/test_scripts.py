@@ -44,6 +44,7 @@ def test_the_scripts_are_thin_wrappers_that_run_from_anywhere(tmp_path):
     assert result.stdout.split() == [str(ROOT), str(ROOT / "pairgen" / "__init__.py")]
 
 
+@pytest.mark.slow  # its fast share: test_tune_dry_run_streams_its_rows_and_compiles_each_set_once, and tests/test_compile.py
 def test_tune_dry_run_compiles_every_strategy():
     result = run("scripts/tune.py", "--dry-run", "--preset", "seed", env={"PAIRGEN_ARCH": "sm_90"})
     assert result.returncode == 0, result.stderr

@@ -5,18 +5,18 @@ folder is fixed writes the entries without timing the searched points again. Run
 a stand-in evaluator for the GPU's (as tests/test_tuner.py)."""
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
-import torch
 
-from pairgen import compiler, runtime
+from pairgen import runtime
 from pairgen.spec import DeviceLimits
 from pairgen.tuned import TunedDB
-from pairgen.tuning import evaluate, tune_cli
+from pairgen.tuning import tune_cli
 from pairgen.tuning.cli import selected_shapes
 from pairgen.tuning.tuner import TuneSettings
+
+from helpers import stand_in_gpu_for_tuning
 
 INFO = runtime.DeviceInfo(0, "Fake GPU", "fake-gpu", "sm_90", DeviceLimits())
 SHAPES = ("B=1,N=64,P=64,H=32", "B=1,N=128,P=64,H=32")
@@ -47,12 +47,7 @@ class StandInEvaluator:
 def fake_gpu(tmp_path, monkeypatch):
     """tune() on the CPU: this fake GPU, the stand-in evaluator, no compile pool."""
     monkeypatch.setenv("PAIRGEN_CACHE_DIR", str(tmp_path / "cache"))  # the studies
-    monkeypatch.setattr(tune_cli, "gpu_missing", lambda what: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(runtime, "device_info", lambda index=0: INFO)
-    monkeypatch.setattr(evaluate, "GpuEvaluator", StandInEvaluator)
-    monkeypatch.setattr(compiler, "compile_pool", lambda workers=None: contextlib.nullcontext())
+    stand_in_gpu_for_tuning(monkeypatch, INFO, StandInEvaluator)
     StandInEvaluator.timed = 0
 
 

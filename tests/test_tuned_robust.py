@@ -201,7 +201,14 @@ def _with(path: str, value):
     return result
 
 
-_DROP = object()
+class _Drop:
+    """The field left out (a stable repr: test ids must not depend on addresses)."""
+
+    def __repr__(self):
+        return "<dropped>"
+
+
+_DROP = _Drop()
 
 MALFORMED = [
     ("key.n_bucket", "64"), ("key.n_bucket", 64.0), ("key.n_bucket", True), ("key.n_bucket", 0),

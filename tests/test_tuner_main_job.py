@@ -5,7 +5,6 @@ is a peer only when asked for; other libraries' output goes to a log file the re
 keeps the shapes done and exits 130; --seen tunes exactly the keys processes ran untuned."""
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
@@ -16,11 +15,13 @@ import warnings
 import pytest
 import torch
 
+from helpers import stand_in_gpu_for_tuning
+
 from pairgen import codegen, compiler, first_use, runtime
 from pairgen.ops import get_op, render
 from pairgen.spec import DeviceLimits, precision_of
 from pairgen.tuned import TunedDB, make_key
-from pairgen.tuning import evaluate, tune_cli
+from pairgen.tuning import tune_cli
 from pairgen.tuning.cli import selected_shapes
 from pairgen.tuning.third_party_log import PAIRGEN_DIR
 
@@ -82,12 +83,7 @@ def fake_gpu(tmp_path, monkeypatch):
     folder, the studies and the logs under tmp_path."""
     monkeypatch.setenv("PAIRGEN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(tmp_path / "tuned"))
-    monkeypatch.setattr(tune_cli, "gpu_missing", lambda what: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(runtime, "device_info", lambda index=0: INFO)
-    monkeypatch.setattr(evaluate, "GpuEvaluator", StandInEvaluator)
-    monkeypatch.setattr(compiler, "compile_pool", lambda workers=None: contextlib.nullcontext())
+    stand_in_gpu_for_tuning(monkeypatch, INFO, StandInEvaluator)
     monkeypatch.setattr(StandInEvaluator, "made", [])
     monkeypatch.setattr(StandInEvaluator, "interrupt_at_shape", None)
     monkeypatch.setattr(StandInEvaluator, "noisy", False)
