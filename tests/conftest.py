@@ -31,11 +31,22 @@ def pytest_configure(config):
     # across the session.
     if not os.environ.get("PAIRGEN_CACHE_DIR"):
         config._pairgen_cache = os.environ["PAIRGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="pairgen-test-cache-")
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        # xdist's main process, idle while its workers test: the compiled fast path builds here in
+        # the background, once for every worker (they wait for its lock instead of building it too).
+        from pairgen import native
+
+        native.fastcall()
 
 
 def pytest_unconfigure(config):
     cache = getattr(config, "_pairgen_cache", None)
     if cache is not None:
+        from pairgen import native
+
+        build = native._state["thread"]
+        if build is not None:
+            build.join()  # not to leave a compiler writing into the folder removed below
         del os.environ["PAIRGEN_CACHE_DIR"]
         shutil.rmtree(cache, ignore_errors=True)
 

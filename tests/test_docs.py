@@ -104,4 +104,6 @@ def test_every_readme_python_block_runs_on_the_cpu(index):
     if missing:
         pytest.skip(f"the block imports {missing}, not installed (pip install --no-deps -r tests/real-models.txt)")
     code = code.replace('"cuda"', '"cpu"').replace(".cuda()", ".cpu()")
+    # The references at N = 256 take tens of seconds on a CI core in bf16; N = 48 runs the same code.
+    code = code.replace("256, 256", "48, 48")
     exec(compile(code, f"README.md python block {index}", "exec"), {})

@@ -268,3 +268,38 @@ def test_a_run_without_finalists_forgets_an_earlier_runs_retiming(tmp_path):
     result = tune_shape(CONTACT, SHAPE, FakeEvaluator(), "fake-gpu", _settings(12), storage_dir=tmp_path)
     study = open_study(study_name("fake-gpu", "contact", "float32", WIDTHS, 64), 0, tmp_path)
     assert not study.user_attrs["retimed"] and result.best["us"] == study.best_trial.value
+
+
+@pytest.mark.parametrize("sampler", ["random", "gp"])
+def test_every_sampler_tunes_to_the_trial_count_without_timing_a_point_twice(tmp_path, sampler):
+    if sampler == "gp":
+        pytest.importorskip("scipy", reason="the GP sampler needs scipy: pip install scipy")
+    ev = FakeEvaluator()
+    result = tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(20, sampler=sampler), storage_dir=tmp_path)
+    assert result.counts["evaluated"] == 20
+    assert len(ev.evaluated) == len(set(ev.evaluated))
+    assert result.best["us"] == pytest.approx(min(FakeEvaluator.cost(CONTACT.plan(*json.loads(k), WIDTHS))
+                                                  for k in ev.evaluated
+                                                  if not (json.loads(k)[0] == "thread_per_pair"
+                                                          and json.loads(k)[1]["threads"] == 256)))
+
+
+def test_an_unknown_sampler_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="unknown sampler 'anneal'.*tpe, gp, random"):
+        tune_shape(CONTACT, SHAPE, FakeEvaluator(), "fake-gpu", _settings(4, sampler="anneal"), storage_dir=tmp_path)
+
+
+def test_the_sampler_study_lands_on_the_best_retimed_of_a_runs_three_best_single_timings():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "sampler_study.py"
+    loaded = importlib.util.spec_from_file_location("sampler_study", path)
+    study = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(study)
+    tried = [("a", 30.0), ("b", None), ("c", 20.0), ("d", 25.0), ("e", 21.0), ("f", 10.0)]
+    assert study.finalists_after(tried, 4) == ["c", "d", "a"]  # a failed check is tried, never a finalist
+    assert study.finalists_after(tried, 6) == ["f", "c", "e"]
+    # re-timed, the single-timing winner is not the best: the tuner keeps the best median
+    assert study.landing({"f": 24.0, "c": 21.0, "e": 22.5, "a": 1.0}, ["f", "c", "e"]) == ("c", 21.0)
+    assert study.landing({}, ["f"]) is None

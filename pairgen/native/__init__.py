@@ -15,7 +15,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .. import config
+from .. import config, files
 
 SOURCE = Path(__file__).resolve().parent / "fastcall.cpp"
 MODULE_NAME = "pairgen_fastcall"  # its PyInit_ function's name
@@ -51,18 +51,26 @@ def _build() -> None:
         path = built_path()
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-                partial = Path(scratch) / path.name
-                result = subprocess.run(compile_command(partial), capture_output=True, text=True)
-                if result.returncode != 0:
-                    raise RuntimeError(f"the compiler failed ({result.returncode}): {result.stderr[-2000:]}")
-                os.replace(partial, path)  # whole or absent: another process may be reading the cache
+            # Processes sharing the cache (a test run's workers, a server's) build it once: the
+            # others wait for the lock and find it built.
+            with files.locked(path.with_suffix(".lock")):
+                if not path.exists():
+                    _compile_to(path)
         spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         _state["module"] = module
     except Exception as exc:  # no compiler, no headers, a read-only cache: the Python path stays
         _state["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _compile_to(path: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        partial = Path(scratch) / path.name
+        result = subprocess.run(compile_command(partial), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"the compiler failed ({result.returncode}): {result.stderr[-2000:]}")
+        os.replace(partial, path)  # whole or absent: another process may be reading the cache
 
 
 def fastcall(wait: bool = False):

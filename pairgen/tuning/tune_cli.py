@@ -55,6 +55,8 @@ INTERRUPTED_EXIT = 130
 
 
 def parse_args(argv=None):
+    from pairgen.tuning.tuner import SAMPLERS, TuneSettings
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_selection_args(parser, main_job=True)
     parser.add_argument("--trials", type=int, default=64, help="distinct points checked and timed per shape (default 64)")
@@ -65,6 +67,8 @@ def parse_args(argv=None):
                         help=f"baselines measured per shape, of {', '.join(KNOWN_PEERS)} (default eager; "
                              "eager,compile adds torch.compile, about a minute a shape)")
     parser.add_argument("--seed", type=int, default=0, help="sampler and input seed")
+    parser.add_argument("--sampler", choices=SAMPLERS, default=TuneSettings.sampler,
+                        help=f"how points are proposed (default {TuneSettings.sampler}; gp needs scipy)")
     parser.add_argument("--report", type=Path, help="also write the closing table (markdown) here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--devices", metavar="all|0,1,...",
@@ -591,7 +595,7 @@ def tune(work, args) -> int:
     print(f"tuning {len(work)} shape(s) on {info.name} ({info.slug}, {info.arch}), {args.trials} trials{budget} "
           f"each, against {peers}; results go to {config.tuned_write_dir() / info.slug}", flush=True)
     settings = TuneSettings(trials=args.trials, time_budget_s=args.time_budget, seed=args.seed,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, sampler=args.sampler)
     devices = _devices(args.devices, torch.cuda.device_count(), info.index)
     if len(devices) > 1:
         names = {torch.cuda.get_device_name(d) for d in devices}

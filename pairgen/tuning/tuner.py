@@ -55,6 +55,7 @@ class TuneSettings:
     progress: bool = True
     finalists: int = 3               # best points timed again at the end, in turns (0: none)
     retime_rounds: int = 5
+    sampler: str = "tpe"             # how the study proposes points (SAMPLERS)
 
 
 @dataclass
@@ -156,15 +157,36 @@ def _aside_path(path: Path) -> Path:
     return aside
 
 
-def open_study(name: str, seed: int, storage_dir: Path | None = None, storage_url: str | None = None):
+#: The samplers a study can propose points with (TuneSettings.sampler, pairgen-tune --sampler);
+#: docs/performance.md compares them on the largest spaces.
+SAMPLERS = ("tpe", "gp", "random")
+
+
+def make_sampler(name: str, seed: int):
+    """Optuna's sampler called `name` (SAMPLERS). TPE with the constant liar: points other workers
+    are timing count as bad until told, so workers sharing a study do not all ask for the same
+    region. The GP sampler needs scipy."""
+    import optuna
+
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=16)
+    if name == "gp":
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=16)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ValueError(f"unknown sampler {name!r}: one of {', '.join(SAMPLERS)}")
+
+
+def open_study(name: str, seed: int, storage_dir: Path | None = None, storage_url: str | None = None,
+               sampler: str = "tpe"):
     """The study `name`: in its journal file under storage_dir (default: the cache directory), or in
     the database at storage_url (e.g. postgresql+psycopg://...: how workers on several hosts share;
-    storage.StorageError where it cannot be opened)."""
+    storage.StorageError where it cannot be opened); points proposed by `sampler` (SAMPLERS)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage_dir = storage_dir or config.cache_dir() / "studies"
-    sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=16)
+    sampler = make_sampler(sampler, seed)
     if storage_url is not None:
         where = storage.database_storage(storage_url)
     else:
@@ -286,7 +308,7 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     widths = spec.widths_of(shape)
     limits = evaluator.limits
     name = study_name(gpu_slug, spec.name, dtype, widths, n_bucket(shape["N"]))
-    study = open_study(name, settings.seed, storage_dir, storage_url)
+    study = open_study(name, settings.seed, storage_dir, storage_url, settings.sampler)
     storage.take_over_lapsed(study, enqueue_points)  # an earlier run's worker killed mid-trial: its points queued again
     enqueue_first(study, spec, widths, limits, list(extra_points))
     seen, retry = past_outcomes(study)
