@@ -52,6 +52,14 @@ def landing(retimed: dict, finalists: list[str]) -> tuple[str, float] | None:
     return min(known, key=lambda pv: pv[1]) if known else None
 
 
+def sampler_trials(default: int):
+    """--samplers' items: "gp" (at `default` trials) or "gp:64"."""
+    def parse(item: str) -> tuple[str, int]:
+        name, _, trials = item.partition(":")
+        return name, int(trials) if trials else default
+    return parse
+
+
 def run_search(spec, shape, evaluator, slug: str, sampler: str, trials: int, seed: int, directory: Path) -> dict:
     from pairgen.spec import n_bucket, precision_of
     from pairgen.tuning.tuner import TuneSettings, open_study, study_name, tune_shape
@@ -76,7 +84,8 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_selection_args(parser)
-    parser.add_argument("--samplers", default=",".join(SAMPLERS), help="samplers compared (default all)")
+    parser.add_argument("--samplers", default=",".join(SAMPLERS),
+                        help="samplers compared, each as NAME or NAME:TRIALS (default all, at --trials)")
     parser.add_argument("--trials", type=int, default=max(KS), help="trials per sampler (default 128)")
     parser.add_argument("--long", type=int, default=640, help="trials of the long search (default 640)")
     parser.add_argument("--long-sampler", default="tpe", choices=SAMPLERS)
@@ -92,7 +101,7 @@ def main(argv=None) -> int:
             widths = spec.widths_of(shape)
             evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers=(), pool=pool)
             runs = []
-            for sampler, trials in [(args.long_sampler, args.long), *((s, args.trials) for s in args.samplers.split(","))]:
+            for sampler, trials in [(args.long_sampler, args.long), *map(sampler_trials(args.trials), args.samplers.split(","))]:
                 with tempfile.TemporaryDirectory() as directory:
                     try:
                         runs.append(run_search(spec, shape, evaluator, info.slug, sampler, trials, args.seed,

@@ -167,16 +167,22 @@ def feasible_defaults(spec, strategy: str, widths: dict, precision: str, limits=
     return [plan for plan in plans if not spec.infeasible(plan, limits)]
 
 
-def assert_tensor_core_defaults_compile(spec, strategy: str, widths_list: list, arch: str, min_defaults: int) -> None:
-    """For each widths and tensor-core precision: the first feasible default of `strategy` compiles
-    for `arch` without spills; and a sampled point compiles, at each widths in turn per precision."""
+def assert_tensor_core_defaults_compile(spec, strategy: str, widths_list: list, arch: str, min_defaults: int,
+                                        every_pair: bool = False) -> None:
+    """The first feasible default of `strategy` compiles for `arch` without spills, and a sampled
+    point compiles: for every (widths, tensor-core precision) pair with every_pair (a slow test);
+    else for each precision at the first widths and each widths at one precision in turn (a widths'
+    shared-memory and register budget and a precision's operand type are what make a kernel fail)."""
     limits = DeviceLimits(arch=arch)
+    kinds = list(MMA_KINDS)
+    pairs = [(w, p) for w in range(len(widths_list)) for p in range(len(kinds))
+             if every_pair or w == 0 or p == w % len(kinds)]
     plans = []
-    for w, widths in enumerate(widths_list):
-        for p, precision in enumerate(MMA_KINDS):
-            plans += [(plan, True) for plan in feasible_defaults(spec, strategy, widths, precision, limits)[:1]]
-            if (w + p) % len(widths_list) == 0:
-                plans += [(plan, False) for plan in sampled_plans(spec.at(precision), strategy, widths, 1, seed=9)[-1:]]
+    for w, p in pairs:
+        widths, precision = widths_list[w], kinds[p]
+        plans += [(plan, True) for plan in feasible_defaults(spec, strategy, widths, precision, limits)[:1]]
+        if (w + p) % len(widths_list) == 0:
+            plans += [(plan, False) for plan in sampled_plans(spec.at(precision), strategy, widths, 1, seed=9)[-1:]]
     assert len([plan for plan, default in plans if default]) >= min_defaults
     rendered = [codegen.render_plan(plan) for plan, _ in plans]
     results = compiler.compile_many([(r.source, r.kernel_name, arch) for r in rendered])

@@ -88,9 +88,10 @@ def test_packed_weights_layout():
         torch.testing.assert_close(section("beta", 48, torch.float32), params[7].detach())
 
 
-@pytest.mark.parametrize("arch", ["sm_90", pytest.param("sm_80", marks=pytest.mark.slow)])
-def test_defaults_compile_without_spills_and_samples_compile(arch):
-    assert_tensor_core_defaults_compile(CONTACT, "mma", WIDTHS, arch, min_defaults=12)
+@pytest.mark.parametrize("arch, every_pair", [("sm_90", False), pytest.param("sm_90", True, marks=pytest.mark.slow),
+                                              pytest.param("sm_80", True, marks=pytest.mark.slow)])
+def test_defaults_compile_without_spills_and_samples_compile(arch, every_pair):
+    assert_tensor_core_defaults_compile(CONTACT, "mma", WIDTHS, arch, min_defaults=12 if every_pair else 6, every_pair=every_pair)
 
 
 def test_wgmma_runs_only_on_sm90_at_widths_of_whole_k_steps():
@@ -103,18 +104,24 @@ def test_wgmma_runs_only_on_sm90_at_widths_of_whole_k_steps():
     assert "tf32x3" not in CONTACT.strategies["wgmma"].precisions
 
 
-def test_wgmma_defaults_compile_for_sm90a_without_spills():
-    """The first feasible wgmma default per 16-bit precision and preset width, and one sampled point
-    each, compile (for sm_90a: the template says it is arch-specific); the defaults without spills."""
-    plans = []
+@pytest.mark.parametrize("every_pair", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_wgmma_defaults_compile_for_sm90a_without_spills(every_pair):
+    """The first and last feasible wgmma defaults and one sampled point compile (for sm_90a: the
+    template says it is arch-specific), the defaults without spills: per 16-bit precision and preset
+    width (every_pair), or at every width in bf16 and the first in fp16."""
+    plans, lasts = [], []
     for precision in HALF_PRECISIONS:
-        for widths in WIDTHS[:3]:
+        for w, widths in enumerate(WIDTHS[:3]):
+            if not every_pair and precision != "bfloat16" and w:
+                continue
             defaults = feasible_defaults(CONTACT, "wgmma", widths, precision)
             # the first, and the last: four warpgroups at 128 registers a thread, layer 1's output in registers
             plans += [(plan, True) for plan in (defaults[0], defaults[-1])]
-            plans += [(plan, False) for plan in sampled_plans(CONTACT.at(precision), "wgmma", widths, 1, seed=3)[-1:]]
-    assert len([p for p, default in plans if default]) == 12
-    assert all(plan.params["groups"] == 4 and plan.params["z_registers"] for plan, default in plans[1::3])
+            lasts.append(defaults[-1])
+            if every_pair or w == 0:
+                plans += [(plan, False) for plan in sampled_plans(CONTACT.at(precision), "wgmma", widths, 1, seed=3)[-1:]]
+    assert len([p for p, default in plans if default]) == (12 if every_pair else 8)
+    assert all(plan.params["groups"] == 4 and plan.params["z_registers"] for plan in lasts)
     rendered = [codegen.render_plan(plan) for plan, _ in plans]
     results = compiler.compile_many([(r.source, r.kernel_name, compiler.target_for(r.source, "sm_90")) for r in rendered])
     for (plan, default), result in zip(plans, results):

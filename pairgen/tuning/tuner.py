@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import shutil
 import statistics
@@ -55,7 +56,7 @@ class TuneSettings:
     progress: bool = True
     finalists: int = 3               # best points timed again at the end, in turns (0: none)
     retime_rounds: int = 5
-    sampler: str = "tpe"             # how the study proposes points (SAMPLERS)
+    sampler: str = "random"          # how the study proposes points (SAMPLERS; docs/performance.md compares them)
 
 
 @dataclass
@@ -157,9 +158,11 @@ def _aside_path(path: Path) -> Path:
     return aside
 
 
-#: The samplers a study can propose points with (TuneSettings.sampler, pairgen-tune --sampler);
-#: docs/performance.md compares them on the largest spaces.
-SAMPLERS = ("tpe", "gp", "random")
+#: The samplers a study can propose points with (TuneSettings.sampler, pairgen-tune --sampler).
+#: Random is the default: on the largest spaces it landed within 3 % of a 640-trial search's best
+#: at 64 trials where TPE and GP each missed once, and it costs no host time per proposal
+#: (docs/performance.md, "Which sampler").
+SAMPLERS = ("random", "tpe", "gp")
 
 
 def make_sampler(name: str, seed: int):
@@ -178,7 +181,7 @@ def make_sampler(name: str, seed: int):
 
 
 def open_study(name: str, seed: int, storage_dir: Path | None = None, storage_url: str | None = None,
-               sampler: str = "tpe"):
+               sampler: str = "random"):
     """The study `name`: in its journal file under storage_dir (default: the cache directory), or in
     the database at storage_url (e.g. postgresql+psycopg://...: how workers on several hosts share;
     storage.StorageError where it cannot be opened); points proposed by `sampler` (SAMPLERS)."""
@@ -253,8 +256,9 @@ def feasible_count(spec: OpSpec, widths: dict, limits: DeviceLimits) -> int:
 
 
 def _enqueue_unseen(study, points: list[tuple[str, dict]], taken: set[str], rng) -> None:
-    """TPE exploits hard on small categorical spaces and proposes seen points again; each such
-    repeat is answered from memory, and an unseen feasible point is queued in its place."""
+    """A sampler proposes seen points again (TPE exploits hard on small categorical spaces; random
+    sampling draws with replacement); each such repeat is answered from memory, and an unseen
+    feasible point is queued in its place."""
     unseen = [(s, p) for s, p in points if _point_key(s, p) not in taken]
     if unseen:
         _enqueue(study, *rng.choice(unseen))
@@ -308,7 +312,10 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     widths = spec.widths_of(shape)
     limits = evaluator.limits
     name = study_name(gpu_slug, spec.name, dtype, widths, n_bucket(shape["N"]))
-    study = open_study(name, settings.seed, storage_dir, storage_url, settings.sampler)
+    # Workers sharing a study on several hosts are all given the same --seed: each draws its own
+    # points (a random sampler with one seed would propose the same sequence in every worker).
+    seed = settings.seed + os.getpid() if shared else settings.seed
+    study = open_study(name, seed, storage_dir, storage_url, settings.sampler)
     storage.take_over_lapsed(study, enqueue_points)  # an earlier run's worker killed mid-trial: its points queued again
     enqueue_first(study, spec, widths, limits, list(extra_points))
     seen, retry = past_outcomes(study)
@@ -336,7 +343,7 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
         return True
 
     with storage.Heartbeat(study) as heartbeat:
-        search = _Search(study, spec, widths, evaluator, seen, points, target, progress, random.Random(settings.seed),
+        search = _Search(study, spec, widths, evaluator, seen, points, target, progress, random.Random(seed),
                          asks_left=20 * max(1, settings.trials),  # sampling repeats or infeasible points cannot loop forever
                          heartbeat=heartbeat, shared=shared)
         search.show_progress()
