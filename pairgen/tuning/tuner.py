@@ -16,6 +16,7 @@ Workers that share a study claim a point by holding a RUNNING trial for it (_Sea
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -246,20 +247,34 @@ def in_one_precision(spec: OpSpec, precision: str | None = None):
 
 
 def feasible_points(spec: OpSpec, widths: dict, limits: DeviceLimits) -> list[tuple[str, dict]]:
-    """Every point of the space that passes the restrictions (a few thousand at most)."""
-    spec = in_one_precision(spec)
-    return [(name, plan.params) for name in spec.strategies for plan in spec.feasible_plans(name, widths, limits)]
+    """Every point of the space that passes the restrictions (up to about ten thousand)."""
+    return [(strategy, params) for _, strategy, params in _keyed_feasible_points(spec, widths, limits)]
+
+
+def _keyed_feasible_points(spec: OpSpec, widths: dict, limits: DeviceLimits) -> tuple:
+    """feasible_points as (_point_key, strategy, params), computed once per op, precision, widths
+    and limits in a process: enumerating a space takes up to a second, and a process tunes a
+    shape's study more than once (a re-run, each worker of a pool of shapes)."""
+    view = in_one_precision(spec)
+    return _enumerate_feasible(getattr(view, "_spec", view), view.precision, tuple(sorted(widths.items())), limits)
+
+
+@functools.lru_cache(maxsize=64)
+def _enumerate_feasible(op: OpSpec, precision: str, widths: tuple, limits: DeviceLimits) -> tuple:
+    view = op.at(precision)
+    return tuple((_point_key(name, plan.params), name, plan.params)
+                 for name in view.strategies for plan in view.feasible_plans(name, dict(widths), limits))
 
 
 def feasible_count(spec: OpSpec, widths: dict, limits: DeviceLimits) -> int:
-    return len(feasible_points(spec, widths, limits))
+    return len(_keyed_feasible_points(spec, widths, limits))
 
 
-def _enqueue_unseen(study, points: list[tuple[str, dict]], taken: set[str], rng) -> None:
+def _enqueue_unseen(study, points: tuple, taken: set[str], rng) -> None:
     """A sampler proposes seen points again (TPE exploits hard on small categorical spaces; random
     sampling draws with replacement); each such repeat is answered from memory, and an unseen
-    feasible point is queued in its place."""
-    unseen = [(s, p) for s, p in points if _point_key(s, p) not in taken]
+    feasible point (of `points`, _keyed_feasible_points) is queued in its place."""
+    unseen = [(s, p) for key, s, p in points if key not in taken]
     if unseen:
         _enqueue(study, *rng.choice(unseen))
 
@@ -327,7 +342,7 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
         study.set_user_attr("baselines", baselines)
     start = time.perf_counter()  # the time budget is the search's: baselines (torch.compile) are outside it
 
-    points = feasible_points(spec, widths, limits)
+    points = _keyed_feasible_points(spec, widths, limits)
     target = min(settings.trials, len(points))
     progress = _Progress(target, f"{spec.name} {' '.join(f'{k}{v}' for k, v in shape.items())}",
                          settings.progress, baselines.get("eager"))
@@ -556,7 +571,7 @@ class _Search:
     point is timed twice."""
 
     def __init__(self, study, spec: OpSpec, widths: dict, evaluator: Evaluator, seen: dict[str, Outcome],
-                 points: list[tuple[str, dict]], target: int, progress: _Progress, rng: random.Random,
+                 points: tuple, target: int, progress: _Progress, rng: random.Random,
                  asks_left: int, heartbeat: storage.Heartbeat, shared: bool = False):
         self.study, self.spec, self.widths, self.evaluator = study, spec, widths, evaluator
         self.heartbeat, self.shared = heartbeat, shared
