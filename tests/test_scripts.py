@@ -24,7 +24,7 @@ def run(*args, env=None):
 
 
 @pytest.mark.parametrize("command", [("scripts/tune.py",), ("scripts/bench.py",), ("-m", "pairgen.tuning.tune_cli"),
-                                     ("-m", "pairgen.tuning.bench_cli")])
+                                     ("-m", "pairgen.tuning.bench_cli"), ("scripts/sampler_study.py",)])
 def test_help(command):
     result = run(*command, "--help")
     assert result.returncode == 0
