@@ -113,6 +113,7 @@ class ContractError(ValueError):
 
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?'
                      r'(\w+)\s*\(([^)]*)\)', re.S)
+_WORD = re.compile(r"\w+")
 _I64 = re.compile(r"\b(i64|int64_t|long\s+long|long)\b")
 
 
@@ -127,19 +128,25 @@ def _arg_kind(declaration: str) -> str:
     return f"unsupported({declaration.strip()})"
 
 
-def signatures(source: str) -> dict[str, tuple[str, ...]]:
-    """The argument kinds of every `extern "C" __global__` function of a rendered source."""
+def named_signatures(source: str) -> dict[str, tuple[str, ...]]:
+    """The arguments, as "kind name", of every `extern "C" __global__` function of a rendered
+    source ('const float* __restrict__ x' -> "ptr x")."""
     found = {}
     for match in _KERNEL.finditer(source):
         args = [a for a in match.group(2).split(",") if a.strip()]
-        found[match.group(1)] = tuple(_arg_kind(a) for a in args)
+        found[match.group(1)] = tuple(f"{_arg_kind(a)} {_WORD.findall(a)[-1]}" for a in args)
     return found
 
 
+def signatures(source: str) -> dict[str, tuple[str, ...]]:
+    """The argument kinds of every `extern "C" __global__` function of a rendered source."""
+    return {name: tuple(a.split()[0] for a in args) for name, args in named_signatures(source).items()}
+
+
 def check_contract(plan: Plan, source: str) -> None:
-    """Every kernel the plan declares is in the source with the declared argument kinds, in
-    order; a mismatch names the template, the kernel and both signatures."""
-    found = signatures(source)
+    """Every kernel the plan declares is in the source with the declared arguments, kinds and
+    names, in order; a mismatch names the template, the kernel and both signatures."""
+    found = named_signatures(source)
     for kernel in plan.kernels:
         if kernel.name not in found:
             raise ContractError(f"{template_name(plan.op, plan.strategy)}: the plan declares kernel {kernel.name}, "

@@ -50,15 +50,26 @@ class Kernel:
     name: str
     threads: int
     smem_bytes: int
-    args: tuple[str, ...]  # ARG_KINDS, in the order of the C signature
+    #: "kind name" per argument (kind in ARG_KINDS, name as the template's signature names it), in
+    #: the order of the C signature: codegen.check_contract compares both, so two arguments of one
+    #: kind declared in each other's place are caught when the plan is rendered.
+    args: tuple[str, ...]
     grid: GridFn
     mode: str = "plain"
 
     def __post_init__(self):
-        bad = [a for a in self.args if a not in ARG_KINDS]
+        bad = [a for a in self.args if len(a.split()) != 2 or a.split()[0] not in ARG_KINDS]
         if bad or self.mode not in LAUNCH_MODES:
-            raise ValueError(f"kernel {self.name}: argument kinds must be in {ARG_KINDS} and mode in "
-                             f"{LAUNCH_MODES}, got args {self.args}, mode {self.mode!r}")
+            raise ValueError(f"kernel {self.name}: arguments must be \"kind name\" with a kind in {ARG_KINDS}, and "
+                             f"the mode in {LAUNCH_MODES}; got args {self.args}, mode {self.mode!r}")
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(a.split()[0] for a in self.args)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.split()[1] for a in self.args)
 
 
 @dataclass(frozen=True)

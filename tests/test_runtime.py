@@ -10,6 +10,7 @@ import torch
 from pairgen import codegen, runtime
 from pairgen.ops import get_op, op_names
 from pairgen.ops.contact import CONTACT, ContactHead
+from pairgen.ops.trimul import TRIMUL
 from pairgen.spec import DeviceLimits, Kernel
 
 
@@ -26,40 +27,60 @@ def _default_plans():
 @pytest.mark.parametrize("plan", list(_default_plans()), ids=lambda p: f"{p.op}-{p.label}")
 def test_every_declared_kernel_matches_its_rendered_signature(plan):
     rendered = codegen.render_plan(plan)  # raises ContractError on a mismatch
-    found = codegen.signatures(rendered.source)
+    found = codegen.named_signatures(rendered.source)
     for kernel in plan.kernels:
         assert found[kernel.name] == kernel.args
+        assert codegen.signatures(rendered.source)[kernel.name] == kernel.kinds
 
 
 def test_a_plan_that_disagrees_with_its_template_is_a_clear_error():
     plan = CONTACT.default_plan({"P": 64, "H": 32}, DeviceLimits())
     main = plan.main
-    wrong_kind = dataclasses.replace(plan, kernels=(dataclasses.replace(main, args=main.args[:-1] + ("i32",)),))
+    wrong_kind = dataclasses.replace(plan, kernels=(dataclasses.replace(main, args=main.args[:-1] + ("i32 num_tiles64",)),))
     with pytest.raises(codegen.ContractError, match=r"kernel pairgen_contact_symmetric_tiled takes "
-                                                    r"\(ptr, ptr, ptr, i64, i64, i64\) in the source but the plan "
-                                                    r"declares \(ptr, ptr, ptr, i64, i64, i32\)"):
+                                                    r"\(ptr x, ptr wpack, ptr out, i64 B64, i64 N64, i64 num_tiles64\) "
+                                                    r"in the source but the plan declares \(.*, i64 N64, i32 num_tiles64\)"):
         codegen.render_plan(wrong_kind)
     one_short = dataclasses.replace(plan, kernels=(dataclasses.replace(main, args=main.args[:-1]),))
     with pytest.raises(codegen.ContractError, match="templates|contact/symmetric_tiled.cu.j2"):
         codegen.render_plan(one_short)
-    extra = Kernel(f"{main.name}_output", 64, 0, ("ptr",), main.grid)
+    extra = Kernel(f"{main.name}_output", 64, 0, ("ptr out",), main.grid)
     with pytest.raises(codegen.ContractError, match=r"declares kernel pairgen_contact_symmetric_tiled_output, "
                                                     r"which the rendered source does not define"):
         codegen.render_plan(dataclasses.replace(plan, kernels=(main, extra)))
 
 
-def test_signature_kinds():
+def test_two_pointers_of_one_kind_declared_in_each_others_place_are_rejected():
+    """Kinds alone would pass: the names say which pointer is which."""
+    for plan in (CONTACT.default_plan({"P": 64, "H": 32}, DeviceLimits()),
+                 TRIMUL.plan(*next((s, p) for s, p in TRIMUL.default_points if s == "bmm"),
+                             {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1})):
+        main = plan.main
+        args = list(main.args)
+        first, second = [i for i, a in enumerate(args) if a.startswith("ptr ")][1:3]  # e.g. the weights and out
+        args[first], args[second] = args[second], args[first]
+        swapped = dataclasses.replace(plan, kernels=(dataclasses.replace(main, args=tuple(args)), *plan.kernels[1:]))
+        assert [a.split()[0] for a in args] == list(main.kinds)  # the same kinds, in the same order
+        with pytest.raises(codegen.ContractError, match=f"kernel {main.name} takes"):
+            codegen.render_plan(swapped)
+
+
+def test_signature_kinds_and_names():
     source = '''extern "C" __global__ void __launch_bounds__(128, 2)
 k(const float* __restrict__ x, const void* m, int* c, int B, i64 N, long long T) {}
 extern "C" __global__ void k2(float* out) {}'''
     assert codegen.signatures(source) == {"k": ("ptr", "ptr", "ptr", "i32", "i64", "i64"), "k2": ("ptr",)}
+    assert codegen.named_signatures(source) == {"k": ("ptr x", "ptr m", "ptr c", "i32 B", "i64 N", "i64 T"),
+                                                "k2": ("ptr out",)}
 
 
 def test_kernel_declarations_reject_unknown_kinds_and_modes():
-    with pytest.raises(ValueError, match="argument kinds"):
-        Kernel("k", 32, 0, ("float",), lambda *a: (1, ()))
+    with pytest.raises(ValueError, match="kind name"):
+        Kernel("k", 32, 0, ("float x",), lambda *a: (1, ()))
+    with pytest.raises(ValueError, match="kind name"):
+        Kernel("k", 32, 0, ("ptr",), lambda *a: (1, ()))  # a kind without its name
     with pytest.raises(ValueError, match="mode"):
-        Kernel("k", 32, 0, ("ptr",), lambda *a: (1, ()), mode="eventually")
+        Kernel("k", 32, 0, ("ptr x",), lambda *a: (1, ()), mode="eventually")
 
 
 class _FakeKernel:

@@ -18,8 +18,11 @@ from ...spec import (HALF_PRECISIONS, MMA_KINDS, MMA_TILE_RESTRICTIONS, SIXTEEN_
                      Restriction, Strategy, Tolerance, ceil_div, cuda_bool, is_pow2, padded_stride, persistent_blocks,
                      section_offsets, smem_fits)
 
-#: The kernels' arguments: x, packed weights, out, then B, N and the work count as 64-bit ints.
-ARGS = ("ptr", "ptr", "ptr", "i64", "i64", "i64")
+#: The kernels' arguments: x, packed weights, out, then B, N and the work count as 64-bit ints (each
+#: template names them its own way).
+THREAD_PER_PAIR_ARGS = ("ptr x", "ptr wpack", "ptr out", "i64 B", "i64 N", "i64 total")
+TILED_ARGS = ("ptr x", "ptr wpack", "ptr out", "i64 B64", "i64 N64", "i64 num_tiles64")
+TENSOR_CORE_ARGS = ("ptr x", "ptr w", "ptr out", "i64 batches", "i64 length", "i64 num_tiles")
 
 
 def weight_offsets(P: int, H: int) -> dict[str, int]:
@@ -55,7 +58,7 @@ def _derive_thread_per_pair(params: dict, widths: dict, name: str):
         work = B * (N * (N + 1) // 2 if _sym else N * N)
         return max(1, ceil_div(work, _t)), (B, N, work)
 
-    return context, (Kernel(name, threads, weights + 4 * (P + H) * threads, ARGS, grid),)
+    return context, (Kernel(name, threads, weights + 4 * (P + H) * threads, THREAD_PER_PAIR_ARGS, grid),)
 
 
 def _tiled_context(params: dict, widths: dict, rows: int) -> tuple[dict, int]:
@@ -79,7 +82,7 @@ def _derive_tiled(params: dict, widths: dict, name: str):
         tiles = ceil_div(B * N * N, _rows)
         return persistent_blocks(tiles, _per_sm, sms, resident), (B, N, tiles)
 
-    return context, (Kernel(name, params["threads"], smem, ARGS, grid),)
+    return context, (Kernel(name, params["threads"], smem, TILED_ARGS, grid),)
 
 
 def _derive_symmetric_tiled(params: dict, widths: dict, name: str):
@@ -92,7 +95,7 @@ def _derive_symmetric_tiled(params: dict, widths: dict, name: str):
         tiles = B * nb * (nb + 1) // 2
         return persistent_blocks(tiles, _per_sm, sms, resident), (B, N, tiles)
 
-    return context, (Kernel(name, params["threads"], smem, ARGS, grid),)
+    return context, (Kernel(name, params["threads"], smem, TILED_ARGS, grid),)
 
 
 THREAD_PER_PAIR = Strategy(
@@ -200,7 +203,7 @@ def _derive_mma(params: dict, widths: dict, name: str):
         tiles = B * nb * (nb + 1) // 2
         return persistent_blocks(tiles, _per_sm, sms, resident), (B, N, tiles)
 
-    return context, (Kernel(name, threads, smem, ARGS, grid),)
+    return context, (Kernel(name, threads, smem, TENSOR_CORE_ARGS, grid),)
 
 
 def _mma_layout_ok(plan: Plan, limits: DeviceLimits) -> bool:
@@ -259,7 +262,7 @@ def _derive_wgmma(params: dict, widths: dict, name: str):
         tiles = B * nb * (nb + 1) // 2
         return max(1, min(ceil_div(tiles, _groups), max(1, resident) * sms)), (B, N, tiles)
 
-    return context, (Kernel(name, 128 * groups, smem, ARGS, grid),)
+    return context, (Kernel(name, 128 * groups, smem, TENSOR_CORE_ARGS, grid),)
 
 
 def _wgmma_widths_fit(plan: Plan, limits: DeviceLimits) -> bool:

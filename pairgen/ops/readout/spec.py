@@ -25,16 +25,17 @@ from ...precision import FP32_PRECISIONS
 
 #: The pair-max kernel (split, direct): nodes, pair features, mask, weights, uv, scratch, counters,
 #: out, then B, N, row tiles.
-PAIR_MAX_ARGS = ("ptr",) * 8 + ("i32",) * 3
+PAIR_MAX_ARGS = ("ptr nodes", "ptr pair", "ptr mask", "ptr wpack", "ptr uv", "ptr scratch", "ptr counters", "ptr out",
+                 "i32 B", "i32 N", "i32 num_tiles")
 #: The fused strategy's kernel: the pair-max pointers, the producers' counter (common/block_roles.cuh),
 #: then B, N, row tiles and the phase (0: prologue and pair blocks; 1: prologue only; 2: pairs only).
-FUSED_ARGS = ("ptr",) * 9 + ("i32",) * 4
+FUSED_ARGS = (*PAIR_MAX_ARGS[:8], "ptr done", "i32 B", "i32 N", "i32 num_tiles", "i32 phase")
 #: The node prologue: nodes, weights, uv, then the node rows B*N.
-NODES_ARGS = ("ptr",) * 3 + ("i32",)
+NODES_ARGS = ("ptr nodes", "ptr wpack", "ptr uv", "i32 rows")
 #: The gemm strategy's hidden kernel: pair features, uv, weights, hidden, then B, N, tiles.
-HIDDEN_ARGS = ("ptr",) * 4 + ("i32",) * 3
+HIDDEN_ARGS = ("ptr pair", "ptr uv", "ptr wpack", "ptr hidden", "i32 B", "i32 N", "i32 num_tiles")
 #: Its pool kernel: messages, mask, nodes, weights, out, then B, N.
-POOL_ARGS = ("ptr",) * 5 + ("i32",) * 2
+POOL_ARGS = ("ptr messages", "ptr mask", "ptr nodes", "ptr wpack", "ptr out", "i32 B", "i32 N")
 
 
 def weight_offsets(D: int, P: int, H: int) -> dict[str, int]:
@@ -395,9 +396,9 @@ GEMM = Strategy(
 # ---- tensor cores (mma) -------------------------------------------------------------------------
 
 #: The mma kernel: nodes, pair features, mask, weights, uv, out, then B, N, row tiles.
-MMA_ARGS = ("ptr",) * 6 + ("i32",) * 3
+MMA_ARGS = ("ptr nodes", "ptr pair", "ptr mask", "ptr wpack", "ptr uv", "ptr out", "i32 B", "i32 N", "i32 num_tiles")
 #: With one_launch: those pointers, the grid barrier's ints, then B, N, row tiles and the phase.
-MMA_ONE_LAUNCH_ARGS = ("ptr",) * 7 + ("i32",) * 4
+MMA_ONE_LAUNCH_ARGS = (*MMA_ARGS[:6], "ptr grid_bar", "i32 B", "i32 N", "i32 num_tiles", "i32 phase")
 
 
 def mma_weight_offsets(D: int, P: int, H: int, elem_bytes: int) -> dict[str, int]:

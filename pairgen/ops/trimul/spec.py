@@ -24,11 +24,12 @@ from ...spec import (HALF_PRECISIONS, MMA_KINDS, SIXTEEN_BIT_TOLERANCE, byte_sec
                      smem_fits, WGMMA_ON_SM90)
 
 #: The projection kernel: x, mask, weights, a, b, then B, N, tiles, and whether the mask is float.
-PROJECT_ARGS = ("ptr",) * 5 + ("i32",) * 4
+PROJECT_ARGS = ("ptr x", "ptr mask", "ptr w", "ptr ar", "ptr br", "i32 B", "i32 N", "i32 num_tiles", "i32 mask_is_float")
 #: The output kernel: x, the triangle sums z, weights, out, then B, N, tiles.
-OUTPUT_ARGS = ("ptr",) * 4 + ("i32",) * 3
+OUTPUT_ARGS = ("ptr x", "ptr z", "ptr w", "ptr out", "i32 B", "i32 N", "i32 num_tiles")
 #: The fused kernel: x, mask, weights, a, b, the barrier's ints, out, then B, N, work, mask is float.
-FUSED_ARGS = ("ptr",) * 7 + ("i32",) * 4
+FUSED_ARGS = ("ptr x", "ptr mask", "ptr w", "ptr ar", "ptr br", "ptr barrier", "ptr out", "i32 B", "i32 N", "i32 work",
+              "i32 mask_is_float")
 
 
 def gate_columns(w: dict) -> int:
@@ -213,8 +214,8 @@ FUSED = Strategy(
 
 # ---- tensor cores (mma) -------------------------------------------------------------------------
 
-MMA_PROJECT_ARGS = ("ptr",) * 5 + ("i32",) * 4   # x, mask, w, a, b; B, N, tiles, mask is float
-MMA_OUTPUT_ARGS = ("ptr",) * 4 + ("i32",) * 3    # x, z, w, out; B, N, tiles
+MMA_PROJECT_ARGS = PROJECT_ARGS
+MMA_OUTPUT_ARGS = OUTPUT_ARGS
 
 
 def mma_weight_offsets(P: int, H: int, bias: bool, elem_bytes: int, gate: int | None = None) -> dict[str, int]:
