@@ -160,9 +160,8 @@ def _aside_path(path: Path) -> Path:
 
 
 #: The samplers a study can propose points with (TuneSettings.sampler, pairgen-tune --sampler).
-#: Random is the default: on the largest spaces it landed within 3 % of a 640-trial search's best
-#: at 64 trials where TPE and GP each missed once, and it costs no host time per proposal
-#: (docs/performance.md, "Which sampler").
+#: Random is the default: on the largest spaces it landed closest to a long search at the default
+#: budget, and it costs no host time per proposal (docs/performance.md, "Which sampler").
 SAMPLERS = ("random", "tpe", "gp")
 
 
