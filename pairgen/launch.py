@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import operator
 import struct
 import threading
 
@@ -219,13 +218,6 @@ class _ArgumentBlock:
 FASTCALL_MODES = {"plain": 0, "cooperative": 1, "programmatic": 2}
 
 
-def _picker(positions: list):
-    """A function taking a sequence to the tuple of its items at `positions`."""
-    if len(positions) > 1:
-        return operator.itemgetter(*positions)
-    return lambda sequence: tuple(sequence[p] for p in positions)
-
-
 def arrange(names: tuple, tail: tuple, values: dict, kernel_name: str) -> list:
     """The positional arguments of a kernel declared with `names`: each name's value from `values`,
     the names not in it filled from `tail` in order. A name not declared, one left without a value,
@@ -262,14 +254,13 @@ class BoundLaunch:
     for it with pdl_wait() (common/pdl.cuh) before reading what it wrote. "cooperative" launches
     with every block resident at once (kernels with a grid-wide barrier)."""
 
-    __slots__ = ("kernel", "grid", "block", "smem", "mode", "tail", "names", "_orders", "_arguments", "_launch",
-                 "_config", "_device_index")
+    __slots__ = ("kernel", "grid", "block", "smem", "mode", "tail", "names", "_arguments", "_launch", "_config",
+                 "_device_index")
 
     def __init__(self, kernel: LoadedKernel, grid: int, block: int, smem: int, arg_count: int,
                  mode: str = "plain", tail: tuple = (), names: tuple = ()):
         self.kernel, self.grid, self.block, self.smem = kernel, grid, block, smem
         self.mode, self.tail, self.names = mode, tail, names
-        self._orders = {}  # the names a call gives, in its order -> how to arrange them (named())
         self._arguments = _ArgumentBlock(arg_count)
         self._device_index = kernel.device_index
         self._config = None
@@ -303,15 +294,8 @@ class BoundLaunch:
 
     def named(self, **values: int) -> None:
         """Launch with each argument given by its declared name; those not given are the shape
-        tail's, in order (the names after the pointers: B, N, tiles, ...). The arrangement is
-        worked out once per set of names given (a call site) and kept, as C-level item picks."""
-        given = tuple(values)
-        pick = self._orders.get(given)
-        if pick is None:
-            positions = arrange(self.names, tuple(range(len(given), len(given) + len(self.tail))),
-                                dict(zip(given, range(len(given)))), self.kernel.name)
-            pick = self._orders[given] = _picker(positions)
-        self(*pick((*values.values(), *self.tail)))
+        tail's, in order (the names after the pointers: B, N, tiles, ...)."""
+        self(*arrange(self.names, self.tail, values, self.kernel.name))
 
     def driver_entry(self) -> tuple[int, int]:
         """(fastcall.cpp's mode number, the address of the driver function this launch calls)."""
