@@ -403,6 +403,7 @@ class PrecisionView:
 
     def __init__(self, spec: OpSpec, precision: str):
         self._spec, self.precision = spec, precision
+        self.op_spec = spec  # the whole op, every precision's strategies
         self.strategies = {n: s for n, s in spec.strategies.items() if precision in s.precisions}
         self.default_points = tuple((s, p) for s, p in spec.default_points if s in self.strategies)
 

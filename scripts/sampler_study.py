@@ -29,17 +29,6 @@ KS = (32, 64, 128)
 FINALISTS = 3
 
 
-def trial_order(study) -> list[tuple[str, float | None]]:
-    """(point, single timing or None for a failed check) of each point the study timed, in the
-    order it was asked; repeats, pruned proposals and machine failures are not points tried."""
-    from optuna.trial import TrialState
-
-    trials = sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)),
-                    key=lambda t: t.number)
-    return [(t.user_attrs["point"], t.value) for t in trials
-            if "point" in t.user_attrs and not t.user_attrs.get("repeat") and not t.user_attrs.get("env_failure")]
-
-
 def finalists_after(tried: list, k: int) -> list[str]:
     """The points a k-trial search re-times: its FINALISTS best single timings among the first k."""
     timed = [(point, value) for point, value in tried[:k] if value is not None]
@@ -62,7 +51,7 @@ def sampler_trials(default: int):
 
 def run_search(spec, shape, evaluator, slug: str, sampler: str, trials: int, seed: int, directory: Path) -> dict:
     from pairgen.spec import n_bucket, precision_of
-    from pairgen.tuning.tuner import TuneSettings, open_study, study_name, tune_shape
+    from pairgen.tuning.tuner import TuneSettings, open_study, points_in_order, study_name, tune_shape
 
     settings = TuneSettings(trials=trials, seed=seed, progress=False, finalists=0, sampler=sampler)
     dtype = precision_of(spec)
@@ -71,7 +60,7 @@ def run_search(spec, shape, evaluator, slug: str, sampler: str, trials: int, see
     study = open_study(study_name(slug, spec.name, dtype, spec.widths_of(shape), n_bucket(shape["N"])), seed,
                        directory, sampler=sampler)
     return {"sampler": sampler, "trials": trials, "seconds": round(time.perf_counter() - start, 1),
-            "tried": trial_order(study)}
+            "tried": points_in_order(study)}
 
 
 def main(argv=None) -> int:

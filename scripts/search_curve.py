@@ -20,12 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pairgen.tuning.cli import add_selection_args, selected_shapes, shape_label  # noqa: E402
 
 
-def best_after(trials: list, ks: list[int]) -> dict[int, tuple[str, float]]:
-    """Per k, the point with the lowest value among the first k points tried (trial order; a point
-    that failed its check counts, as the tuner counts it; repeats and pruned proposals do not)."""
-    tried = [(t.user_attrs["point"], t.value) for t in trials
-             if not t.user_attrs.get("repeat") and not t.user_attrs.get("env_failure")
-             and not (t.value is None and "fail_reason" not in t.user_attrs)]  # nor a dead worker's (tuner._lapsed)
+def best_after(tried: list, ks: list[int]) -> dict[int, tuple[str, float]]:
+    """Per k, the point with the lowest value among the first k points tried (tuner.points_in_order:
+    a point that failed its check counts, as the tuner counts it)."""
     out = {}
     for k in ks:
         timed = [pv for pv in tried[:k] if pv[1] is not None]
@@ -36,13 +33,12 @@ def best_after(trials: list, ks: list[int]) -> dict[int, tuple[str, float]]:
 
 def main(argv=None) -> int:
     import torch
-    from optuna.trial import TrialState
 
     from pairgen import runtime
     from pairgen.spec import n_bucket, precision_of
     from pairgen.tuning.evaluate import GpuEvaluator
     from pairgen.tuning.timing import strict_fp32
-    from pairgen.tuning.tuner import open_study, retime_points, study_name
+    from pairgen.tuning.tuner import open_study, points_in_order, retime_points, study_name
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_selection_args(parser)
@@ -56,11 +52,10 @@ def main(argv=None) -> int:
         dtype = precision_of(spec)
         study = open_study(study_name(info.slug, spec.name, dtype, spec.widths_of(shape), n_bucket(shape["N"])),
                            args.seed)
-        trials = sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)),
-                        key=lambda t: t.number)
-        n_timed = sum(1 for t in trials if not t.user_attrs.get("repeat") and not t.user_attrs.get("env_failure"))
+        tried = points_in_order(study)
+        n_timed = len(tried)
         ks = sorted({*(int(k) for k in args.ks.split(",")), n_timed})
-        best = best_after(trials, ks)
+        best = best_after(tried, ks)
         points = list(dict.fromkeys(point for point, _ in best.values()))
         evaluator = GpuEvaluator(spec, shape, info.index, args.seed, peers=())
         widths = spec.widths_of(shape)

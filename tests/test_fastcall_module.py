@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from helpers import CU_LAUNCH_KERNEL
-from pairgen import launch, native
+from pairgen import launch
 from pairgen.launch import BoundLaunch
 from pairgen.module import kernel_module
 from pairgen.module.kernel_module import KernelModule

@@ -303,3 +303,19 @@ def test_the_sampler_study_lands_on_the_best_retimed_of_a_runs_three_best_single
     # re-timed, the single-timing winner is not the best: the tuner keeps the best median
     assert study.landing({"f": 24.0, "c": 21.0, "e": 22.5, "a": 1.0}, ["f", "c", "e"]) == ("c", 21.0)
     assert study.landing({}, ["f"]) is None
+
+
+def test_points_in_order_are_the_points_judged_in_the_order_asked(tmp_path):
+    from pairgen.tuning.tuner import points_in_order
+
+    ev = FakeEvaluator()
+    result = tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(40, seed=3), storage_dir=tmp_path)
+    study = open_study(study_name("fake-gpu", "contact", "float32", WIDTHS, 64), 3, tmp_path)
+    tried = points_in_order(study)
+    points = [point for point, _ in tried]
+    assert len(points) == len(set(points)) == result.counts["evaluated"]  # repeats answered from the study are not tried
+    assert set(points) == {_point_key(p.strategy, p.params) for p in ev.compiled}  # compile failures are judged too
+    assert {point for point, value in tried if value is not None} <= set(ev.evaluated)
+    assert any(value is None for _, value in tried)
+    numbers = {t.user_attrs.get("point"): t.number for t in study.trials if not t.user_attrs.get("repeat")}
+    assert [numbers[p] for p in points] == sorted(numbers[p] for p in points)  # in the order asked

@@ -255,7 +255,7 @@ def _keyed_feasible_points(spec: OpSpec, widths: dict, limits: DeviceLimits) -> 
     and limits in a process: enumerating a space takes up to a second, and a process tunes a
     shape's study more than once (a re-run, each worker of a pool of shapes)."""
     view = in_one_precision(spec)
-    return _enumerate_feasible(getattr(view, "_spec", view), view.precision, tuple(sorted(widths.items())), limits)
+    return _enumerate_feasible(view.op_spec, view.precision, tuple(sorted(widths.items())), limits)
 
 
 @functools.lru_cache(maxsize=64)
@@ -495,6 +495,19 @@ def _outcomes(trials) -> tuple[dict[str, Outcome], list[str]]:
             seen[point] = Outcome(t.value, t.user_attrs.get("fail_reason", ""))
     retry = list(dict.fromkeys(p for p in env_failed if p not in seen))
     return seen, retry
+
+
+def points_in_order(study) -> list[tuple[str, float | None]]:
+    """(point, its single timing, or None where it failed) of each point the study judged, in the
+    order the points were asked: what a search of the first k trials saw. Repeats answered from the
+    study, pruned proposals, machine failures and dead workers' trials are not points tried."""
+    from optuna.trial import TrialState
+
+    trials = sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)),
+                    key=lambda t: t.number)
+    return [(t.user_attrs["point"], t.value) for t in trials
+            if "point" in t.user_attrs and not t.user_attrs.get("repeat") and not t.user_attrs.get("env_failure")
+            and not _lapsed(t)]
 
 
 def _lapsed(trial) -> bool:

@@ -214,8 +214,6 @@ FUSED = Strategy(
 
 # ---- tensor cores (mma) -------------------------------------------------------------------------
 
-MMA_PROJECT_ARGS = PROJECT_ARGS
-MMA_OUTPUT_ARGS = OUTPUT_ARGS
 
 
 def mma_weight_offsets(P: int, H: int, bias: bool, elem_bytes: int, gate: int | None = None) -> dict[str, int]:
@@ -265,8 +263,8 @@ def _derive_mma(params: dict, w: dict, name: str):
     output_smem = (outp["chunk"] * z_row + gate["chunk"] * x_row + params["o_tile"] * (z_row + 2 * x_row)
                    + params["o_tile"] * (H + 1) * 4)
     context.update(p_smem=project_smem, o_smem=output_smem)  # the template asserts its own sums equal these
-    return context, (Kernel(name, proj["threads"], project_smem, MMA_PROJECT_ARGS, persistent_tile_grid(params["p_tile"])),
-                     Kernel(f"{name}_output", outp["threads"], output_smem, MMA_OUTPUT_ARGS,
+    return context, (Kernel(name, proj["threads"], project_smem, PROJECT_ARGS, persistent_tile_grid(params["p_tile"])),
+                     Kernel(f"{name}_output", outp["threads"], output_smem, OUTPUT_ARGS,
                             persistent_tile_grid(params["o_tile"])))
 
 
@@ -365,8 +363,8 @@ def _derive_wgmma(params: dict, w: dict, name: str):
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
-    return context, (Kernel(name, 128 * params["p_groups"], project_smem, MMA_PROJECT_ARGS, _wgmma_grid(params["p_groups"])),
-                     Kernel(f"{name}_output", 128 * params["o_groups"], output_smem, MMA_OUTPUT_ARGS,
+    return context, (Kernel(name, 128 * params["p_groups"], project_smem, PROJECT_ARGS, _wgmma_grid(params["p_groups"])),
+                     Kernel(f"{name}_output", 128 * params["o_groups"], output_smem, OUTPUT_ARGS,
                             _wgmma_grid(params["o_groups"])))
 
 
