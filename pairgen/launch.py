@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import struct
 import threading
 
@@ -188,10 +189,10 @@ class LoadedKernel:
         self.resident_per_sm = self.kernel.occupancy.max_active_blocks_per_multiprocessor(threads, smem_bytes)
 
     def bind(self, grid: int, block: int, smem: int, arg_count: int, mode: str = "plain",
-             tail: tuple = ()) -> "BoundLaunch":
+             tail: tuple = (), names: tuple = ()) -> "BoundLaunch":
         """This kernel at a fixed grid, block and shared memory, with its own argument block
-        (mode: see BoundLaunch)."""
-        return BoundLaunch(self, grid, block, smem, arg_count, mode, tail)
+        (mode, names: see BoundLaunch)."""
+        return BoundLaunch(self, grid, block, smem, arg_count, mode, tail, names)
 
     def _failed(self, code: int, grid: int, block: int, smem: int):
         raise LaunchError(f"launch of {self.name} (grid {grid}, block {block}, {smem} B shared) "
@@ -218,24 +219,57 @@ class _ArgumentBlock:
 FASTCALL_MODES = {"plain": 0, "cooperative": 1, "programmatic": 2}
 
 
+def _picker(positions: list):
+    """A function taking a sequence to the tuple of its items at `positions`."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    return lambda sequence: tuple(sequence[p] for p in positions)
+
+
+def arrange(names: tuple, tail: tuple, values: dict, kernel_name: str) -> list:
+    """The positional arguments of a kernel declared with `names`: each name's value from `values`,
+    the names not in it filled from `tail` in order. A name not declared, one left without a value,
+    or a tail value left over is a TypeError naming the kernel."""
+    unknown = set(values) - set(names)
+    if unknown:
+        raise TypeError(f"{kernel_name}: no argument named {', '.join(sorted(unknown))} (it takes {', '.join(names)})")
+    rest = iter(tail)
+    ordered = []
+    for name in names:
+        if name in values:
+            ordered.append(values[name])
+            continue
+        value = next(rest, None)
+        if value is None:
+            raise TypeError(f"{kernel_name}: no value for its argument {name!r} (given {', '.join(values)}; "
+                            f"shape tail {tail})")
+        ordered.append(value)
+    if next(rest, None) is not None:
+        raise TypeError(f"{kernel_name}: shape tail {tail} longer than its arguments left after {', '.join(values)}")
+    return ordered
+
+
 class BoundLaunch:
     """A LoadedKernel at one grid, block and dynamic shared memory: `launch(*args)` writes the
     arguments and launches on torch's current stream. Built once per (variant, device, B, N) by
     runtime.Variant.launches; `tail` holds the trailing shape arguments the kernel's grid function
     gave for that shape (B, N, tiles, ...), which the caller passes after its pointers.
+    `names` are the arguments' names as the plan declares them (spec.Kernel.names, checked against
+    the template's signature): `launch.named(x=..., out=...)` binds by them.
 
     mode "programmatic" launches through cuLaunchKernelEx with programmatic stream serialization:
     the kernel may start while the one before it in the stream is still running, and must wait
     for it with pdl_wait() (common/pdl.cuh) before reading what it wrote. "cooperative" launches
     with every block resident at once (kernels with a grid-wide barrier)."""
 
-    __slots__ = ("kernel", "grid", "block", "smem", "mode", "tail", "_arguments", "_launch", "_config",
-                 "_device_index")
+    __slots__ = ("kernel", "grid", "block", "smem", "mode", "tail", "names", "_orders", "_arguments", "_launch",
+                 "_config", "_device_index")
 
     def __init__(self, kernel: LoadedKernel, grid: int, block: int, smem: int, arg_count: int,
-                 mode: str = "plain", tail: tuple = ()):
+                 mode: str = "plain", tail: tuple = (), names: tuple = ()):
         self.kernel, self.grid, self.block, self.smem = kernel, grid, block, smem
-        self.mode, self.tail = mode, tail
+        self.mode, self.tail, self.names = mode, tail, names
+        self._orders = {}  # the names a call gives, in its order -> how to arrange them (named())
         self._arguments = _ArgumentBlock(arg_count)
         self._device_index = kernel.device_index
         self._config = None
@@ -266,6 +300,18 @@ class BoundLaunch:
                 code = self._launch_written()
         if code:
             self.kernel._failed(code, self.grid, self.block, self.smem)
+
+    def named(self, **values: int) -> None:
+        """Launch with each argument given by its declared name; those not given are the shape
+        tail's, in order (the names after the pointers: B, N, tiles, ...). The arrangement is
+        worked out once per set of names given (a call site) and kept, as C-level item picks."""
+        given = tuple(values)
+        pick = self._orders.get(given)
+        if pick is None:
+            positions = arrange(self.names, tuple(range(len(given), len(given) + len(self.tail))),
+                                dict(zip(given, range(len(given)))), self.kernel.name)
+            pick = self._orders[given] = _picker(positions)
+        self(*pick((*values.values(), *self.tail)))
 
     def driver_entry(self) -> tuple[int, int]:
         """(fastcall.cpp's mode number, the address of the driver function this launch calls)."""

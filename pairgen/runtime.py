@@ -90,8 +90,9 @@ class Variant:
         return kernel
 
     def launches(self, device_index: int, batch: int, n: int, programmatic: bool = True) -> tuple:
-        """Every declared kernel bound to this shape, in the plan's order: call each with its
-        pointer arguments, then `*launch.tail` (and any per-call ints the kernel takes after it).
+        """Every declared kernel bound to this shape, in the plan's order: call each by name
+        (`launch.named(x=..., out=...)`: the pointers and any per-call ints, the shape tail filled
+        in), or positionally with its pointers, then `*launch.tail`, then any per-call ints.
         programmatic=False launches kernels declared programmatic as plain ones; a kernel declared
         "cooperative_or_plain" is bound cooperatively where its grid fits on the GPU at once, else
         plainly (the launch's `mode` says which)."""
@@ -115,7 +116,8 @@ class Variant:
                 mode = "plain"
             elif mode == "cooperative_or_plain":
                 mode = "cooperative" if blocks <= kernel.resident_per_sm * info.limits.sm_count else "plain"
-            bound.append(kernel.bind(blocks, decl.threads, decl.smem_bytes, len(decl.args), mode, tuple(tail)))
+            bound.append(kernel.bind(blocks, decl.threads, decl.smem_bytes, len(decl.args), mode, tuple(tail),
+                                     decl.names))
         return tuple(bound)
 
     def __repr__(self) -> str:

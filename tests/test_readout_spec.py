@@ -271,7 +271,7 @@ def test_prologue_alone_matches_float64_and_writes_nothing_past_its_rows(plan):
         buffer = torch.full(((rows + 1) * 2 * H,), float("nan"), device="cuda")
         prologue = next(launch for launch, kernel in zip(variant.launches(0, 1, rows), plan.kernels)
                         if kernel.name.endswith("_nodes"))  # as the module binds it: B*N = rows
-        prologue(nodes.data_ptr(), weights, buffer.data_ptr(), *prologue.tail)
+        prologue.named(nodes=nodes.data_ptr(), wpack=weights, uv=buffer.data_ptr())
         torch.cuda.synchronize()
         x = nodes.double()
         want = torch.cat([x @ w1[:, :D].T + b1, x @ w1[:, D:2 * D].T], dim=1)

@@ -17,7 +17,7 @@ def run_single_kernel(module: "ContactHead", variant, x, out) -> None:
     """The fp32 strategies: one kernel over (x, weights, out)."""
     B, N = x.shape[0], x.shape[1]
     (main,) = variant.launches(x.get_device(), B, N)
-    main(x.data_ptr(), module._weights.get().data_ptr(), out.data_ptr(), *main.tail)
+    main.named(x=x.data_ptr(), wpack=module._weights.get().data_ptr(), out=out.data_ptr())
 
 
 def pack_mma_weights(params: list, P: int, H: int, dtype: torch.dtype) -> torch.Tensor:
@@ -44,7 +44,7 @@ def run_mma(module: "ContactHead", variant, x, out) -> None:
     P, H = module.widths["P"], module.widths["H"]
     weights = module._packed_for(dtype, lambda params: pack_mma_weights(params, P, H, dtype)).get()
     (main,) = variant.launches(x.get_device(), B, N)
-    main(x.data_ptr(), weights.data_ptr(), out.data_ptr(), *main.tail)
+    main.named(x=x.data_ptr(), w=weights.data_ptr(), out=out.data_ptr())
 
 
 class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):

@@ -39,21 +39,23 @@ def _run_pair_max(module: "PairReadout", variant, nodes, pair_feats, edge_mask, 
     uv, partials, counters = _pair_max_buffers(module, variant, main, B, N, D, with_uv)
     if with_uv:
         prologue = launches[1]
-        prologue(nodes.data_ptr(), weights, uv, *prologue.tail)
-    main(nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), weights, uv, partials, counters,
-         out.data_ptr(), *main.tail)
+        prologue.named(nodes=nodes.data_ptr(), wpack=weights, uv=uv)
+    main.named(nodes=nodes.data_ptr(), pair=pair_feats.data_ptr(), mask=edge_mask.data_ptr(), wpack=weights, uv=uv,
+               scratch=partials, counters=counters, out=out.data_ptr())
 
 
-def _launch_with_prologue_inside(module: "PairReadout", main, pointers: tuple, device: torch.device) -> None:
+def _launch_with_prologue_inside(module: "PairReadout", main, pointers: dict, barrier: str,
+                                 device: torch.device) -> None:
     """A kernel that runs the node prologue itself, then waits for all of it (fused: its prologue
     blocks, common/block_roles.cuh; mma's one_launch: a grid-wide barrier): one cooperative launch
     (phase 0) where its grid is resident at once, else the same kernel twice, plainly: phase 1 the
-    prologue, phase 2 the pairs. Its arguments: the pointers, the module's two ints its wait counts
-    on (zeroed once; each launch leaves them as the next one needs them: fused's counter at 0, the
-    barrier's count at 0 and its sense flipped), the shape tail, the phase."""
-    barrier = module._barrier_ints(device)
+    prologue, phase 2 the pairs. Its arguments: the pointers (by name), the module's two ints its
+    wait counts on as the argument `barrier` names (zeroed once; each launch leaves them as the next
+    one needs them: fused's counter at 0, the barrier's count at 0 and its sense flipped), the shape
+    tail, the phase."""
+    ints = module._barrier_ints(device)
     for phase in ((0,) if main.mode == "cooperative" else (1, 2)):
-        main(*pointers, barrier, *main.tail, phase)
+        main.named(**pointers, **{barrier: ints}, phase=phase)
 
 
 def run_fused(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -> None:
@@ -61,9 +63,10 @@ def run_fused(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out)
     B, N, D = nodes.shape
     (main,) = variant.launches(nodes.get_device(), B, N)
     uv, partials, counters = _pair_max_buffers(module, variant, main, B, N, D, with_uv=True)
-    _launch_with_prologue_inside(module, main, (nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(),
-                                                module._weights.get().data_ptr(), uv, partials, counters,
-                                                out.data_ptr()), nodes.device)
+    pointers = dict(nodes=nodes.data_ptr(), pair=pair_feats.data_ptr(), mask=edge_mask.data_ptr(),
+                    wpack=module._weights.get().data_ptr(), uv=uv, scratch=partials, counters=counters,
+                    out=out.data_ptr())
+    _launch_with_prologue_inside(module, main, pointers, "done", nodes.device)
 
 
 def run_split(module, variant, nodes, pair_feats, edge_mask, out) -> None:
@@ -109,8 +112,8 @@ def run_gemm(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) 
     hidden = scratch[at["hidden"]: at["hidden"] + pairs * hidden_width].view(pairs, hidden_width)
     messages = scratch[at["messages"]: at["messages"] + pairs * D].view(pairs, D)
     uv = scratch.data_ptr() + 4 * at["uv"]
-    prologue(nodes.data_ptr(), weights, uv, *prologue.tail)
-    hidden_kernel(pair_feats.data_ptr(), uv, weights, hidden.data_ptr(), *hidden_kernel.tail)
+    prologue.named(nodes=nodes.data_ptr(), wpack=weights, uv=uv)
+    hidden_kernel.named(pair=pair_feats.data_ptr(), uv=uv, wpack=weights, hidden=hidden.data_ptr())
     # messages = hidden W2^T without b2: the pool kernel adds it after the max (gemm.cu.j2 says why).
     if split:
         w2t = module._packed_for("tf32x3 W2^T", split_w2t).get()
@@ -121,7 +124,8 @@ def run_gemm(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) 
         w2t = packed[module._w2t_at: module._w2t_at + H * D].view(H, D)
         with fp32_matmul():
             torch.mm(hidden, w2t, out=messages)
-    pool(messages.data_ptr(), edge_mask.data_ptr(), nodes.data_ptr(), weights, out.data_ptr(), *pool.tail)
+    pool.named(messages=messages.data_ptr(), mask=edge_mask.data_ptr(), nodes=nodes.data_ptr(), wpack=weights,
+               out=out.data_ptr())
 
 
 def pack_mma_weights(fp32_pack: torch.Tensor, params: list, D: int, P: int, H: int, dtype: torch.dtype) -> torch.Tensor:
@@ -160,13 +164,14 @@ def run_mma(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -
     launches = variant.launches(device, B, N, programmatic=module.programmatic_main)
     main = launches[0]
     uv = module._split_scratch(device, B * N * 2 * H)
-    pointers = (nodes.data_ptr(), pair_feats.data_ptr(), edge_mask.data_ptr(), weights.data_ptr(), uv, out.data_ptr())
+    pointers = dict(nodes=nodes.data_ptr(), pair=pair_feats.data_ptr(), mask=edge_mask.data_ptr(),
+                    wpack=weights.data_ptr(), uv=uv, out=out.data_ptr())
     if variant.plan.params.get("one_launch"):
-        _launch_with_prologue_inside(module, main, pointers, nodes.device)
+        _launch_with_prologue_inside(module, main, pointers, "grid_bar", nodes.device)
     else:
         prologue = launches[1]
-        prologue(nodes.data_ptr(), weights.data_ptr(), uv, *prologue.tail)
-        main(*pointers, *main.tail)
+        prologue.named(nodes=nodes.data_ptr(), wpack=weights.data_ptr(), uv=uv)
+        main.named(**pointers)
     if out is not target:
         target.copy_(out)
 

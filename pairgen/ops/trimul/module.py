@@ -154,8 +154,8 @@ def run_mma(module: "TriangleMultiplication", variant, x, mask, out) -> None:
     if x.dtype is not ab.dtype:
         x = x.to(ab.dtype)  # an fp32 input under autocast: the kernels read x in the operand type
     x_ptr = x.data_ptr()
-    project(x_ptr, mask.data_ptr(), w_ptr, ab[0].data_ptr(), ab[1].data_ptr(), *project.tail,
-            int(mask.dtype is torch.float32))
+    project.named(x=x_ptr, mask=mask.data_ptr(), w=w_ptr, ar=ab[0].data_ptr(), br=ab[1].data_ptr(),
+                  mask_is_float=int(mask.dtype is torch.float32))
     shape = (B * H, N, copies * N) if module._outgoing else (B * H, copies * N, N)
     ar, br = ab[0].view(shape), ab[1].view(shape)
     if precision in HALF_DTYPES:  # fp32 accumulation, output in the operands' dtype
@@ -167,7 +167,7 @@ def run_mma(module: "TriangleMultiplication", variant, x, mask, out) -> None:
     else:
         with cublas_fp32_mode(tf32=True):
             z = triangle_bmm(ar, br, module._outgoing)
-    output(x_ptr, z.data_ptr(), w_ptr, out.data_ptr(), *output.tail)
+    output.named(x=x_ptr, z=z.data_ptr(), w=w_ptr, out=out.data_ptr())
 
 
 def run_bmm(module: "TriangleMultiplication", variant, x, mask, out) -> None:
@@ -178,11 +178,11 @@ def run_bmm(module: "TriangleMultiplication", variant, x, mask, out) -> None:
     # captured CUDA graph never points at memory a later, larger call freed).
     ar, br, z = torch.empty((3, B * module.widths["H"], N, N), device=x.device, dtype=torch.float32).unbind(0)
     x_ptr, w_ptr = x.data_ptr(), module._weights.get().data_ptr()
-    project(x_ptr, mask.data_ptr(), w_ptr, ar.data_ptr(), br.data_ptr(), *project.tail,
-            int(mask.dtype is torch.float32))
+    project.named(x=x_ptr, mask=mask.data_ptr(), w=w_ptr, ar=ar.data_ptr(), br=br.data_ptr(),
+                  mask_is_float=int(mask.dtype is torch.float32))
     with fp32_matmul():
         triangle_bmm(ar, br, module._outgoing, out=z)
-    output(x_ptr, z.data_ptr(), w_ptr, out.data_ptr(), *output.tail)
+    output.named(x=x_ptr, z=z.data_ptr(), w=w_ptr, out=out.data_ptr())
 
 
 def run_fused(module: "TriangleMultiplication", variant, x, mask, out) -> None:
@@ -191,8 +191,9 @@ def run_fused(module: "TriangleMultiplication", variant, x, mask, out) -> None:
     (fused,) = variant.launches(x.get_device(), B, N)
     ab = torch.empty((2, B * module.widths["H"] * N * N), device=x.device, dtype=torch.float32)
     fastcall.note_scratch(ab)
-    fused(x.data_ptr(), mask.data_ptr(), module._weights.get().data_ptr(), ab[0].data_ptr(), ab[1].data_ptr(),
-          module._barrier_ints(x.device), out.data_ptr(), *fused.tail, int(mask.dtype is torch.float32))
+    fused.named(x=x.data_ptr(), mask=mask.data_ptr(), w=module._weights.get().data_ptr(), ar=ab[0].data_ptr(),
+                br=ab[1].data_ptr(), barrier=module._barrier_ints(x.device), out=out.data_ptr(),
+                mask_is_float=int(mask.dtype is torch.float32))
 
 
 _PARAM_ORDER = ("layer_norm_in", "proj_a", "gate_a", "proj_b", "gate_b", "layer_norm_out", "out_proj", "out_gate")
