@@ -12,7 +12,7 @@ import jinja2
 from jinja2 import meta
 
 from .config import templates_dir
-from .spec import Plan, kernel_base_name
+from .spec import Plan, kernel_base_name, kernel_name
 
 #: <repo>/templates in a checkout, the wheel's packaged copy (pairgen/_templates) when installed.
 TEMPLATES_DIR = templates_dir()
@@ -57,6 +57,22 @@ def source_hash_as_tuned(rendered: Rendered, tuned_template_sha256: str, tuned_p
     return source_hash(then + newline + rest)
 
 
+def hashes_as_tuned(rendered: Rendered, entry: dict) -> set[str]:
+    """Every hash today's source of an entry's variant may have been recorded under and still be
+    the kernel it was measured with: today's; as rendered under the entry's template hash and
+    parameters (source_hash_as_tuned); and each of those with the kernels named as they were before
+    names carried the variant (the names are symbols, not code)."""
+    op, strategy = rendered.template.removesuffix(".cu.j2").split("/")
+    base = kernel_base_name(op, strategy)
+    renamed = Rendered(rendered.source.replace(rendered.kernel_name, base), rendered.template,
+                       rendered.template_sha256, base)
+    hashes = set()
+    for source in (rendered, renamed):
+        hashes |= {source.source_sha256, source_hash_as_tuned(source, entry["template_sha256"]),
+                   source_hash_as_tuned(source, entry["template_sha256"], entry["params"])}
+    return hashes
+
+
 def template_name(op: str, strategy: str) -> str:
     return f"{op}/{strategy}.cu.j2"
 
@@ -85,8 +101,10 @@ def template_hash(op: str, strategy: str) -> str:
 
 
 def render_template(op: str, strategy: str, params: dict, widths: dict, context: dict,
-                    precision: str = "float32") -> Rendered:
-    """Render with a context already derived by the op (templates only substitute and unroll)."""
+                    precision: str = "float32", name_of_kernel: str | None = None) -> Rendered:
+    """Render with a context already derived by the op (templates only substitute and unroll).
+    name_of_kernel: the main kernel's name (a plan's carries its variant: spec.kernel_name; by
+    default the strategy's own, kernel_base_name)."""
     name = template_name(op, strategy)
     sha = template_hash(op, strategy)
     header = (
@@ -95,14 +113,15 @@ def render_template(op: str, strategy: str, params: dict, widths: dict, context:
         f"// widths {json.dumps(widths, sort_keys=True)}"
         + ("" if precision == "float32" else f"\n// precision {precision}")
     )
-    kname = kernel_base_name(op, strategy)
+    kname = name_of_kernel or kernel_base_name(op, strategy)
     source = _env.get_template(name).render(header=header, kernel_name=kname, **context)
     return Rendered(source=source, template=name, template_sha256=sha, kernel_name=kname)
 
 
 def render_plan(plan: Plan) -> Rendered:
     """A plan's source, checked against the kernels the plan declares."""
-    rendered = render_template(plan.op, plan.strategy, plan.params, plan.widths, plan.context, plan.precision)
+    rendered = render_template(plan.op, plan.strategy, plan.params, plan.widths, plan.context, plan.precision,
+                               kernel_name(plan.op, plan.strategy, plan.precision, plan.params))
     check_contract(plan, rendered.source)
     return rendered
 

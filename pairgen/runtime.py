@@ -147,12 +147,9 @@ def entry_state(spec: OpSpec, entry: dict, limits: DeviceLimits = DeviceLimits()
         today = codegen.render_plan(plan)
     except Exception as exc:  # a template gone or broken, a contract mismatch
         return f"invalid: cannot render ({type(exc).__name__}: {exc})"
-    # The same code under another template hash (an edit that left this variant's code alone),
-    # with or without the parameters added since the entry was written (at the values that
-    # reproduce its kernel), is the kernel it was measured with.
-    same = recorded in (today.source_sha256, codegen.source_hash_as_tuned(today, entry["template_sha256"]),
-                        codegen.source_hash_as_tuned(today, entry["template_sha256"], entry["params"]))
-    return "ok" if same else "stale"
+    # The same code under another template hash, parameters added since or another kernel name is
+    # the kernel the entry was measured with.
+    return "ok" if recorded in codegen.hashes_as_tuned(today, entry) else "stale"
 
 
 @dataclass

@@ -163,8 +163,22 @@ def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
 
 
 def kernel_base_name(op: str, strategy: str) -> str:
-    """The main kernel's name; a variant's other kernels add a suffix (`_output`, `_nodes`, ...)."""
+    """The strategy's name for its kernels, as kernels were named before names carried the variant
+    (tuned entries recorded under it still match: codegen.hashes_as_tuned)."""
     return f"pairgen_{op}_{strategy}"
+
+
+#: How a kernel name spells each precision.
+_NAME_PRECISION = {"float32": "f32", "tf32x3": "tf32x3", "tf32": "tf32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def kernel_name(op: str, strategy: str, precision: str, params: dict) -> str:
+    """A variant's main kernel name: op, strategy, precision and every parameter of its point
+    (booleans as 0/1), so that a profile or a log says which variant ran, e.g.
+    pairgen_trimul_wgmma_bf16_o_groups3_o_stages1_o_wn64_p_groups4_p_stages1_p_wn64_swizzle1. A
+    variant's other kernels add a suffix (`_output`, `_nodes`, ...)."""
+    point = "_".join(f"{name}{int(value)}" for name, value in sorted(params.items()))
+    return f"{kernel_base_name(op, strategy)}_{_NAME_PRECISION[precision]}_{point}"
 
 
 class OpSpec:
@@ -257,7 +271,7 @@ class OpSpec:
                              f"it does {self.strategies[strategy].precisions}")
         w = self.widths_of(widths)
         context, kernels = self.strategies[strategy].derive(dict(params), {**self.optional_widths, **w, "precision": precision},
-                                                            kernel_base_name(self.name, strategy))
+                                                            kernel_name(self.name, strategy, precision, params))
         return Plan(self.name, strategy, dict(params), w, context, tuple(kernels), precision)
 
     def infeasible(self, plan: Plan, limits: DeviceLimits) -> list[str]:

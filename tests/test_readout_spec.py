@@ -17,7 +17,7 @@ import torch
 from helpers import compile_plans, compiled_variant, main_grid
 from pairgen import codegen, runtime
 from pairgen.module.modes import fp32_matmul
-from pairgen.spec import DeviceLimits
+from pairgen.spec import DeviceLimits, kernel_name
 from pairgen.ops.readout import PairReadout
 from pairgen.ops.readout.module import split_w2t, tf32_rounded
 from pairgen.ops.readout.spec import (GEMM_SCRATCH_ALIGN, PROLOGUE_COLS, PROLOGUE_THREADS, READOUT,
@@ -240,7 +240,7 @@ def test_prologue_compiles_without_spills_at_every_rows_value():
     plans = [p for p in plans if p not in infeasible]
     variants = compile_plans(plans)
     for plan in plans:
-        nodes = compiled_variant(variants, plan).compiled.kernels[f"pairgen_readout_{plan.strategy}_nodes"]
+        nodes = compiled_variant(variants, plan).compiled.kernels[f"{variant_name(plan)}_nodes"]
         assert nodes["spill_bytes"] == 0 and nodes["stack_bytes"] == 0, (plan.label, plan.widths, nodes)
 
 
@@ -374,13 +374,14 @@ def test_cost_model():
     assert cost.bytes >= 4 * pairs * 64
 
 
-#: The __global__ functions of each strategy's source, as the module launches them.
-KERNELS = {"direct": ("pairgen_readout_direct",),
-           "split": ("pairgen_readout_split", "pairgen_readout_split_nodes"),
-           "fused": ("pairgen_readout_fused",),
-           "gemm": ("pairgen_readout_gemm_nodes", "pairgen_readout_gemm_hidden", "pairgen_readout_gemm_pool"),
-           "mma": ("pairgen_readout_mma", "pairgen_readout_mma_nodes"),
-           "wgmma": ("pairgen_readout_wgmma", "pairgen_readout_wgmma_nodes")}
+#: The __global__ functions of each strategy's source, as the module launches them: the suffixes
+#: on the variant's name.
+KERNELS = {"direct": ("",), "split": ("", "_nodes"), "fused": ("",), "gemm": ("_nodes", "_hidden", "_pool"),
+           "mma": ("", "_nodes"), "wgmma": ("", "_nodes")}
+
+
+def variant_name(plan) -> str:
+    return kernel_name("readout", plan.strategy, plan.precision, plan.params)
 
 
 @pytest.mark.parametrize("widths", [w if k == 0 else pytest.param(w, marks=pytest.mark.slow)  # the first default
@@ -395,7 +396,7 @@ def test_default_variants_compile_without_spills(widths):
         assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{plan.label}: {result.summary()}"
         assert result.compile_s < 20 or result.from_cache
         launched = KERNELS[strategy][:1] if plan.params.get("one_launch") else KERNELS[strategy]  # prologue inside
-        assert set(result.kernels) == set(launched), plan.label
+        assert set(result.kernels) == {variant_name(plan) + suffix for suffix in launched}, plan.label
 
 
 # Seed widths: the j-split points the tuner is expected to favour there (tiles of 8 or 16
@@ -688,7 +689,7 @@ def test_gemm_variants_compile_without_spills():
     variants = compile_plans(plans)
     for plan in plans:
         result = compiled_variant(variants, plan).compiled
-        assert set(result.kernels) == set(KERNELS["gemm"])
+        assert set(result.kernels) == {variant_name(plan) + suffix for suffix in KERNELS["gemm"]}
         assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{plan.label} {plan.widths}: {result.summary()}"
 
 

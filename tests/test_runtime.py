@@ -37,7 +37,7 @@ def test_a_plan_that_disagrees_with_its_template_is_a_clear_error():
     plan = CONTACT.default_plan({"P": 64, "H": 32}, DeviceLimits())
     main = plan.main
     wrong_kind = dataclasses.replace(plan, kernels=(dataclasses.replace(main, args=main.args[:-1] + ("i32 num_tiles64",)),))
-    with pytest.raises(codegen.ContractError, match=r"kernel pairgen_contact_symmetric_tiled takes "
+    with pytest.raises(codegen.ContractError, match=r"kernel pairgen_contact_symmetric_tiled_f32_\w+ takes "
                                                     r"\(ptr x, ptr wpack, ptr out, i64 B64, i64 N64, i64 num_tiles64\) "
                                                     r"in the source but the plan declares \(.*, i64 N64, i32 num_tiles64\)"):
         codegen.render_plan(wrong_kind)
@@ -45,7 +45,7 @@ def test_a_plan_that_disagrees_with_its_template_is_a_clear_error():
     with pytest.raises(codegen.ContractError, match="templates|contact/symmetric_tiled.cu.j2"):
         codegen.render_plan(one_short)
     extra = Kernel(f"{main.name}_output", 64, 0, ("ptr out",), main.grid)
-    with pytest.raises(codegen.ContractError, match=r"declares kernel pairgen_contact_symmetric_tiled_output, "
+    with pytest.raises(codegen.ContractError, match=r"declares kernel pairgen_contact_symmetric_tiled_f32_\w+_output, "
                                                     r"which the rendered source does not define"):
         codegen.render_plan(dataclasses.replace(plan, kernels=(main, extra)))
 

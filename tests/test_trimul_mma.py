@@ -14,7 +14,7 @@ from pairgen import codegen, compiler
 from pairgen.ops.trimul import TRIMUL, TriangleMultiplication, TriangleMultiplicationReference
 from pairgen.ops.trimul.module import pack_mma_weights
 from pairgen.ops.trimul.spec import MMA_KINDS, mma_weight_offsets
-from pairgen.spec import DeviceLimits
+from pairgen.spec import DeviceLimits, kernel_name
 from pairgen.tuning.cli import add_selection_args, selected_shapes
 
 PRECISIONS = tuple(MMA_KINDS)
@@ -94,7 +94,7 @@ def test_every_precision_compiles(compiled_mma):
     seen, arch = set(), compiled_mma[0][1]
     for plan, arch, result in compiled_mma:
         assert not isinstance(result, Exception), f"{plan.label} {plan.widths} {arch}: {result}"
-        assert set(result.kernels) == {"pairgen_trimul_mma", "pairgen_trimul_mma_output"}
+        assert set(result.kernels) == variant_kernels(plan)
         assert result.registers <= 255
         seen.add((plan.precision, arch))
     assert seen == {(p, arch) for p in PRECISIONS}
@@ -211,3 +211,10 @@ def test_every_precision_has_an_output_dtype_and_an_operand_dtype():
     assert set(OUTPUT_DTYPES) == set(TRIMUL.precisions)
     assert set(OPERAND_DTYPES) == set(MMA_KINDS)
     assert OUTPUT_DTYPES["bfloat16"] is torch.bfloat16 and OUTPUT_DTYPES["tf32x3"] is torch.float32
+
+
+def variant_kernels(plan) -> set:
+    """The two kernels, named after the variant (a profile tells the points apart)."""
+    name = kernel_name("trimul", "mma", plan.precision, plan.params)
+    assert name.startswith("pairgen_trimul_mma_") and all(f"{k}{int(v)}" in name for k, v in plan.params.items())
+    return {name, f"{name}_output"}

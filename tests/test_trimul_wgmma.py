@@ -15,7 +15,7 @@ from pairgen import codegen, compiler
 from pairgen.ops.trimul import TRIMUL
 from pairgen.ops.trimul.module import pack_wgmma_weights
 from pairgen.ops.trimul.spec import k_padded, wgmma_weight_offsets
-from pairgen.spec import SIXTEEN_BIT_TOLERANCE, DeviceLimits
+from pairgen.spec import SIXTEEN_BIT_TOLERANCE, DeviceLimits, kernel_name
 from pairgen.tuning.check import compare, reference64
 
 SEED = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}
@@ -42,7 +42,7 @@ def test_sampled_points_compile_for_sm90a_without_spills(compiled_wgmma):
     for plan, result in compiled_wgmma:
         assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
         assert result.arch == "sm_90a"   # the template asks for Hopper's feature target
-        assert set(result.kernels) == {"pairgen_trimul_wgmma", "pairgen_trimul_wgmma_output"}
+        assert set(result.kernels) == variant_kernels(plan)
         assert result.spill_bytes == 0, f"{plan.label}: {result.summary()}"
 
 
@@ -153,3 +153,10 @@ def test_default_points_keep_their_products_asynchronous():
         assert plan.strategy == "wgmma"
         _, log = compiler._nvrtc_compile(codegen.render_plan(plan).source, "wgmma.cu", "sm_90a")
         assert "wgmma" in log and "serialized" not in log and "injected" not in log, log
+
+
+def variant_kernels(plan) -> set:
+    """The two kernels, named after the variant (a profile tells the points apart)."""
+    name = kernel_name("trimul", "wgmma", plan.precision, plan.params)
+    assert name.startswith("pairgen_trimul_wgmma_") and all(f"{k}{int(v)}" in name for k, v in plan.params.items())
+    return {name, f"{name}_output"}

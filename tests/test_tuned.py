@@ -293,6 +293,28 @@ def test_an_entry_written_before_a_parameter_was_added_stays_ok():
     assert runtime.entry_state(CONTACT, dict(tuned, source_sha256=source_hash(quads))) == "stale"
 
 
+def test_kernels_are_named_after_their_variant_and_entries_from_before_stay_ok():
+    """Two points of one strategy name their kernels apart (a profile says which variant ran); an
+    entry recorded when every variant's kernels had the strategy's name is the same code under
+    other symbols: still ok. Other code under the old name is stale."""
+    from pairgen.codegen import source_hash
+    from pairgen.spec import kernel_base_name
+
+    tuned = entry(64)
+    plan = CONTACT.plan(tuned["strategy"], tuned["params"], WIDTHS)
+    other = CONTACT.plan(tuned["strategy"], {**tuned["params"], "threads": 256 if tuned["params"]["threads"] != 256 else 128},
+                         WIDTHS)
+    assert plan.main.name != other.main.name
+    rendered = codegen.render_plan(plan)
+    assert rendered.kernel_name == plan.main.name and f"{plan.main.name}(" in rendered.source
+    assert all(f"{name}{int(value)}" in plan.main.name for name, value in plan.params.items())
+    before = rendered.source.replace(plan.main.name, kernel_base_name("contact", plan.strategy))
+    assert runtime.entry_state(CONTACT, dict(tuned, source_sha256=source_hash(before))) == "ok"
+    assert runtime.entry_state(CONTACT, dict(tuned, source_sha256=rendered.source_sha256)) == "ok"
+    changed = before.replace("__global__", "__global__ ", 1)
+    assert runtime.entry_state(CONTACT, dict(tuned, source_sha256=source_hash(changed))) == "stale"
+
+
 def test_every_shipped_entry_is_current():
     """The committed tuned/ entries plan, fit the sm_90 limits and render the source they were tuned
     with (a template edit that changes a tuned variant's code must come with its re-tune)."""
