@@ -12,7 +12,7 @@ import jinja2
 from jinja2 import meta
 
 from .config import templates_dir
-from .spec import Plan, kernel_base_name, kernel_name
+from .spec import Plan, kernel_base_name
 
 #: <repo>/templates in a checkout, the wheel's packaged copy (pairgen/_templates) when installed.
 TEMPLATES_DIR = templates_dir()
@@ -121,7 +121,7 @@ def render_template(op: str, strategy: str, params: dict, widths: dict, context:
 def render_plan(plan: Plan) -> Rendered:
     """A plan's source, checked against the kernels the plan declares."""
     rendered = render_template(plan.op, plan.strategy, plan.params, plan.widths, plan.context, plan.precision,
-                               kernel_name(plan.op, plan.strategy, plan.precision, plan.params))
+                               plan.kernel_name or None)
     check_contract(plan, rendered.source)
     return rendered
 

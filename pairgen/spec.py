@@ -92,6 +92,8 @@ class Plan:
     context: dict
     kernels: tuple[Kernel, ...]
     precision: str = "float32"
+    #: The main kernel's C name (kernel_name; empty: the strategy's own, kernel_base_name).
+    kernel_name: str = ""
 
     @property
     def main(self) -> Kernel:
@@ -270,9 +272,12 @@ class OpSpec:
             raise ValueError(f"{self.name}/{strategy} does not compute in {precision!r}; "
                              f"it does {self.strategies[strategy].precisions}")
         w = self.widths_of(widths)
+        # An exact (fp32) strategy offered to tf32x3 and tf32 runs its fp32 code, and is named so.
+        code_precision = "float32" if "float32" in self.strategies[strategy].precisions else precision
+        name = kernel_name(self.name, strategy, code_precision, params)
         context, kernels = self.strategies[strategy].derive(dict(params), {**self.optional_widths, **w, "precision": precision},
-                                                            kernel_name(self.name, strategy, precision, params))
-        return Plan(self.name, strategy, dict(params), w, context, tuple(kernels), precision)
+                                                            name)
+        return Plan(self.name, strategy, dict(params), w, context, tuple(kernels), precision, name)
 
     def infeasible(self, plan: Plan, limits: DeviceLimits) -> list[str]:
         """Reasons the plan cannot run (empty when it can)."""

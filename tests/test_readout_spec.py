@@ -381,7 +381,9 @@ KERNELS = {"direct": ("",), "split": ("", "_nodes"), "fused": ("",), "gemm": ("_
 
 
 def variant_name(plan) -> str:
-    return kernel_name("readout", plan.strategy, plan.precision, plan.params)
+    code = "float32" if "float32" in READOUT.strategies[plan.strategy].precisions else plan.precision  # exact stand-ins
+    assert plan.kernel_name == kernel_name("readout", plan.strategy, code, plan.params)
+    return plan.kernel_name
 
 
 @pytest.mark.parametrize("widths", [w if k == 0 else pytest.param(w, marks=pytest.mark.slow)  # the first default
