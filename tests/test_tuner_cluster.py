@@ -133,8 +133,9 @@ def _pairgen_tune_on_path(folder: Path) -> Path:
     """A `pairgen-tune` that runs pairgen-tune on the stand-in GPUs of standin_host.py."""
     folder.mkdir(parents=True, exist_ok=True)
     command = folder / "pairgen-tune"
-    command.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ROOT / "tests" / "standin_host.py"}" "$@"\n')
-    command.chmod(0o755)
+    if not command.exists():  # written once: rewriting it while a started host executes it fails (ETXTBSY)
+        command.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ROOT / "tests" / "standin_host.py"}" "$@"\n')
+        command.chmod(0o755)
     return folder
 
 
