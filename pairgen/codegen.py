@@ -57,20 +57,20 @@ def source_hash_as_tuned(rendered: Rendered, tuned_template_sha256: str, tuned_p
     return source_hash(then + newline + rest)
 
 
-def hashes_as_tuned(rendered: Rendered, entry: dict) -> set[str]:
+def hashes_as_tuned(rendered: Rendered, entry: dict):
     """Every hash today's source of an entry's variant may have been recorded under and still be
-    the kernel it was measured with: today's; as rendered under the entry's template hash and
-    parameters (source_hash_as_tuned); and each of those with the kernels named as they were before
-    names carried the variant (the names are symbols, not code)."""
+    the kernel it was measured with, most likely first (a generator: a caller stops at a match):
+    today's; as rendered under the entry's template hash and parameters (source_hash_as_tuned); and
+    each of those with the kernels named as they were before names carried the variant (the names
+    are symbols, not code)."""
     op, strategy = rendered.template.removesuffix(".cu.j2").split("/")
     base = kernel_base_name(op, strategy)
     renamed = Rendered(rendered.source.replace(rendered.kernel_name, base), rendered.template,
                        rendered.template_sha256, base)
-    hashes = set()
     for source in (rendered, renamed):
-        hashes |= {source.source_sha256, source_hash_as_tuned(source, entry["template_sha256"]),
-                   source_hash_as_tuned(source, entry["template_sha256"], entry["params"])}
-    return hashes
+        yield source.source_sha256
+        yield source_hash_as_tuned(source, entry["template_sha256"])
+        yield source_hash_as_tuned(source, entry["template_sha256"], entry["params"])
 
 
 def template_name(op: str, strategy: str) -> str:

@@ -33,6 +33,7 @@ class Precision:
     module_option: bool     # an fp32 module's precision= may name it
     closed_form: bool       # a closed form computes in it (ops/closed_form.py); tf32x3's split products do not pay there
     cuequivariance_fp32: str | None  # cuEquivariance's mode of the same accuracy for fp32 inputs (the bench's peer)
+    short: str              # how a kernel's name spells it (spec.kernel_name)
 
     @property
     def half(self) -> bool:
@@ -62,11 +63,11 @@ class Precision:
         return self.name
 
 
-FLOAT32 = Precision("float32", "ieee", "float32", "float32", False, None, True, True, "ieee")
-TF32X3 = Precision("tf32x3", "tf32x3", "float32", "float32", True, 3, True, False, "ieee")
-TF32 = Precision("tf32", "tf32", "float32", "float32", True, 2, True, True, None)
-BFLOAT16 = Precision("bfloat16", "bfloat16", "bfloat16", "bfloat16", True, 0, False, True, "bfloat16")
-FLOAT16 = Precision("float16", "float16", "float16", "float16", True, 1, False, True, None)
+FLOAT32 = Precision("float32", "ieee", "float32", "float32", False, None, True, True, "ieee", "f32")
+TF32X3 = Precision("tf32x3", "tf32x3", "float32", "float32", True, 3, True, False, "ieee", "tf32x3")
+TF32 = Precision("tf32", "tf32", "float32", "float32", True, 2, True, True, None, "tf32")
+BFLOAT16 = Precision("bfloat16", "bfloat16", "bfloat16", "bfloat16", True, 0, False, True, "bfloat16", "bf16")
+FLOAT16 = Precision("float16", "float16", "float16", "float16", True, 1, False, True, None, "f16")
 
 #: Every precision, in the order docs/ops.md lists them.
 PRECISIONS = (FLOAT32, TF32X3, TF32, BFLOAT16, FLOAT16)

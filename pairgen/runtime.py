@@ -149,7 +149,7 @@ def entry_state(spec: OpSpec, entry: dict, limits: DeviceLimits = DeviceLimits()
         return f"invalid: cannot render ({type(exc).__name__}: {exc})"
     # The same code under another template hash, parameters added since or another kernel name is
     # the kernel the entry was measured with.
-    return "ok" if recorded in codegen.hashes_as_tuned(today, entry) else "stale"
+    return "ok" if any(recorded == h for h in codegen.hashes_as_tuned(today, entry)) else "stale"
 
 
 @dataclass

@@ -170,17 +170,13 @@ def kernel_base_name(op: str, strategy: str) -> str:
     return f"pairgen_{op}_{strategy}"
 
 
-#: How a kernel name spells each precision.
-_NAME_PRECISION = {"float32": "f32", "tf32x3": "tf32x3", "tf32": "tf32", "bfloat16": "bf16", "float16": "f16"}
-
-
 def kernel_name(op: str, strategy: str, precision: str, params: dict) -> str:
     """A variant's main kernel name: op, strategy, precision and every parameter of its point
     (booleans as 0/1), so that a profile or a log says which variant ran, e.g.
     pairgen_trimul_wgmma_bf16_o_groups3_o_stages1_o_wn64_p_groups4_p_stages1_p_wn64_swizzle1. A
     variant's other kernels add a suffix (`_output`, `_nodes`, ...)."""
     point = "_".join(f"{name}{int(value)}" for name, value in sorted(params.items()))
-    return f"{kernel_base_name(op, strategy)}_{_NAME_PRECISION[precision]}_{point}"
+    return f"{kernel_base_name(op, strategy)}_{_precision.BY_NAME[precision].short}_{point}"
 
 
 class OpSpec:
