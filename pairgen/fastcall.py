@@ -1,16 +1,17 @@
 """Fast calls: a module call recorded once, replayed from compiled code (pairgen/native/fastcall.cpp).
 
-At the seed shapes a module call is bound by its host path (Python checks, dispatch, packed-weight
-checks, allocation and a ctypes driver call take longer than the GPU work). So a kernel call
+At the seed shapes a module call is bound by its host path (Python checks, dispatch, allocation
+and a ctypes driver call take longer than the GPU work). So a kernel call
 made the ordinary way is recorded: every launch with its arguments, each argument classified as
-  - the data of one of the call's inputs,
-  - an address inside the output, or inside a per-call buffer a runner noted (note_scratch),
+  - the data of one of the call's inputs (the weights are inputs too: a module passes its
+    parameters, the functional form the caller's tensors),
+  - an address inside the output, or inside a per-call buffer a runner noted (note_scratch; the
+    weights packed for the call are one),
   - a constant: a small integer (shapes, flags) or an address inside a tensor the module holds
-    (packed weights, held scratch, barrier ints),
+    (held scratch, barrier ints),
 and an argument that is none of these (a buffer made and dropped during the call, an input copied
 to make it contiguous) means the call is not recorded. The recording holds what makes it valid:
-the inputs' shapes and dtypes, the packed parameters (the same objects, at the same versions),
-pairgen's epoch counters. fastcall.cpp checks all of it per call and returns None when anything
+the inputs' shapes and dtypes, pairgen's epoch counter (a re-tune or a tuned-store change). fastcall.cpp checks all of it per call and returns None when anything
 differs; the module then takes its Python path, which records again.
 """
 from __future__ import annotations
@@ -67,8 +68,8 @@ def note_product(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor) -> 
             recorded.append((PRODUCT, (left, right, out)))
 
 
-#: Tensor subclasses a replay takes as inputs like plain tensors: parameters (a model passes its
-#: weights to pairgen's function as they are); pairgen/module/weights.py adds the subclass it watches.
+#: Tensor subclasses a replay takes as inputs like plain tensors: parameters (a module's own, or a
+#: model's passed to pairgen's function as they are).
 PLAIN_TYPES: tuple = (torch.nn.Parameter,)
 
 #: The mode fastcall.cpp runs a noted product in (its kernels' modes are launch.FASTCALL_MODES).
@@ -117,11 +118,9 @@ def classify(value: int, inputs: dict, out: tuple, scratch: list, held: list) ->
     return None
 
 
-def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, packs: list, held: list,
-          epochs: list):
+def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, held: list, epochs: list):
     """The compiled recording of one call, or None where it cannot be replayed.
-    packs: the module's PackedParameters (those whose pack an argument points into are watched);
-    held: the other tensors the module holds; epochs: [(one-element list, its value)]."""
+    held: the tensors the module holds; epochs: [(one-element list, its value)]."""
     native_module = native.fastcall()
     if native_module is None or not launches:
         return None
@@ -130,9 +129,8 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, packs
         return None
     scratch_layout, scratch_bytes = _scratch_layout(scratch)
     out_extent = _extent(out)
-    packed = [(pack, _extent(pack._packed)) for pack in packs if pack._packed is not None]
-    held_extents = [_extent(t) for t in held] + [extent for _, extent in packed]
-    specs, constants = [], set()
+    held_extents = [_extent(t) for t in held]
+    specs = []
     for bound, args in launches:
         if bound is PRODUCT:
             spec = _product_spec(args, input_data, out_extent, scratch_layout)
@@ -146,19 +144,11 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, packs
             if slot is None:
                 return None
             slots.append(slot)
-            if slot[0] == 0:
-                constants.add(slot[1])
         mode, address = bound.driver_entry()
         specs.append((address, mode, bound.kernel._handle.value, bound.grid, bound.block, bound.smem, tuple(slots), ()))
-    watched = []
-    for pack, (start, end) in packed:
-        if any(start <= value < end for value in constants):  # the call reads this pack
-            if pack._key is None:  # repacked on every call (computed or unversioned parameters)
-                return None
-            watched += zip(pack._owners, pack._names, pack._params, pack._key)
     device = out.device
     return native_module.build(device.type, -1 if device.index is None else device.index, tuple((tuple(t.shape), t.dtype) for t in inputs),
-                               (tuple(out.shape), out.dtype), scratch_bytes, tuple(watched), tuple(epochs),
+                               (tuple(out.shape), out.dtype), scratch_bytes, (), tuple(epochs),
                                tuple(specs), PLAIN_TYPES)
 
 

@@ -14,10 +14,12 @@ dimensions broadcast to x's (absent, or of size 1), or None (every pair kept); `
 cuEquivariance's TriMulPrecision enum or its name in any case.
 
 How a call runs:
-- without gradients (inference), on a module built once per set of weight storages and kept (up
-  to MAX_MODULES): its parameters share the caller's weight tensors' memory (no copy), so an
-  in-place update is seen (the version counter is shared) and only a tensor in other memory
-  builds a fresh one. CUDA input runs the tuned kernels, CPU input the reference.
+- without gradients (inference), CUDA input: the tuned kernels of a module built once per
+  structure (widths, direction, precision, dtypes, which weights are given), run on the caller's
+  tensors as they are: each call packs them for the kernels in one launch (no copy is kept, so
+  there is nothing to go stale and nothing to rebuild for weights made anew by a torch.cat), and
+  a call like an earlier one is replayed from compiled code with the weights as its inputs. CPU
+  input runs the reference.
 - with gradients wanted (an input or a weight requires grad, grad mode on): the module's closed
   form, its gradients mapped onto the caller's tensors; the PyTorch definition where the closed
   form has no such call (float64, a mask that wants a gradient, under torch.compile, a CPU
@@ -37,9 +39,10 @@ from .first_use import Pending
 from .module.autograd import graphless_gradients
 from .module.dispatch import saves_for_backward
 from .module.modes import current_autocast
-from .module.validation import as_mask
-from .precision import ALIASES, CLOSED_FORM_DTYPES, CUEQUIVARIANCE_ALIASES, HALF_PRECISIONS
-from .ops.trimul import given_weights
+from .module.parameters import CallWeights
+from .module.validation import as_mask, check_float_tensor
+from .precision import ALIASES, CLOSED_FORM_DTYPES, CUEQUIVARIANCE_ALIASES
+from .ops.trimul import packs
 
 #: Weight sets whose modules are kept (least recently used first out).
 MAX_MODULES = 16
@@ -52,15 +55,14 @@ KERNEL_EPS = 1e-5
 PRECISIONS = {alias: p.spelling for alias, p in {**CUEQUIVARIANCE_ALIASES, **ALIASES}.items()
               if p.module_option or p.name == "bfloat16"}
 #: The weights in the AlphaFold 3 layout, in the function's argument order.
-_WEIGHT_NAMES = given_weights.WEIGHT_NAMES
+_WEIGHT_NAMES = packs.AF3_NAMES
 _REQUIRED = ("p_in_weight", "g_in_weight", "p_out_weight", "g_out_weight")
 
 _modules: OrderedDict = OrderedDict()
 #: (direction, precision, which weights are None) -> the module whose recording of such a call on
-#: given weights (_with_weights_packed_for_the_call) _replay tries first.
+#: given weights (_on_given_weights) _replay tries first.
 _replayers: dict = {}
-#: A module per structure (_structure_key), the last one built: its kernels serve weights made
-#: anew for each call through a per-call pack.
+#: A module per structure (_structure_key): its kernels run on the weights each call gives.
 _structures: OrderedDict = OrderedDict()
 
 
@@ -136,19 +138,16 @@ def _update(x, direction: str, mask, weights: dict, eps: float, precision: str) 
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if eps != KERNEL_EPS or (wants_grad and not closed_form_trains(x, mask)):
         return reference(x, direction, mask, weights, eps)
+    if not wants_grad:
+        if not x.is_cuda:
+            with torch.no_grad():
+                return reference(x, direction, mask, weights, eps)
+        if mask is None:
+            mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
+        return _on_given_weights(x, direction, as_mask(mask), weights, precision)
     if mask is None:
         mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
-    if not wants_grad and x.is_cuda:
-        out = _with_weights_packed_for_the_call(x, direction, as_mask(mask), weights, precision)
-        if out is not None:
-            return out
     module = _module_for(weights, direction, precision, x, _key(weights, direction, precision, x))
-    if not wants_grad:
-        if x.is_cuda and weights["p_in_weight"].is_inference():  # a kept pack would be rebuilt every call
-            out = _with_weights_packed_for_the_call(x, direction, as_mask(mask), weights, precision)
-            if out is not None:
-                return out
-        return module(x, mask)
     # the closed form, its gradients mapped onto the caller's tensors
     names = [n for n, w in weights.items() if w is not None]
     return ClosedFormForCaller.apply(module, lambda grads: af3_gradients(grads, names), current_autocast(), x, mask,
@@ -336,13 +335,14 @@ def place_of(t: torch.Tensor) -> tuple:
 
 
 def _module_for(weights: dict, direction: str, precision: str, x, key: tuple):
+    """A module whose parameters are views of the caller's weights, for a call that trains (the
+    closed form's gradients are mapped onto the caller's tensors)."""
     module = _modules.get(key)
     if module is not None:
         _modules.move_to_end(key)
         return module
     module = _build(weights, direction, precision, x)
     _keep(_modules, key, module)
-    _keep(_structures, _structure_key(weights, direction, precision, x), module)
     return module
 
 
@@ -358,35 +358,50 @@ def _structure_key(weights: dict, direction: str, precision: str, x) -> tuple:
     return direction, precision, x.dtype, x.device, weights["p_in_weight"].dtype, tuple(weights["p_out_weight"].shape), given
 
 
-def _with_weights_packed_for_the_call(x, direction: str, mask, weights: dict, precision: str):
-    """A CUDA inference call on a module of the same structure built before, its tensor-core
-    kernels run on the weights packed for this call on the GPU (ops/trimul/given_weights.py)
-    instead of a packed copy kept per weight tensor: weights made anew for every call (a torch.cat)
-    cost one pack launch, and the call is recorded and replayed with the weights as its inputs.
-    None where that does not apply (no such module yet, no wgmma variant for the call, weights the
-    pack kernel does not read as given, a default variant not yet checked on first use): then the
-    caller runs a module of its own for the weights."""
-    module = _structures.get(_structure_key(weights, direction, precision, x))
+def _structure_module(key: tuple, weights: dict, direction: str, precision: str, x):
+    """The module of this structure (its parameters never read: each call gives the weights)."""
+    module = _structures.get(key)
     if module is None:
-        return None
-    present = [w for w in weights.values() if w is not None]
+        P, H = x.shape[-1], weights["p_in_weight"].shape[0] // 2
+        bias = any(weights[n] is not None for n in ("p_in_bias", "g_in_bias", "p_out_bias", "g_out_bias"))
+        module = empty_trimul(P, H, direction, bias, precision)
+        _keep(_structures, key, module)
+    else:
+        _structures.move_to_end(key)
+    return module
+
+
+def _on_given_weights(x, direction: str, mask, weights: dict, precision: str):
+    """A CUDA inference call: the tuned kernels of this structure's module on the caller's tensors
+    (packed for the call in one launch), recorded for replay with the weights as its inputs; the
+    reference where no kernel computes the call."""
+    key = _structure_key(weights, direction, precision, x)
+    module = _structure_module(key, weights, direction, precision, x)
+    present = tuple(w for w in weights.values() if w is not None)
     if module._fast_calls:  # a recording of such a call: it checks the inputs itself
         out = module._fast_forward(x, mask, *present)
         if out is not None:
             return out
-    if not given_weights.applies(weights):
-        return None
-    if x.dtype is not weights["p_in_weight"].dtype and not torch.is_autocast_enabled("cuda"):
-        return None  # the module path says what is wrong
+    if not torch.is_autocast_enabled("cuda"):
+        check_float_tensor("x", x, 4, weights["p_in_weight"])  # the weights' dtype and device
     kernel_precision = module.kernel_precision(x, mask)
-    if kernel_precision not in HALF_PRECISIONS:
-        return None
+    full = _complete(weights, x)
+    reference_call = functools.partial(reference, x, direction, mask, full)
+    if kernel_precision is None:
+        return reference_call()
+    given = CallWeights(present, packs.af3_sources(key[-1], x.shape[-1], weights["p_in_weight"].shape[0] // 2))
     variant = module._choice_for(x.shape[1], x.get_device(), kernel_precision)
-    if variant is None or type(variant) is Pending or variant.plan.strategy != "wgmma":
-        return None
-    out = module.run_on_given_weights(x, mask, variant, dict(zip(given_weights.WEIGHT_NAMES, weights.values())))
+    if type(variant) is Pending:
+        pending = variant
+        variant = pending.settle(lambda: module._launch(x, mask, variant=pending.variant, weights=given),
+                                 reference_call, x.device)
+        if pending.settled:
+            module._variant_cache[(x.get_device(), x.shape[1], kernel_precision)] = variant
+    if variant is None:
+        return reference_call()
+    out = module._launch_recorded((x, mask), variant, given)
     if module._fast_calls:  # recorded: the next such call is replayed before any Python check
-        _replayers[(direction, precision, *(w is None for w in weights.values()))] = module
+        _replayers[(direction, precision, *key[-1])] = module
     return out
 
 

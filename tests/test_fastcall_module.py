@@ -1,8 +1,9 @@
 """A drop-in module's whole fast-call cycle on the CPU: KernelModule records a call made through a
 real BoundLaunch (pairgen/launch.py) whose driver functions are ctypes stand-ins that run a tiny
-"kernel" on the CPU (out = x * w[0] + b[0], read and written through the pointers they are given),
-then replays later calls from compiled code, and goes back to the Python path (recording again)
-when the parameters, the structure epoch or the call change."""
+"kernel" on the CPU (out = x * w[0] + b[0], read and written through the pointers they are given:
+the parameters themselves, as the pack kernels read them), then replays later calls from compiled
+code with the parameters as inputs, and goes back to the Python path (recording again) when the
+parameters' shapes or the call change."""
 from __future__ import annotations
 
 import ctypes
@@ -17,20 +18,20 @@ from pairgen import launch
 from pairgen.launch import BoundLaunch
 from pairgen.module import kernel_module
 from pairgen.module.kernel_module import KernelModule
-from pairgen.module.weights import PackedParameters
+from pairgen.module.parameters import ParameterSlots
 
 pytestmark = pytest.mark.usefixtures("compiled_fast_path")
 
 
 
 def _scale_kernel(kernel, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-    """The stand-in kernel: (x, packed weights, out, count) -> out = x * w[0] + b[0]."""
-    x, w, out, count = (ctypes.cast(params[k], ctypes.POINTER(ctypes.c_int64))[0] for k in range(4))
+    """The stand-in kernel: (x, weight, bias, out, count) -> out = x * w[0] + b[0]."""
+    x, w, b, out, count = (ctypes.cast(params[k], ctypes.POINTER(ctypes.c_int64))[0] for k in range(5))
     xs = (ctypes.c_float * count).from_address(x)
-    ws = (ctypes.c_float * 2).from_address(w)
+    w0, b0 = ctypes.c_float.from_address(w).value, ctypes.c_float.from_address(b).value
     outs = (ctypes.c_float * count).from_address(out)
     for i in range(count):
-        outs[i] = xs[i] * ws[0] + ws[1]
+        outs[i] = xs[i] * w0 + b0
     return 0
 
 
@@ -42,7 +43,7 @@ def bound_launch() -> BoundLaunch:
     driver = types.SimpleNamespace(launch=_KERNEL, cooperative=None, launch_ex=None)
     kernel = types.SimpleNamespace(_driver=driver, _handle=ctypes.c_void_p(0x99), device_index=-1, name="scale",
                                    _failed=lambda code, *_: pytest.fail(f"launch failed: {code}"))
-    return BoundLaunch(kernel, grid=1, block=1, smem=0, arg_count=4)
+    return BoundLaunch(kernel, grid=1, block=1, smem=0, arg_count=5)
 
 
 class Scale(KernelModule, nn.Module):
@@ -53,8 +54,7 @@ class Scale(KernelModule, nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(1, 1)
-        self._weights = PackedParameters(self, [("lin", "weight"), ("lin", "bias")],
-                                         lambda params: torch.cat([p.reshape(-1) for p in params]).float())
+        self._slots = ParameterSlots(self, ["lin.weight", "lin.bias"])
         self.python_launches = 0
         # The variant carries the bound launch (a copy of the module drops it, as it drops real ones).
         self.force_variant(types.SimpleNamespace(plan=types.SimpleNamespace(strategy="scale"), bound=bound_launch()))
@@ -67,15 +67,16 @@ class Scale(KernelModule, nn.Module):
 
     def forward(self, x):
         if self._fast_calls:
-            out = self._fast_forward(x)
+            out = self._fast_forward(x, *self._slots.weights().tensors)
             if out is not None:
                 return out
         return self._dispatch(x)
 
-    def _launch(self, x, out=None, variant=None):
+    def _launch(self, x, out=None, variant=None, weights=None):
         self.python_launches += 1
         out = torch.empty_like(x)
-        variant.bound(x.data_ptr(), self._weights.get().data_ptr(), out.data_ptr(), x.numel())
+        weight, bias = self._slots.weights().tensors if weights is None else weights.tensors
+        variant.bound(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), x.numel())
         return out
 
 
@@ -105,22 +106,21 @@ def test_a_recorded_call_is_replayed_in_compiled_code():
     assert module.python_launches == 1  # every later call was a replay
 
 
-def test_updates_and_other_calls_go_back_to_python_and_record_again():
+def test_updates_replay_and_other_calls_go_back_to_python_and_record_again():
     module = Scale()
     x = torch.randn(3, 5)
     module(x)
-    module.lin.weight.add_(1.0)  # in place: the pack is stale
-    assert matches(module(x), module, x) and module.python_launches == 2
-    module(x)
-    assert module.python_launches == 2  # recorded again, replayed
-    module.lin = nn.Linear(1, 1)  # a submodule swapped in: the structure epoch moves
-    assert matches(module(x), module, x) and module.python_launches == 3
+    module.lin.weight.add_(1.0)  # in place: the replay reads it as it is
+    module.lin.bias.data.mul_(-2.0)  # through .data: the same
+    assert matches(module(x), module, x) and module.python_launches == 1
+    module.lin = nn.Linear(1, 1)  # a submodule swapped in: its parameters are the replay's inputs
+    assert matches(module(x), module, x) and module.python_launches == 1
     longer = torch.randn(4, 5)
     module(longer)
     module(longer), module(x)
-    assert module.python_launches == 4  # both shapes replay (stale recordings wait to be evicted)
+    assert module.python_launches == 2  # both shapes replay
     assert module(x.double()).dtype is torch.float64  # another dtype: the reference, unrecorded
-    assert module.python_launches == 4
+    assert module.python_launches == 2
 
 
 def test_recordings_are_bounded_and_dropped_with_the_variant():

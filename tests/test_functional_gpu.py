@@ -32,10 +32,10 @@ def test_kernels_match_float64(direction, dtype, precision):
     w = {k: v.cuda().to(dtype) for k, v in weights(gen, bias=False, **KERNEL_WIDTHS).items()}
     x = torch.randn(2, 37, 37, KERNEL_WIDTHS["P"], generator=gen).cuda().to(dtype)
     mask = (torch.rand(2, 37, 37, generator=gen) > 0.2).cuda()
-    functional._modules.clear()
+    functional._structures.clear()
     with torch.no_grad():
         out = pairgen.triangle_multiplicative_update(x, direction, mask, **w)
-    module = next(iter(functional._modules.values()))
+    module = next(iter(functional._structures.values()))
     assert module.variant_for(37, x.device, precision) is not None, "a kernel, not the reference"
     assert out.dtype == dtype
     assert compare(out, _float64(x, direction, mask, w), TRIMUL.tolerance[precision]).ok

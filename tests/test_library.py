@@ -110,22 +110,3 @@ def test_handles_name_live_modules_only():
     gc.collect()
     with pytest.raises(RuntimeError, match="no live module"):
         library.module_of(handle)
-
-
-def test_inside_an_operator_call_packed_weights_are_made_per_call_and_kept_nowhere():
-    """Inside a compiled graph, state a module kept would come from a CUDA graph's memory pool and
-    outlive the graph's call, and a replay would read a stale pack: the operators pack per call."""
-    module = get_op("trimul").make_module({"P": 16, "H": 8, "outgoing": 1, "gate_normalized": 0, "bias": 1},
-                                          torch.Generator().manual_seed(0))
-    packs = module._weights
-    with library.state_per_call(module):
-        first, second = packs.get(), packs.get()
-        assert first is not second and torch.equal(first, second)
-        assert packs._packed is None, "a per-call pack was kept between calls"
-        assert any(t is first for t in module._call_buffers), "held until the call ends (only pointers are kept)"
-    assert packs.get() is packs.get(), "outside an operator call the pack is kept and reused"
-    with torch.no_grad():
-        module.out_proj.weight.add_(1.0)  # an optimizer step, in effect
-    with library.state_per_call(module):
-        assert not torch.equal(packs.get(), first), "the pack follows the parameters"
-    assert not module._state_per_call and "_call_buffers" not in module.__dict__

@@ -19,7 +19,8 @@ from pairgen import codegen, runtime
 from pairgen.module.modes import fp32_matmul
 from pairgen.spec import DeviceLimits, kernel_name
 from pairgen.ops.readout import PairReadout
-from pairgen.ops.readout.module import split_w2t, tf32_rounded
+from pack_oracles import split_w2t
+from pairgen.ops.packing import tf32_rounded
 from pairgen.ops.readout.spec import (GEMM_SCRATCH_ALIGN, PROLOGUE_COLS, PROLOGUE_THREADS, READOUT,
                                  gemm_pool_blocks, gemm_pool_smem, gemm_scratch_offsets, hidden_layout,
                                  pair_max_scratch, prologue_blocks, split_scratch_floats, weight_offsets)
@@ -265,7 +266,8 @@ def test_prologue_alone_matches_float64_and_writes_nothing_past_its_rows(plan):
     gen = generator(61)
     module = READOUT.make_module(plan.widths, gen).cuda()
     w1, b1 = module.fuse[0].weight.double(), module.fuse[0].bias.double()
-    weights = module.packed_weights().data_ptr()
+    packed = module.packed_weights()  # made per call: held while the kernels read it
+    weights = packed.data_ptr()
     for rows in (1, 7, 111, 250):
         nodes = torch.randn((rows, D), generator=gen).cuda()
         buffer = torch.full(((rows + 1) * 2 * H,), float("nan"), device="cuda")

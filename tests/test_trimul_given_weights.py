@@ -1,9 +1,10 @@
-"""The wgmma weights packed on the GPU from the AlphaFold 3 layout (pairgen/ops/trimul/
-given_weights.py, templates/trimul/pack_wgmma.cu.j2): the source renders and compiles for every
-storage type and operand type (CPU); on the GPU the pack is the PyTorch pack (pack_wgmma_weights)
-byte for byte in its matrices and to fp32 rounding in its sums, and pairgen's function called with
-weights made anew on every call (as OpenFold 3 and Protenix torch.cat them) runs on it: no module
-built per call, the call recorded and replayed with the pack launch, the output the module's."""
+"""The wgmma weights packed on the GPU for each call (pairgen/ops/trimul/packs.py,
+templates/trimul/pack_wgmma.cu.j2), from the module's parameters or the AlphaFold 3 layout: the
+source renders and compiles for every storage type, operand type and gate form (CPU); on the GPU
+the pack is the PyTorch oracle's (tests/pack_oracles.py) byte for byte in its matrices and to fp32
+rounding in its sums, and pairgen's function called with weights made anew on every call (as
+OpenFold 3 and Protenix torch.cat them) runs on it: no module built per call, the call recorded and
+replayed with the pack launch, the output the module's."""
 from __future__ import annotations
 
 import pytest
@@ -12,15 +13,16 @@ import torch
 import pairgen
 from pairgen import compiler, functional, native
 from pairgen.functional import af3_parameters
-from pairgen.ops.trimul import given_weights
-from pairgen.ops.trimul.module import pack_wgmma_weights
+from pack_oracles import pack_wgmma_weights
+from pairgen.ops.trimul import packs as trimul_packs
 from pairgen.ops.trimul.spec import k_padded, wgmma_weight_offsets
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("operand", ["bfloat16", "float16"])
-def test_the_pack_kernel_renders_and_compiles(kind, operand):
-    rendered = given_weights.render(kind, 40, 24, operand)
+@pytest.mark.parametrize("gate", ["normalized", "input", "hidden"])
+def test_the_pack_kernel_renders_and_compiles(kind, operand, gate):
+    rendered = trimul_packs.render_fold(kind, 40, 24, operand, gate != "input", gate == "hidden")
     assert compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
 
 
@@ -42,7 +44,9 @@ def _af3_weights(P: int, H: int, bias: bool, dtype, seed: int) -> dict:
 @pytest.mark.parametrize("P,H", [(128, 128), (40, 24)])
 def test_the_gpu_pack_is_the_pytorch_pack(P, H, dtype, operand, bias):
     w = _af3_weights(P, H, bias, dtype, seed=P + H)
-    ours = given_weights.pack(w, operand)
+    given = [t for t in w.values() if t is not None]
+    sources = trimul_packs.af3_sources(tuple(t is not None for t in w.values()), P, H)
+    ours = trimul_packs.pack_wgmma(given, sources, P, H, True, False, operand)
     params = af3_parameters(w, bias, lambda t: t)
     theirs = pack_wgmma_weights(params, P, H, bias, True, getattr(torch, operand))
     offsets = wgmma_weight_offsets(P, H, 2)
@@ -73,8 +77,8 @@ def test_weights_made_anew_every_call_run_on_a_pack_not_a_new_module(monkeypatch
     mask = torch.rand(1, 123, 123, generator=gen).cuda() > 0.2
     mask[0, 7] = False  # an empty row
     packs = []
-    real_pack = given_weights.pack
-    monkeypatch.setattr(given_weights, "pack", lambda *a: packs.append(1) or real_pack(*a))
+    real_pack = trimul_packs.pack_wgmma
+    monkeypatch.setattr(trimul_packs, "pack_wgmma", lambda *a: packs.append(1) or real_pack(*a))
     functional._modules.clear()
     functional._structures.clear()
     functional._replayers.clear()
@@ -83,11 +87,13 @@ def test_weights_made_anew_every_call_run_on_a_pack_not_a_new_module(monkeypatch
         for _ in range(3):
             fresh = dict(w, **{n: torch.cat(halves[n]) for n in halves})  # as OpenFold 3 and Protenix call it
             outs.append(pairgen.triangle_multiplicative_update(x, direction, mask, **fresh))
-    # One module (the first call); then a pack on the Python path, recorded, and a replay of it
-    # (the pack launch included) where the call is not under autocast.
-    assert len(functional._modules) == 1 and len(packs) == (2 if autocast else 1), packs
+    # One module (the first call) for the structure, none per weights; a pack on the Python path
+    # (the first call, recorded), then replays of it (the pack launch included) where the call is
+    # not under autocast.
+    assert len(functional._structures) == 1 and not functional._modules
+    assert len(packs) == (3 if autocast else 1), packs
     assert bool(functional._replayers) is not autocast, "a recorded call is replayed before any Python check"
-    module = next(iter(functional._modules.values()))
+    module = next(iter(functional._structures.values()))
     assert module.variant_for(123, x.device, precision).plan.strategy == "wgmma"
     assert outs[0].dtype == (torch.bfloat16 if autocast else dtype)
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)

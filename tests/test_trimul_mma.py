@@ -12,7 +12,8 @@ import torch
 
 from pairgen import codegen, compiler
 from pairgen.ops.trimul import TRIMUL, TriangleMultiplication, TriangleMultiplicationReference
-from pairgen.ops.trimul.module import pack_mma_weights
+from pairgen.ops.trimul import packs
+from pack_oracles import host_pack
 from pairgen.ops.trimul.spec import MMA_KINDS, mma_weight_offsets
 from pairgen.spec import DeviceLimits, kernel_name
 from pairgen.tuning.cli import add_selection_args, selected_shapes
@@ -127,7 +128,8 @@ def test_packed_weights_hold_the_parameters_in_the_kernels_layout(dtype, bias):
     for p in module.parameters():
         torch.nn.init.normal_(p)
     params = dict(module.named_parameters())
-    packed = pack_mma_weights(params, P, H, bias, dtype)
+    precision = "bfloat16" if dtype is torch.bfloat16 else "tf32x3"
+    packed = host_pack(module, packs.mma_layout(P, H, bias, P, precision, module._slots.sources))
     off = mma_weight_offsets(P, H, bias, torch.empty(0, dtype=dtype).element_size())
     assert packed.dtype is torch.uint8 and packed.numel() == off["total"]
 

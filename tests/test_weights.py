@@ -1,17 +1,22 @@
-"""The kernels' packed weights always follow the module's current parameters, on the CPU (packing
-needs no GPU): whatever a training or EMA loop does to the module between calls."""
+"""The kernels read the module's parameters as they are at each call (packed for the call: nothing is
+kept), on the CPU (packing needs no GPU): whatever a training or EMA loop does to the module between
+calls. And pairgen changes nothing in torch: no parameter changes class, no torch attribute or
+global hook is touched by importing or using it."""
 from __future__ import annotations
 
 import copy
 import io
+import subprocess
+import sys
+from operator import attrgetter
 
 import pytest
 import torch
 from torch import nn
 
 from helpers import generator
-from pairgen.module.weights import WatchedParameter
 from pairgen.ops import get_op, op_names
+from pairgen.ops.packing import pack_on_host
 
 SEED_WIDTHS = {name: get_op(name).widths_of(get_op(name).presets["seed"][0]) for name in op_names()}
 
@@ -22,11 +27,9 @@ def _module(name: str, seed: int = 0):
 
 def _expected(module) -> torch.Tensor:
     """The packed buffer built from scratch from what the module's parameters are now."""
-    values = []
-    for path, name in module._weights._paths:
-        sub = module.get_submodule(path)
-        values.append(getattr(sub, name).detach())
-    return module._pack(values)
+    slots = module._slots
+    values = [attrgetter(name)(module).detach() for name in slots.names]
+    return pack_on_host(module.fp32_layout(slots.sources), values).view(torch.float32)
 
 
 def _assert_current(module) -> None:
@@ -34,7 +37,8 @@ def _assert_current(module) -> None:
 
 
 def _first_linear(module) -> tuple[str, nn.Linear]:
-    path = next(p for p, _ in module._weights._paths if isinstance(module.get_submodule(p), nn.Linear))
+    path = next(p for p, _, _ in (n.rpartition(".") for n in module._slots.names)
+                if isinstance(module.get_submodule(p), nn.Linear))
     return path, module.get_submodule(path)
 
 
@@ -45,18 +49,17 @@ def test_an_ema_update_through_data_is_seen(name):
     first = ema.packed_weights()
     for e, p in zip(ema.parameters(), live.parameters()):
         e.data.mul_(0.9).add_(p.data, alpha=0.1)
-    assert ema.packed_weights() is not first
+    assert not torch.equal(ema.packed_weights(), first)
     _assert_current(ema)
 
 
 @pytest.mark.parametrize("name", op_names())
-def test_unchanged_parameters_are_not_repacked(name):
+def test_an_in_place_update_is_seen(name):
     module = _module(name)
     first = module.packed_weights()
-    assert module.packed_weights() is first
     with torch.no_grad():
         next(module.parameters()).mul_(2.0)  # in place, as an optimizer step does
-    assert module.packed_weights() is not first
+    assert not torch.equal(module.packed_weights(), first)
     _assert_current(module)
 
 
@@ -70,7 +73,7 @@ def test_a_replaced_submodule_is_seen(name):
     fresh = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
     setattr(parent, child, fresh) if not child.isdigit() else parent.__setitem__(int(child), fresh)
     _assert_current(module)
-    assert module._weights.anchor().dtype is torch.float32
+    assert module._slots.anchor().dtype is torch.float32
 
 
 @pytest.mark.parametrize("name", op_names())
@@ -108,15 +111,16 @@ def test_a_parameter_assigned_through_data_is_seen(name):
     _assert_current(module)
 
 
-def test_watched_parameters_stay_the_same_objects_and_survive_copies_and_pickles():
+def test_parameters_keep_their_class_and_survive_copies_and_pickles():
     module = _module("contact")
-    before = list(module.parameters())
+    before = [(p, type(p)) for p in module.parameters()]
     optimizer = torch.optim.AdamW(module.parameters())
     module.packed_weights()
-    assert all(a is b for a, b in zip(before, module.parameters())), "optimizers keep their parameters"
-    assert all(type(p) is WatchedParameter and isinstance(p, nn.Parameter) for p in module.parameters())
     module(torch.randn(1, 5, 5, 64)).sum().backward()
     optimizer.step()
+    assert all(a is b and type(a) is kind for (b, kind), a in zip(before, module.parameters())), \
+        "a parameter stays the same object, of its own class"
+    assert all(type(p) is nn.Parameter for p in module.parameters())
     _assert_current(module)
     clone = copy.deepcopy(module)
     _assert_current(clone)
@@ -125,22 +129,42 @@ def test_watched_parameters_stay_the_same_objects_and_survive_copies_and_pickles
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     for p in loaded.parameters():
-        p.data.mul_(0.5)  # a plain Parameter after the round trip: watched again on first use
-    _assert_current(loaded)
-    loaded.packed_weights()
-    next(loaded.parameters()).data.mul_(2.0)
+        p.data.mul_(0.5)
     _assert_current(loaded)
 
 
 @pytest.mark.parametrize("name", op_names())
-def test_modules_made_elsewhere_do_not_repack(name):
-    """Registrations anywhere make a module look its parameters up again, but only other
-    parameters than the last pack's cost a repack: a model that builds modules as it runs must
-    not repack every call."""
+def test_a_module_built_elsewhere_changes_nothing(name):
     module = _module(name)
     first = module.packed_weights()
     nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))  # registrations elsewhere
-    assert module.packed_weights() is first
-    _ = next(module.parameters()).data  # a .data read may be followed by a write: repacked
-    assert module.packed_weights() is not first
+    assert torch.equal(module.packed_weights(), first)
     _assert_current(module)
+
+
+_TORCH_STATE = """
+import torch, torch.nn.modules.module as m
+def state():
+    return (torch.nn.Parameter.__new__, torch.nn.Parameter.__dict__.get("data"), dict(m._global_module_registration_hooks),
+            dict(m._global_parameter_registration_hooks), dict(m._global_forward_pre_hooks), dict(m._global_forward_hooks),
+            dict(m._global_backward_hooks), dict(m._global_buffer_registration_hooks),
+            {k: v for k, v in vars(torch).items() if not k.startswith("_")},
+            {k: v for k, v in vars(torch.nn).items() if not k.startswith("_")})
+before = state()
+import pairgen
+from pairgen.ops.contact import ContactHead
+module = ContactHead(16, 8)
+module(torch.randn(1, 3, 3, 16))
+after = state()
+changed = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
+assert not changed, changed
+assert all(type(p) is torch.nn.Parameter for p in module.parameters())
+print("unchanged")
+"""
+
+
+def test_importing_and_using_pairgen_changes_nothing_in_torch():
+    """In a fresh process: nn.Parameter.__new__, the global module/parameter hooks and torch's and
+    torch.nn's public names are the same before and after importing pairgen and running a module."""
+    done = subprocess.run([sys.executable, "-c", _TORCH_STATE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "unchanged" in done.stdout, done.stderr[-2000:]

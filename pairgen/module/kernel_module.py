@@ -2,9 +2,9 @@
 `precision` option of the modules with tensor-core kernels.
 
 KernelModule keeps what a module holds between calls (the variant per length, fast-call
-recordings, packs, barrier ints) and runs each call the way `dispatch.route` decides. The pieces
+recordings, barrier ints) and runs each call the way `dispatch.route` decides. The pieces
 it is built from live beside it: `dispatch` (which path a call runs), `autograd` (the training
-paths' autograd Functions), `weights` (packed weights that follow the parameters), `buffers`
+paths' autograd Functions), `parameters` (the parameters as each call finds them), `buffers`
 (scratch held between calls), `validation` (input checks), `modes` (autocast and cuBLAS modes)."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from .. import fastcall, first_use, library, native, runtime
+from ..ops import packing
 from ..launch import current_raw_stream
 from ..precision import CLOSED_FORM_DTYPES, HALF_BY_DTYPE, HALF_DTYPES, MODULE_OPTIONS, MODULE_PRECISIONS, lookup
 from ..spec import OpSpec
@@ -24,15 +25,16 @@ from .buffers import HeldBuffer
 from .dispatch import (CLOSED_FORM, COMPILED, FP32_KERNEL, KERNEL, KERNEL_TRAINING, REFERENCE, SAVED_CLOSED_FORM, Route,
                        Routing, route)
 from .modes import as_dtype, autocast_off, current_autocast
-from .weights import DATA_EPOCH, STRUCTURE_EPOCH, PackedParameters
+from .parameters import CallWeights
 
 
 class KernelModule:
     """Mixin for drop-in modules: decides kernel or reference, and keeps the variant choice.
 
     A subclass provides: `op` (its OpSpec), `runners` (strategy name -> the function that runs a
-    variant of that strategy), `widths`, `input_layout`, `reference_forward(*inputs)`,
-    `_launch(*inputs, out=None, variant=None)`, and validates its inputs before calling
+    variant of that strategy on (module, variant, weights, *inputs, out)), `widths`,
+    `input_layout`, `reference_forward(*inputs)`, `_launch(*inputs, out=None, variant=None,
+    weights=None)`, `_slots` (its ParameterSlots), and validates its inputs before calling
     `_dispatch`; where its dispatch differs from the default, a `routing` (dispatch.Routing) and
     the methods that describe a call (`kernel_precision`, `uses_kernel`, `closed_form_applies`).
     """
@@ -59,9 +61,9 @@ class KernelModule:
     #: or "mask"); explain() builds stand-ins of them.
     input_layout: tuple = ()
 
-    # Loaded kernels and packed weights belong to this process and device: a copy or a pickle
-    # (an EMA copy of the model, torch.save) starts without them and rebuilds them on first use.
-    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_handle", "_extra_packs", "_barrier", "_kernel_route")
+    # Loaded kernels belong to this process and device: a copy or a pickle (an EMA copy of the
+    # model, torch.save) starts without them and loads them on first use.
+    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_handle", "_barrier", "_kernel_route")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -83,9 +85,9 @@ class KernelModule:
     _fast_calls: tuple = ()
     #: Recordings kept per module: a few lengths called in turn all stay fast.
     MAX_FAST_CALLS = 4
-    #: Strategies whose runners launch only pairgen kernels, on the inputs, the output, tensors
-    #: the module holds and per-call buffers they note (fastcall.note_scratch): their calls can
-    #: be recorded. A runner that runs PyTorch operations between its kernels is not listed.
+    #: Strategies whose runners launch only pairgen kernels, on the inputs, the weights, the
+    #: output, tensors the module holds and per-call buffers they note (fastcall.note_scratch):
+    #: their calls can be recorded. A runner that runs PyTorch operations between its kernels is not listed.
     fast_call_strategies: frozenset = frozenset()
     #: Strategies whose calls can be recorded in bfloat16/float16 only.
     fast_call_16_bit_strategies: frozenset = frozenset()
@@ -114,11 +116,10 @@ class KernelModule:
         """Drop the recordings (the variant, the precision or the call's mode changed)."""
         self.__dict__.pop("_fast_calls", None)
 
-    def _launch_recorded(self, inputs: tuple, variant, run: "Callable[[], torch.Tensor] | None" = None):
-        """_launch (or `run`, a call of the variant on `inputs` by other means), recorded for
-        replay where the call allows it (see fastcall.py)."""
-        if run is None:
-            run = functools.partial(self._launch, *inputs, variant=variant)
+    def _launch_recorded(self, inputs: tuple, variant, weights: CallWeights):
+        """_launch on `inputs` and `weights`, recorded for replay where the call allows it (see
+        fastcall.py): a replay takes the inputs, then the weights' tensors."""
+        run = functools.partial(self._launch, *inputs, variant=variant, weights=weights)
         if not self._records(variant):
             return run()
         replayer = native.fastcall()  # the first request starts the compiled module's build
@@ -132,40 +133,24 @@ class KernelModule:
         counts[1] += 1
         with fastcall.recording() as (launches, scratch):
             out = run()
-        packs, held = self._held_for_fast_calls()
-        epochs = [(counter, counter[0]) for counter in (STRUCTURE_EPOCH, DATA_EPOCH, runtime.GENERATION)]
-        recorded = fastcall.build(inputs, out, launches, scratch, packs, held, epochs)
+        epochs = [(runtime.GENERATION, runtime.GENERATION[0])]
+        recorded = fastcall.build((*inputs, *weights.tensors), out, launches, scratch, self._held_for_fast_calls(),
+                                  epochs)
         if recorded is not None:
             entry = (replayer.call, recorded, inputs[0].get_device())
             self.__dict__["_fast_calls"] = (entry,) + self._fast_calls[: self.MAX_FAST_CALLS - 1]
         return out
 
-    def _packed_for(self, key, pack: Callable[[list], torch.Tensor]) -> "PackedParameters":
-        """Another packing of the module's weights (a tensor-core layout in an operand dtype), kept
-        per key beside the fp32 one and, as it, rebuilt only after a parameter changed. `pack`
-        takes the parameters in the order of the fp32 pack's paths."""
-        packs = self.__dict__.get("_extra_packs")
-        if packs is None:
-            packs = self.__dict__["_extra_packs"] = {}
-        packed = packs.get(key)
-        if packed is None:
-            packed = packs[key] = PackedParameters(self, self._weights._paths, pack)
-        return packed
-
-    def _held_for_fast_calls(self) -> tuple[list, list]:
-        """(the module's PackedParameters, the other tensors it holds between calls): what a
-        recorded call may point into besides its inputs and output."""
-        packs, held = [], []
+    def _held_for_fast_calls(self) -> list:
+        """The tensors the module holds between calls: what a recorded call may point into
+        besides its inputs, weights, output and per-call buffers."""
+        held = []
         for value in self.__dict__.values():
-            if isinstance(value, PackedParameters):
-                packs.append(value)
-            elif isinstance(value, HeldBuffer):
+            if isinstance(value, HeldBuffer):
                 held += [value.live, *value.retired]
-            elif isinstance(value, dict):  # the tensor-core packs (_packed_for)
-                packs += [v for v in value.values() if isinstance(v, PackedParameters)]
             elif isinstance(value, tuple):  # e.g. the triangle update's (device, barrier ints)
                 held += [v for v in value if isinstance(v, torch.Tensor)]
-        return packs, held
+        return held
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -272,7 +257,7 @@ class KernelModule:
         module's dtype, under an autocast to `precision` where that is 16-bit and the module fp32.
         The route selects the variant as a call would (its first-use check is not run). For the
         CPU device, or where torch sees no CUDA GPU, it says so: a call there runs the reference."""
-        dtype = self._weights.anchor().dtype
+        dtype = self._slots.anchor().dtype
         if precision is None:
             own = HALF_BY_DTYPE.get(dtype)
             precision = own if own is not None else MODULE_PRECISIONS.get(getattr(self, "_precision", "ieee"), "float32")
@@ -311,7 +296,7 @@ class KernelModule:
         r = route(self, inputs)
         path = r.path
         if path == KERNEL:
-            return self._launch_recorded(inputs, r.variant)
+            return self._launch_recorded(inputs, r.variant, self._slots.weights())
         if path == REFERENCE:
             return self.reference_forward(*inputs)
         if path == KERNEL_TRAINING:
@@ -411,9 +396,24 @@ class KernelModule:
         half = HALF_BY_DTYPE.get(autocast or x.dtype)  # autocast's dtype, else a 16-bit module's
         return half if half is not None else "ieee"
 
-    def _run(self, variant, *tensors) -> None:
-        """The variant's strategy runs it on prepared tensors (inputs..., out)."""
-        self.runners[variant.plan.strategy](self, variant, *tensors)
+    def _run(self, variant, weights: CallWeights, *tensors) -> None:
+        """The variant's strategy runs it on `weights` and prepared tensors (inputs..., out)."""
+        self.runners[variant.plan.strategy](self, variant, weights, *tensors)
+
+    def fp32_layout(self, sources: "packing.Sources"):
+        """The op's fp32 kernels' Layout for weights placed as `sources` say (an op defines it)."""
+        raise NotImplementedError
+
+    def packed_weights(self) -> torch.Tensor:
+        """The parameters as they are now in the fp32 kernels' layout, as floats: made on each
+        call, as the kernels' own packs are (nothing is kept)."""
+        weights = self._slots.weights()
+        return self._packed(self.fp32_layout(weights.sources), weights).view(torch.float32)
+
+    @staticmethod
+    def _packed(layout, weights: CallWeights) -> torch.Tensor:
+        """`weights` in a kernel's layout (ops/packing.py), made for this call."""
+        return packing.pack(layout, list(weights.tensors))
 
     def _needs_grad(self, inputs) -> bool:
         return any(t.requires_grad for t in inputs) or any(p.requires_grad for p in self.parameters())

@@ -54,7 +54,7 @@ using LaunchKernelEx = int (*)(const LaunchConfig*, void*, void**, void**);
 
 constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 constexpr int kInvalidContext = 201;                 // CUDA_ERROR_INVALID_CONTEXT
-constexpr size_t kMaxArguments = 64, kMaxInputs = 16;  // per kernel, per call (a call's inputs may carry its weights)
+constexpr size_t kMaxArguments = 64, kMaxInputs = 32;  // per kernel, per call (a call's inputs carry its weights)
 
 enum class Mode { plain = 0, cooperative = 1, programmatic = 2, product = 3 };
 // Where a kernel argument comes from on each call.

@@ -3,6 +3,7 @@
 reference.py  the reference module and its test inputs
 spec.py       strategies, search space, restrictions, defaults, plans (no torch)
 module.py     the drop-in module and the strategies' runners
+packs.py      the weight packs each call makes for the kernels
 
 Importing the package imports only the spec; the torch half loads on first use.
 """

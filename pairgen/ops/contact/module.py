@@ -1,4 +1,4 @@
-"""The contact head's drop-in module: validation, packed weights, the strategies' runners."""
+"""The contact head's drop-in module: validation and the strategies' runners."""
 from __future__ import annotations
 
 import torch
@@ -6,45 +6,32 @@ import torch
 from ...module.dispatch import Routing
 from ...module.kernel_module import KernelModule, TensorCorePrecisions
 from ...module.validation import check_float_tensor, contiguous_aligned
-from ...module.weights import PackedParameters
+from ...module.parameters import CallWeights, ParameterSlots
 from ...precision import OPERAND_DTYPES, OUTPUT_DTYPES
-from . import backward
+from . import backward, packs
 from .reference import ContactHeadReference
-from .spec import CONTACT, MMA, SYMMETRIC_TILED, THREAD_PER_PAIR, TILED, WGMMA, mma_weight_offsets, weight_offsets
+from .spec import CONTACT, MMA, SYMMETRIC_TILED, THREAD_PER_PAIR, TILED, WGMMA
 
 
-def run_single_kernel(module: "ContactHead", variant, x, out) -> None:
-    """The fp32 strategies: one kernel over (x, weights, out)."""
+def run_single_kernel(module: "ContactHead", variant, weights: CallWeights, x, out) -> None:
+    """The fp32 strategies: the weights packed for the call, then one kernel over (x, weights, out)."""
     B, N = x.shape[0], x.shape[1]
+    packed = module._packed(module.fp32_layout(weights.sources), weights)
     (main,) = variant.launches(x.get_device(), B, N)
-    main.named(x=x.data_ptr(), wpack=module._weights.get().data_ptr(), out=out.data_ptr())
+    main.named(x=x.data_ptr(), wpack=packed.data_ptr(), out=out.data_ptr())
 
 
-def pack_mma_weights(params: list, P: int, H: int, dtype: torch.dtype) -> torch.Tensor:
-    """W1, b1, W2, b2, w3, b3, gamma, beta in the mma kernel's layout (mma_weight_offsets), as bytes:
-    W1, W2 n-major (nn.Linear's own layout) in `dtype` (rounded to nearest, as autocast's casts),
-    the vectors in fp32."""
-    w1, b1, w2, b2, w3, b3, gamma, beta = (p.detach() for p in params)
-    off = mma_weight_offsets(P, H, torch.empty(0, dtype=dtype).element_size())
-    packed = torch.zeros(off["total"], device=w1.device, dtype=torch.uint8)
-    for name, value in (("w1", w1.to(dtype)), ("w2", w2.to(dtype)), ("b1", b1.float()), ("b2", b2.float()),
-                        ("w3", w3.float()), ("b3", b3.float()), ("gamma", gamma.float()), ("beta", beta.float())):
-        raw = value.contiguous().reshape(-1).view(torch.uint8)
-        packed[off[name]: off[name] + raw.numel()] = raw
-    return packed
-
-
-def run_mma(module: "ContactHead", variant, x, out) -> None:
-    """The tensor-core kernel, on the weights packed in its operand dtype (once per parameter
-    version); an fp32 input under autocast is cast first (the kernel reads x in that dtype)."""
+def run_mma(module: "ContactHead", variant, weights: CallWeights, x, out) -> None:
+    """The tensor-core kernel, on the weights packed for the call in its operand dtype; an fp32
+    input under autocast is cast first (the kernel reads x in that dtype)."""
     B, N = x.shape[0], x.shape[1]
     dtype = OPERAND_DTYPES[variant.plan.precision]
     if x.dtype is not dtype:
         x = x.to(dtype)
     P, H = module.widths["P"], module.widths["H"]
-    weights = module._packed_for(dtype, lambda params: pack_mma_weights(params, P, H, dtype)).get()
+    packed = module._packed(packs.mma_layout(P, H, variant.plan.precision, weights.sources), weights)
     (main,) = variant.launches(x.get_device(), B, N)
-    main.named(x=x.data_ptr(), w=weights.data_ptr(), out=out.data_ptr())
+    main.named(x=x.data_ptr(), w=packed.data_ptr(), out=out.data_ptr())
 
 
 class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
@@ -65,8 +52,7 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
         super().__init__(pair_dim, hidden_dim)
         self.precision = precision
         self.widths = {"P": int(pair_dim), "H": int(hidden_dim)}
-        paths = [(layer, name) for layer in ("mlp.0", "mlp.2", "mlp.4", "layer_norm") for name in ("weight", "bias")]
-        self._weights = PackedParameters(self, paths, self._pack)
+        self._slots = ParameterSlots(self, [name for name, _ in self.named_parameters()])
 
     closed_form = staticmethod(backward.gradients)
     saving_forward = staticmethod(backward.forward_saving)
@@ -83,7 +69,7 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
 
     def forward(self, pair_repr):
         if self._fast_calls:  # a call like a recent one, replayed in compiled code (pairgen/fastcall.py)
-            out = self._fast_forward(pair_repr)
+            out = self._fast_forward(pair_repr, *self._slots.weights().tensors)
             if out is not None:
                 return out
         self._validate(pair_repr)
@@ -93,30 +79,19 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
         if torch.compiler.is_compiling():
             return  # traced: the operator's fake implementation takes the shapes (pairgen/library.py)
         P = self.widths["P"]
-        check_float_tensor("pair_repr", x, 4, self._weights.anchor())
+        check_float_tensor("pair_repr", x, 4, self._slots.anchor())
         shape = x.shape
         if shape[1] != shape[2] or shape[3] != P:  # a plain if: the message is built only on failure
             raise ValueError(f"pair_repr must have shape (B, N, N, {P}), got {tuple(shape)}")
 
-    def _pack(self, params: list) -> torch.Tensor:
-        """W1ᵀ | b1 | W2ᵀ | b2 | w3 | b3 | gamma | beta, at the offsets of weight_offsets()."""
-        w1, b1, w2, b2, w3, b3, gamma, beta = (p.float() for p in params)
-        off = weight_offsets(self.widths["P"], self.widths["H"])
-        packed = torch.zeros(off["total"], device=w1.device, dtype=torch.float32)
-        for name, value in (("w1t", w1.t()), ("b1", b1), ("w2t", w2.t()), ("b2", b2), ("w3", w3),
-                            ("b3", b3), ("gamma", gamma), ("beta", beta)):
-            packed[off[name]: off[name] + value.numel()] = value.reshape(-1)
-        return packed
-
-    def packed_weights(self) -> torch.Tensor:
-        """The weights in the kernels' layout (rebuilt only after a parameter changed)."""
-        return self._weights.get()
+    def fp32_layout(self, sources):
+        return packs.fp32_layout(self.widths["P"], self.widths["H"], sources)
 
     def uses_kernel(self, x) -> bool:
         # The kernels index pairs with 32-bit ints; B*N*N >= 2^31 (over 1 TB at P=128) runs the reference.
         return x.is_cuda and x.dtype is torch.float32 and x.shape[0] * x.shape[1] * x.shape[1] < 2**31
 
-    def _launch(self, pair_repr, out=None, variant=None):
+    def _launch(self, pair_repr, out=None, variant=None, weights: CallWeights | None = None):
         x = contiguous_aligned(pair_repr)
         B, N = x.shape[0], x.shape[1]
         if variant is None:
@@ -125,5 +100,5 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
             out = x.new_empty((B, N, N), dtype=OUTPUT_DTYPES[variant.plan.precision])
         if out.numel() == 0:
             return out
-        self._run(variant, x, out)
+        self._run(variant, self._slots.weights() if weights is None else weights, x, out)
         return out

@@ -1,4 +1,4 @@
-"""The pair readout's drop-in module: validation, packed weights, held scratch, the strategies' runners."""
+"""The pair readout's drop-in module: validation, held scratch, the strategies' runners."""
 from __future__ import annotations
 
 import torch
@@ -8,12 +8,11 @@ from ...module.dispatch import Routing
 from ...module.kernel_module import KernelModule, TensorCorePrecisions
 from ...module.modes import cublas_fp32_mode, fp32_matmul
 from ...module.validation import check_float_tensor, check_mask, contiguous_aligned
-from ...module.weights import PackedParameters
+from ...module.parameters import CallWeights, ParameterSlots
 from ...precision import OPERAND_DTYPES
-from . import backward
+from . import backward, packs
 from .reference import PairReadoutReference
-from .spec import (DIRECT, FUSED, GEMM, MMA, READOUT, SPLIT, WGMMA, gemm_scratch_offsets, mma_weight_offsets,
-                   pair_max_scratch, weight_offsets)
+from .spec import DIRECT, FUSED, GEMM, MMA, READOUT, SPLIT, WGMMA, gemm_scratch_offsets, pair_max_scratch, weight_offsets
 
 
 def _pair_max_buffers(module: "PairReadout", variant, main, B: int, N: int, D: int, with_uv: bool) -> tuple:
@@ -30,10 +29,17 @@ def _pair_max_buffers(module: "PairReadout", variant, main, B: int, N: int, D: i
     return uv, partials, counters
 
 
-def _run_pair_max(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out, with_uv: bool) -> None:
+def fp32_pack(module: "PairReadout", weights: CallWeights) -> torch.Tensor:
+    """`weights` packed for this call for the fp32 kernels."""
+    return module._packed(module.fp32_layout(weights.sources), weights)
+
+
+def _run_pair_max(module: "PairReadout", variant, weights: CallWeights, nodes, pair_feats, edge_mask, out,
+                  with_uv: bool) -> None:
     """split (node prologue, then the pair-max kernel) and direct (the pair-max kernel alone)."""
     B, N, D = nodes.shape
-    weights = module._weights.get().data_ptr()
+    packed = fp32_pack(module, weights)
+    weights = packed.data_ptr()
     launches = variant.launches(nodes.get_device(), B, N, programmatic=module.programmatic_main)
     main = launches[0]
     uv, partials, counters = _pair_max_buffers(module, variant, main, B, N, D, with_uv)
@@ -58,45 +64,27 @@ def _launch_with_prologue_inside(module: "PairReadout", main, pointers: dict, ba
         main.named(**pointers, **{barrier: ints}, phase=phase)
 
 
-def run_fused(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -> None:
+def run_fused(module: "PairReadout", variant, weights: CallWeights, nodes, pair_feats, edge_mask, out) -> None:
     """split's buffers and arguments, the prologue's blocks in the same launch (_launch_with_prologue_inside)."""
     B, N, D = nodes.shape
     (main,) = variant.launches(nodes.get_device(), B, N)
     uv, partials, counters = _pair_max_buffers(module, variant, main, B, N, D, with_uv=True)
+    packed = fp32_pack(module, weights)
     pointers = dict(nodes=nodes.data_ptr(), pair=pair_feats.data_ptr(), mask=edge_mask.data_ptr(),
-                    wpack=module._weights.get().data_ptr(), uv=uv, scratch=partials, counters=counters,
+                    wpack=packed.data_ptr(), uv=uv, scratch=partials, counters=counters,
                     out=out.data_ptr())
     _launch_with_prologue_inside(module, main, pointers, "done", nodes.device)
 
 
-def run_split(module, variant, nodes, pair_feats, edge_mask, out) -> None:
-    _run_pair_max(module, variant, nodes, pair_feats, edge_mask, out, with_uv=True)
+def run_split(module, variant, weights, nodes, pair_feats, edge_mask, out) -> None:
+    _run_pair_max(module, variant, weights, nodes, pair_feats, edge_mask, out, with_uv=True)
 
 
-def run_direct(module, variant, nodes, pair_feats, edge_mask, out) -> None:
-    _run_pair_max(module, variant, nodes, pair_feats, edge_mask, out, with_uv=False)
+def run_direct(module, variant, weights, nodes, pair_feats, edge_mask, out) -> None:
+    _run_pair_max(module, variant, weights, nodes, pair_feats, edge_mask, out, with_uv=False)
 
 
-def split_w2t(params: list) -> torch.Tensor:
-    """W2^T split for the tf32x3 product (gemm's split_product), (3H, D): [W2hi^T; W2hi^T; W2lo^T]
-    with hi = W2 rounded to TF32 (to nearest, ties away from zero, as the kernels' cvt.rna) and
-    lo = W2 - hi rounded too, both exact TF32 values. [hi | lo] rows of hidden times the first 2H
-    rows give hi W2hi + lo W2hi; hidden's hi half times the last H rows adds hi W2lo."""
-    w2t = params[2].detach().t().contiguous().float()
-    hi = tf32_rounded(w2t)
-    lo = tf32_rounded(w2t - hi)
-    return torch.cat([hi, hi, lo])
-
-
-def tf32_rounded(x: torch.Tensor) -> torch.Tensor:
-    """fp32 values rounded to TF32 (10 mantissa bits), to nearest with ties away from zero; NaN and
-    infinity stay as they are."""
-    bits = x.view(torch.int32)
-    rounded = ((bits + 0x1000) & -0x2000).view(torch.float32)  # -0x2000: the int32 of 0xffffe000
-    return torch.where(torch.isfinite(x), rounded, x)
-
-
-def run_gemm(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -> None:
+def run_gemm(module: "PairReadout", variant, weights: CallWeights, nodes, pair_feats, edge_mask, out) -> None:
     """Prologue -> hidden kernel -> fp32 mm -> pool kernel, all on the current stream, on one
     scratch buffer (hidden, messages, uv) from the caching allocator, held until all are enqueued.
     With split_product (tf32x3) hidden rows are [hi | lo] and the mm is two TF32 GEMMs."""
@@ -105,47 +93,33 @@ def run_gemm(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) 
     split = variant.plan.params.get("split_product", False)
     hidden_width = 2 * H if split else H
     hidden_kernel, prologue, pool = variant.launches(nodes.get_device(), B, N)
-    packed = module._weights.get()
-    weights = packed.data_ptr()
+    packed = fp32_pack(module, weights)
+    w_ptr = packed.data_ptr()
     at = gemm_scratch_offsets(B, N, D, H, split)
     scratch = torch.empty(at["total"], device=nodes.device, dtype=torch.float32)
     hidden = scratch[at["hidden"]: at["hidden"] + pairs * hidden_width].view(pairs, hidden_width)
     messages = scratch[at["messages"]: at["messages"] + pairs * D].view(pairs, D)
     uv = scratch.data_ptr() + 4 * at["uv"]
-    prologue.named(nodes=nodes.data_ptr(), wpack=weights, uv=uv)
-    hidden_kernel.named(pair=pair_feats.data_ptr(), uv=uv, wpack=weights, hidden=hidden.data_ptr())
+    prologue.named(nodes=nodes.data_ptr(), wpack=w_ptr, uv=uv)
+    hidden_kernel.named(pair=pair_feats.data_ptr(), uv=uv, wpack=w_ptr, hidden=hidden.data_ptr())
     # messages = hidden W2^T without b2: the pool kernel adds it after the max (gemm.cu.j2 says why).
     if split:
-        w2t = module._packed_for("tf32x3 W2^T", split_w2t).get()
+        w2t = module._packed(packs.split_w2t_layout(D, H, weights.sources), weights).view(torch.float32).view(3 * H, D)
         with cublas_fp32_mode(True):  # every operand an exact TF32 value: the products are exact
             torch.mm(hidden, w2t[: 2 * H], out=messages)
             messages.addmm_(hidden[:, :H], w2t[2 * H:])
     else:
-        w2t = packed[module._w2t_at: module._w2t_at + H * D].view(H, D)
+        w2t = packed.view(torch.float32)[module._w2t_at: module._w2t_at + H * D].view(H, D)
         with fp32_matmul():
             torch.mm(hidden, w2t, out=messages)
-    pool.named(messages=messages.data_ptr(), mask=edge_mask.data_ptr(), nodes=nodes.data_ptr(), wpack=weights,
+    pool.named(messages=messages.data_ptr(), mask=edge_mask.data_ptr(), nodes=nodes.data_ptr(), wpack=w_ptr,
                out=out.data_ptr())
 
 
-def pack_mma_weights(fp32_pack: torch.Tensor, params: list, D: int, P: int, H: int, dtype: torch.dtype) -> torch.Tensor:
-    """The mma kernels' weights (mma_weight_offsets), as bytes: the fp32 pack (the node prologue's
-    [W_i^T | W_j^T], b1, b2, gamma, beta), then W_p [H][P] and W2 [D][H], nn.Linear's own layout,
-    in `dtype` (rounded to nearest, as autocast's casts)."""
-    w1, w2 = params[0].detach(), params[2].detach()
-    off = mma_weight_offsets(D, P, H, torch.empty(0, dtype=dtype).element_size())
-    packed = torch.zeros(off["total"], device=w1.device, dtype=torch.uint8)
-    packed[: 4 * fp32_pack.numel()] = fp32_pack.reshape(-1).view(torch.uint8)
-    for name, value in (("wp", w1[:, 2 * D:].to(dtype)), ("w2", w2.to(dtype))):
-        raw = value.contiguous().reshape(-1).view(torch.uint8)
-        packed[off[name]: off[name] + raw.numel()] = raw
-    return packed
-
-
-def run_mma(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -> None:
+def run_mma(module: "PairReadout", variant, weights: CallWeights, nodes, pair_feats, edge_mask, out) -> None:
     """The node prologue (fp32 U, V into the held scratch), then the tensor-core kernel as its
     programmatic dependent (one_launch: the kernel alone, the prologue inside it), on the weights
-    packed in the operand dtype (once per parameter version). Under autocast (fp32 inputs, a 16-bit
+    packed for the call in the operand dtype. Under autocast (fp32 inputs, a 16-bit
     kernel) the inputs are cast first and the 16-bit result widened into `out`, the reference's
     dtype there."""
     B, N, D = nodes.shape
@@ -157,20 +131,17 @@ def run_mma(module: "PairReadout", variant, nodes, pair_feats, edge_mask, out) -
         out = torch.empty_like(nodes)
     device = nodes.get_device()
     P = module.widths["P"]
-    # The pack function is kept with the pack and rerun after a parameter update: it reads the fp32
-    # pack then, not the one of this call.
-    weights = module._packed_for(dtype, lambda params: pack_mma_weights(module._weights.get(), params, D, P, H,
-                                                                         dtype)).get()
+    packed = module._packed(packs.mma_layout(D, P, H, variant.plan.precision, weights.sources), weights)
     launches = variant.launches(device, B, N, programmatic=module.programmatic_main)
     main = launches[0]
     uv = module._split_scratch(device, B * N * 2 * H)
     pointers = dict(nodes=nodes.data_ptr(), pair=pair_feats.data_ptr(), mask=edge_mask.data_ptr(),
-                    wpack=weights.data_ptr(), uv=uv, out=out.data_ptr())
+                    wpack=packed.data_ptr(), uv=uv, out=out.data_ptr())
     if variant.plan.params.get("one_launch"):
         _launch_with_prologue_inside(module, main, pointers, "grid_bar", nodes.device)
     else:
         prologue = launches[1]
-        prologue.named(nodes=nodes.data_ptr(), wpack=weights.data_ptr(), uv=uv)
+        prologue.named(nodes=nodes.data_ptr(), wpack=packed.data_ptr(), uv=uv)
         main.named(**pointers)
     if out is not target:
         target.copy_(out)
@@ -216,9 +187,8 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
         super().__init__(node_dim, pair_dim, hidden_dim)
         self.precision = precision
         self.widths = {"D": int(node_dim), "P": int(pair_dim), "H": int(hidden_dim)}
-        paths = [(layer, name) for layer in ("fuse.0", "fuse.2", "norm") for name in ("weight", "bias")]
-        self._weights = PackedParameters(self, paths, self._pack)
-        self._w2t_at = weight_offsets(node_dim, pair_dim, hidden_dim)["w2t"]  # gemm: W2^T's place in the pack
+        self._slots = ParameterSlots(self, [name for name, _ in self.named_parameters()])
+        self._w2t_at = weight_offsets(node_dim, pair_dim, hidden_dim)["w2t"]  # gemm: W2^T's place in the fp32 pack
         self._counters: HeldBuffer | None = None  # the j split's arrival counters
         self._scratch: HeldBuffer | None = None   # the split and direct strategies' scratch
 
@@ -254,7 +224,7 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
         """edge_mask: bool, integer or floating point, read as edge_mask != 0 (the reference's
         ~edge_mask needs bool; the kernels read bytes)."""
         if self._fast_calls:  # a call like a recent one, replayed in compiled code (pairgen/fastcall.py)
-            out = self._fast_forward(nodes, pair_feats, edge_mask)
+            out = self._fast_forward(nodes, pair_feats, edge_mask, *self._slots.weights().tensors)
             if out is not None:
                 return out
         self._validate(nodes, pair_feats, edge_mask)
@@ -268,7 +238,7 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
         if torch.compiler.is_compiling():
             return  # traced: the operator's fake implementation takes the shapes (pairgen/library.py)
         D, P = self.widths["D"], self.widths["P"]
-        weight = self._weights.anchor()
+        weight = self._slots.anchor()
         check_float_tensor("nodes", nodes, 3, weight)
         check_float_tensor("pair_feats", pair_feats, 4, weight)
         B, N = nodes.shape[0], nodes.shape[1]
@@ -280,21 +250,9 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
                              f"{tuple(nodes.shape)}, got {tuple(pair_feats.shape)}")
         check_mask("edge_mask", edge_mask, (B, N, N), nodes.device)
 
-    def _pack(self, params: list) -> torch.Tensor:
-        """[W_i^T | W_j^T] | W_p^T | b1 | W2^T | b2 | gamma | beta, at the offsets of weight_offsets()."""
-        w1, b1, w2, b2, gamma, beta = (p.float() for p in params)
-        D, P, H = self.widths["D"], self.widths["P"], self.widths["H"]
-        off = weight_offsets(D, P, H)
-        wuvt = torch.cat([w1[:, :D].t(), w1[:, D:2 * D].t()], dim=1)  # [D][2H]
-        packed = torch.zeros(off["total"], device=w1.device, dtype=torch.float32)
-        for name, value in (("wuvt", wuvt), ("wpt", w1[:, 2 * D:].t()), ("b1", b1), ("w2t", w2.t()), ("b2", b2),
-                            ("gamma", gamma), ("beta", beta)):
-            packed[off[name]: off[name] + value.numel()] = value.reshape(-1)
-        return packed
-
-    def packed_weights(self) -> torch.Tensor:
-        """The weights in the kernels' layout (rebuilt only after a parameter changed)."""
-        return self._weights.get()
+    def fp32_layout(self, sources):
+        w = self.widths
+        return packs.fp32_layout(w["D"], w["P"], w["H"], sources)
 
     def uses_kernel(self, nodes, pair_feats, edge_mask) -> bool:
         # CUDA float32 (validated: one device, one dtype), within the kernels' 32-bit indices.
@@ -333,7 +291,7 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
         self._scratch, ptr = grow_held(held, index, floats, torch.float32, zeroed=False)
         return ptr
 
-    def _launch(self, nodes, pair_feats, edge_mask, out=None, variant=None):
+    def _launch(self, nodes, pair_feats, edge_mask, out=None, variant=None, weights: CallWeights | None = None):
         # Rows on 16-byte boundaries: the kernels read them with float4 loads and cp.async.
         nodes, pair_feats = contiguous_aligned(nodes), contiguous_aligned(pair_feats)
         if edge_mask.dtype is not torch.bool:
@@ -346,5 +304,5 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
             return out
         if variant is None:
             variant = self.variant_for(N, nodes.get_device(), self.kernel_precision(nodes, pair_feats, edge_mask))
-        self._run(variant, nodes, pair_feats, edge_mask, out)
+        self._run(variant, self._slots.weights() if weights is None else weights, nodes, pair_feats, edge_mask, out)
         return out

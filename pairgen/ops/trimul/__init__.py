@@ -4,6 +4,7 @@ with or without biases.
 reference.py  the reference module and its test inputs
 spec.py       strategies, search space, restrictions, defaults, plans (no torch)
 module.py     the drop-in module and the strategies' runners
+packs.py      the weight packs each call makes for the kernels
 peers.py      cuEquivariance, timed beside it by scripts/bench.py
 
 Importing the package imports only the spec; the torch half loads on first use.
@@ -22,10 +23,10 @@ def _torch_half():
 
 TRIMUL.bind(_torch_half)
 __getattr__ = lazy_exports(__name__, {
-    "TriangleMultiplication": "module", "pack_weights": "module", "triangle_bmm": "module",
+    "TriangleMultiplication": "module", "triangle_bmm": "module",
     "cuequivariance_peer": "peers",
     "TriangleMultiplicationReference": "reference", "make_inputs": "reference", "random_mask": "reference"})
 
 __all__ = ["TRIMUL", "TRI_BUDGET", "TRI_KC", "TriangleMultiplication", "TriangleMultiplicationReference",
-           "make_inputs", "options_of", "pack_weights", "random_mask", "triangle_bmm", "triangle_staging",
+           "make_inputs", "options_of", "random_mask", "triangle_bmm", "triangle_staging",
            "weight_offsets"]
