@@ -128,6 +128,9 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, held:
     if len(input_data) != len(inputs):  # two inputs at one address: a replay could not tell them apart
         return None
     scratch_layout, scratch_bytes = _scratch_layout(scratch)
+    extents = sorted((start, end) for start, end, _ in scratch_layout)
+    if any(later[0] < earlier[1] for earlier, later in zip(extents, extents[1:])):
+        return None  # a noted buffer freed during the call and its memory noted again: addresses would be ambiguous
     out_extent = _extent(out)
     held_extents = [_extent(t) for t in held]
     specs = []

@@ -34,7 +34,7 @@ def _af3_weights(P: int, H: int, bias: bool, dtype, seed: int) -> dict:
          "p_out_weight": torch.randn(P, H, generator=gen), "g_out_weight": torch.randn(P, P, generator=gen)}
     for name, rows in (("p_in_bias", 2 * H), ("g_in_bias", 2 * H), ("p_out_bias", P), ("g_out_bias", P)):
         w[name] = torch.randn(rows, generator=gen) if bias else None
-    return {k: (v.cuda().to(dtype) if v is not None else None) for k, v in w.items()}
+    return {k: (w[k].cuda().to(dtype) if w[k] is not None else None) for k in trimul_packs.AF3_NAMES}  # the function's order
 
 
 @pytest.mark.gpu
