@@ -151,7 +151,7 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, held:
         specs.append((address, mode, bound.kernel._handle.value, bound.grid, bound.block, bound.smem, tuple(slots), ()))
     device = out.device
     return native_module.build(device.type, -1 if device.index is None else device.index, tuple((tuple(t.shape), t.dtype) for t in inputs),
-                               (tuple(out.shape), out.dtype), scratch_bytes, (), tuple(epochs),
+                               (tuple(out.shape), out.dtype), scratch_bytes, tuple(epochs),
                                tuple(specs), PLAIN_TYPES)
 
 

@@ -1,12 +1,12 @@
 // pairgen's fast call: a module call whose inputs look exactly like the last one's, in compiled code.
 //
 // At the seed shapes a module call's GPU work (10-27 us) is less than its Python host path: the
-// checks, the packed-weight version check, the output allocation and a ctypes driver call cost
-// 21-57 us per call on the H200 host. pairgen/fastcall.py records one ordinary call (the kernels it
-// launched, with their arguments mapped to "the i-th input's data", "the output", "this call's
-// scratch" or a constant held by the module) and hands the recording here; later calls that match
-// it (same shapes, dtypes, device, contiguity; no autograd, no autocast; every packed parameter
-// still the same object at the same version; pairgen's epoch counters unchanged) run it from C++:
+// checks, the output allocation and a ctypes driver call cost tens of us per call on the H200
+// host. pairgen/fastcall.py records one ordinary call (the kernels it launched, with their
+// arguments mapped to "the i-th input's data" (the weights are inputs too), "the output", "this
+// call's scratch" or a constant held by the module) and hands the recording here; later calls that
+// match it (same shapes, dtypes, device, contiguity; no autograd, no autocast; pairgen's epoch
+// counters unchanged) run it from C++:
 // allocate the output (and scratch) through ATen's caching allocator, write the arguments, launch.
 // Anything else returns None and the caller takes the Python path, which records again.
 //
@@ -80,13 +80,6 @@ struct InputCheck {
   at::ScalarType dtype;
 };
 
-struct Watched {  // a packed parameter: still registered under its name, at the version packed
-  PyObject* owner;  // the submodule's _parameters dict
-  PyObject* name;
-  PyObject* param;
-  int64_t version;
-};
-
 struct Epoch {  // one of pairgen's counters: a one-element list and the value it held
   PyObject* counter;
   PyObject* value;
@@ -99,7 +92,6 @@ struct FastCall {
   std::vector<int64_t> out_sizes;
   at::ScalarType out_dtype;
   int64_t scratch_bytes = 0;
-  std::vector<Watched> watched;
   std::vector<Epoch> epochs;
   std::vector<Launch> launches;
   std::vector<PyObject*> owned;  // every PyObject above, released with the capsule
@@ -135,17 +127,17 @@ at::ScalarType scalar_type(PyObject* dtype) {
   return reinterpret_cast<THPDtype*>(dtype)->scalar_type;
 }
 
-// build(device_type, device_index, inputs, out, scratch_bytes, watched, epochs, launches, plain_types) -> capsule
-//   inputs: ((sizes, dtype), ...); out: (sizes, dtype); watched: ((owner dict, name, param, version), ...)
+// build(device_type, device_index, inputs, out, scratch_bytes, epochs, launches, plain_types) -> capsule
+//   inputs: ((sizes, dtype), ...); out: (sizes, dtype);
 //   epochs: ((one-element list, value), ...); launches: ((driver function address, mode, CUfunction,
 //   grid, block, shared bytes, ((source, value), ...)), ...)
 PyObject* build(PyObject*, PyObject* args) {
   const char* device_type;
   int device_index;
-  PyObject *inputs, *out, *watched, *epochs, *launches, *plain_types;
+  PyObject *inputs, *out, *epochs, *launches, *plain_types;
   long long scratch_bytes;
-  if (!PyArg_ParseTuple(args, "siOOLOOOO", &device_type, &device_index, &inputs, &out, &scratch_bytes, &watched,
-                        &epochs, &launches, &plain_types))
+  if (!PyArg_ParseTuple(args, "siOOLOOO", &device_type, &device_index, &inputs, &out, &scratch_bytes, &epochs,
+                        &launches, &plain_types))
     return nullptr;
   auto* call = new FastCall();
   try {
@@ -167,12 +159,6 @@ PyObject* build(PyObject*, PyObject* args) {
       }
       call->plain_types.push_back(reinterpret_cast<PyTypeObject*>(keep(call, type)));
       Py_DECREF(type);
-    }
-    for (Py_ssize_t i = 0; i < PySequence_Size(watched); ++i) {
-      PyObject* spec = PySequence_GetItem(watched, i);
-      call->watched.push_back({keep(call, PyTuple_GetItem(spec, 0)), keep(call, PyTuple_GetItem(spec, 1)),
-                               keep(call, PyTuple_GetItem(spec, 2)), PyLong_AsLongLong(PyTuple_GetItem(spec, 3))});
-      Py_DECREF(spec);
     }
     for (Py_ssize_t i = 0; i < PySequence_Size(epochs); ++i) {
       PyObject* spec = PySequence_GetItem(epochs, i);
@@ -233,25 +219,13 @@ bool same_sizes(const at::Tensor& t, const std::vector<int64_t>& sizes) {
   return true;
 }
 
-// Whether the recorded call still applies: the parameters, the epochs, autograd and autocast.
+// Whether the recorded call still applies: the epochs and autocast (autograd: the inputs' checks).
 bool module_unchanged(const FastCall& call) {
   if (at::autocast::is_autocast_enabled(at::kCUDA)) return false;
-  bool grad = at::GradMode::is_enabled();
   for (const Epoch& epoch : call.epochs)
     if (PyList_GET_ITEM(epoch.counter, 0) != epoch.value &&
         PyObject_RichCompareBool(PyList_GET_ITEM(epoch.counter, 0), epoch.value, Py_EQ) != 1)
       return false;
-  for (const Watched& w : call.watched) {
-    if (PyDict_GetItem(w.owner, w.name) != w.param) return false;  // replaced or removed
-    const at::Tensor& p = THPVariable_Unpack(w.param);
-    int64_t version;
-    try {
-      version = p._version();
-    } catch (const std::exception&) {  // no version counter (an inference tensor): not the one recorded
-      return false;
-    }
-    if (version != w.version || (grad && p.requires_grad())) return false;
-  }
   return true;
 }
 
