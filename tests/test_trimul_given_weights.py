@@ -18,9 +18,8 @@ from pairgen.ops.trimul import packs as trimul_packs
 from pairgen.ops.trimul.spec import k_padded, wgmma_weight_offsets
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("operand", ["bfloat16", "float16"])
-@pytest.mark.parametrize("gate", ["normalized", "input", "hidden"])
+@pytest.mark.parametrize("kind, operand, gate", [("float32", "bfloat16", "normalized"), ("bfloat16", "float16", "input"),
+                                                 ("float16", "bfloat16", "hidden"), ("bfloat16", "bfloat16", "normalized")])
 def test_the_pack_kernel_renders_and_compiles(kind, operand, gate):
     rendered = trimul_packs.render_fold(kind, 40, 24, operand, gate != "input", gate == "hidden")
     assert compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
