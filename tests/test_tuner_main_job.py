@@ -325,6 +325,10 @@ def test_seen_and_stale_refuse_a_selection(capsys):
 #: SIGINT, as from a terminal's Ctrl-C, in the middle of its search.
 SIGINT_RUN = """
 import contextlib, os, signal, sys, torch
+# As a terminal starts a command: SIGINT delivered and handled by Python (a test runner's worker
+# may hand its children SIGINT blocked or ignored, and then no Ctrl-C would arrive).
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 from pairgen import compiler, runtime
 from pairgen.tuning import evaluate, tune_cli
