@@ -32,9 +32,9 @@ SCRATCH_ALIGNMENT = 256
 SMALL_INTEGERS = 2**32
 
 #: A module records freely for its first this-many slow calls, then at most one slow call in
-#: RECORD_EVERY: recording costs about a Python call's host time, and a process whose recordings
-#: keep going stale (one that registers modules between calls moves the structure epoch every
-#: time) must not pay it on every call.
+#: RECORD_EVERY: recording costs about a Python call's host time, and a module whose calls keep
+#: failing to replay (their inputs changing shape, dtype or contiguity every time, or pairgen's
+#: selection epoch moving) must not pay it on every call.
 FREE_RECORDINGS = 8
 RECORD_EVERY = 8
 

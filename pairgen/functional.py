@@ -321,11 +321,10 @@ def _complete(weights: dict, x) -> dict:
 
 
 def _key(weights: dict, direction: str, precision: str, x) -> tuple:
-    """Where every weight lies (its address, shape and strides): the kept module's
-    parameters are views of that memory, so they hold it (no other tensor can be given it while the
-    module is kept) and share its version counter (an in-place update repacks, as the module's own
-    parameters do). A slice of a parameter taken anew on every call (alphafold3-pytorch's fused
-    projections) finds its module again."""
+    """Where every weight lies (its address, shape and strides), for a call that trains: the kept
+    module's parameters are views of that memory, so they hold it (no other tensor can be given it
+    while the module is kept) and see every update to it. A slice of a parameter taken anew on
+    every call (alphafold3-pytorch's fused projections) finds its module again."""
     parts = tuple(place_of(w) if w is not None else None for w in weights.values())
     return direction, precision, x.dtype, x.device, parts
 
