@@ -338,12 +338,15 @@ class KernelModule:
         reference ends otherwise says so."""
         return autocast or first.dtype
 
-    def _first_use(self, pending: "first_use.Pending", inputs: tuple, precision: str):
+    def _first_use(self, pending: "first_use.Pending", inputs: tuple, precision: str,
+                   weights: "CallWeights | None" = None, reference: "Callable[[], torch.Tensor] | None" = None):
         """Settle a default variant against the reference on this call's inputs (first_use.py),
-        then remember the winner in this module's cache (a variant, or None: the reference)."""
+        then remember the winner in this module's cache (a variant, or None: the reference).
+        weights, reference: a call on other weights than the module's own (the functional form)
+        and the reference computed on them."""
         first = inputs[0]
-        winner = pending.settle(lambda: self._launch(*inputs, variant=pending.variant),
-                                lambda: self.reference_forward(*inputs), first.device)
+        winner = pending.settle(lambda: self._launch(*inputs, variant=pending.variant, weights=weights),
+                                reference or (lambda: self.reference_forward(*inputs)), first.device)
         if pending.settled:
             self._variant_cache[(first.get_device(), first.shape[1], precision)] = winner
         return winner

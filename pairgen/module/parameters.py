@@ -32,12 +32,8 @@ class ParameterSlots:
         self.names = tuple(names)
         self.sources = Sources.each_its_own(self.names)
         self._warned: set = set()
-        self._reset()
-
-    def _reset(self) -> None:
         self._owners, self._keys, self._objects = (), (), ()  # every edge on every path: dict, key, object
         self._params = None  # CallWeights of the last resolve; None: resolve (or computed weights)
-        self._computed = False
 
     def _resolve(self) -> None:
         owners, keys, objects, params = [], [], [], []
@@ -58,7 +54,6 @@ class ParameterSlots:
                 owners.append(module._parameters), keys.append(name), objects.append(param)
             params.append(param)
         self._owners, self._keys, self._objects = tuple(owners), tuple(keys), tuple(objects)
-        self._computed = computed
         self._params = None if computed else CallWeights(tuple(params), self.sources)
 
     def weights(self) -> CallWeights:
@@ -95,5 +90,5 @@ class ParameterSlots:
 
     def __getstate__(self):  # a copy or a pickle finds its parameters again on first use
         state = dict(self.__dict__)
-        state.update(_owners=(), _keys=(), _objects=(), _params=None, _computed=False)
+        state.update(_owners=(), _keys=(), _objects=(), _params=None)
         return state

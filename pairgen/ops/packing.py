@@ -120,11 +120,11 @@ class Sources:
 
     def piece(self, name: str, kind: str, at: int, rows: int, cols: int, src_strides: tuple[int, int],
               dst_strides: tuple[int, int], offset: int = 0) -> Piece:
-        """A piece reading weight `name` from element `offset` of it (constant where it is absent)."""
+        """A piece reading weight `name` from element `offset` of it (constant where it is absent:
+        ones for a LayerNorm weight, zeros otherwise)."""
         place = self.places.get(name)
         if place is None:
-            fill = 1.0 if name.endswith("norm_in.weight") or name.endswith("norm_out.weight") or \
-                name.endswith("norm.weight") else 0.0
+            fill = 1.0 if "norm" in name and name.endswith(".weight") else 0.0  # LayerNorm weights only
             return Piece(-1, 0, kind, at, rows, cols, (0, 0), dst_strides, fill)
         index, start = place
         return Piece(index, start + offset, kind, at, rows, cols, src_strides, dst_strides)
@@ -163,22 +163,35 @@ def readable(sources: list) -> bool:
 
 def pack(layout_: Layout, sources: list, out: "torch.Tensor | None" = None) -> "torch.Tensor":
     """The packed bytes, on the sources' device (the current stream): one launch where the kernel
-    reads the sources as given (readable), else PyTorch on the host's terms (pack_on_host). A
-    per-call buffer: a recorded call (pairgen/fastcall.py) packs again on every replay."""
+    reads the sources as given (readable), else PyTorch on the host's terms (pack_on_host)."""
+    if not sources[0].is_cuda or not readable(sources):
+        return pack_on_host(layout_, sources)
+    count = layout_.elements
+    return launch_pack(TEMPLATE, sources, layout_.total, max(1, min(-(-count // THREADS), 1024)), count, out=out,
+                       layout=layout_, max_sources=MAX_SOURCES)
+
+
+def launch_pack(template: FusedTemplate, sources: list, total: int, blocks: int, *tail: int,
+                out: "torch.Tensor | None" = None, **context) -> "torch.Tensor":
+    """A pack kernel of `template` (arguments: MAX_SOURCES source pointers, the unused ones null,
+    the pack, then `tail`) launched on the sources into a per-call buffer of `total` bytes (or
+    `out`): noted, so a recorded call (pairgen/fastcall.py) packs again on every replay."""
+    torch, fastcall = _torch_side()
+    packed = torch.empty(total, dtype=torch.uint8, device=sources[0].device) if out is None else out
+    fastcall.note_scratch(packed)
+    pointers = [s.data_ptr() for s in sources] + [0] * (MAX_SOURCES - len(sources))
+    template.launch(sources[0], "", blocks, *pointers, packed.data_ptr(), *tail, **context)
+    return packed
+
+
+@functools.cache
+def _torch_side():
+    """torch and pairgen.fastcall, imported on first use (rendering a pack needs neither)."""
     import torch
 
     from .. import fastcall
 
-    first = sources[0]
-    if not first.is_cuda or not readable(sources):
-        return pack_on_host(layout_, sources)
-    packed = torch.empty(layout_.total, dtype=torch.uint8, device=first.device) if out is None else out
-    fastcall.note_scratch(packed)
-    pointers = [s.data_ptr() for s in sources] + [0] * (MAX_SOURCES - len(sources))
-    count = layout_.elements
-    TEMPLATE.launch(first, "", max(1, min(-(-count // THREADS), 1024)), *pointers, packed.data_ptr(), count,
-                    layout=layout_, max_sources=MAX_SOURCES)
-    return packed
+    return torch, fastcall
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 from ..fused_kernels import THREADS, FusedTemplate
-from ..packing import MAX_SOURCES, OPERAND_KINDS, Sources, layout
+from ..packing import MAX_SOURCES, OPERAND_KINDS, Sources, launch_pack, layout
 from .spec import k_padded, mma_weight_offsets, weight_offsets, wgmma_weight_offsets
 
 _FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
@@ -125,16 +125,7 @@ def pack_wgmma(tensors: list, sources: Sources, P: int, H: int, gate_normalized:
                operand: str):
     """The wgmma kernels' packed bytes in `operand` ("bfloat16"/"float16") from the call's weight
     tensors (all of one storage type, contiguous: packing.readable), on the current stream: a
-    per-call buffer (a recorded call packs again on every replay)."""
-    import torch
-
-    from ... import fastcall
-
+    per-call buffer (a recorded call packs again on every replay). One warp per output row."""
     found = fold_context(P, H, gate_normalized, gate_hidden, operand, sources)
-    like = tensors[0]
-    packed = torch.empty(found["off_total"], dtype=torch.uint8, device=like.device)
-    fastcall.note_scratch(packed)
     rows = 4 * H + P + found["G"]
-    pointers = [t.data_ptr() for t in tensors] + [0] * (MAX_SOURCES - len(tensors))
-    FOLD_TEMPLATE.launch(like, "", -(-rows // (THREADS // 32)), *pointers, packed.data_ptr(), **found)
-    return packed
+    return launch_pack(FOLD_TEMPLATE, tensors, found["off_total"], -(-rows // (THREADS // 32)), **found)
