@@ -50,9 +50,10 @@ def wgmma_fold_stand_in(monkeypatch):
     in (only where pointers land is checked here)."""
     from pairgen.ops.trimul import packs
 
-    def zeros(tensors, sources, P, H, gate_normalized, gate_hidden, operand):
+    def zeros(tensors, sources, P, H, gate_normalized, gate_hidden, operand, out=None):
         size = packs.fold_context(P, H, gate_normalized, gate_hidden, operand, sources)["off_total"]
-        return torch.zeros(size, dtype=torch.uint8)
+        assert size == packs.fold_bytes(P, H, gate_hidden)
+        return torch.zeros(size, dtype=torch.uint8) if out is None else out
 
     monkeypatch.setattr(packs, "pack_wgmma", zeros)
 

@@ -21,11 +21,16 @@ from ..precision import CLOSED_FORM_DTYPES, HALF_BY_DTYPE, HALF_DTYPES, MODULE_O
 from ..spec import OpSpec
 from . import dispatch
 from .autograd import ReferenceBackward, SavedClosedForm, frozen_names
-from .buffers import HeldBuffer
+from .buffers import HeldBuffer, grow_held
 from .dispatch import (CLOSED_FORM, COMPILED, FP32_KERNEL, KERNEL, KERNEL_TRAINING, REFERENCE, SAVED_CLOSED_FORM, Route,
                        Routing, route)
 from .modes import as_dtype, autocast_off, current_autocast
 from .parameters import CallWeights
+
+
+#: The buffers a module packs its weights into, by role: a call's main pack, and a second one
+#: where a strategy makes two (the readout's tf32x3 product operand).
+PACK_SLOTS = ("_pack_weights", "_pack_second")
 
 
 class KernelModule:
@@ -63,7 +68,7 @@ class KernelModule:
 
     # Loaded kernels belong to this process and device: a copy or a pickle (an EMA copy of the
     # model, torch.save) starts without them and loads them on first use.
-    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_handle", "_barrier", "_kernel_route")
+    _RUNTIME_STATE = ("_variant_cache", "_forced_plan", "_handle", "_barrier", "_kernel_route", *PACK_SLOTS)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -408,15 +413,32 @@ class KernelModule:
         raise NotImplementedError
 
     def packed_weights(self) -> torch.Tensor:
-        """The parameters as they are now in the fp32 kernels' layout, as floats: made on each
-        call, as the kernels' own packs are (nothing is kept)."""
+        """The parameters as they are now in the fp32 kernels' layout, as floats (a new tensor)."""
         weights = self._slots.weights()
-        return self._packed(self.fp32_layout(weights.sources), weights).view(torch.float32)
+        return packing.pack(self.fp32_layout(weights.sources), list(weights.tensors)).view(torch.float32)
 
-    @staticmethod
-    def _packed(layout, weights: CallWeights) -> torch.Tensor:
-        """`weights` in a kernel's layout (ops/packing.py), made for this call."""
-        return packing.pack(layout, list(weights.tensors))
+    def _packed(self, layout, weights: CallWeights, slot: str = PACK_SLOTS[0]) -> torch.Tensor:
+        """`weights` in a kernel's layout (ops/packing.py), packed by this call into the module's
+        buffer `slot` (one of PACK_SLOTS: a call that makes two packs uses two)."""
+        tensors = list(weights.tensors)
+        return packing.pack(layout, tensors, out=self._pack_buffer(slot, layout.total, tensors[0].device))
+
+    def _pack_buffer(self, slot: str, total: int, device: torch.device) -> torch.Tensor | None:
+        """`total` bytes the module holds as `slot` (a HeldBuffer), for the weights packed by a
+        call: every call rewrites them before its kernels read them (stream order), so a call
+        allocates nothing for its weights and a recorded call replays into the same bytes. None
+        (the pack makes a per-call buffer) off the GPU and inside an operator call
+        (library.state_per_call), where nothing may outlive the call."""
+        if device.type != "cuda" or self.__dict__.get("_state_per_call"):
+            return None
+        held = self.__dict__.get(slot)
+        if held is None or held.index != device.index or held.capacity < total:
+            held, ptr = grow_held(held, device.index, total, torch.uint8, zeroed=False)
+            self.__dict__[slot] = held
+            buffer = held.live if held.ptr == ptr else held.retired[-1]  # under capture: the graph's own
+        else:
+            buffer = held.live
+        return buffer if buffer.numel() == total else buffer[:total]
 
     def _needs_grad(self, inputs) -> bool:
         return any(t.requires_grad for t in inputs) or any(p.requires_grad for p in self.parameters())

@@ -174,11 +174,14 @@ def pack(layout_: Layout, sources: list, out: "torch.Tensor | None" = None) -> "
 def launch_pack(template: FusedTemplate, sources: list, total: int, blocks: int, *tail: int,
                 out: "torch.Tensor | None" = None, **context) -> "torch.Tensor":
     """A pack kernel of `template` (arguments: MAX_SOURCES source pointers, the unused ones null,
-    the pack, then `tail`) launched on the sources into a per-call buffer of `total` bytes (or
-    `out`): noted, so a recorded call (pairgen/fastcall.py) packs again on every replay."""
+    the pack, then `tail`) launched on the sources into `out` (`total` bytes a module holds), or
+    into a per-call buffer, noted so a recorded call (pairgen/fastcall.py) makes one on every
+    replay. A replay runs the pack launch too: the weights are packed on every call."""
     torch, fastcall = _torch_side()
-    packed = torch.empty(total, dtype=torch.uint8, device=sources[0].device) if out is None else out
-    fastcall.note_scratch(packed)
+    packed = out
+    if packed is None:
+        packed = torch.empty(total, dtype=torch.uint8, device=sources[0].device)
+        fastcall.note_scratch(packed)
     pointers = [s.data_ptr() for s in sources] + [0] * (MAX_SOURCES - len(sources))
     template.launch(sources[0], "", blocks, *pointers, packed.data_ptr(), *tail, **context)
     return packed

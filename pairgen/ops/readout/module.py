@@ -5,7 +5,7 @@ import torch
 
 from ...module.buffers import HeldBuffer, grow_held
 from ...module.dispatch import Routing
-from ...module.kernel_module import KernelModule, TensorCorePrecisions
+from ...module.kernel_module import PACK_SLOTS, KernelModule, TensorCorePrecisions
 from ...module.modes import cublas_fp32_mode, fp32_matmul
 from ...module.validation import check_float_tensor, check_mask, contiguous_aligned
 from ...module.parameters import CallWeights, ParameterSlots
@@ -104,7 +104,7 @@ def run_gemm(module: "PairReadout", variant, weights: CallWeights, nodes, pair_f
     hidden_kernel.named(pair=pair_feats.data_ptr(), uv=uv, wpack=w_ptr, hidden=hidden.data_ptr())
     # messages = hidden W2^T without b2: the pool kernel adds it after the max (gemm.cu.j2 says why).
     if split:
-        w2t = module._packed(packs.split_w2t_layout(D, H, weights.sources), weights).view(torch.float32).view(3 * H, D)
+        w2t = module._packed(packs.split_w2t_layout(D, H, weights.sources), weights, PACK_SLOTS[1]).view(torch.float32).view(3 * H, D)
         with cublas_fp32_mode(True):  # every operand an exact TF32 value: the products are exact
             torch.mm(hidden, w2t[: 2 * H], out=messages)
             messages.addmm_(hidden[:, :H], w2t[2 * H:])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...module.dispatch import Routing
-from ...module.kernel_module import KernelModule, TensorCorePrecisions
+from ...module.kernel_module import PACK_SLOTS, KernelModule, TensorCorePrecisions
 from ...module.modes import cublas_fp32_mode, fp32_matmul
 from ...module.validation import as_mask, check_float_tensor, check_mask, contiguous_aligned
 from ...module.parameters import CallWeights, ParameterSlots
@@ -41,7 +41,8 @@ def tensor_core_pack(module: "TriangleMultiplication", plan, weights: CallWeight
     tensors = list(weights.tensors)
     if not packing.readable(tensors):  # mixed dtypes (an fp32 LayerNorm in a bf16 model), strided: read as fp32
         tensors = [t.detach().float().contiguous() for t in tensors]
-    return packs.pack_wgmma(tensors, weights.sources, P, H, bool(w["gate_normalized"]), hidden, plan.precision)
+    out = module._pack_buffer(PACK_SLOTS[0], packs.fold_bytes(P, H, hidden), tensors[0].device)
+    return packs.pack_wgmma(tensors, weights.sources, P, H, bool(w["gate_normalized"]), hidden, plan.precision, out)
 
 
 def run_mma(module: "TriangleMultiplication", variant, weights: CallWeights, x, mask, out) -> None:
@@ -55,7 +56,7 @@ def run_mma(module: "TriangleMultiplication", variant, weights: CallWeights, x, 
     copies = 3 if precision == "tf32x3" else 1
     ab = torch.empty((2, B * H, copies * N * N), device=x.device, dtype=OPERAND_DTYPES[precision])
     fastcall.note_scratch(ab)
-    packed = tensor_core_pack(module, variant.plan, weights)  # held until every launch is enqueued
+    packed = tensor_core_pack(module, variant.plan, weights)  # alive until every launch is enqueued
     w_ptr = packed.data_ptr()
     if x.dtype is not ab.dtype:
         x = x.to(ab.dtype)  # an fp32 input under autocast: the kernels read x in the operand type
@@ -88,7 +89,7 @@ def run_bmm(module: "TriangleMultiplication", variant, weights: CallWeights, x, 
     # One allocation for a, b and their product, from torch's stream-aware caching allocator (so a
     # captured CUDA graph never points at memory a later, larger call freed).
     ar, br, z = torch.empty((3, B * module.widths["H"], N, N), device=x.device, dtype=torch.float32).unbind(0)
-    packed = fp32_pack(module, weights)  # held until every launch is enqueued
+    packed = fp32_pack(module, weights)  # alive until every launch is enqueued
     x_ptr, w_ptr = x.data_ptr(), packed.data_ptr()
     project.named(x=x_ptr, mask=mask.data_ptr(), w=w_ptr, ar=ar.data_ptr(), br=br.data_ptr(),
                   mask_is_float=int(mask.dtype is torch.float32))
@@ -103,7 +104,7 @@ def run_fused(module: "TriangleMultiplication", variant, weights: CallWeights, x
     (fused,) = variant.launches(x.get_device(), B, N)
     ab = torch.empty((2, B * module.widths["H"] * N * N), device=x.device, dtype=torch.float32)
     fastcall.note_scratch(ab)
-    packed = fp32_pack(module, weights)  # held until the launch is enqueued
+    packed = fp32_pack(module, weights)  # alive until the launch is enqueued
     fused.named(x=x.data_ptr(), mask=mask.data_ptr(), w=packed.data_ptr(), ar=ab[0].data_ptr(),
                 br=ab[1].data_ptr(), barrier=module._barrier_ints(x.device), out=out.data_ptr(),
                 mask_is_float=int(mask.dtype is torch.float32))

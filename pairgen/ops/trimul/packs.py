@@ -121,11 +121,17 @@ def render_fold(kind: str, P: int, H: int, operand: str, gate_normalized: bool =
     return FOLD_TEMPLATE.render(kind, **fold_context(P, H, gate_normalized, gate_hidden, operand, sources))
 
 
+@functools.lru_cache(maxsize=64)
+def fold_bytes(P: int, H: int, gate_hidden: bool) -> int:
+    """The size of the wgmma kernels' pack."""
+    return wgmma_weight_offsets(P, H, OPERAND_ELEMENT_BYTES, gate_hidden)["total"]
+
+
 def pack_wgmma(tensors: list, sources: Sources, P: int, H: int, gate_normalized: bool, gate_hidden: bool,
-               operand: str):
+               operand: str, out=None):
     """The wgmma kernels' packed bytes in `operand` ("bfloat16"/"float16") from the call's weight
-    tensors (all of one storage type, contiguous: packing.readable), on the current stream: a
-    per-call buffer (a recorded call packs again on every replay). One warp per output row."""
+    tensors (all of one storage type, contiguous: packing.readable), on the current stream, into
+    `out` (fold_bytes bytes) or a per-call buffer (packing.launch_pack). One warp per output row."""
     found = fold_context(P, H, gate_normalized, gate_hidden, operand, sources)
     rows = 4 * H + P + found["G"]
-    return launch_pack(FOLD_TEMPLATE, tensors, found["off_total"], -(-rows // (THREADS // 32)), **found)
+    return launch_pack(FOLD_TEMPLATE, tensors, found["off_total"], -(-rows // (THREADS // 32)), out=out, **found)
