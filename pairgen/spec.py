@@ -121,9 +121,9 @@ DeriveFn = Callable[[dict, dict, str], "tuple[dict, tuple[Kernel, ...]]"]
 
 @dataclass(frozen=True)
 class Strategy:
-    """One template and its search space (a dict of choices per parameter). `derive` turns a
-    point into the template's context and the kernels it declares; what a strategy does at run
-    time is its runner, registered beside the op's drop-in module."""
+    """One template and its search space (a dict of choices per parameter), declared in one file
+    (pairgen/ops/<op>/strategies/<name>.py) with what runs it. `derive` turns a point into the
+    template's context and the kernels it declares; `run` runs a call on a variant of it."""
 
     name: str
     space: dict[str, tuple]
@@ -132,6 +132,14 @@ class Strategy:
     summary: str = ""
     #: The precisions it computes in (tuned keys' dtype): "float32" is exact fp32, no TF32.
     precisions: tuple[str, ...] = ("float32",)
+    #: What runs a call: run(module, variant, weights, *inputs, out) packs the weights, makes the
+    #: scratch, launches the variant's kernels by argument name and runs any host step between
+    #: them (a cuBLAS product). None: declared for rendering only (tests' stand-in ops).
+    run: Callable | None = None
+    #: The precisions whose calls can be recorded and replayed in compiled code (pairgen/fastcall.py):
+    #: those where `run` launches only pairgen kernels and noted 16-bit products on the inputs, the
+    #: weights, the output, buffers the module holds and per-call buffers it notes.
+    records: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import torch
 from helpers import assert_tensor_core_defaults_compile, feasible_defaults, generator, sampled_plans
 from pairgen import codegen, compiler
 from pairgen.ops import get_op
-from pairgen.ops.contact import packs
+from pairgen.ops.contact.strategies import mma as contact_mma
 from pack_oracles import host_pack
-from pairgen.ops.contact.spec import mma_weight_offsets
+from pairgen.ops.contact.strategies.mma import mma_weight_offsets
 from pairgen.spec import HALF_PRECISIONS, MMA_KINDS, DeviceLimits
 
 CONTACT = get_op("contact")
@@ -75,7 +75,7 @@ def test_packed_weights_layout():
               module.mlp[4].weight, module.mlp[4].bias, module.layer_norm.weight, module.layer_norm.bias]
     for dtype in (torch.bfloat16, torch.float32):
         precision = "bfloat16" if dtype is torch.bfloat16 else "tf32x3"
-        packed = host_pack(module, packs.mma_layout(48, 24, precision, module._slots.sources))
+        packed = host_pack(module, contact_mma.mma_layout(48, 24, precision, module._slots.sources))
         off = mma_weight_offsets(48, 24, torch.empty(0, dtype=dtype).element_size())
         assert packed.numel() == off["total"] and all(v % 16 == 0 for v in off.values())
 

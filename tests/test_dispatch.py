@@ -126,7 +126,6 @@ def test_cpu_inputs_and_pairgen_disable_run_the_reference(monkeypatch):
 def test_explain_prints_the_routes(monkeypatch):
     v = variant("wgmma")
     module, _ = module_and_inputs("trimul", 1, 128, torch.bfloat16, {"bfloat16": v})
-    module.fast_call_16_bit_strategies = frozenset({"wgmma"})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(runtime, "explain", lambda spec, p, widths, n, index: runtime.explain_on_cpu(spec, n, "tuned"))
     monkeypatch.setattr(dispatch, "stand_in", lambda shape, dtype, device, grad=False: CudaStandIn(shape, dtype, grad))

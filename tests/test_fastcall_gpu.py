@@ -20,8 +20,8 @@ pytestmark = pytest.mark.gpu
 SPECS = {"contact": CONTACT, "trimul": TRIMUL, "readout": READOUT}
 SEEDS = {name: spec.presets["seed"][0] for name, spec in SPECS.items()}
 #: Each op's strategies that record, with a shape no tuning used (odd B and N).
-RECORDING = [(name, strategy) for name, spec in SPECS.items()
-             for strategy in sorted(spec.make_module(spec.widths_of(SEEDS[name]), generator(0)).fast_call_strategies)]
+RECORDING = [(name, strategy.name) for name, spec in SPECS.items()
+             for strategy in spec.strategies.values() if strategy.precisions[0] in strategy.records]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -97,7 +97,7 @@ def test_models_form_bf16_call_replays():
     """The models' form (gate on the normalised input, no biases) at P = H = 128 in bf16, N128."""
     shape = {"B": 1, "N": 128, "P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
     spec, module, gen = case("trimul", shape, seed=19, precision="bfloat16")
-    assert module.variant_for(128, 0, "bfloat16").plan.strategy in module.fast_call_16_bit_strategies
+    assert module._records(module.variant_for(128, 0, "bfloat16"))
     assert_replays_match_float64(spec, module, shape, gen, "bfloat16")
 
 
@@ -105,8 +105,8 @@ def test_models_form_bf16_call_replays():
 def test_tuned_seed_calls_replay(name):
     """The seed shapes are where host time decides a call's speed: their tuned strategies record."""
     spec, module, gen = case(name, SEEDS[name], seed=3)
-    strategy = module.variant_for(SEEDS[name]["N"], 0).plan.strategy
-    assert strategy in module.fast_call_strategies, f"the tuned seed strategy {strategy} does not record"
+    variant = module.variant_for(SEEDS[name]["N"], 0)
+    assert module._records(variant), f"the tuned seed strategy {variant.plan.strategy} does not record"
     assert_replays_match_float64(spec, module, SEEDS[name], gen)
 
 

@@ -49,7 +49,8 @@ def bound_launch() -> BoundLaunch:
 class Scale(KernelModule, nn.Module):
     """out = x * lin.weight[0, 0] + lin.bias[0], computed by the stand-in kernel on CPU float32."""
 
-    fast_call_strategies = frozenset({"scale"})
+    # Its one strategy records its float32 calls (the stand-in kernel runs through _launch below).
+    op = types.SimpleNamespace(strategies={"scale": types.SimpleNamespace(records=("float32",))})
 
     def __init__(self):
         super().__init__()
@@ -57,7 +58,7 @@ class Scale(KernelModule, nn.Module):
         self._slots = ParameterSlots(self, ["lin.weight", "lin.bias"])
         self.python_launches = 0
         # The variant carries the bound launch (a copy of the module drops it, as it drops real ones).
-        self.force_variant(types.SimpleNamespace(plan=types.SimpleNamespace(strategy="scale"), bound=bound_launch()))
+        self.force_variant(types.SimpleNamespace(plan=types.SimpleNamespace(strategy="scale", precision="float32"), bound=bound_launch()))
 
     def uses_kernel(self, x) -> bool:
         return x.dtype is torch.float32

@@ -17,9 +17,11 @@ from pairgen import compiler
 from pairgen.functional import af3_parameters
 from pairgen.ops import get_op
 from pairgen.ops.contact import packs as contact_packs
+from pairgen.ops.contact.strategies import mma as contact_mma
 from pairgen.ops.packing import Piece, Sources, layout, pack, pack_on_host, render
 from pairgen.ops.readout import packs as readout_packs
 from pairgen.ops.trimul import packs as trimul_packs
+from pairgen.ops.trimul.strategies import mma as trimul_mma
 
 TRIMUL_FORMS = [dict(bias=b, gate_at=g) for b, g in itertools.product((True, False), ("output", "hidden"))]
 OPERANDS = {"bfloat16": torch.bfloat16, "float16": torch.float16, "tf32x3": torch.float32}
@@ -54,7 +56,7 @@ def _layouts(P: int = 40, H: int = 24, D: int = 20):
         yield (f"trimul fp32 {form}", trimul_packs.fp32_layout(P, H, form["bias"], gate, sources), params,
                pack_weights(named, P, H, form["bias"]).view(torch.uint8))
         for precision, dtype in OPERANDS.items():
-            yield (f"trimul mma {precision} {form}", trimul_packs.mma_layout(P, H, form["bias"], gate, precision, sources),
+            yield (f"trimul mma {precision} {form}", trimul_mma.mma_layout(P, H, form["bias"], gate, precision, sources),
                    params, pack_mma_weights(named, P, H, form["bias"], dtype))
     contact = _randomised(get_op("contact").make_module({"P": P, "H": H}, generator(1)))
     params, sources = _own(contact)
@@ -63,7 +65,7 @@ def _layouts(P: int = 40, H: int = 24, D: int = 20):
                                                            "layer_norm.bias")]
     yield "contact fp32", contact_packs.fp32_layout(P, H, sources), params, contact_fp32_pack(ordered, P, H).view(torch.uint8)
     for precision, dtype in OPERANDS.items():
-        yield (f"contact mma {precision}", contact_packs.mma_layout(P, H, precision, sources), params,
+        yield (f"contact mma {precision}", contact_mma.mma_layout(P, H, precision, sources), params,
                contact_mma_pack(ordered, P, H, dtype))
     readout = _randomised(get_op("readout").make_module({"D": D, "P": P, "H": H}, generator(2)))
     params, sources = _own(readout)
@@ -101,7 +103,7 @@ def test_the_alphafold3_layout_packs_as_the_module_it_stands_for():
     named = af3_parameters(complete, True, lambda t: t)
     assert torch.equal(pack_on_host(trimul_packs.fp32_layout(P, H, True, P, sources), tensors),
                        pack_weights(named, P, H, True).view(torch.uint8))
-    assert torch.equal(pack_on_host(trimul_packs.mma_layout(P, H, True, P, "bfloat16", sources), tensors),
+    assert torch.equal(pack_on_host(trimul_mma.mma_layout(P, H, True, P, "bfloat16", sources), tensors),
                        pack_mma_weights(named, P, H, True, torch.bfloat16))
 
 

@@ -48,7 +48,7 @@ class _RecordingVariant:
 def wgmma_fold_stand_in(monkeypatch):
     """The wgmma fold kernel (ops/trimul/packs.py) needs a GPU: a zeroed buffer of its size stands
     in (only where pointers land is checked here)."""
-    from pairgen.ops.trimul import packs
+    from pairgen.ops.trimul.strategies import wgmma as packs
 
     def zeros(tensors, sources, P, H, gate_normalized, gate_hidden, operand, out=None):
         size = packs.fold_context(P, H, gate_normalized, gate_hidden, operand, sources)["off_total"]

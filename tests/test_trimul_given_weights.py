@@ -15,13 +15,14 @@ from pairgen import compiler, functional, native
 from pairgen.functional import af3_parameters
 from pack_oracles import pack_wgmma_weights
 from pairgen.ops.trimul import packs as trimul_packs
-from pairgen.ops.trimul.spec import k_padded, wgmma_weight_offsets
+from pairgen.ops.trimul.strategies import wgmma as trimul_wgmma
+from pairgen.ops.trimul.strategies.wgmma import k_padded, wgmma_weight_offsets
 
 
 @pytest.mark.parametrize("kind, operand, gate", [("float32", "bfloat16", "normalized"), ("bfloat16", "float16", "input"),
                                                  ("float16", "bfloat16", "hidden"), ("bfloat16", "bfloat16", "normalized")])
 def test_the_pack_kernel_renders_and_compiles(kind, operand, gate):
-    rendered = trimul_packs.render_fold(kind, 40, 24, operand, gate != "input", gate == "hidden")
+    rendered = trimul_wgmma.render_fold(kind, 40, 24, operand, gate != "input", gate == "hidden")
     assert compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
 
 
@@ -45,7 +46,7 @@ def test_the_gpu_pack_is_the_pytorch_pack(P, H, dtype, operand, bias):
     w = _af3_weights(P, H, bias, dtype, seed=P + H)
     given = [t for t in w.values() if t is not None]
     sources = trimul_packs.af3_sources(tuple(t is not None for t in w.values()), P, H)
-    ours = trimul_packs.pack_wgmma(given, sources, P, H, True, False, operand)
+    ours = trimul_wgmma.pack_wgmma(given, sources, P, H, True, False, operand)
     params = af3_parameters(w, bias, lambda t: t)
     theirs = pack_wgmma_weights(params, P, H, bias, True, getattr(torch, operand))
     offsets = wgmma_weight_offsets(P, H, 2)
@@ -76,8 +77,8 @@ def test_weights_made_anew_every_call_run_on_a_pack_not_a_new_module(monkeypatch
     mask = torch.rand(1, 123, 123, generator=gen).cuda() > 0.2
     mask[0, 7] = False  # an empty row
     packs = []
-    real_pack = trimul_packs.pack_wgmma
-    monkeypatch.setattr(trimul_packs, "pack_wgmma", lambda *a: packs.append(1) or real_pack(*a))
+    real_pack = trimul_wgmma.pack_wgmma
+    monkeypatch.setattr(trimul_wgmma, "pack_wgmma", lambda *a: packs.append(1) or real_pack(*a))
     functional._modules.clear()
     functional._structures.clear()
     functional._replayers.clear()

@@ -14,7 +14,8 @@ from pairgen import codegen, compiler
 from pairgen.ops.trimul import TRIMUL, TriangleMultiplication, TriangleMultiplicationReference
 from pairgen.ops.trimul import packs
 from pack_oracles import host_pack
-from pairgen.ops.trimul.spec import MMA_KINDS, mma_weight_offsets
+from pairgen.spec import MMA_KINDS
+from pairgen.ops.trimul.strategies.mma import mma_layout, mma_weight_offsets
 from pairgen.spec import DeviceLimits, kernel_name
 from pairgen.tuning.cli import add_selection_args, selected_shapes
 
@@ -129,7 +130,7 @@ def test_packed_weights_hold_the_parameters_in_the_kernels_layout(dtype, bias):
         torch.nn.init.normal_(p)
     params = dict(module.named_parameters())
     precision = "bfloat16" if dtype is torch.bfloat16 else "tf32x3"
-    packed = host_pack(module, packs.mma_layout(P, H, bias, P, precision, module._slots.sources))
+    packed = host_pack(module, mma_layout(P, H, bias, P, precision, module._slots.sources))
     off = mma_weight_offsets(P, H, bias, torch.empty(0, dtype=dtype).element_size())
     assert packed.dtype is torch.uint8 and packed.numel() == off["total"]
 
@@ -208,7 +209,7 @@ def test_one_point_in_two_precisions_builds_two_variants():
 
 
 def test_every_precision_has_an_output_dtype_and_an_operand_dtype():
-    from pairgen.ops.trimul.module import OPERAND_DTYPES, OUTPUT_DTYPES
+    from pairgen.precision import OPERAND_DTYPES, OUTPUT_DTYPES
 
     assert set(OUTPUT_DTYPES) == set(TRIMUL.precisions)
     assert set(OPERAND_DTYPES) == set(MMA_KINDS)

@@ -14,7 +14,7 @@ from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases,
 from pairgen import runtime
 from pairgen.ops.trimul import TRIMUL
 from pairgen.spec import DeviceLimits
-from pairgen.ops.trimul.spec import MMA_KINDS
+from pairgen.spec import MMA_KINDS
 from pairgen.tuning.check import compare, reference64
 
 pytestmark = pytest.mark.gpu

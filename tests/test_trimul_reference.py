@@ -318,7 +318,7 @@ def test_the_hidden_gate_placement():
     torch.testing.assert_close(module(x, mask), reference(x, mask))
     assert not module.closed_form_applies([x, mask])
     assert "gate_hidden" not in TriangleMultiplication(8, 4).widths, "the output placement keeps its tuned keys"
-    from pairgen.ops.trimul.spec import weight_offsets
+    from pairgen.ops.trimul.common import weight_offsets
 
     packed, off = module.packed_weights(), weight_offsets(8, 4, True, 4)
     assert packed.numel() == off["total"] and off["bg"] - off["wg"] == 8 * 4

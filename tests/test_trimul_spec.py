@@ -305,7 +305,8 @@ def test_gate_hidden_runs_in_every_strategy():
 def test_gate_hidden_mma_layout_and_shared_memory():
     """The gate's product passes tile H (a pass width dividing P but not H is refused), its weight
     rows (H of them resident, else one pass) replace the output placement's P in shared memory."""
-    from pairgen.ops.trimul.spec import mma_row_bytes, mma_weight_offsets
+    from pairgen.spec import mma_row_bytes
+    from pairgen.ops.trimul.strategies.mma import mma_weight_offsets
 
     point = next(p for s, p in TRIMUL.default_points if s == "mma" and p["o_resident"])
     out_plan = TRIMUL.plan("mma", point, widths(128, 64), "bfloat16")

@@ -14,7 +14,7 @@ import torch
 from pairgen import codegen, compiler
 from pairgen.ops.trimul import TRIMUL
 from pack_oracles import pack_wgmma_weights
-from pairgen.ops.trimul.spec import k_padded, wgmma_weight_offsets
+from pairgen.ops.trimul.strategies.wgmma import k_padded, wgmma_weight_offsets
 from pairgen.spec import SIXTEEN_BIT_TOLERANCE, DeviceLimits, kernel_name
 from pairgen.tuning.check import compare, reference64
 

@@ -6,6 +6,10 @@ from typing import NamedTuple
 
 import torch
 
+#: The buffers a module packs its weights into (KernelModule._pack_buffer), by role: a call's main
+#: pack, and a second one where a strategy makes two (the readout's tf32x3 product operand).
+PACK_SLOTS = ("_pack_weights", "_pack_second")
+
 
 class HeldBuffer(NamedTuple):
     """A buffer a module keeps between calls on one device (index -1: the CPU), with the buffers

@@ -21,23 +21,17 @@ from ..precision import CLOSED_FORM_DTYPES, HALF_BY_DTYPE, HALF_DTYPES, MODULE_O
 from ..spec import OpSpec
 from . import dispatch
 from .autograd import ReferenceBackward, SavedClosedForm, frozen_names
-from .buffers import HeldBuffer, grow_held
+from .buffers import PACK_SLOTS, HeldBuffer, grow_held
 from .dispatch import (CLOSED_FORM, COMPILED, FP32_KERNEL, KERNEL, KERNEL_TRAINING, REFERENCE, SAVED_CLOSED_FORM, Route,
                        Routing, route)
 from .modes import as_dtype, autocast_off, current_autocast
 from .parameters import CallWeights
 
 
-#: The buffers a module packs its weights into, by role: a call's main pack, and a second one
-#: where a strategy makes two (the readout's tf32x3 product operand).
-PACK_SLOTS = ("_pack_weights", "_pack_second")
-
-
 class KernelModule:
     """Mixin for drop-in modules: decides kernel or reference, and keeps the variant choice.
 
-    A subclass provides: `op` (its OpSpec), `runners` (strategy name -> the function that runs a
-    variant of that strategy on (module, variant, weights, *inputs, out)), `widths`,
+    A subclass provides: `op` (its OpSpec, whose strategies run the calls), `widths`,
     `input_layout`, `reference_forward(*inputs)`, `_launch(*inputs, out=None, variant=None,
     weights=None)`, `_slots` (its ParameterSlots), and validates its inputs before calling
     `_dispatch`; where its dispatch differs from the default, a `routing` (dispatch.Routing) and
@@ -45,7 +39,6 @@ class KernelModule:
     """
 
     op: OpSpec
-    runners: dict[str, Callable] = {}
     _forced_plan = None  # set by the tuner and the tests to run one specific variant
     _reference_only = False  # set while pairgen.library runs the reference on weights it was given
     _variant_cache: dict | None = None  # (device index, N) -> variant, valid for one runtime generation
@@ -90,18 +83,10 @@ class KernelModule:
     _fast_calls: tuple = ()
     #: Recordings kept per module: a few lengths called in turn all stay fast.
     MAX_FAST_CALLS = 4
-    #: Strategies whose runners launch only pairgen kernels, on the inputs, the weights, the
-    #: output, tensors the module holds and per-call buffers they note (fastcall.note_scratch):
-    #: their calls can be recorded. A runner that runs PyTorch operations between its kernels is not listed.
-    fast_call_strategies: frozenset = frozenset()
-    #: Strategies whose calls can be recorded in bfloat16/float16 only.
-    fast_call_16_bit_strategies: frozenset = frozenset()
-
     def _records(self, variant) -> bool:
-        """Whether a call of this variant can be recorded for replay."""
-        strategy = variant.plan.strategy
-        return strategy in self.fast_call_strategies or (
-            strategy in self.fast_call_16_bit_strategies and variant.plan.precision in HALF_DTYPES)
+        """Whether a call of this variant can be recorded for replay (its strategy's `records`)."""
+        plan = variant.plan
+        return plan.precision in self.op.strategies[plan.strategy].records
 
     def _fast_forward(self, *inputs):
         """The output of a recorded call that matches these inputs, or None: take the Python path.
@@ -406,7 +391,7 @@ class KernelModule:
 
     def _run(self, variant, weights: CallWeights, *tensors) -> None:
         """The variant's strategy runs it on `weights` and prepared tensors (inputs..., out)."""
-        self.runners[variant.plan.strategy](self, variant, weights, *tensors)
+        self.op.strategies[variant.plan.strategy].run(self, variant, weights, *tensors)
 
     def fp32_layout(self, sources: "packing.Sources"):
         """The op's fp32 kernels' Layout for weights placed as `sources` say (an op defines it)."""

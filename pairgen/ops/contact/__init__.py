@@ -1,14 +1,18 @@
 """The pair contact head: LayerNorm per pair, symmetrised, a 3-layer MLP, sigmoid.
 
 reference.py  the reference module and its test inputs
-spec.py       strategies, search space, restrictions, defaults, plans (no torch)
-module.py     the drop-in module and the strategies' runners
-packs.py      the weight packs each call makes for the kernels
+spec.py       the op's widths, presets, tolerances, defaults and cost (no torch)
+strategies/   one file per strategy: space, restrictions, kernel, its pack, what runs a call
+common.py     what the fp32 strategies share: weight offsets, context, restrictions, runner
+module.py     the drop-in module (validation; the call's strategy runs it)
+packs.py      the fp32 kernels' pack
+backward.py   the closed-form gradients (fused_backward.py: their fused passes)
 
 Importing the package imports only the spec; the torch half loads on first use.
 """
 from ...spec import lazy_exports
-from .spec import CONTACT, weight_offsets
+from .common import weight_offsets
+from .spec import CONTACT
 
 
 def _torch_half():

@@ -1,4 +1,5 @@
-"""The contact head's drop-in module: validation and the strategies' runners."""
+"""The contact head's drop-in module: validation, then the strategy of the call's variant runs it
+(pairgen/ops/contact/strategies/)."""
 from __future__ import annotations
 
 import torch
@@ -7,31 +8,10 @@ from ...module.dispatch import Routing
 from ...module.kernel_module import KernelModule, TensorCorePrecisions
 from ...module.validation import check_float_tensor, contiguous_aligned
 from ...module.parameters import CallWeights, ParameterSlots
-from ...precision import OPERAND_DTYPES, OUTPUT_DTYPES
+from ...precision import OUTPUT_DTYPES
 from . import backward, packs
 from .reference import ContactHeadReference
-from .spec import CONTACT, MMA, SYMMETRIC_TILED, THREAD_PER_PAIR, TILED, WGMMA
-
-
-def run_single_kernel(module: "ContactHead", variant, weights: CallWeights, x, out) -> None:
-    """The fp32 strategies: the weights packed for the call, then one kernel over (x, weights, out)."""
-    B, N = x.shape[0], x.shape[1]
-    packed = module._packed(module.fp32_layout(weights.sources), weights)
-    (main,) = variant.launches(x.get_device(), B, N)
-    main.named(x=x.data_ptr(), wpack=packed.data_ptr(), out=out.data_ptr())
-
-
-def run_mma(module: "ContactHead", variant, weights: CallWeights, x, out) -> None:
-    """The tensor-core kernel, on the weights packed for the call in its operand dtype; an fp32
-    input under autocast is cast first (the kernel reads x in that dtype)."""
-    B, N = x.shape[0], x.shape[1]
-    dtype = OPERAND_DTYPES[variant.plan.precision]
-    if x.dtype is not dtype:
-        x = x.to(dtype)
-    P, H = module.widths["P"], module.widths["H"]
-    packed = module._packed(packs.mma_layout(P, H, variant.plan.precision, weights.sources), weights)
-    (main,) = variant.launches(x.get_device(), B, N)
-    main.named(x=x.data_ptr(), w=packed.data_ptr(), out=out.data_ptr())
+from .spec import CONTACT
 
 
 class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
@@ -44,9 +24,6 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
     """
 
     op = CONTACT
-    runners = {**{s.name: run_single_kernel for s in (THREAD_PER_PAIR, TILED, SYMMETRIC_TILED)}, MMA.name: run_mma,
-               WGMMA.name: run_mma}  # wgmma takes mma's packed weights and arguments
-    fast_call_strategies = frozenset(runners)
 
     def __init__(self, pair_dim: int, hidden_dim: int, precision: str = "ieee"):
         super().__init__(pair_dim, hidden_dim)

@@ -1,11 +1,11 @@
-"""The contact head's weight packs, made for each call from its parameters as they are
-(pairgen/ops/packing.py): the fp32 kernels' and the tensor-core kernels'."""
+"""The contact head's fp32 kernels' weight pack, made for each call from its parameters as they are
+(pairgen/ops/packing.py); the tensor-core kernels' is strategies/mma.py's."""
 from __future__ import annotations
 
 import functools
 
-from ..packing import OPERAND_KINDS, Sources, layout
-from .spec import mma_weight_offsets, weight_offsets
+from ..packing import Sources, layout
+from .common import weight_offsets
 
 
 @functools.lru_cache(maxsize=64)
@@ -15,20 +15,6 @@ def fp32_layout(P: int, H: int, sources: Sources):
     s = sources
     pieces = [s.transposed("mlp.0.weight", "f32", off["w1t"], H, P), s.copy("mlp.0.bias", "f32", off["b1"], H),
               s.transposed("mlp.2.weight", "f32", off["w2t"], H, H), s.copy("mlp.2.bias", "f32", off["b2"], H),
-              s.copy("mlp.4.weight", "f32", off["w3"], H), s.copy("mlp.4.bias", "f32", off["b3"], 1),
-              s.copy("layer_norm.weight", "f32", off["gamma"], P), s.copy("layer_norm.bias", "f32", off["beta"], P)]
-    return layout(off["total"], pieces, sources.count)
-
-
-@functools.lru_cache(maxsize=64)
-def mma_layout(P: int, H: int, precision: str, sources: Sources):
-    """W1, W2 n-major (nn.Linear's own layout) in the operand type, the vectors in fp32, at
-    mma_weight_offsets (bytes)."""
-    kind = OPERAND_KINDS[precision]
-    off = mma_weight_offsets(P, H, 2 if kind in ("bf16", "f16") else 4)
-    s = sources
-    pieces = [s.copy("mlp.0.weight", kind, off["w1"], H, P), s.copy("mlp.2.weight", kind, off["w2"], H, H),
-              s.copy("mlp.0.bias", "f32", off["b1"], H), s.copy("mlp.2.bias", "f32", off["b2"], H),
               s.copy("mlp.4.weight", "f32", off["w3"], H), s.copy("mlp.4.bias", "f32", off["b3"], 1),
               s.copy("layer_norm.weight", "f32", off["gamma"], P), s.copy("layer_norm.bias", "f32", off["beta"], P)]
     return layout(off["total"], pieces, sources.count)

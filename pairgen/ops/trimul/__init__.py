@@ -2,15 +2,20 @@
 with or without biases.
 
 reference.py  the reference module and its test inputs
-spec.py       strategies, search space, restrictions, defaults, plans (no torch)
-module.py     the drop-in module and the strategies' runners
-packs.py      the weight packs each call makes for the kernels
+spec.py       the op's widths, presets, tolerances, defaults and cost (no torch)
+strategies/   one file per strategy: space, restrictions, kernels, its pack, what runs a call
+common.py     what the strategies share: argument lists, fp32 offsets, the FMA kernels' layouts
+module.py     the drop-in module (validation; the call's strategy runs it)
+packs.py      the weights' names and places, the fp32 kernels' pack
+triangle.py   the triangle sums as one batched product
+backward.py   the closed-form gradients (fused_backward.py: their fused passes)
 peers.py      cuEquivariance, timed beside it by scripts/bench.py
 
 Importing the package imports only the spec; the torch half loads on first use.
 """
 from ...spec import lazy_exports
-from .spec import TRI_BUDGET, TRI_KC, TRIMUL, options_of, triangle_staging, weight_offsets
+from .common import TRI_BUDGET, TRI_KC, triangle_staging, weight_offsets
+from .spec import TRIMUL, options_of
 
 
 def _torch_half():
@@ -23,7 +28,7 @@ def _torch_half():
 
 TRIMUL.bind(_torch_half)
 __getattr__ = lazy_exports(__name__, {
-    "TriangleMultiplication": "module", "triangle_bmm": "module",
+    "TriangleMultiplication": "module", "triangle_bmm": "triangle",
     "cuequivariance_peer": "peers",
     "TriangleMultiplicationReference": "reference", "make_inputs": "reference", "random_mask": "reference"})
 

@@ -1,113 +1,18 @@
-"""The triangle update's drop-in module: validation and the strategies' runners."""
+"""The triangle update's drop-in module: validation, then the strategy of the call's variant runs it
+(pairgen/ops/trimul/strategies/)."""
 from __future__ import annotations
 
 import torch
 
 from ...module.dispatch import Routing
-from ...module.kernel_module import PACK_SLOTS, KernelModule, TensorCorePrecisions
-from ...module.modes import cublas_fp32_mode, fp32_matmul
+from ...module.kernel_module import KernelModule, TensorCorePrecisions
 from ...module.validation import as_mask, check_float_tensor, check_mask, contiguous_aligned
 from ...module.parameters import CallWeights, ParameterSlots
-from ...precision import HALF_DTYPES, OPERAND_DTYPES, OUTPUT_DTYPES
-from ... import fastcall
-from .. import packing
+from ...precision import OUTPUT_DTYPES
 from . import backward, packs
+from .common import gate_columns
 from .reference import TriangleMultiplicationReference
-from .spec import BMM, FUSED, MMA, TRIMUL, WGMMA
-
-_FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
-
-
-def triangle_operands(ar: torch.Tensor, br: torch.Tensor, outgoing: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The triangle sums as one batched product left @ right on the (B*H, N, N) layout
-    ar[(b*H + h), r, c] = a[b, r, c, h]: incoming out[i, j] = sum_k a[k, i] b[k, j] = (arᵀ·br)[i, j];
-    outgoing sum_k a[i, k] b[j, k] = (ar·brᵀ)[i, j]. The transposed views reach cuBLAS as flags,
-    not copies."""
-    return (ar, br.transpose(1, 2)) if outgoing else (ar.transpose(1, 2), br)
-
-
-def triangle_bmm(ar: torch.Tensor, br: torch.Tensor, outgoing: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The triangle sums (triangle_operands' product)."""
-    return torch.bmm(*triangle_operands(ar, br, outgoing), out=out)
-
-
-def tensor_core_pack(module: "TriangleMultiplication", plan, weights: CallWeights) -> torch.Tensor:
-    """`weights` packed for this call for the mma or wgmma kernels in the plan's precision."""
-    w = module.widths
-    P, H, bias, hidden = w["P"], w["H"], bool(w["bias"]), bool(w.get("gate_hidden"))
-    if plan.strategy == MMA.name:
-        return module._packed(packs.mma_layout(P, H, bias, H if hidden else P, plan.precision, weights.sources),
-                              weights)
-    tensors = list(weights.tensors)
-    if not packing.readable(tensors):  # mixed dtypes (an fp32 LayerNorm in a bf16 model), strided: read as fp32
-        tensors = [t.detach().float().contiguous() for t in tensors]
-    out = module._pack_buffer(PACK_SLOTS[0], packs.fold_bytes(P, H, hidden), tensors[0].device)
-    return packs.pack_wgmma(tensors, weights.sources, P, H, bool(w["gate_normalized"]), hidden, plan.precision, out)
-
-
-def run_mma(module: "TriangleMultiplication", variant, weights: CallWeights, x, mask, out) -> None:
-    """Weights packed for the call -> projection kernel (tensor cores) -> cuBLAS bmm in the same
-    precision -> output kernel; the mma and wgmma strategies alike, each with its own pack.
-    tf32x3's a and b hold three blocks each along the contracted index (mma.cu.j2), so one TF32
-    GEMM over 3N sums hi·hi + hi·lo + lo·hi."""
-    B, N = x.shape[0], x.shape[1]
-    H, precision = module.widths["H"], variant.plan.precision
-    project, output = variant.launches(x.get_device(), B, N)
-    copies = 3 if precision == "tf32x3" else 1
-    ab = torch.empty((2, B * H, copies * N * N), device=x.device, dtype=OPERAND_DTYPES[precision])
-    fastcall.note_scratch(ab)
-    packed = tensor_core_pack(module, variant.plan, weights)  # alive until every launch is enqueued
-    w_ptr = packed.data_ptr()
-    if x.dtype is not ab.dtype:
-        x = x.to(ab.dtype)  # an fp32 input under autocast: the kernels read x in the operand type
-    x_ptr = x.data_ptr()
-    project.named(x=x_ptr, mask=mask.data_ptr(), w=w_ptr, ar=ab[0].data_ptr(), br=ab[1].data_ptr(),
-                  mask_is_float=int(mask.dtype is torch.float32))
-    shape = (B * H, N, copies * N) if module._outgoing else (B * H, copies * N, N)
-    ar, br = ab[0].view(shape), ab[1].view(shape)
-    if precision in HALF_DTYPES:  # fp32 accumulation, output in the operands' dtype
-        z = torch.empty((B * H, N, N), device=x.device, dtype=ab.dtype)
-        fastcall.note_scratch(z)
-        left, right = triangle_operands(ar, br, module._outgoing)
-        torch.bmm(left, right, out=z)
-        fastcall.note_product(left, right, z)  # a replay runs it between the two kernels
-    else:
-        with cublas_fp32_mode(tf32=True):
-            z = triangle_bmm(ar, br, module._outgoing)
-    output.named(x=x_ptr, z=z.data_ptr(), w=w_ptr, out=out.data_ptr())
-
-
-def fp32_pack(module: "TriangleMultiplication", weights: CallWeights) -> torch.Tensor:
-    """`weights` packed for this call for the fp32 kernels."""
-    return module._packed(module.fp32_layout(weights.sources), weights)
-
-
-def run_bmm(module: "TriangleMultiplication", variant, weights: CallWeights, x, mask, out) -> None:
-    """Projection kernel -> cuBLAS bmm (fp32: no TF32 even where the caller allowed it) -> output kernel."""
-    B, N = x.shape[0], x.shape[1]
-    project, output = variant.launches(x.get_device(), B, N)
-    # One allocation for a, b and their product, from torch's stream-aware caching allocator (so a
-    # captured CUDA graph never points at memory a later, larger call freed).
-    ar, br, z = torch.empty((3, B * module.widths["H"], N, N), device=x.device, dtype=torch.float32).unbind(0)
-    packed = fp32_pack(module, weights)  # alive until every launch is enqueued
-    x_ptr, w_ptr = x.data_ptr(), packed.data_ptr()
-    project.named(x=x_ptr, mask=mask.data_ptr(), w=w_ptr, ar=ar.data_ptr(), br=br.data_ptr(),
-                  mask_is_float=int(mask.dtype is torch.float32))
-    with fp32_matmul():
-        triangle_bmm(ar, br, module._outgoing, out=z)
-    output.named(x=x_ptr, z=z.data_ptr(), w=w_ptr, out=out.data_ptr())
-
-
-def run_fused(module: "TriangleMultiplication", variant, weights: CallWeights, x, mask, out) -> None:
-    """One cooperative kernel; its grid barrier's two ints are held by the module."""
-    B, N = x.shape[0], x.shape[1]
-    (fused,) = variant.launches(x.get_device(), B, N)
-    ab = torch.empty((2, B * module.widths["H"] * N * N), device=x.device, dtype=torch.float32)
-    fastcall.note_scratch(ab)
-    packed = fp32_pack(module, weights)  # alive until the launch is enqueued
-    fused.named(x=x.data_ptr(), mask=mask.data_ptr(), w=packed.data_ptr(), ar=ab[0].data_ptr(),
-                br=ab[1].data_ptr(), barrier=module._barrier_ints(x.device), out=out.data_ptr(),
-                mask_is_float=int(mask.dtype is torch.float32))
+from .spec import TRIMUL
 
 
 class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultiplicationReference):
@@ -124,11 +29,6 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
     """
 
     op = TRIMUL
-    runners = {BMM.name: run_bmm, FUSED.name: run_fused, MMA.name: run_mma, WGMMA.name: run_mma}
-    fast_call_strategies = frozenset({FUSED.name})
-    # The tensor-core strategies run a cuBLAS product between their kernels: replayed (noted) in
-    # 16 bits; in fp32 its TF32 mode is set around it, which a replay does not do.
-    fast_call_16_bit_strategies = frozenset({MMA.name, WGMMA.name})
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "incoming", gate_on: str = "input",
                  bias: bool = True, precision: str = "ieee", *, gate_at: str = "output"):
@@ -192,8 +92,7 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
 
     def fp32_layout(self, sources):
         w = self.widths
-        gate = w["H"] if w.get("gate_hidden") else w["P"]
-        return packs.fp32_layout(w["P"], w["H"], bool(w["bias"]), gate, sources)
+        return packs.fp32_layout(w["P"], w["H"], bool(w["bias"]), gate_columns(w), sources)
 
     def uses_kernel(self, x, mask) -> bool:
         return self.kernel_precision(x, mask) is not None

@@ -1,0 +1,192 @@
+"""wgmma: the mma strategy's three steps for bf16 and fp16 on Hopper (sm_90a) warpgroup products
+(templates/trimul/wgmma.cu.j2): operands from cp.async straight into shared memory, each LayerNorm
+folded into the epilogue of the product after it. Its weights are folded for each call by a kernel
+of their own (templates/trimul/pack_wgmma.cu.j2): each linear layer scaled by the LayerNorm before
+it, with the row sums and offsets the epilogues need."""
+from __future__ import annotations
+
+import functools
+
+from ....spec import (HALF_PRECISIONS, MMA_KINDS, DeviceLimits, Kernel, Plan, Restriction, Strategy, WGMMA_ON_SM90,
+                      align, byte_sections, ceil_div, cuda_bool, element_bytes, smem_fits)
+from ...fused_kernels import THREADS, FusedTemplate
+from ... import packing
+from ...packing import MAX_SOURCES, Sources, launch_pack
+from ..common import OUTPUT_ARGS, PROJECT_ARGS, gate_columns
+from ..packs import parameter_names
+from .mma import run_three_steps
+
+try:
+    import torch
+except ImportError:  # the spec half (space, restrictions, plans) loads without torch: pairgen-tune --status
+    torch = None
+else:
+    from ....module.buffers import PACK_SLOTS
+
+
+#: The rows of a wgmma kernel's tile: one warpgroup's m64 product.
+WGMMA_ROWS = 64
+
+
+def k_padded(width: int) -> int:
+    """A K extent padded to whole 16-element k-steps (wgmma.cu.j2's P_PAD, H_PAD)."""
+    return align(width, 16)
+
+
+def wgmma_weight_offsets(P: int, H: int, elem_bytes: int, gate_hidden: bool = False) -> dict[str, int]:
+    """Byte offsets of the wgmma kernels' packed weights (shared with templates/trimul/wgmma.cu.j2),
+    each section 16-byte aligned: the matrices n-major with k padded to whole k-steps, in the operand
+    type, the LayerNorms' gamma folded in (Wp's rows interleaved per channel as the mma strategy's);
+    per output column, c1 = the row sum of the folded matrix and c2 = W beta + bias, in fp32. With
+    the gate in hidden width Wgate has H rows, and Wout is not folded: the kernel scales
+    layer_norm_out(z) itself, with its affine (gz, bz: fp32, H each; empty otherwise)."""
+    gate, nz = (H, 1) if gate_hidden else (P, 0)
+    sizes = [("wp", 4 * H * k_padded(P) * elem_bytes), ("wo", P * k_padded(H) * elem_bytes),
+             ("wg", gate * k_padded(P) * elem_bytes),
+             ("c1p", 16 * H), ("c2p", 16 * H), ("c1o", 4 * P), ("c2o", 4 * P), ("c1g", 4 * gate), ("c2g", 4 * gate),
+             ("gz", nz * 4 * H), ("bz", nz * 4 * H)]
+    return byte_sections(sizes)
+
+
+def _wgmma_grid(groups: int):
+    """Persistent blocks of `groups` warpgroups, each warpgroup taking 64-row tiles in turn: at most
+    as many blocks as are resident at once, and no more than the tiles need."""
+
+    def grid(B, N, sms, resident, _groups=groups):
+        tiles = ceil_div(B * N * N, WGMMA_ROWS)
+        return max(1, min(ceil_div(tiles, _groups), max(1, resident) * sms)), (B, N, tiles)
+
+    return grid
+
+
+def derive(params: dict, w: dict, name: str):
+    P, H, precision = w["P"], w["H"], w["precision"]
+    eb = element_bytes(precision)
+    x_tile, z_tile = WGMMA_ROWS * k_padded(P) * eb, WGMMA_ROWS * k_padded(H) * eb
+    # Every region 1024-byte aligned (the 128-byte swizzle's atoms). Resident Wp; per warpgroup
+    # p_stages x tiles and, per warp, the staging of a pass's a, b (p_wn / 2 slots of 24 elements:
+    # its 16 rows, padded).
+    project_smem = (align(4 * H * k_padded(P) * eb, 1024)
+                    + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb, 1024))
+    # Resident Wout and Wgate; per warpgroup o_stages x tiles, the triangle sums as they lie in
+    # memory ([H][64]) and in the operand layout, and the rows' partial statistics ([4][64] fp32).
+    hidden = bool(w["gate_hidden"])
+    output_smem = (align(P * k_padded(H) * eb, 1024) + align(gate_columns(w) * k_padded(P) * eb, 1024)
+                   + params["o_groups"] * align(params["o_stages"] * x_tile + align(WGMMA_ROWS * H * eb, 1024)
+                                                + z_tile + 4 * 64 * 4, 1024))
+    context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
+               "gate_hidden": hidden, "off": wgmma_weight_offsets(P, H, eb, hidden),
+               "p_groups": params["p_groups"], "p_wn": params["p_wn"],
+               "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
+               "o_groups": params["o_groups"], "o_wn": params["o_wn"],
+               "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
+    return context, (Kernel(name, 128 * params["p_groups"], project_smem, PROJECT_ARGS, _wgmma_grid(params["p_groups"])),
+                     Kernel(f"{name}_output", 128 * params["o_groups"], output_smem, OUTPUT_ARGS,
+                            _wgmma_grid(params["o_groups"])))
+
+
+def _wgmma_columns_divide(plan: Plan, limits: DeviceLimits) -> bool:
+    """Whole 16-byte chunks per row, and passes that tile the projection's 4H and the output's P
+    columns (and H, the gate's, where it is in hidden width)."""
+    P, H, o_wn = plan.widths["P"], plan.widths["H"], plan.params["o_wn"]
+    return (P % 8 == 0 and H % 8 == 0 and (4 * H) % plan.params["p_wn"] == 0 and P % o_wn == 0
+            and (not plan.widths.get("gate_hidden") or H % o_wn == 0))
+
+
+def _swizzle_applies(plan: Plan, limits: DeviceLimits) -> bool:
+    """The swizzle takes operands whose K is whole 64-element blocks: P (x, the weights on it) or H
+    (the triangle sums, Wout); elsewhere the point would repeat the unswizzled one."""
+    return not plan.params["swizzle"] or k_padded(plan.widths["P"]) % 64 == 0 or k_padded(plan.widths["H"]) % 64 == 0
+
+
+def _wgmma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
+    """At most 128 fp32 accumulators per thread (the projection holds two passes', the output kernel
+    two products'), and at most 64 where a block has 4 warpgroups (65536 registers per SM: 128 per
+    thread)."""
+    p, o = plan.params["p_wn"], plan.params["o_wn"]
+    return (p <= (64 if plan.params["p_groups"] == 4 else 128)
+            and o <= (64 if plan.params["o_groups"] == 4 else 128))
+
+
+#: The weights the fold kernel reads, each a pointer variable of the template.
+FOLD_WEIGHTS = parameter_names(True)
+FOLD_TEMPLATE = FusedTemplate("trimul", "pack_wgmma", lambda context: {"": ("ptr",) * (MAX_SOURCES + 1)})
+OPERAND_ELEMENT_BYTES = 2
+
+
+@functools.lru_cache(maxsize=64)
+def fold_context(P: int, H: int, gate_normalized: bool, gate_hidden: bool, operand: str, sources: Sources) -> dict:
+    """The fold kernel's context: widths, the padded k extents, each section's byte offset
+    (off_<section>) and where each weight lies (weights: variable name -> (source, offset) or None)."""
+    offsets = wgmma_weight_offsets(P, H, OPERAND_ELEMENT_BYTES, gate_hidden)
+    weights = {name.replace(".", "_"): sources.places.get(name) for name in FOLD_WEIGHTS}
+    return {"P": P, "H": H, "G": H if gate_hidden else P, "p_pad": k_padded(P), "h_pad": k_padded(H),
+            "operand": operand, "gate_normalized": gate_normalized, "gate_hidden": gate_hidden,
+            "weights": tuple(sorted(weights.items())), "max_sources": MAX_SOURCES,
+            **{f"off_{name}": offset for name, offset in offsets.items()}}
+
+
+def render_fold(kind: str, P: int, H: int, operand: str, gate_normalized: bool = True, gate_hidden: bool = False,
+                sources: Sources | None = None):
+    """The fold kernel's source for weights stored in `kind`, its signature checked (by default
+    for the module's own parameters, with biases)."""
+    sources = sources or Sources.each_its_own(FOLD_WEIGHTS)
+    return FOLD_TEMPLATE.render(kind, **fold_context(P, H, gate_normalized, gate_hidden, operand, sources))
+
+
+@functools.lru_cache(maxsize=64)
+def fold_bytes(P: int, H: int, gate_hidden: bool) -> int:
+    """The size of the wgmma kernels' pack."""
+    return wgmma_weight_offsets(P, H, OPERAND_ELEMENT_BYTES, gate_hidden)["total"]
+
+
+def pack_wgmma(tensors: list, sources: Sources, P: int, H: int, gate_normalized: bool, gate_hidden: bool,
+               operand: str, out=None):
+    """The wgmma kernels' packed bytes in `operand` ("bfloat16"/"float16") from the call's weight
+    tensors (all of one storage type, contiguous: packing.readable), on the current stream, into
+    `out` (fold_bytes bytes) or a per-call buffer (packing.launch_pack). One warp per output row."""
+    found = fold_context(P, H, gate_normalized, gate_hidden, operand, sources)
+    rows = 4 * H + P + found["G"]
+    return launch_pack(FOLD_TEMPLATE, tensors, found["off_total"], -(-rows // (THREADS // 32)), out=out, **found)
+
+
+def pack(module, plan, weights):
+    """`weights` folded for this call into the module's pack buffer (pack_wgmma), as the caller
+    holds them where the fold kernel reads them so (packing.readable), else as fp32 copies (mixed
+    dtypes: an fp32 LayerNorm in a bf16 model; strided tensors)."""
+    w = module.widths
+    P, H, hidden = w["P"], w["H"], bool(w.get("gate_hidden"))
+    tensors = list(weights.tensors)
+    if not packing.readable(tensors):
+        tensors = [t.detach().float().contiguous() for t in tensors]
+    out = module._pack_buffer(PACK_SLOTS[0], fold_bytes(P, H, hidden), tensors[0].device)
+    return pack_wgmma(tensors, weights.sources, P, H, bool(w["gate_normalized"]), hidden, plan.precision,
+                      out)
+
+
+def run(module, variant, weights, x, mask, out) -> None:
+    packed = pack(module, variant.plan, weights)  # alive until every launch is enqueued
+    run_three_steps(module, variant, x, mask, out, packed)
+
+
+WGMMA = Strategy(
+    name="wgmma",
+    summary="Hopper tensor cores: wgmma projection kernel (LayerNorm folded into its epilogue) -> cuBLAS bmm -> "
+            "wgmma output kernel",
+    # Per kernel: warpgroups per block (each works alone on 64-row tiles, sharing the block's
+    # resident weights) and the columns of one wgmma pass (its n: wn / 2 accumulators per thread);
+    # each kernel's x tiles per warpgroup (2: the next one in flight; 1: room for more groups); the
+    # operands' layout in shared memory (swizzle: 128-byte swizzle where K is a multiple of 64).
+    space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
+           "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True)},
+    derive=derive,
+    restrictions=(WGMMA_ON_SM90,
+                  Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
+                              _wgmma_columns_divide),
+                  Restriction("at most 128 accumulators per thread", _wgmma_accumulators_fit),
+                  Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies),
+                  Restriction("shared memory exceeds the per-block limit", smem_fits)),
+    precisions=HALF_PRECISIONS,
+    records=HALF_PRECISIONS,
+    run=run,
+)
