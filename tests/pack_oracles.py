@@ -7,7 +7,8 @@ import torch
 
 from pairgen.ops.contact.common import weight_offsets as contact_offsets
 from pairgen.ops.contact.strategies.mma import mma_weight_offsets as contact_mma_offsets
-from pairgen.ops.readout.spec import mma_weight_offsets as readout_mma_offsets, weight_offsets as readout_offsets
+from pairgen.ops.readout.common import weight_offsets as readout_offsets
+from pairgen.ops.readout.strategies.mma import mma_weight_offsets as readout_mma_offsets
 from pairgen.ops.trimul.common import weight_offsets
 from pairgen.ops.trimul.strategies.mma import mma_weight_offsets
 from pairgen.ops.trimul.strategies.wgmma import k_padded, wgmma_weight_offsets

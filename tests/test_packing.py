@@ -20,6 +20,7 @@ from pairgen.ops.contact import packs as contact_packs
 from pairgen.ops.contact.strategies import mma as contact_mma
 from pairgen.ops.packing import Piece, Sources, layout, pack, pack_on_host, render
 from pairgen.ops.readout import packs as readout_packs
+from pairgen.ops.readout.strategies import gemm as readout_gemm, mma as readout_mma
 from pairgen.ops.trimul import packs as trimul_packs
 from pairgen.ops.trimul.strategies import mma as trimul_mma
 
@@ -71,10 +72,10 @@ def _layouts(P: int = 40, H: int = 24, D: int = 20):
     params, sources = _own(readout)
     fp32 = readout_fp32_pack(params, D, P, H)
     yield "readout fp32", readout_packs.fp32_layout(D, P, H, sources), params, fp32.view(torch.uint8)
-    yield ("readout tf32x3 W2^T", readout_packs.split_w2t_layout(D, H, sources), params,
+    yield ("readout tf32x3 W2^T", readout_gemm.split_w2t_layout(D, H, sources), params,
            split_w2t(params).reshape(-1).view(torch.uint8))
     for precision, dtype in OPERANDS.items():
-        yield (f"readout mma {precision}", readout_packs.mma_layout(D, P, H, precision, sources), params,
+        yield (f"readout mma {precision}", readout_mma.mma_layout(D, P, H, precision, sources), params,
                readout_mma_pack(fp32, params, D, P, H, dtype))
 
 

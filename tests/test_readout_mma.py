@@ -10,9 +10,9 @@ import torch
 from helpers import assert_tensor_core_defaults_compile, feasible_defaults, generator
 from pairgen import codegen
 from pairgen.ops import get_op
-from pairgen.ops.readout import packs
 from pack_oracles import host_pack
-from pairgen.ops.readout.spec import mma_weight_offsets, weight_offsets
+from pairgen.ops.readout.common import weight_offsets
+from pairgen.ops.readout.strategies.mma import mma_layout, mma_weight_offsets
 from pairgen.spec import HALF_PRECISIONS, MMA_KINDS, DeviceLimits
 
 READOUT = get_op("readout")
@@ -70,7 +70,7 @@ def test_packed_weights_layout():
     fp32 = module.packed_weights()
     for dtype in (torch.bfloat16, torch.float32):
         precision = "bfloat16" if dtype is torch.bfloat16 else "tf32x3"
-        packed = host_pack(module, packs.mma_layout(D, P, H, precision, module._slots.sources))
+        packed = host_pack(module, mma_layout(D, P, H, precision, module._slots.sources))
         off = mma_weight_offsets(D, P, H, torch.empty(0, dtype=dtype).element_size())
         assert packed.numel() == off["total"] and all(v % 16 == 0 for v in off.values())
         assert off["wp"] == 4 * weight_offsets(D, P, H)["total"]

@@ -18,12 +18,12 @@ from helpers import compile_plans, compiled_variant, main_grid
 from pairgen import codegen, runtime
 from pairgen.module.modes import fp32_matmul
 from pairgen.spec import DeviceLimits, kernel_name
-from pairgen.ops.readout import PairReadout
+from pairgen.ops.readout import (GEMM_SCRATCH_ALIGN, PROLOGUE_COLS, PROLOGUE_THREADS, READOUT, PairReadout,
+                                 gemm_scratch_offsets, pair_max_scratch, prologue_blocks, split_scratch_floats,
+                                 weight_offsets)
 from pack_oracles import split_w2t
 from pairgen.ops.packing import tf32_rounded
-from pairgen.ops.readout.spec import (GEMM_SCRATCH_ALIGN, PROLOGUE_COLS, PROLOGUE_THREADS, READOUT,
-                                 gemm_pool_blocks, gemm_pool_smem, gemm_scratch_offsets, hidden_layout,
-                                 pair_max_scratch, prologue_blocks, split_scratch_floats, weight_offsets)
+from pairgen.ops.readout.strategies.gemm import gemm_pool_blocks, gemm_pool_smem, hidden_layout
 
 LIMITS = DeviceLimits()
 #: The gemm strategy's default points: the exact first (every preset width), tf32x3's with the

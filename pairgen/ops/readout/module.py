@@ -1,150 +1,18 @@
-"""The pair readout's drop-in module: validation, held scratch, the strategies' runners."""
+"""The pair readout's drop-in module: validation, the scratch it holds, then the strategy of the
+call's variant runs it (pairgen/ops/readout/strategies/)."""
 from __future__ import annotations
 
 import torch
 
 from ...module.buffers import HeldBuffer, grow_held
 from ...module.dispatch import Routing
-from ...module.kernel_module import PACK_SLOTS, KernelModule, TensorCorePrecisions
-from ...module.modes import cublas_fp32_mode, fp32_matmul
+from ...module.kernel_module import KernelModule, TensorCorePrecisions
 from ...module.validation import check_float_tensor, check_mask, contiguous_aligned
 from ...module.parameters import CallWeights, ParameterSlots
-from ...precision import OPERAND_DTYPES
 from . import backward, packs
+from .common import weight_offsets
 from .reference import PairReadoutReference
-from .spec import DIRECT, FUSED, GEMM, MMA, READOUT, SPLIT, WGMMA, gemm_scratch_offsets, pair_max_scratch, weight_offsets
-
-
-def _pair_max_buffers(module: "PairReadout", variant, main, B: int, N: int, D: int, with_uv: bool) -> tuple:
-    """(uv, partials, counters) pointers of a pair-max launch: scratch for U (with b1) and V of
-    every node, (B*N, 2H), written by the split prologue, then the j split's partial maxima and
-    flags; one arrival counter per tile of rows i (the main kernel's last shape argument)."""
-    device = main.kernel.device_index
-    j_split = variant.plan.params["j_split"]
-    at = pair_max_scratch(B, N, D, module.widths["H"], j_split, with_uv)
-    base = module._split_scratch(device, at["total"]) if at["total"] else 0
-    uv = base + 4 * at["uv"] if with_uv else 0
-    partials = base + 4 * at["partials"] if j_split > 1 else 0
-    counters = module._tile_counters(device, main.tail[2]) if j_split > 1 else 0
-    return uv, partials, counters
-
-
-def fp32_pack(module: "PairReadout", weights: CallWeights) -> torch.Tensor:
-    """`weights` packed for this call for the fp32 kernels."""
-    return module._packed(module.fp32_layout(weights.sources), weights)
-
-
-def _run_pair_max(module: "PairReadout", variant, weights: CallWeights, nodes, pair_feats, edge_mask, out,
-                  with_uv: bool) -> None:
-    """split (node prologue, then the pair-max kernel) and direct (the pair-max kernel alone)."""
-    B, N, D = nodes.shape
-    packed = fp32_pack(module, weights)
-    weights = packed.data_ptr()
-    launches = variant.launches(nodes.get_device(), B, N, programmatic=module.programmatic_main)
-    main = launches[0]
-    uv, partials, counters = _pair_max_buffers(module, variant, main, B, N, D, with_uv)
-    if with_uv:
-        prologue = launches[1]
-        prologue.named(nodes=nodes.data_ptr(), wpack=weights, uv=uv)
-    main.named(nodes=nodes.data_ptr(), pair=pair_feats.data_ptr(), mask=edge_mask.data_ptr(), wpack=weights, uv=uv,
-               scratch=partials, counters=counters, out=out.data_ptr())
-
-
-def _launch_with_prologue_inside(module: "PairReadout", main, pointers: dict, barrier: str,
-                                 device: torch.device) -> None:
-    """A kernel that runs the node prologue itself, then waits for all of it (fused: its prologue
-    blocks, common/block_roles.cuh; mma's one_launch: a grid-wide barrier): one cooperative launch
-    (phase 0) where its grid is resident at once, else the same kernel twice, plainly: phase 1 the
-    prologue, phase 2 the pairs. Its arguments: the pointers (by name), the module's two ints its
-    wait counts on as the argument `barrier` names (zeroed once; each launch leaves them as the next
-    one needs them: fused's counter at 0, the barrier's count at 0 and its sense flipped), the shape
-    tail, the phase."""
-    ints = module._barrier_ints(device)
-    for phase in ((0,) if main.mode == "cooperative" else (1, 2)):
-        main.named(**pointers, **{barrier: ints}, phase=phase)
-
-
-def run_fused(module: "PairReadout", variant, weights: CallWeights, nodes, pair_feats, edge_mask, out) -> None:
-    """split's buffers and arguments, the prologue's blocks in the same launch (_launch_with_prologue_inside)."""
-    B, N, D = nodes.shape
-    (main,) = variant.launches(nodes.get_device(), B, N)
-    uv, partials, counters = _pair_max_buffers(module, variant, main, B, N, D, with_uv=True)
-    packed = fp32_pack(module, weights)
-    pointers = dict(nodes=nodes.data_ptr(), pair=pair_feats.data_ptr(), mask=edge_mask.data_ptr(),
-                    wpack=packed.data_ptr(), uv=uv, scratch=partials, counters=counters,
-                    out=out.data_ptr())
-    _launch_with_prologue_inside(module, main, pointers, "done", nodes.device)
-
-
-def run_split(module, variant, weights, nodes, pair_feats, edge_mask, out) -> None:
-    _run_pair_max(module, variant, weights, nodes, pair_feats, edge_mask, out, with_uv=True)
-
-
-def run_direct(module, variant, weights, nodes, pair_feats, edge_mask, out) -> None:
-    _run_pair_max(module, variant, weights, nodes, pair_feats, edge_mask, out, with_uv=False)
-
-
-def run_gemm(module: "PairReadout", variant, weights: CallWeights, nodes, pair_feats, edge_mask, out) -> None:
-    """Prologue -> hidden kernel -> fp32 mm -> pool kernel, all on the current stream, on one
-    scratch buffer (hidden, messages, uv) from the caching allocator, held until all are enqueued.
-    With split_product (tf32x3) hidden rows are [hi | lo] and the mm is two TF32 GEMMs."""
-    B, N, D = nodes.shape
-    H, pairs = module.widths["H"], B * N * N
-    split = variant.plan.params.get("split_product", False)
-    hidden_width = 2 * H if split else H
-    hidden_kernel, prologue, pool = variant.launches(nodes.get_device(), B, N)
-    packed = fp32_pack(module, weights)
-    w_ptr = packed.data_ptr()
-    at = gemm_scratch_offsets(B, N, D, H, split)
-    scratch = torch.empty(at["total"], device=nodes.device, dtype=torch.float32)
-    hidden = scratch[at["hidden"]: at["hidden"] + pairs * hidden_width].view(pairs, hidden_width)
-    messages = scratch[at["messages"]: at["messages"] + pairs * D].view(pairs, D)
-    uv = scratch.data_ptr() + 4 * at["uv"]
-    prologue.named(nodes=nodes.data_ptr(), wpack=w_ptr, uv=uv)
-    hidden_kernel.named(pair=pair_feats.data_ptr(), uv=uv, wpack=w_ptr, hidden=hidden.data_ptr())
-    # messages = hidden W2^T without b2: the pool kernel adds it after the max (gemm.cu.j2 says why).
-    if split:
-        w2t = module._packed(packs.split_w2t_layout(D, H, weights.sources), weights, PACK_SLOTS[1]).view(torch.float32).view(3 * H, D)
-        with cublas_fp32_mode(True):  # every operand an exact TF32 value: the products are exact
-            torch.mm(hidden, w2t[: 2 * H], out=messages)
-            messages.addmm_(hidden[:, :H], w2t[2 * H:])
-    else:
-        w2t = packed.view(torch.float32)[module._w2t_at: module._w2t_at + H * D].view(H, D)
-        with fp32_matmul():
-            torch.mm(hidden, w2t, out=messages)
-    pool.named(messages=messages.data_ptr(), mask=edge_mask.data_ptr(), nodes=nodes.data_ptr(), wpack=w_ptr,
-               out=out.data_ptr())
-
-
-def run_mma(module: "PairReadout", variant, weights: CallWeights, nodes, pair_feats, edge_mask, out) -> None:
-    """The node prologue (fp32 U, V into the held scratch), then the tensor-core kernel as its
-    programmatic dependent (one_launch: the kernel alone, the prologue inside it), on the weights
-    packed for the call in the operand dtype. Under autocast (fp32 inputs, a 16-bit
-    kernel) the inputs are cast first and the 16-bit result widened into `out`, the reference's
-    dtype there."""
-    B, N, D = nodes.shape
-    H = module.widths["H"]
-    dtype = OPERAND_DTYPES[variant.plan.precision]
-    target = out
-    if nodes.dtype is not dtype:
-        nodes, pair_feats = nodes.to(dtype), pair_feats.to(dtype)
-        out = torch.empty_like(nodes)
-    device = nodes.get_device()
-    P = module.widths["P"]
-    packed = module._packed(packs.mma_layout(D, P, H, variant.plan.precision, weights.sources), weights)
-    launches = variant.launches(device, B, N, programmatic=module.programmatic_main)
-    main = launches[0]
-    uv = module._split_scratch(device, B * N * 2 * H)
-    pointers = dict(nodes=nodes.data_ptr(), pair=pair_feats.data_ptr(), mask=edge_mask.data_ptr(),
-                    wpack=packed.data_ptr(), uv=uv, out=out.data_ptr())
-    if variant.plan.params.get("one_launch"):
-        _launch_with_prologue_inside(module, main, pointers, "grid_bar", nodes.device)
-    else:
-        prologue = launches[1]
-        prologue.named(nodes=nodes.data_ptr(), wpack=packed.data_ptr(), uv=uv)
-        main.named(**pointers)
-    if out is not target:
-        target.copy_(out)
+from .spec import READOUT
 
 
 class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
@@ -170,11 +38,6 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
     """
 
     op = READOUT
-    runners = {SPLIT.name: run_split, DIRECT.name: run_direct, FUSED.name: run_fused, GEMM.name: run_gemm,
-               MMA.name: run_mma, WGMMA.name: run_mma}  # wgmma: mma's packed weights, arguments and prologue
-    # gemm runs a cuBLAS product between its kernels; mma's casts (autocast) happen only in calls
-    # that are never recorded (_launch_recorded takes the Python path under autocast).
-    fast_call_strategies = frozenset({SPLIT.name, DIRECT.name, FUSED.name, MMA.name, WGMMA.name})
     _RUNTIME_STATE = KernelModule._RUNTIME_STATE + ("_counters", "_scratch")
     #: Counters allocated at least this many at a time (4 KB), so growth is rare.
     MIN_COUNTERS = 1024
