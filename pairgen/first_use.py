@@ -89,9 +89,12 @@ class Pending:
         self.widths, self.bucket, self.source_sha256 = dict(widths), bucket, source_sha256
         self.settled, self.winner = False, variant
 
-    def settle(self, kernel: Callable[[], object], reference: Callable[[], object], device) -> object:
+    def settle(self, kernel: Callable[[], object], reference: Callable[[], object], device,
+               rival: str = "the PyTorch reference") -> object:
         """Time kernel() against reference() (this call's inputs), record the verdict, and return
-        what to run from now on: the variant, or None for the reference."""
+        what to run from now on: the variant, or None for what `rival` names (the reference, or
+        what the module runs where no kernel does: the closed form). The verdict's reference_us
+        is the rival's time."""
         if self.settled:
             return self.winner
         if _capturing():
@@ -115,14 +118,14 @@ class Pending:
                                   self.variant.plan.label, kernel_us, reference_us)
         except OSError as exc:  # a read-only home: the verdict holds for this process only
             path = f"nowhere ({exc})"
-        runs = "the kernel" if self.winner is not None else "the PyTorch reference"
-        log.info("pairgen %s %s N bucket %d: default %s %.1f us, reference %.1f us at first use: running %s "
+        runs = "the kernel" if self.winner is not None else rival
+        log.info("pairgen %s %s N bucket %d: default %s %.1f us, %s %.1f us at first use: running %s "
                  "(verdict in %s)", self.op, self.dtype, self.bucket, self.variant.plan.label, kernel_us,
-                 reference_us, runs, path)
+                 rival, reference_us, runs, path)
         if self.winner is None:
             warnings.warn(f"pairgen: {self.op} widths {self.widths} ({self.dtype}, N bucket {self.bucket}) is not "
-                          f"tuned on this GPU and the default kernel was slower than the PyTorch reference "
-                          f"({kernel_us:.1f} vs {reference_us:.1f} us); running the reference. `pairgen-tune` "
+                          f"tuned on this GPU and the default kernel was slower than {rival} "
+                          f"({kernel_us:.1f} vs {reference_us:.1f} us); running {rival}. `pairgen-tune` "
                           "for this shape finds a faster kernel.")
         return self.winner
 

@@ -168,3 +168,29 @@ def test_pairgen_disable_runs_the_reference_for_calls_without_a_kernel_too(op, m
         expected = spec.make_reference(module).to(torch.bfloat16)(*inputs)
     runtime.clear_caches()
     assert launched == [] and calls == [] and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wide_triangle_updates_run_the_closed_form_where_no_kernel_does(dtype):
+    """At pair width 384 (hidden 128) the 16-bit kernels' default loses to the closed form, which a
+    forward from Routing.closed_form_min_pairs runs (N = 363 at B = 1: 2^17 pairs): its first use is
+    timed against the closed form, not the reference, and the output meets the 16-bit standard on an
+    odd length with a masked-out row."""
+    spec = get_op("trimul")
+    shape = {"B": 1, "N": 363, "P": 384, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+    gen = generator(41)
+    module = spec.make_module(spec.widths_of(shape), gen).cuda().to(dtype)
+    x, mask = (t.cuda() for t in spec.make_inputs(shape, gen, "cauchy"))
+    x = x.to(dtype)
+    mask[0, 5] = False  # an empty row
+    assert pairs(x) >= module.routing.closed_form_min_pairs
+    calls = _spy_on_closed_form(module)
+    with torch.no_grad():
+        module(x, mask)  # the first use: the default kernel timed against the closed form
+        assert calls, "the first-use check timed the closed form"
+        before = len(calls)
+        out = module(x, mask)
+    inference = str(module.explain(363)).splitlines()[1]
+    assert "closed form" in inference and len(calls) == before + 1, inference
+    result = compare(out, reference64(module, (x, mask)), SIXTEEN_BIT)
+    assert result.ok, result

@@ -92,6 +92,29 @@ def test_a_pending_default_is_reported_or_settled():
     assert settled == [pending] and r.path == REFERENCE
 
 
+def test_a_16_bit_triangle_update_no_kernel_runs_takes_the_closed_form_from_its_size():
+    """The widths fit no 16-bit kernel, or the default kernel of an untuned shape lost its first-use
+    check, which times it against the closed form where that is what would run instead."""
+    pending = first_use.Pending(variant(), "trimul", "gpu", "bfloat16", {}, 512, "sha")
+    module, small = module_and_inputs("trimul", 1, 362, torch.bfloat16, {"bfloat16": pending})
+    _, large = module_and_inputs("trimul", 1, 363, torch.bfloat16, {})  # 363^2 >= 2^17 pairs
+    rivals = []
+
+    def loses(p, call, prec, reference=None, rival="the PyTorch reference"):
+        rivals.append(rival)
+        return None
+
+    module._first_use = loses
+    with torch.no_grad():
+        assert route(module, large).path == CLOSED_FORM and rivals == ["the closed form"]
+        assert route(module, small).path == REFERENCE and rivals[-1] == "the PyTorch reference"
+        module._choice_for = lambda n, device, p: None  # no kernel fits these widths
+        assert route(module, large) == dispatch._CLOSED_FORM
+        module.backward_mode = "reference"
+        assert route(module, large).path == REFERENCE
+    assert module.routing.closed_form_min_pairs == 2**17
+
+
 def test_calls_without_a_kernel_take_the_fp32_kernel_the_closed_form_or_the_reference():
     v32 = variant("fp32", "float32")
     module, _ = module_and_inputs("contact", 1, 8, torch.bfloat16, {"float32": v32})

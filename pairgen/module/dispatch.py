@@ -15,8 +15,9 @@ The decision, in order:
 4. A training call (grad mode on, an input or a parameter requires a gradient) that the
    backward mode trains in PyTorch (`trains_through_reference`): the reference.
 5. The module's variant for (device, N, precision) (`module._choice_for`, cached per module). A
-   default variant not yet timed against the reference is timed now (`module._first_use`).
-   None (PAIRGEN_DISABLE, no kernel fits the widths, the reference measured faster): a 16-bit
+   default variant not yet timed is timed now (`module._first_use`) against what runs without
+   it: the closed form for a 16-bit forward `_without_kernel` sends there, else the reference.
+   None (PAIRGEN_DISABLE, no kernel fits the widths, the kernel measured slower): a 16-bit
    call goes to `_without_kernel`, an fp32 one to the reference.
 6. A training call: SAVED_CLOSED_FORM where the op keeps its forward's intermediates
    (`saves_for_backward`), else KERNEL_TRAINING (the kernel forward; a backward in closed form
@@ -128,7 +129,8 @@ _NOT_KEPT = Route(REFERENCE, "no kernel computes this dtype, and the closed form
                              "here (recompute_for_backward, saved-tensor hooks)")
 _FORWARD_REFERENCE = Route(REFERENCE, "no kernel computes this dtype, and neither the fp32 kernel nor the closed "
                                       "form pays at this size (Routing)")
-_CLOSED_FORM = Route(CLOSED_FORM, "no kernel computes this dtype; the closed form pays from this size (Routing)")
+_CLOSED_FORM = Route(CLOSED_FORM, "no kernel runs this call (none computes this dtype, none fits these widths, or "
+                                  "the closed form measured faster); the closed form pays from this size (Routing)")
 _SAVED_WITHOUT_KERNEL = Route(SAVED_CLOSED_FORM, "no kernel computes this dtype; the backward mode takes the closed "
                                                  "form, its forward keeping the intermediates")
 _KERNEL = "the module's variant for this length and precision"
@@ -157,9 +159,13 @@ def route(module, inputs: tuple, settle: bool = True) -> Route:
     if type(variant) is first_use.Pending:
         if not settle:
             return Route(FIRST_USE, _FIRST_USE, precision, variant)
-        variant = module._first_use(variant, inputs, precision)
+        if precision in HALF_DTYPES and not training and _without_kernel(module, inputs, False).path == CLOSED_FORM:
+            variant = module._first_use(variant, inputs, precision, reference=lambda: _closed_form(module, inputs),
+                                        rival="the closed form")
+        else:
+            variant = module._first_use(variant, inputs, precision)
     if variant is None:
-        if precision in HALF_DTYPES:  # no 16-bit kernel fits these widths: the fp32 kernel where it pays
+        if precision in HALF_DTYPES:  # no 16-bit kernel fits, or it lost: the fp32 kernel or closed form where they pay
             return _without_kernel(module, inputs, training)
         return _NO_VARIANT
     if training:
@@ -173,6 +179,11 @@ def route(module, inputs: tuple, settle: bool = True) -> Route:
         return last
     last = module.__dict__["_kernel_route"] = Route(KERNEL, _KERNEL, precision, variant)
     return last
+
+
+def _closed_form(module, inputs: tuple) -> torch.Tensor:
+    """The CLOSED_FORM path's call (what KernelModule._dispatch runs for it)."""
+    return module.closed_form_forward(inputs, {name: p.detach() for name, p in module.named_parameters()})[0]
 
 
 def _without_kernel(module, inputs: tuple, training: bool) -> Route:

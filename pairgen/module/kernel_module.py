@@ -298,7 +298,7 @@ class KernelModule:
                 out = self._launch(*r.inputs, variant=r.variant)
             return as_dtype(out, self.closed_form_output_dtype(inputs[0], current_autocast()))
         if path == CLOSED_FORM:
-            return self.closed_form_forward(inputs, {name: p.detach() for name, p in self.named_parameters()})[0]
+            return dispatch._closed_form(self, inputs)
         if path == COMPILED:  # torch.compile sees one operator (pairgen/library.py)
             return library.compiled_call(self, self.op.name, inputs)
         raise AssertionError(f"pairgen: no runner for the route {r}")
@@ -329,14 +329,16 @@ class KernelModule:
         return autocast or first.dtype
 
     def _first_use(self, pending: "first_use.Pending", inputs: tuple, precision: str,
-                   weights: "CallWeights | None" = None, reference: "Callable[[], torch.Tensor] | None" = None):
+                   weights: "CallWeights | None" = None, reference: "Callable[[], torch.Tensor] | None" = None,
+                   rival: str = "the PyTorch reference"):
         """Settle a default variant against the reference on this call's inputs (first_use.py),
         then remember the winner in this module's cache (a variant, or None: the reference).
         weights, reference: a call on other weights than the module's own (the functional form)
-        and the reference computed on them."""
+        and the reference computed on them; or, with `rival` naming it, what runs instead of a
+        losing kernel (dispatch: the closed form)."""
         first = inputs[0]
         winner = pending.settle(lambda: self._launch(*inputs, variant=pending.variant, weights=weights),
-                                reference or (lambda: self.reference_forward(*inputs)), first.device)
+                                reference or (lambda: self.reference_forward(*inputs)), first.device, rival)
         if pending.settled:
             self._variant_cache[(first.get_device(), first.shape[1], precision)] = winner
         return winner

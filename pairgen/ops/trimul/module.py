@@ -44,8 +44,12 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
     #: "auto" trains a 16-bit call through the closed form from 2^17 pairs (B * N * N), with the
     #: fused backward kernels only: below, a training step is bound by the host's time to issue its
     #: kernels, and without the fused kernels PyTorch's elementwise passes make the closed form slower
-    #: than the reference. Calls no kernel computes run the reference.
-    routing = Routing(closed_form_16_bit_training_min_pairs=2**17, closed_form_16_bit_training_needs_fused_kernels=True)
+    #: than the reference. A 16-bit forward no kernel runs (the widths fit none, or the default
+    #: kernel of an untuned shape measured slower) takes the closed form's forward from the same size:
+    #: cuBLAS products and the fused row kernels, about twice the reference's speed at pair widths
+    #: 384-768 (docs/performance.md).
+    routing = Routing(closed_form_16_bit_training_min_pairs=2**17, closed_form_16_bit_training_needs_fused_kernels=True,
+                      closed_form_min_pairs=2**17)
     input_layout = (("pair_repr", "BNNP", "float"), ("pair_mask", "BNN", "mask"))
 
     closed_form = staticmethod(backward.gradients)
