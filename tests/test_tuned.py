@@ -84,12 +84,12 @@ def test_stale_entries_are_not_used(db, monkeypatch):
 def test_a_changed_plan_constant_makes_an_entry_stale(db, monkeypatch):
     """Not only template edits: a value the plan derives (here the packed weights' offsets) that
     changes the rendered kernel makes the entry stale, though its template is unchanged."""
-    from pairgen.ops.contact import spec as contact_spec
+    from pairgen.ops.contact import common as contact_common
 
     tuned = entry(64)
     assert runtime.entry_state(CONTACT, tuned) == "ok"
-    real = contact_spec.weight_offsets
-    monkeypatch.setattr(contact_spec, "weight_offsets", lambda P, H: {**real(P, H), "b3": real(P, H)["b3"] + 4})
+    real = contact_common.weight_offsets
+    monkeypatch.setattr(contact_common, "weight_offsets", lambda P, H: {**real(P, H), "b3": real(P, H)["b3"] + 4})
     assert tuned["template_sha256"] == codegen.template_hash("contact", "thread_per_pair")
     assert runtime.entry_state(CONTACT, tuned) == "stale"
 
