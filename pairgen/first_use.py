@@ -28,6 +28,8 @@ from . import config, files
 from .tuned import make_key
 
 log = logging.getLogger("pairgen")
+#: What a first-use check times the kernel against unless the caller names another rival.
+REFERENCE_RIVAL = "the PyTorch reference"
 
 #: The longest a check times (after one warm-up run of each): runs stop after this many seconds.
 CHECK_BUDGET_S = 0.5
@@ -62,13 +64,14 @@ def stored_verdict(op: str, gpu_slug: str, dtype: str, widths: dict, bucket: int
 
 
 def record_verdict(op: str, gpu_slug: str, dtype: str, widths: dict, bucket: int, source_sha256: str,
-                   label: str, kernel_us: float, reference_us: float) -> Path:
+                   label: str, kernel_us: float, reference_us: float, rival: str = REFERENCE_RIVAL) -> Path:
     """Write (or replace) the key's verdict; the file is replaced whole (a reader never sees half),
-    under a lock file beside it (processes checking other keys at once keep their verdicts too)."""
+    under a lock file beside it (processes checking other keys at once keep their verdicts too).
+    reference_us is the time of `rival`, what runs without the kernel (winner "reference")."""
     path = verdict_path(op, gpu_slug)
     key = make_key(dtype, widths, bucket)
     verdict = {"key": key, "variant": label, "source_sha256": source_sha256,
-               "kernel_us": round(kernel_us, 2), "reference_us": round(reference_us, 2),
+               "kernel_us": round(kernel_us, 2), "reference_us": round(reference_us, 2), "rival": rival,
                "winner": "kernel" if kernel_us <= reference_us else "reference", "date": time.strftime("%Y-%m-%d")}
     with files.locked(path.with_name(f"{path.name}.lock")):
         verdicts = [v for v in load_verdicts(path) if v.get("key") != key] + [verdict]
@@ -90,7 +93,7 @@ class Pending:
         self.settled, self.winner = False, variant
 
     def settle(self, kernel: Callable[[], object], reference: Callable[[], object], device,
-               rival: str = "the PyTorch reference") -> object:
+               rival: str = REFERENCE_RIVAL) -> object:
         """Time kernel() against reference() (this call's inputs), record the verdict, and return
         what to run from now on: the variant, or None for what `rival` names (the reference, or
         what the module runs where no kernel does: the closed form). The verdict's reference_us
@@ -115,7 +118,7 @@ class Pending:
         self.winner = self.variant if kernel_us <= reference_us else None
         try:
             path = record_verdict(self.op, self.gpu_slug, self.dtype, self.widths, self.bucket, self.source_sha256,
-                                  self.variant.plan.label, kernel_us, reference_us)
+                                  self.variant.plan.label, kernel_us, reference_us, rival)
         except OSError as exc:  # a read-only home: the verdict holds for this process only
             path = f"nowhere ({exc})"
         runs = "the kernel" if self.winner is not None else rival

@@ -252,7 +252,8 @@ def _default_choice(spec: OpSpec, plan: Plan, dtype: str, widths: dict, bucket: 
     verdict = first_use.stored_verdict(spec.name, info.slug, dtype, widths, bucket, source)
     if verdict is None:
         return Choice(plan, "default", unchecked_source=source)
-    timing = (f"{verdict['kernel_us']} µs against the PyTorch reference's {verdict['reference_us']} µs at first use, "
+    rival = verdict.get("rival", first_use.REFERENCE_RIVAL)
+    timing = (f"{verdict['kernel_us']} µs against {rival}'s {verdict['reference_us']} µs at first use, "
               f"{first_use.verdict_path(spec.name, info.slug)}")
     if verdict["winner"] == "reference":
         return Choice(None, f"a first-use check (the default {plan.label} was slower: {timing})",

@@ -8,6 +8,7 @@ error of the fp32 reference), and gradients within the 16-bit gradient standard;
 slower.)"""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -171,7 +172,7 @@ def test_pairgen_disable_runs_the_reference_for_calls_without_a_kernel_too(op, m
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_wide_triangle_updates_run_the_closed_form_where_no_kernel_does(dtype):
+def test_wide_triangle_updates_run_the_closed_form_where_no_kernel_does(dtype, first_use_folder):
     """At pair width 384 (hidden 128) the 16-bit kernels' default loses to the closed form, which a
     forward from Routing.closed_form_min_pairs runs (N = 363 at B = 1: 2^17 pairs): its first use is
     timed against the closed form, not the reference, and the output meets the 16-bit standard on an
@@ -192,5 +193,7 @@ def test_wide_triangle_updates_run_the_closed_form_where_no_kernel_does(dtype):
         out = module(x, mask)
     inference = str(module.explain(363)).splitlines()[1]
     assert "closed form" in inference and len(calls) == before + 1, inference
+    (verdict,) = json.loads(next(first_use_folder.rglob("first-use/trimul.json")).read_text())["verdicts"]
+    assert verdict["rival"] == "the closed form" and verdict["winner"] == "reference", verdict
     result = compare(out, reference64(module, (x, mask)), SIXTEEN_BIT)
     assert result.ok, result

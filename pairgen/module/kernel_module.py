@@ -330,7 +330,7 @@ class KernelModule:
 
     def _first_use(self, pending: "first_use.Pending", inputs: tuple, precision: str,
                    weights: "CallWeights | None" = None, reference: "Callable[[], torch.Tensor] | None" = None,
-                   rival: str = "the PyTorch reference"):
+                   rival: str = first_use.REFERENCE_RIVAL):
         """Settle a default variant against the reference on this call's inputs (first_use.py),
         then remember the winner in this module's cache (a variant, or None: the reference).
         weights, reference: a call on other weights than the module's own (the functional form)

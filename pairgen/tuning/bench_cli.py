@@ -73,8 +73,13 @@ def _forward_label(module, inputs: tuple, n: int, device) -> tuple:
             return None, f"fp32 kernel on inputs made fp32: {detail[0].plan.label}"
         return None, "closed form (no kernels in this dtype)" if path == "closed form" else "reference (no kernel)"
     variant = module.variant_for(n, device, kernel_precision)
-    if variant is None:  # why: no kernel fits, or the reference measured faster (tuner or first-use check)
-        return None, f"reference ({module.explain(n, device, kernel_precision).source})"
+    if variant is None:  # why: no kernel fits, or the kernel measured slower (tuner or first-use check)
+        from ..precision import HALF_DTYPES
+
+        why = module.explain(n, device, kernel_precision).source
+        if kernel_precision in HALF_DTYPES and module.without_kernel_path(inputs, training=False)[0] == "closed form":
+            return None, f"closed form ({why})"
+        return None, f"reference ({why})"
     return variant, variant.plan.label
 
 
