@@ -3,7 +3,20 @@ import shutil
 import tempfile
 
 import pytest
-import torch
+
+# An xdist worker shares the CPUs with the other workers (`-n auto`: one per CPU). torch's thread
+# pool in each, a thread per CPU, would oversubscribe them: its threads then spin waiting for one
+# another, and a small CPU op takes milliseconds instead of microseconds. Each worker gets its
+# share, set before torch is imported; the commands a test starts inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, str(max(1, (os.cpu_count() or 1) // _workers)))
+
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 SLOW_REASON = "a broad sweep whose coverage a fast test shares in part: run with --slow (or PAIRGEN_SLOW_TESTS=1)"
