@@ -49,6 +49,19 @@ def gpu_params(build) -> list:
     return [pytest.param(None, id="no-gpu")]
 
 
+_feasible_plans: dict = {}
+
+
+def feasible_plans(spec, strategy: str, widths: dict, limits=DeviceLimits()) -> list:
+    """spec.feasible_plans (an OpSpec, or a view in its precision), enumerated once per process
+    for the same arguments: a space holds thousands of points, each made into a plan, and several
+    tests read the same widths' plans (they only read them: a test that changes a plan makes its own)."""
+    key = (spec.name, spec.precision, strategy, tuple(sorted(widths.items())), limits)
+    if key not in _feasible_plans:
+        _feasible_plans[key] = spec.feasible_plans(strategy, widths, limits)
+    return list(_feasible_plans[key])
+
+
 def sampled_plans(spec, strategy: str, widths: dict, k: int, seed: int = 0, limits=DeviceLimits()):
     """k feasible points of a strategy (a fixed random sample, defaults first)."""
     return spec.sample_plans(strategy, widths, k, random.Random(f"{seed}-{strategy}-{sorted(widths.items())}"), limits)

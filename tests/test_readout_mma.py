@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_tensor_core_defaults_compile, feasible_defaults, generator
+from helpers import assert_tensor_core_defaults_compile, feasible_defaults, feasible_plans, generator
 from pairgen import codegen
 from pairgen.ops import get_op
 from pack_oracles import host_pack
@@ -158,7 +158,7 @@ def test_every_pair_reaches_its_nodes_pooled_slots_once_and_every_column_has_one
     each partner j of the node is folded exactly once; each slot's D columns are split between the
     threads that share it without overlap; the persistent grid visits every tile once."""
     for widths in WIDTHS:
-        plans = READOUT.at("bfloat16").feasible_plans("mma", widths, DeviceLimits())
+        plans = feasible_plans(READOUT.at("bfloat16"), "mma", widths)
         assert plans
         for plan in plans[:: max(1, len(plans) // 12)]:
             c = {**plan.context, "warps_m": plan.params["warps_m"], "warps_n": plan.params["warps_n"]}

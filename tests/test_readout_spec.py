@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from helpers import compile_plans, compiled_variant, main_grid
+from helpers import compile_plans, compiled_variant, feasible_plans, main_grid
 from pairgen import codegen, runtime
 from pairgen.module.modes import fp32_matmul
 from pairgen.spec import DeviceLimits, kernel_name
@@ -69,7 +69,7 @@ def owned_pairs(c: dict, n: int):
 @pytest.mark.parametrize("strategy", PAIR_MAX)
 def test_each_pair_is_folded_once_into_its_nodes_maximum(n, strategy):
     widths = {"D": 64, "P": 16, "H": 64}
-    plans = READOUT.feasible_plans(strategy, widths, LIMITS)
+    plans = feasible_plans(READOUT, strategy, widths, LIMITS)
     assert {p.params["j_split"] for p in plans[::7]} == set(READOUT.strategies[strategy].space["j_split"])
     for plan in plans[::7]:
         seen = []
@@ -154,7 +154,7 @@ def test_small_pair_tiles_with_weights_through_the_cache_exist_for_every_j_split
     for widths in PRESET_WIDTHS:
         for strategy in PAIR_MAX:
             feasible = {(p.params["tile_j"], p.params["weights_smem"], p.params["j_split"])
-                        for p in READOUT.feasible_plans(strategy, widths, LIMITS)}
+                        for p in feasible_plans(READOUT, strategy, widths, LIMITS)}
             for tile_j in (8, 16):
                 for j_split in READOUT.strategies[strategy].space["j_split"]:
                     assert (tile_j, False, j_split) in feasible, (strategy, widths, tile_j, j_split)
@@ -297,7 +297,7 @@ def test_restrictions_prune_impossible_points():
     assert any("thread layout" in r or "rows that divide" in r for r in READOUT.infeasible(layout, LIMITS))
     for w in PRESET_WIDTHS:
         for strategy in PAIR_MAX:
-            feasible = READOUT.feasible_plans(strategy, w, LIMITS)
+            feasible = feasible_plans(READOUT, strategy, w, LIMITS)
             assert feasible, f"{strategy} has no feasible point at {w}"
             for plan in feasible:
                 c = plan.context
