@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import tuned_writer
 from pairgen import codegen, runtime
 from pairgen.spec import DeviceLimits, n_bucket
 from pairgen.ops import render
@@ -139,15 +140,10 @@ def test_a_malformed_entry_is_skipped_and_kept(db):
     assert json.loads(db.path.read_text())["entries"][1] == {"key": 3}
 
 
-def _writer(args):
-    root, bucket = args
-    TunedDB("contact", "test-gpu", root).upsert(entry(bucket))
-
-
 def test_concurrent_writers_lose_nothing(tmp_path):
     buckets = [2 ** k for k in range(12)]
     with multiprocessing.get_context("spawn").Pool(4) as pool:
-        pool.map(_writer, [(str(tmp_path), b) for b in buckets])
+        pool.map(tuned_writer.upsert, [(str(tmp_path), entry(b)) for b in buckets])
     db = TunedDB("contact", "test-gpu", tmp_path)
     assert sorted(e["key"]["n_bucket"] for e in db.entries()) == buckets
     assert not list(db.path.parent.glob("*.tmp"))
