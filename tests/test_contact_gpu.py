@@ -6,7 +6,7 @@ import torch
 
 from helpers import (ODD_SHAPES, REAL_WIDTHS, SEED_WIDTHS, assert_closed_form_meets_the_standard,
                      assert_variant_matches_float64, check_tuned_entries, compiled_cases, compiled_variant, generator,
-                     run_under_graph_capture, run_variant, sampled_cases, sampled_plans)
+                     gpu_params, run_under_graph_capture, run_variant, sampled_cases, sampled_plans)
 from pairgen import runtime
 from pairgen.tuning.check import compare, reference64
 from pairgen.spec import DeviceLimits
@@ -49,7 +49,7 @@ def grouped_layernorm_cases() -> list:
     return cases
 
 
-CASES = sampled_cases(CONTACT, WIDTHS, POINTS_PER_STRATEGY) + staged_cases() + grouped_layernorm_cases()
+CASES = gpu_params(lambda: sampled_cases(CONTACT, WIDTHS, POINTS_PER_STRATEGY) + staged_cases() + grouped_layernorm_cases())
 
 
 variants = compiled_cases(CASES)  # every sampled variant, compiled in parallel once
@@ -112,13 +112,14 @@ def test_gradients_meet_the_standard(recompute, fused, monkeypatch):
 #: Every strategy in every precision that runs it, at one point (the default, where it has one),
 #: and wgmma with layer 1's ReLU output kept in registers (z_registers); the seed widths are every
 #: strategy's.
-NAN_PLANS = [sampled_plans(CONTACT.at(precision), strategy, SEED_WIDTHS, 1, seed=21)[0]
+def _nan_plans() -> list:
+    plans = [sampled_plans(CONTACT.at(precision), strategy, SEED_WIDTHS, 1, seed=21)[0]
              for precision in CONTACT.precisions for strategy in CONTACT.at(precision).strategies]
-NAN_PLANS += [CONTACT.at(precision).plan("wgmma", {"groups": 1, "swizzle": True, "prefetch": False, "ln_quads": True,
-                                                   "z_registers": True}, SEED_WIDTHS) for precision in ("bfloat16", "float16")]
+    return plans + [CONTACT.at(precision).plan("wgmma", {"groups": 1, "swizzle": True, "prefetch": False, "ln_quads": True,
+                                                         "z_registers": True}, SEED_WIDTHS) for precision in ("bfloat16", "float16")]
 
 
-@pytest.mark.parametrize("plan", [pytest.param(plan, id=plan.label) for plan in NAN_PLANS])
+@pytest.mark.parametrize("plan", gpu_params(lambda: [pytest.param(plan, id=plan.label) for plan in _nan_plans()]))
 def test_nan_propagates_to_both_symmetric_outputs(plan):
     """A NaN feature at (i, j) makes out[i, j] and out[j, i] NaN and nothing else, as in the
     reference: a ReLU as fmaxf(v, 0) returns 0 for NaN and hid it, and a TF32 split's rounding add

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases, compiled_variant, generator,
-                     run_variant, sampled_plans)
+                     gpu_params, run_variant, sampled_plans)
 from pairgen.ops.contact import CONTACT
 from pairgen.spec import HALF_PRECISIONS, MMA_KINDS, DeviceLimits
 from pairgen.tuning.check import compare, reference64
@@ -30,27 +30,36 @@ def _default_and_two_samples(precision: str, widths: dict, strategy: str = "mma"
     return list({p.label: p for p in plans[:1] + plans[-3:]}.values())
 
 
-CASES = [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
-         for precision in MMA_KINDS for w in ({"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64})
-         for plan in _default_and_two_samples(precision, w)]
-#: Hopper's warpgroup products (16 bits, sm_90a).
-WGMMA_CASES = [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
-               for precision in HALF_PRECISIONS for w in ({"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64})
-               for plan in _default_and_two_samples(precision, w, "wgmma")]
-#: Three and four warpgroups a block (the 384 and 512 threads cap registers at 168 and 128).
-WGMMA_CASES += [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
-                for precision in HALF_PRECISIONS for w in ({"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64})
-                for plan in [CONTACT.at(precision).plan("wgmma", {"groups": groups, "swizzle": True, "prefetch": False,
-                                                                  "ln_quads": True}, w) for groups in (3, 4)]
-                if not CONTACT.infeasible(plan, DeviceLimits(arch="sm_90"))]
-#: Layer 1's output kept in registers as layer 2's A operand (z_registers), with and without the
-#: swizzle and prefetch, at one and four warpgroups.
-WGMMA_CASES += [pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
-                for precision in HALF_PRECISIONS for w in ({"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64})
-                for plan in [CONTACT.at(precision).plan("wgmma", {"groups": groups, "swizzle": swizzle, "prefetch": prefetch,
-                                                                  "ln_quads": groups == 4, "z_registers": True}, w)
-                             for groups, swizzle, prefetch in ((1, False, False), (4, True, True), (4, True, False))]
-                if not CONTACT.infeasible(plan, DeviceLimits(arch="sm_90"))]
+WIDTHS = ({"P": 64, "H": 32}, {"P": 128, "H": 128}, {"P": 128, "H": 64})
+
+
+def _case(precision: str, w: dict, plan):
+    return pytest.param(plan, id=f"{precision}-P{w['P']}H{w['H']}-{plan.label}")
+
+
+CASES = gpu_params(lambda: [_case(precision, w, plan) for precision in MMA_KINDS for w in WIDTHS
+                            for plan in _default_and_two_samples(precision, w)])
+
+
+def _wgmma_cases() -> list:
+    """Hopper's warpgroup products (16 bits, sm_90a); three and four warpgroups a block (the 384
+    and 512 threads cap registers at 168 and 128); layer 1's output kept in registers as layer 2's
+    A operand (z_registers), with and without the swizzle and prefetch, at one and four warpgroups."""
+    cases = [_case(precision, w, plan) for precision in HALF_PRECISIONS for w in WIDTHS
+             for plan in _default_and_two_samples(precision, w, "wgmma")]
+    cases += [_case(precision, w, plan) for precision in HALF_PRECISIONS for w in WIDTHS
+              for plan in [CONTACT.at(precision).plan("wgmma", {"groups": groups, "swizzle": True, "prefetch": False,
+                                                                "ln_quads": True}, w) for groups in (3, 4)]
+              if not CONTACT.infeasible(plan, DeviceLimits(arch="sm_90"))]
+    cases += [_case(precision, w, plan) for precision in HALF_PRECISIONS for w in WIDTHS
+              for plan in [CONTACT.at(precision).plan("wgmma", {"groups": groups, "swizzle": swizzle, "prefetch": prefetch,
+                                                                "ln_quads": groups == 4, "z_registers": True}, w)
+                           for groups, swizzle, prefetch in ((1, False, False), (4, True, True), (4, True, False))]
+              if not CONTACT.infeasible(plan, DeviceLimits(arch="sm_90"))]
+    return cases
+
+
+WGMMA_CASES = gpu_params(_wgmma_cases)
 variants = compiled_cases(CASES + WGMMA_CASES)
 
 

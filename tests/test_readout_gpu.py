@@ -10,7 +10,7 @@ import torch
 from helpers import (ODD_SHAPES, assert_graph_survives_larger_calls, assert_closed_form_meets_the_standard,
                      assert_variant_matches_float64,
                      check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
-                     run_under_graph_capture, run_variant, sampled_cases, sampled_plans)
+                     run_under_graph_capture, run_variant, sampled_cases, sampled_plans, gpu_params)
 from pairgen import runtime
 from pairgen.tuning.check import compare, reference64
 from pairgen.ops.readout import READOUT, gemm_scratch_offsets, pair_max_scratch
@@ -22,7 +22,8 @@ SEED_WIDTHS = WIDTHS[0]
 POINTS_PER_STRATEGY = 5
 
 
-CASES = sampled_cases(READOUT.at("float32"), WIDTHS, POINTS_PER_STRATEGY, label="D{D}P{P}H{H}".format_map)
+CASES = gpu_params(lambda: sampled_cases(READOUT.at("float32"), WIDTHS, POINTS_PER_STRATEGY,
+                                         label="D{D}P{P}H{H}".format_map))
 
 
 @pytest.fixture(scope="module")

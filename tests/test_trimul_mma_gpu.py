@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases, compiled_variant, generator,
-                     run_variant, sampled_plans)
+                     run_variant, sampled_plans, gpu_params)
 from pairgen import runtime
 from pairgen.ops.trimul import TRIMUL
 from pairgen.spec import DeviceLimits
@@ -73,7 +73,7 @@ def _hidden_gate_cases():
     return cases
 
 
-CASES = _cases() + _wgmma_cases() + _hidden_gate_cases()
+CASES = gpu_params(lambda: _cases() + _wgmma_cases() + _hidden_gate_cases())
 variants = compiled_cases(CASES)
 
 
