@@ -7,11 +7,13 @@ import pytest
 # An xdist worker shares the CPUs with the other workers (`-n auto`: one per CPU). torch's thread
 # pool in each, a thread per CPU, would oversubscribe them: its threads then spin waiting for one
 # another, and a small CPU op takes milliseconds instead of microseconds. Each worker gets its
-# share, set before torch is imported; the commands a test starts inherit it.
+# share, set before torch is imported; the commands a test starts inherit it. NVRTC likewise: its
+# share of compile processes (a share of one compiles in the worker itself; the tests of the
+# compile pool make their own pool).
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
-    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(_name, str(max(1, (os.cpu_count() or 1) // _workers)))
+    _share = str(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)))
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PAIRGEN_COMPILE_WORKERS"):
+        os.environ.setdefault(_name, _share)
 
 import torch  # noqa: E402
 
