@@ -180,6 +180,22 @@ def feasible_defaults(spec, strategy: str, widths: dict, precision: str, limits=
     return [plan for plan in plans if not spec.infeasible(plan, limits)]
 
 
+def switching_defaults(defaults: list) -> list:
+    """Of an op's default plans of one strategy, in order: the first, and each later one that sets
+    a switch as no earlier one does. A switch is a boolean parameter's value, or whether a count is
+    0 (a count of 0 turns its feature off: no staged rows, no grouped LayerNorm lanes, one block per
+    tile); the defaults left out differ from those kept in their tile and thread counts alone."""
+    def switches(plan) -> set:
+        return {(name, bool(value)) for name, value in plan.params.items() if isinstance(value, int)}
+
+    kept, seen = [], set()
+    for plan in defaults:
+        if not kept or switches(plan) - seen:
+            kept.append(plan)
+            seen |= switches(plan)
+    return kept
+
+
 def assert_tensor_core_defaults_compile(spec, strategy: str, widths_list: list, arch: str, min_defaults: int,
                                         every_pair: bool = False) -> None:
     """The first feasible default of `strategy` compiles for `arch` without spills, and a sampled

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from helpers import sampled_plans
+from helpers import feasible_defaults, sampled_plans, switching_defaults
 from pairgen import codegen, compiler, runtime
 from pairgen.ops import get_op, op_names
 
@@ -58,13 +58,26 @@ def _assert_compiled(results) -> set:
     return seen
 
 
+def _compile_switching_defaults_and_a_sample(spec, widths: dict) -> list:
+    """(plan, Compiled or the exception) for each strategy's feasible defaults at `widths` that
+    switch a feature as no earlier one does (helpers.switching_defaults), then a sampled point."""
+    plans = []
+    for s in spec.strategies:
+        defaults = len(feasible_defaults(spec, s, widths, None))
+        sampled = sampled_plans(spec, s, widths, 1, seed=7)  # the feasible defaults, then the sampled point
+        plans += switching_defaults(sampled[:defaults]) + sampled[defaults:]
+    rendered = [codegen.render_plan(p) for p in plans]
+    return list(zip(plans, compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])))
+
+
 @pytest.mark.parametrize("op", op_names())
 def test_every_strategy_compiles_at_the_seed_widths(op):
-    """The fast share of the sweep below: each strategy's defaults and one sampled point at the
-    seed preset's widths."""
+    """The fast share of the sweep below: at the seed preset's widths, each strategy's defaults that
+    switch a feature as no earlier one does, and one sampled point (the sweep compiles every default
+    at every preset width)."""
     spec = get_op(op)
     seed_widths = spec.widths_of(spec.presets["seed"][0])
-    seen = _assert_compiled(_compile_sampled(spec, {tuple(seed_widths.items()): 1}))
+    seen = _assert_compiled(_compile_switching_defaults_and_a_sample(spec, seed_widths))
     assert seen == {(s, _label(seed_widths)) for s in spec.strategies}
 
 

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from helpers import feasible_defaults, switching_defaults
 from pairgen import codegen, compiler
 from pairgen.ops.trimul import TRIMUL, TriangleMultiplication, TriangleMultiplicationReference
 from pairgen.ops.trimul import packs
@@ -69,20 +70,27 @@ def test_precision_views_filter_strategies_and_defaults():
         get_op("readout").at("float8")
 
 
-def _plans_to_compile(every_width: bool):
-    """A sampled point per precision, at both widths (every_width) or at each in turn."""
+def _plans_to_compile(every_width: bool, every_default: bool):
+    """A sampled point per precision, at both widths (every_width) or at each in turn, after the
+    feasible defaults there: all of them (every_default), or those that switch a feature as no
+    earlier one does (helpers.switching_defaults: the others differ in tile and warp counts alone)."""
     plans = []
     for k, precision in enumerate(PRECISIONS):
         for widths in (SEED, MODEL) if every_width else ((SEED, MODEL)[k % 2],):
             view = TRIMUL.at(precision)
-            plans += view.sample_plans("mma", widths, 1, random.Random(f"{precision}{widths['P']}"))
+            defaults = len(feasible_defaults(view, "mma", widths, precision))
+            sampled = view.sample_plans("mma", widths, 1, random.Random(f"{precision}{widths['P']}"))
+            plans += sampled if every_default else switching_defaults(sampled[:defaults]) + sampled[defaults:]
     return plans
 
 
-@pytest.fixture(scope="module", params=["sm_90", pytest.param("sm_80", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["sm_90", pytest.param("sm_90-every-default", marks=pytest.mark.slow),
+                                        pytest.param("sm_80", marks=pytest.mark.slow)])
 def compiled_mma(request):
     """(plan, arch, Compiled or the exception) for each sampled plan on the architecture."""
-    cases = [(plan, request.param) for plan in _plans_to_compile(every_width=request.param == "sm_80")]
+    arch = request.param.split("-")[0]
+    plans = _plans_to_compile(every_width=arch == "sm_80", every_default=request.param != "sm_90")
+    cases = [(plan, arch) for plan in plans]
     jobs = []
     for plan, arch in cases:
         rendered = codegen.render_plan(plan)

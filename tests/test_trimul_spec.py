@@ -199,7 +199,8 @@ WIDTH_CASES = [(16, 16), (40, 24), (64, 32), (128, 128), (256, 256)]
 
 @pytest.mark.parametrize("options", [DEFAULT_OPTIONS, pytest.param(OTHER_OPTIONS, marks=pytest.mark.slow)],
                          ids=["default", "out-norm-nobias"])
-@pytest.mark.parametrize("P, H", WIDTH_CASES, ids=[f"P{p}H{h}" for p, h in WIDTH_CASES])
+@pytest.mark.parametrize("P, H", [pytest.param(p, h, id=f"P{p}H{h}", marks=[pytest.mark.slow] if p > 128 else [])
+                                  for p, h in WIDTH_CASES])  # wider than the real preset's: with the sweep (--slow)
 def test_the_default_compiles_without_spills_in_either_kernel(P, H, options):
     plan = TRIMUL.default_plan(widths(P, H, options), DeviceLimits())
     rendered, stats = _compile_all_kernels(plan)
@@ -209,23 +210,30 @@ def test_the_default_compiles_without_spills_in_either_kernel(P, H, options):
     assert f"{name}_output(" in rendered.source
 
 
-def _staged_plans(options) -> list:
-    """The staged triangle path at each output tile, at widths whose channel chunks differ: the
-    seed's (hc 16 of 32 at o_tile 16), not a power of two (hc 12 of 24) and large (hc 4 of 128 at o_tile 64)."""
+#: The staged triangle path's output tiles at widths whose channel chunks differ: the seed's (hc 16
+#: of 32 at o_tile 16, and o_tile 32), not a power of two (hc 12 of 24, o_tile 64 alone fits) and
+#: large (hc 4 of 128 at o_tile 64); every tile at every width with --slow.
+STAGED_TILES = {(64, 32): (16, 32), (40, 24): (64,), (128, 128): (64,)}
+
+
+def _staged_plans(options, every_tile: bool) -> list:
+    """The first feasible staged plan of each output tile (STAGED_TILES', or all of them) at STAGED_TILES' widths."""
     plans = []
-    for P, H in ((64, 32), (40, 24), (128, 128)):
+    for (P, H), tiles in STAGED_TILES.items():
         feasible = [p for p in TRIMUL.feasible_plans("fused", widths(P, H, options), DeviceLimits()) if p.params["tri_smem"]]
         firsts = {}
         for plan in feasible:
             firsts.setdefault(plan.params["o_tile"], plan)
-        plans += firsts.values()
+        plans += [plan for o_tile, plan in firsts.items() if every_tile or o_tile in tiles]
     return plans
 
 
-@pytest.mark.parametrize("options", [DEFAULT_OPTIONS, pytest.param(OTHER_OPTIONS, marks=pytest.mark.slow)],
-                         ids=["default", "out-norm-nobias"])
-def test_staged_triangle_sums_compile_without_spills(options):
-    plans = _staged_plans(options)
+@pytest.mark.parametrize("options, every_tile", [(DEFAULT_OPTIONS, False),
+                                                 pytest.param(DEFAULT_OPTIONS, True, marks=pytest.mark.slow),
+                                                 pytest.param(OTHER_OPTIONS, True, marks=pytest.mark.slow)],
+                         ids=["default", "default-every-tile", "out-norm-nobias"])
+def test_staged_triangle_sums_compile_without_spills(options, every_tile):
+    plans = _staged_plans(options, every_tile)
     seed = TRIMUL.plan("fused", {**SEED_FUSED, "tri_smem": True}, widths(64, 32, options))
     plans.append(seed)
     rendered = [codegen.render_plan(p) for p in plans]
@@ -238,11 +246,16 @@ def test_staged_triangle_sums_compile_without_spills(options):
     assert {p.params["o_tile"] for p in plans} == {16, 32, 64}
 
 
-@pytest.mark.parametrize("options", [DEFAULT_OPTIONS, pytest.param(OTHER_OPTIONS, marks=pytest.mark.slow)],
-                         ids=["default", "out-norm-nobias"])
-def test_sampled_points_of_every_strategy_compile(options):
+@pytest.mark.parametrize("options, with_defaults", [(DEFAULT_OPTIONS, False),
+                                                    pytest.param(DEFAULT_OPTIONS, True, marks=pytest.mark.slow),
+                                                    pytest.param(OTHER_OPTIONS, True, marks=pytest.mark.slow)],
+                         ids=["default", "default-and-defaults", "out-norm-nobias"])
+def test_sampled_points_of_every_strategy_compile(options, with_defaults):
+    """A sampled point of every strategy, with its feasible defaults before it (with_defaults): in
+    the fast share the sampled points alone, the defaults at these widths compiling in
+    test_compile.py (each strategy's first, P = H = 128) and test_the_default_compiles_without_spills_in_either_kernel."""
     plans = [p for s in TRIMUL.strategies for w in ((40, 24), (128, 128))  # the seed's (64, 32): test_compile.py
-             for p in sampled_plans(TRIMUL, s, widths(*w, options), 1, seed=3)]
+             for p in sampled_plans(TRIMUL, s, widths(*w, options), 1, seed=3)[0 if with_defaults else -1:]]
     rendered = [codegen.render_plan(p) for p in plans]
     results = compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])
     for plan, result in zip(plans, results):

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from helpers import feasible_defaults, switching_defaults
 from pairgen import codegen, compiler
 from pairgen.ops.trimul import TRIMUL
 from pack_oracles import pack_wgmma_weights
@@ -28,9 +29,22 @@ def _sampled(widths: dict, precision: str, k: int = 1):
     return TRIMUL.at(precision).sample_plans("wgmma", widths, k, random.Random(f"wgmma{precision}{widths['P']}"))
 
 
-@pytest.fixture(scope="module")
-def compiled_wgmma():
-    plans = [p for precision in ("bfloat16", "float16") for widths in (SEED, MODEL, ODD) for p in _sampled(widths, precision)]
+def _fast_share(plans: list, widths: dict, precision: str) -> list:
+    """Of _sampled's plans (the feasible defaults, then the sampled point): in bf16 the defaults that
+    switch a feature as no earlier one does (helpers.switching_defaults) and the sampled point; in
+    fp16 the sampled point (its defaults are bf16's code on the other 16-bit type, and its first
+    default compiles without spills in test_trimul_mma.py)."""
+    defaults = len(feasible_defaults(TRIMUL.at(precision), "wgmma", widths, precision))
+    return (switching_defaults(plans[:defaults]) if precision == "bfloat16" else []) + plans[defaults:]
+
+
+@pytest.fixture(scope="module", params=["fast-share", pytest.param("every-default", marks=pytest.mark.slow)])
+def compiled_wgmma(request):
+    """The sampled points of each width and 16-bit type, after the feasible defaults there: every
+    one of them (every-default), or _fast_share's."""
+    plans = [p for precision in ("bfloat16", "float16") for widths in (SEED, MODEL, ODD)
+             for p in (_sampled(widths, precision) if request.param == "every-default"
+                       else _fast_share(_sampled(widths, precision), widths, precision))]
     jobs = [(r.source, r.kernel_name, "sm_90") for r in map(codegen.render_plan, plans)]
     with compiler.compile_pool(2) as pool:
         return list(zip(plans, compiler.compile_many(jobs, pool)))
