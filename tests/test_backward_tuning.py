@@ -28,8 +28,10 @@ def test_points_cover_the_space_default_first(op):
     assert len({tuple(sorted(p.items())) for p in points}) == count
 
 
-@pytest.mark.parametrize("items", trimul_fused.TUNING_SPACE["items"])
-@pytest.mark.parametrize("ln_tile", trimul_fused.TUNING_SPACE["ln_tile"])
+@pytest.mark.parametrize("items, ln_tile", [
+    pytest.param(items, ln_tile, id=f"{ln_tile}-{items}", marks=[] if i == t else [pytest.mark.slow])
+    for t, ln_tile in enumerate(trimul_fused.TUNING_SPACE["ln_tile"])
+    for i, items in enumerate(trimul_fused.TUNING_SPACE["items"])])  # fast share: each value once, the default among them
 def test_every_trimul_kernel_shape_renders_to_its_signatures_and_compiles(items, ln_tile):
     """The launch parameters that change the source (items, ln_tile): each compiles without spills
     (the others only change grids)."""
