@@ -219,16 +219,17 @@ def _good():
     (1, torch.randn(2, 5, 6, 8), "pair_feats must have shape (B, N, N, 8) = (2, 5, 5, 8)"),
     (1, torch.randn(2, 5, 5, 4), "pair_feats must have shape (B, N, N, 8)"),
     (1, torch.randn(2, 5, 5, 8, dtype=torch.float64), "pair_feats has dtype torch.float64"),
-    (1, torch.randn(2, 5, 5, 8, device="meta"), "pair_feats is on meta"),
+    (1, lambda: torch.randn(2, 5, 5, 8, device="meta"), "pair_feats is on meta"),  # built by the test (lambda)
     (2, torch.ones(2, 5, 6, dtype=torch.bool), "edge_mask must have shape (B, N, N) = (2, 5, 5)"),
     (2, torch.ones(2, 5, 5, dtype=torch.complex64), "edge_mask must be bool, integer or floating point"),
-    (2, torch.ones(2, 5, 5, dtype=torch.bool, device="meta"), "edge_mask is on meta but the inputs are on cpu"),
+    (2, lambda: torch.ones(2, 5, 5, dtype=torch.bool, device="meta"), "edge_mask is on meta but the inputs are on cpu"),
     (2, None, "edge_mask must be a torch.Tensor"),
 ])
 def test_bad_input_raises_a_value_error_saying_what_was_expected(which, bad, message):
     module = PairReadout(16, 8, 24)
     inputs = list(_good())
-    inputs[which] = bad
+    # the meta tensors are made here, not at collection: a process's first one is slow to make
+    inputs[which] = bad() if callable(bad) else bad
     with pytest.raises(ValueError, match=re.escape(message)):
         module(*inputs)
 
