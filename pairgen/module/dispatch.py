@@ -160,7 +160,7 @@ def route(module, inputs: tuple, settle: bool = True) -> Route:
         if not settle:
             return Route(FIRST_USE, _FIRST_USE, precision, variant)
         if precision in HALF_DTYPES and not training and _without_kernel(module, inputs, False).path == CLOSED_FORM:
-            variant = module._first_use(variant, inputs, precision, reference=lambda: _closed_form(module, inputs),
+            variant = module._first_use(variant, inputs, precision, reference=lambda: module._closed_form_call(inputs),
                                         rival="the closed form")
         else:
             variant = module._first_use(variant, inputs, precision)
@@ -179,11 +179,6 @@ def route(module, inputs: tuple, settle: bool = True) -> Route:
         return last
     last = module.__dict__["_kernel_route"] = Route(KERNEL, _KERNEL, precision, variant)
     return last
-
-
-def _closed_form(module, inputs: tuple) -> torch.Tensor:
-    """The CLOSED_FORM path's call (what KernelModule._dispatch runs for it)."""
-    return module.closed_form_forward(inputs, {name: p.detach() for name, p in module.named_parameters()})[0]
 
 
 def _without_kernel(module, inputs: tuple, training: bool) -> Route:

@@ -298,7 +298,7 @@ class KernelModule:
                 out = self._launch(*r.inputs, variant=r.variant)
             return as_dtype(out, self.closed_form_output_dtype(inputs[0], current_autocast()))
         if path == CLOSED_FORM:
-            return dispatch._closed_form(self, inputs)
+            return self._closed_form_call(inputs)
         if path == COMPILED:  # torch.compile sees one operator (pairgen/library.py)
             return library.compiled_call(self, self.op.name, inputs)
         raise AssertionError(f"pairgen: no runner for the route {r}")
@@ -312,6 +312,11 @@ class KernelModule:
         if r.path == FP32_KERNEL:
             return FP32_KERNEL, (r.variant, r.inputs)
         return (CLOSED_FORM if r.path in (CLOSED_FORM, SAVED_CLOSED_FORM) else REFERENCE), None
+
+    def _closed_form_call(self, inputs: tuple) -> torch.Tensor:
+        """The CLOSED_FORM path's output: the closed form's forward on the module's parameters
+        (a first-use check times it as the rival of a default kernel, dispatch.route)."""
+        return self.closed_form_forward(inputs, {name: p.detach() for name, p in self.named_parameters()})[0]
 
     def closed_form_forward(self, inputs: tuple, params: dict) -> tuple:
         """The op's forward computed the closed form's way (saving_forward) on `inputs` and
