@@ -35,7 +35,7 @@ class LoggingEvaluator(FakeEvaluator):
         return super().compile(plans)
 
     def evaluate(self, plan):
-        time.sleep(0.005)  # long enough for the workers' batches to overlap
+        time.sleep(0.02)  # long enough for the workers' batches to overlap
         return super().evaluate(plan)
 
 
@@ -51,9 +51,10 @@ class StreamingLoggingEvaluator(LoggingEvaluator):
         return [self.pool.submit(lambda p=p: self.compile([p])[0]).result for p in plans]
 
 
-def _worker(storage: str, log_path: str, trials: int, seed: int, streaming: bool) -> None:
+def _worker(storage: str, log_path: str, trials: int, seed: int, streaming: bool, start) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
+    start.wait(timeout=120)  # every worker has imported and starts tuning at once, so the sharing cannot be raced away
     settings = TuneSettings(trials=trials, batch=4, progress=False, seed=seed, finalists=0)  # as --devices workers
     with ThreadPoolExecutor(2) as pool:
         evaluator = StreamingLoggingEvaluator(log_path, pool) if streaming else LoggingEvaluator(log_path)
@@ -64,7 +65,8 @@ def _worker(storage: str, log_path: str, trials: int, seed: int, streaming: bool
 def test_workers_share_a_study_without_losing_or_doubling_a_point(tmp_path, streaming):
     ctx = multiprocessing.get_context("spawn")
     logs = [tmp_path / f"worker{k}.log" for k in range(3)]
-    workers = [ctx.Process(target=_worker, args=(str(tmp_path), str(log), 30, k, streaming))
+    start = ctx.Barrier(3)
+    workers = [ctx.Process(target=_worker, args=(str(tmp_path), str(log), 30, k, streaming, start))
                for k, log in enumerate(logs)]
     for w in workers:
         w.start()
