@@ -193,32 +193,41 @@ def _nearest(entries: list[dict], bucket: int) -> tuple[dict | None, bool]:
                                        e["key"]["n_bucket"])), False
 
 
-def _same_arch_databases(op: str, info: DeviceInfo) -> list[TunedDB]:
+def _same_arch_databases(db_name: str, info: DeviceInfo) -> list[TunedDB]:
     """Other GPUs' databases of this GPU's arch, folder by folder in lookup order (each folder's by name)."""
-    return [db for root in config.tuned_read_dirs() for db in databases_for_arch(op, info.arch, info.slug, root)]
+    return [db for root in config.tuned_read_dirs() for db in databases_for_arch(db_name, info.arch, info.slug, root)]
 
 
-def _database_groups(op: str, info: DeviceInfo) -> list[list[TunedDB]]:
-    """The databases choose() reads, grouped: this GPU's in every read folder (config.tuned_read_dirs:
+def _database_groups(db_name: str, info: DeviceInfo) -> list[list[TunedDB]]:
+    """The databases a lookup reads, grouped: this GPU's in every read folder (config.tuned_read_dirs:
     the user's or PAIRGEN_TUNED_DIR's first, then the shipped results), then each same-architecture
     GPU's, in the order they are first met. A group is one overlay: an N bucket an earlier folder
     has hides the later folders' entry for it."""
-    groups = [[TunedDB(op, info.slug, root) for root in config.tuned_read_dirs()]]
+    groups = [[TunedDB(db_name, info.slug, root) for root in config.tuned_read_dirs()]]
     by_slug: dict[str, list[TunedDB]] = {}
-    for db in _same_arch_databases(op, info):
+    for db in _same_arch_databases(db_name, info):
         by_slug.setdefault(db.gpu_slug, []).append(db)
     return groups + list(by_slug.values())
 
 
-def choose(spec: OpSpec, dtype: str, widths: dict, n: int, info: DeviceInfo) -> Choice:
-    """The lookup chain: this GPU's exact tuned entry -> its nearest N bucket -> a GPU of the same
-    compute capability (same order) -> the op's default params. Each GPU's entries are those of
-    every read folder, the first folder's winning for an N bucket two of them have."""
-    bucket = n_bucket(n)
-    for group in _database_groups(spec.name, info):
+@dataclass
+class Found:
+    """An entry the lookup chain found, the database it came from and how ("tuned", "tuned
+    (nearest N bucket ...)", either followed by " on <gpu> (same architecture, ...)")."""
+    entry: dict
+    database: TunedDB
+    how: str
+
+
+def find_entry(db_name: str, bucket: int, info: DeviceInfo, usable) -> Found | None:
+    """The lookup chain every tuned kernel (forward or backward) goes through: this GPU's exact N
+    bucket -> its nearest bucket -> a GPU of the same compute capability (same order). usable(db)
+    gives a database's entries for the call's key that today's code can run as tuned; each GPU's
+    entries are those of every read folder, the first folder's winning for a bucket two have."""
+    for group in _database_groups(db_name, info):
         found: dict[int, tuple[dict, TunedDB]] = {}  # N bucket -> (entry, its database), first folder first
         for db in group:
-            for entry in _usable(spec, db, dtype, widths, info.limits):
+            for entry in usable(db):
                 found.setdefault(entry["key"]["n_bucket"], (entry, db))
         entry, exact = _nearest([e for e, _ in found.values()], bucket)
         if entry is None:
@@ -227,11 +236,21 @@ def choose(spec: OpSpec, dtype: str, widths: dict, n: int, info: DeviceInfo) -> 
         how = "tuned" if exact else f"tuned (nearest N bucket {entry['key']['n_bucket']})"
         if db.gpu_slug != info.slug:
             how += f" on {db.gpu_slug} (same architecture, {info.arch})"
+        return Found(entry, db, how)
+    return None
+
+
+def choose(spec: OpSpec, dtype: str, widths: dict, n: int, info: DeviceInfo) -> Choice:
+    """The lookup chain (find_entry), then the op's default params."""
+    bucket = n_bucket(n)
+    found = find_entry(spec.name, bucket, info, lambda db: _usable(spec, db, dtype, widths, info.limits))
+    if found is not None:
+        entry, how, path = found.entry, found.how, str(found.database.path)
         if _reference_was_faster(entry):
             return Choice(None, f"{how}: the PyTorch reference measured faster when it was tuned "
                                 f"({entry['baselines_us']['eager']} µs against the best kernel's {entry['us']} µs)",
-                          entry, str(db.path), expected_reference=True)
-        return Choice(spec.plan(entry["strategy"], entry["params"], widths, dtype), how, entry, str(db.path))
+                          entry, path, expected_reference=True)
+        return Choice(spec.plan(entry["strategy"], entry["params"], widths, dtype), how, entry, path)
     plan = spec.default_plan(widths, info.limits, dtype)
     if plan is None:
         in_dtype = "" if dtype == "float32" else f" in {dtype}"

@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pairgen import compiler
+from pairgen import compiler, runtime
 from pairgen.ops import backward_tuning
 from pairgen.ops.trimul import fused_backward as trimul_fused
+from pairgen.spec import DeviceLimits
 from pairgen.tuned import TunedDB, make_key
 from pairgen.tuning import backward_tune
 
+INFO = runtime.DeviceInfo(0, "Test GPU", "test-gpu", "sm_90", DeviceLimits())
 WIDTHS = {"trimul": {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}, "contact": {"P": 64, "H": 32}}
 
 
@@ -56,25 +58,37 @@ def tuned_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_entries_are_found_by_key_and_nearest_bucket(tuned_dir):
+def test_entries_are_found_by_the_forward_kernels_lookup_chain(tuned_dir):
+    """Exact N bucket, then the nearest, then a GPU of the same architecture, else the defaults."""
     db = TunedDB(backward_tuning.db_name("trimul"), "test-gpu")
     chosen = {**trimul_fused.TUNING_DEFAULT, "items": 8, "row_blocks": 2}
-    db.upsert(_entry("trimul", chosen, 256))
-    params, entry, state = backward_tuning.lookup("trimul", "float32", WIDTHS["trimul"], 250, "test-gpu")
-    assert (params, state) == (chosen, "ok") and entry["key"]["n_bucket"] == 256
-    assert backward_tuning.lookup("trimul", "float32", WIDTHS["trimul"], 700, "test-gpu")[0] == chosen, "nearest"
-    other = backward_tuning.lookup("trimul", "bfloat16", WIDTHS["trimul"], 256, "test-gpu")
+    db.upsert(_entry("trimul", chosen, 256), arch="sm_90")
+    params, entry, source = backward_tuning.lookup("trimul", "float32", WIDTHS["trimul"], 250, INFO)
+    assert (params, source) == (chosen, "tuned") and entry["key"]["n_bucket"] == 256
+    params, _, source = backward_tuning.lookup("trimul", "float32", WIDTHS["trimul"], 700, INFO)
+    assert (params, source) == (chosen, "tuned (nearest N bucket 256)")
+    other = backward_tuning.lookup("trimul", "bfloat16", WIDTHS["trimul"], 256, INFO)
     assert other == (trimul_fused.TUNING_DEFAULT, None, "default"), "another dtype: no entry"
+    h100 = runtime.DeviceInfo(0, "NVIDIA H100", "nvidia-h100", "sm_90", DeviceLimits())
+    params, _, source = backward_tuning.lookup("trimul", "float32", WIDTHS["trimul"], 256, h100)
+    assert params == chosen and source == "tuned on test-gpu (same architecture, sm_90)"
+    a100 = runtime.DeviceInfo(0, "NVIDIA A100", "nvidia-a100", "sm_80", DeviceLimits())
+    assert backward_tuning.lookup("trimul", "float32", WIDTHS["trimul"], 256, a100)[2] == "default"
 
 
-def test_a_stale_or_invalid_entry_runs_the_defaults_with_a_warning(tuned_dir):
+def test_a_stale_or_invalid_entry_is_skipped_with_a_warning(tuned_dir):
     db = TunedDB(backward_tuning.db_name("contact"), "test-gpu")
-    stale = _entry("contact", {"row_blocks": 8}, 512)
+    good = _entry("contact", {"row_blocks": 8}, 128)
+    stale = _entry("contact", {"row_blocks": 16}, 512)
     stale["source_sha256"] = "0" * 64
+    db.upsert(good)
     db.upsert(stale)
     with pytest.warns(UserWarning, match="stale"):
-        params, _, state = backward_tuning.lookup("contact", "float32", WIDTHS["contact"], 512, "test-gpu")
-    assert state == "stale" and params == backward_tuning.declared("contact").TUNING_DEFAULT
+        params, entry, source = backward_tuning.lookup("contact", "float32", WIDTHS["contact"], 512, INFO)
+    assert params == {"row_blocks": 8} and source == "tuned (nearest N bucket 128)", "the fresh entry, not the stale one"
+    db.upsert({**good, "source_sha256": "0" * 64})
+    params, entry, source = backward_tuning.lookup("contact", "float32", WIDTHS["contact"], 512, INFO)
+    assert (params, entry, source) == (backward_tuning.declared("contact").TUNING_DEFAULT, None, "default")
     invalid = _entry("contact", {"row_blocks": 8}, 512)
     invalid["params"] = {"row_blocks": 3}
     assert backward_tuning.entry_state("contact", invalid) == "invalid"
@@ -114,3 +128,29 @@ def test_tuning_the_backward_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["--backward", "--op", "contact"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_sweep_stopped_part_way_resumes_from_its_study(tmp_path):
+    """The sweep is an Optuna study in the forward tuner's journal storage: a second run of the same
+    study times only the points the first did not reach."""
+    from pairgen.tuning.tuner import open_study
+
+    points = [{"a": a, "b": b} for a in (1, 2, 3) for b in (1, 2)]
+    timed = []
+
+    def step_us(params, stop_after=None):
+        if stop_after is not None and len(timed) == stop_after:
+            raise KeyboardInterrupt
+        timed.append(dict(params))
+        return 10.0 - params["a"] - params["b"]
+
+    def gradients(params):
+        return [torch.ones(2)]
+
+    with pytest.raises(KeyboardInterrupt):
+        backward_tune.sweep(points, lambda p: step_us(p, stop_after=4), gradients, 1e-6,
+                            open_study("resume", 0, tmp_path))
+    assert len(timed) == 4
+    result = backward_tune.sweep(points, step_us, gradients, 1e-6, open_study("resume", 0, tmp_path))
+    assert len(timed) == 6 and len({tuple(sorted(p.items())) for p in timed}) == 6, "each point timed once"
+    assert result["best"] == ({"a": 3, "b": 2}, 5.0) and len(result["timed"]) == 6

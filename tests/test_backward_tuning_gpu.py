@@ -1,6 +1,6 @@
 """GPU: the training path's launch shapes. Every kernel shape of the triangle update's fused passes
 (items x ln_tile) and blocks per SM of the contact head's keeps every gradient within 2e-5 of
-float64 autograd; a sweep writes an entry that a training call then runs."""
+float64 autograd; a sweep writes an entry that a training call then runs, and explain() names."""
 from __future__ import annotations
 
 import pytest
@@ -49,10 +49,13 @@ def test_a_swept_entry_is_what_a_training_call_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(backward_tuning.declared("contact"), "TUNING_SPACE", {"row_blocks": (4, 8)})
     shape = {"B": 1, "N": 96, "P": 64, "H": 32}
     assert backward_tune.main([(CONTACT, shape)], reps=5) == 0
-    params, entry, state = backward_tuning.lookup("contact", "float32", {"P": 64, "H": 32}, 96,
-                                                  runtime.device_info().slug)
-    assert state == "ok" and entry["params"] == params and params["row_blocks"] in (4, 8)
+    params, entry, source = backward_tuning.lookup("contact", "float32", {"P": 64, "H": 32}, 96,
+                                                   runtime.device_info())
+    assert source == "tuned" and entry["params"] == params and params["row_blocks"] in (4, 8)
     module = CONTACT.make_module({"P": 64, "H": 32}, generator(51)).cuda()
     x = torch.randn(1, 96, 96, 64, device="cuda")
     assert backward_tuning.for_call(module, x) == params
+    training = dict(module.explain(96).routes)
+    route = next(str(r) for label, r in training.items() if label.startswith("training"))
+    assert f"row_blocks={params['row_blocks']}; tuned" in route and "pairgen_contact_symmetric_ln_grad" in route, route
     runtime.clear_caches()

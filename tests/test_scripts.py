@@ -152,12 +152,16 @@ def test_explain_for_a_described_gpu(tmp_path):
                "--shape", "B=1,N=300,P=64,H=32", "--shape", "B=1,N=64,P=128,H=64")
     result = run(*explain, "--gpu", "nvidia-h200", "--arch", "sm_90", env=env)
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    lines = [line for line in result.stdout.splitlines() if not line.startswith("  training call's backward")]
+    backward = [line for line in result.stdout.splitlines() if line.startswith("  training call's backward")]
     assert str(tmp_path) in lines[0] and len(lines) == 4
     assert lines[1].startswith("B1 N64 P64 H32: contact N=64 (bucket 64) on nvidia-h200: ")
     assert "from tuned, measured 7.5 us when tuned" in lines[1] and str(tmp_path / "nvidia-h200" / "contact.json") in lines[1]
     assert "from tuned (nearest N bucket 64)" in lines[2]
     assert "from default" in lines[3] and "measured" not in lines[3]
+    # a training call's backward: its fused kernels, their launch shape and where it came from
+    assert len(backward) == 3 and all("pairgen_contact_symmetric_ln_grad" in line for line in backward)
+    assert "(row_blocks=4; default)" in backward[0]
     result = run(*explain, "--gpu", "NVIDIA H100", "--arch", "sm_90", env=env)
     assert result.returncode == 0 and "on nvidia-h100: " in result.stdout
     assert "from tuned on nvidia-h200 (same architecture, sm_90), measured 7.5 us" in result.stdout

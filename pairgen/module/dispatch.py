@@ -251,6 +251,26 @@ def stand_in_inputs(module, batch: int, n: int, dtype: torch.dtype, device, trai
                  for _, letters, kind in module.input_layout)
 
 
+#: The training paths whose backward is the closed form (where it covers the call).
+CLOSED_FORM_BACKWARD_PATHS = (KERNEL_TRAINING, SAVED_CLOSED_FORM, CLOSED_FORM)
+
+
+def _backward_kernels(module, inputs: tuple, n: int) -> "str | None":
+    """The fused backward kernels a closed-form training call on these inputs runs, with their
+    launch shapes and where those came from (pairgen/ops/backward_tuning.py); None where the call
+    runs none (the op has none, the closed form does not cover it, PAIRGEN_FUSED_BACKWARD=0)."""
+    from ..ops import backward_tuning
+    from ..ops.fused_kernels import storage_kind
+    from ..runtime import device_info
+
+    x = inputs[0]
+    kind = storage_kind(current_autocast() or x.dtype)
+    if (module.op.name not in backward_tuning.OPS or not x.is_cuda or kind is None or not config.fused_backward()
+            or not module.closed_form_applies(inputs)):
+        return None
+    return backward_tuning.describe(module.op.name, kind, module.widths, n, device_info(x.device.index or 0))
+
+
 def explain_routes(module, batch: int, n: int, dtype: torch.dtype, device) -> tuple:
     """(label, Route) of an inference call and a training call of `module` at (batch, n) in
     `dtype` on `device`, decided as a call would be (a default variant's first use not timed)."""
@@ -261,5 +281,9 @@ def explain_routes(module, batch: int, n: int, dtype: torch.dtype, device) -> tu
             r = route(module, inputs, settle=False)
         if r.path == KERNEL and module._records(r.variant):
             r = r._replace(reason=r.reason + "; a repeated call like it: " + FAST_REPLAY)
+        if training and r.path in CLOSED_FORM_BACKWARD_PATHS:
+            backward = _backward_kernels(module, inputs, n)
+            if backward:
+                r = r._replace(reason=f"{r.reason}; backward: {backward}")
         routes.append((f"{label} call B={batch} N={n} {str(dtype).removeprefix('torch.')}", r))
     return tuple(routes)

@@ -6,22 +6,21 @@ widths)` (the rendered sources those kernels run). `pairgen-tune --backward`
 (pairgen/tuning/backward_tune.py) times a training step at every point of the space and keeps the
 fastest whose gradients agree with the default's, as an entry of `tuned/<gpu>/<op>_backward.json`
 keyed as forward entries are: the storage dtype the fused kernels run in ("float32", "bfloat16",
-"float16"), the module's widths, the N bucket. A call takes the entry of its bucket, else the
-nearest bucket's. An entry is stale when today's sources at its parameters hash differently from
-the ones it was tuned with, invalid when its parameters are outside today's space: either way the
-call runs the defaults (a warning names the file once), and `pairgen-tune --status` lists it.
+"float16"), the module's widths, the N bucket. An entry is stale when today's sources at its
+parameters hash differently from the ones it was tuned with, invalid when its parameters are outside today's space: either way the
+lookup skips it (a warning names the file once), and `pairgen-tune --status` lists it. Lookups go
+through the forward kernels' chain (runtime.find_entry): this GPU's exact N bucket, its nearest, a
+same-architecture GPU's entries, else the defaults.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib
 import itertools
-import math
 import warnings
 
-from .. import config, runtime
+from .. import runtime
 from ..spec import n_bucket
-from ..tuned import TunedDB, make_key
 
 #: Ops with fused closed-form kernels -> the module declaring their tuning.
 OPS = {"trimul": "pairgen.ops.trimul.fused_backward", "contact": "pairgen.ops.contact.fused_backward"}
@@ -81,30 +80,32 @@ def entry_state(op: str, entry: dict) -> str:
     return "ok"
 
 
-def databases(op: str, slug: str) -> list[TunedDB]:
-    """This GPU's backward databases, in lookup order (config.tuned_read_dirs)."""
-    return [TunedDB(db_name(op), slug, root) for root in config.tuned_read_dirs()]
-
-
-def lookup(op: str, kind: str, widths: dict, n: int, slug: str) -> tuple[dict, dict | None, str]:
-    """(the tuning a call runs, the entry it came from or None, its state or "default")."""
-    bucket = n_bucket(n)
-    want = make_key(kind, widths, bucket)
-    for db in databases(op, slug):
-        mine = [e for e in db.entries() if e["key"]["dtype"] == want["dtype"] and e["key"]["widths"] == want["widths"]]
-        if not mine:
+def _usable(op: str, db, kind: str, widths: dict) -> list[dict]:
+    """The database's entries for (kind, widths) whose sources are today's; a stale or invalid one
+    is skipped, with a warning naming the file once."""
+    want = {k: int(v) for k, v in widths.items()}
+    usable = []
+    for entry in db.entries():
+        if entry["key"]["dtype"] != kind or entry["key"]["widths"] != want:
             continue
-        entry = min(mine, key=lambda e: (abs(math.log2(e["key"]["n_bucket"]) - math.log2(bucket)),
-                                         e["key"]["n_bucket"]))
         state = entry_state(op, entry)
         if state == "ok":
-            return dict(entry["params"]), entry, state
-        if str(db.path) not in _warned:
+            usable.append(entry)
+        elif str(db.path) not in _warned:
             _warned.add(str(db.path))
-            warnings.warn(f"pairgen: {db.path}: a backward entry for {kind} {widths} is {state}; the defaults "
-                          "run (re-tune with pairgen-tune --backward)")
-        return dict(declared(op).TUNING_DEFAULT), entry, state
-    return dict(declared(op).TUNING_DEFAULT), None, "default"
+            warnings.warn(f"pairgen: {db.path}: a backward entry for {kind} {widths} is {state}; it is skipped "
+                          "(re-tune with pairgen-tune --backward)")
+    return usable
+
+
+def lookup(op: str, kind: str, widths: dict, n: int, info) -> tuple[dict, dict | None, str]:
+    """(the tuning a call runs, the entry it came from or None, where it came from): the forward
+    kernels' lookup chain (runtime.find_entry: exact N bucket, nearest, a same-architecture GPU's),
+    else the defaults ("default")."""
+    found = runtime.find_entry(db_name(op), n_bucket(n), info, lambda db: _usable(op, db, kind, widths))
+    if found is None:
+        return dict(declared(op).TUNING_DEFAULT), None, "default"
+    return dict(found.entry["params"]), found.entry, found.how
 
 
 def tuning_for(op: str, kind: str, widths: dict, n: int, device_index: int) -> dict:
@@ -116,7 +117,7 @@ def tuning_for(op: str, kind: str, widths: dict, n: int, device_index: int) -> d
         if len(_cache) >= MAX_CACHED:
             for old in list(_cache)[: MAX_CACHED // 2]:
                 del _cache[old]
-        found = _cache[key] = lookup(op, kind, widths, n, runtime.device_info(device_index).slug)[0]
+        found = _cache[key] = lookup(op, kind, widths, n, runtime.device_info(device_index))[0]
     return found
 
 
@@ -133,3 +134,16 @@ def for_call(module, x) -> dict:
     if not x.is_cuda or storage_kind(x.dtype) is None:
         return declared(op).TUNING_DEFAULT
     return tuning_for(op, storage_kind(x.dtype), module.widths, x.shape[1], x.device.index)
+
+
+def describe(op: str, kind: str, widths: dict, n: int, info) -> str:
+    """The fused backward kernels a training call of this op, storage kind, widths and length
+    runs on `info`'s GPU, their launch shapes and where those came from (for explain)."""
+    from .. import codegen
+
+    params, entry, source = lookup(op, kind, widths, n, info)
+    origin = f"{source}, {entry['us']} us per step when tuned" if entry and entry.get("us") else source
+    shape = ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
+    kernels = [name for rendered in declared(op).tuning_sources(kind, params, widths)
+               for name in codegen.signatures(rendered.source)]
+    return f"fused backward kernels ({shape}; {origin}): {', '.join(kernels)}"

@@ -1,9 +1,12 @@
 """`pairgen-tune --backward`: the closed forms' fused kernels tuned on this GPU (their search space
 is pairgen/ops/backward_tuning.py's). Each shape's space is small (tens of points), so it is swept
-whole: every point's training step (forward + backward of (out * g).sum(), L2 flushed, median of
-`reps`) is timed, its gradients checked against the default point's (the default is held to the
-gradient standard against float64 by the GPU tests; a launch shape changes only the order of a few
-partial sums), and the fastest that agrees is written as an entry of tuned/<gpu>/<op>_backward.json.
+whole, as an Optuna study like the forward tuner's (its journal under the same folder, or the same
+--storage database; every point of the space a trial, the default first): every point's
+training step (forward + backward of (out * g).sum(), L2 flushed, median of `reps`) is timed, its
+gradients checked against the default point's (the default is held to the gradient standard
+against float64 by the GPU tests; a launch shape changes only the order of a few partial sums), and
+the fastest that agrees is written as an entry of tuned/<gpu>/<op>_backward.json. A sweep stopped
+part way resumes where it stopped: the points its study holds are not timed again.
 """
 from __future__ import annotations
 
@@ -19,22 +22,60 @@ AGREEMENT = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-2}
 
 
 def sweep(points: list[dict], step_us: Callable[[dict], float], gradients: Callable[[dict], list],
-          bound: float) -> dict:
+          bound: float, study=None) -> dict:
     """Time and check every point (the first is the default, which the others are checked
-    against). Returns {"best": (params, µs) or None, "default_us", "timed": {label: µs},
+    against), each a trial of `study` (default: one in memory), queued in order; points the study
+    already holds a verdict for are read back, not timed again. Returns {"best": (params, µs) or None, "default_us", "timed": {label: µs},
     "disagreed": [labels]}."""
-    reference = gradients(points[0])
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = study or optuna.create_study(direction="minimize")
+    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    held = {_label(t.params) for t in study.trials if t.state in finished}
+    remaining = [p for p in points if _label(p) not in held]  # a point whose trial failed (a Ctrl-C) is run again
+    space = {name: sorted({p[name] for p in points}) for name in points[0]}
+    reference = []
+
+    def objective(trial) -> float:
+        params = {name: trial.suggest_categorical(name, choices) for name, choices in space.items()}
+        if params != points[0]:
+            if not reference:
+                reference.append(gradients(points[0]))
+            worst = _worst_disagreement(gradients(params), reference[0])
+            if worst > bound:
+                trial.set_user_attr("disagreed", worst)
+                raise optuna.TrialPruned(f"gradients {worst:.2e} from the default's")
+        return step_us(params)
+
+    for params in remaining:  # the study's trials are exactly the space's points, the default first
+        study.enqueue_trial(params)
+    if remaining:
+        study.optimize(objective, n_trials=len(remaining))
+    return _result(study, points[0])
+
+
+def _result(study, default: dict) -> dict:
+    """What sweep() returns, read from the study's trials."""
+    import optuna
+
     timed, disagreed, best = {}, [], None
-    for params in points:
-        label = _label(params)
-        if params is not points[0] and _worst_disagreement(gradients(params), reference) > bound:
+    for trial in study.trials:
+        label = _label(trial.params)
+        if trial.state == optuna.trial.TrialState.PRUNED:
             disagreed.append(label)
-            continue
-        us = step_us(params)
-        timed[label] = us
-        if best is None or us < best[1]:
-            best = (dict(params), us)
-    return {"best": best, "default_us": timed.get(_label(points[0])), "timed": timed, "disagreed": disagreed}
+        elif trial.state == optuna.trial.TrialState.COMPLETE:
+            timed[label] = trial.value
+            if best is None or trial.value < best[1]:
+                best = (dict(trial.params), trial.value)
+    return {"best": best, "default_us": timed.get(_label(default)), "timed": timed, "disagreed": disagreed}
+
+
+def study_name(gpu_slug: str, op: str, kind: str, widths: dict, bucket: int) -> str:
+    """The sweep's study: a template edit (its hash) starts a new one."""
+    inner = "-".join(f"{k}{v}" for k, v in sorted(widths.items()))
+    digest = backward_tuning.template_sha256(op, kind, widths)[:12]
+    return f"{gpu_slug}-{backward_tuning.db_name(op)}-{kind}-{inner}-n{bucket}-t{digest}"
 
 
 def _label(params: dict) -> str:
@@ -80,11 +121,17 @@ def entry(op: str, kind: str, widths: dict, shape: dict, result: dict) -> dict:
     }
 
 
-def tune_shape(spec, shape: dict, precision: str, reps: int = 20) -> tuple[dict, str, dict]:
-    """Sweep one shape on the current GPU: (the sweep's result, the storage kind, the widths)."""
+def tune_shape(spec, shape: dict, precision: str, reps: int = 20, storage_url: str | None = None,
+               storage_dir=None) -> tuple[dict, str, dict]:
+    """Sweep one shape on the current GPU, its study in the forward tuner's storage (a journal in
+    storage_dir, default the cache's studies folder, or the database at storage_url): (the sweep's
+    result, the storage kind, the widths)."""
     import torch
 
+    from .. import runtime
     from ..ops.fused_kernels import storage_kind
+    from ..spec import n_bucket
+    from .tuner import open_study
     from .evaluate import inputs_in_precision, module_in_precision
     from .timing import time_cuda
 
@@ -115,14 +162,16 @@ def tune_shape(spec, shape: dict, precision: str, reps: int = 20) -> tuple[dict,
         return time_cuda(lambda: step(tuning), device, reps=reps).median_us
 
     kind = storage_kind(next(p.dtype for p in params))
+    name = study_name(runtime.device_info(device.index).slug, spec.name, kind, module.widths, n_bucket(shape["N"]))
+    study = open_study(name, 0, storage_dir, storage_url)
     try:
-        result = sweep(backward_tuning.points(spec.name), step_us, gradients, AGREEMENT[kind])
+        result = sweep(backward_tuning.points(spec.name), step_us, gradients, AGREEMENT[kind], study)
     finally:
         module.__dict__.pop("_backward_tuning", None)
     return result, kind, module.widths
 
 
-def main(work: list, reps: int = 20) -> int:
+def main(work: list, reps: int = 20, storage_url: str | None = None) -> int:
     """Sweep each (spec, shape) of `work` whose op has fused closed-form kernels, and record it."""
     from .. import runtime
     from ..tuned import TunedDB
@@ -137,7 +186,7 @@ def main(work: list, reps: int = 20) -> int:
     for spec, shape in chosen:
         precision = spec.precision or "float32"
         started = time.perf_counter()
-        result, kind, widths = tune_shape(spec, shape, precision, reps)
+        result, kind, widths = tune_shape(spec, shape, precision, reps, storage_url)
         if result["best"] is None:
             print(f"{spec.name} {shape_label(shape)} {kind}: no point agreed; nothing written", file=sys.stderr)
             continue

@@ -560,15 +560,48 @@ def previous_entry(spec, db, widths: dict, bucket: int) -> dict | None:
 
 
 def explain(work, info) -> int:
-    """What a module runs for each selected shape on `info`'s GPU, and where it comes from."""
+    """What a module runs for each selected shape on `info`'s GPU, and where it comes from: the
+    forward variant, and the fused backward kernels of a training call. On this machine's GPU also
+    the routes an inference and a training call take (stand-in inputs, nothing computed)."""
     from pairgen import config, runtime
 
     print(f"on {info.name} ({info.slug}, {info.arch}); tuned folders, first first: "
           + ", ".join(str(d) for d in config.tuned_read_dirs()))
+    here = this_gpu()
     for spec, shape in work:
-        explained = runtime.explain(spec, precision_of(spec), spec.widths_of(shape), shape["N"], info=info)
+        if here is not None and here.slug == info.slug:
+            explained = _explain_on_this_gpu(spec, shape, info)
+        else:
+            explained = runtime.explain(spec, precision_of(spec), spec.widths_of(shape), shape["N"], info=info)
+            backward = _backward_line(spec, shape, info)
+            if backward:
+                explained.routes = (("training call's backward (routes need this GPU)", backward),)
         print(f"{shape_label(shape)}: {explained}")
     return 0
+
+
+def _explain_on_this_gpu(spec, shape: dict, info):
+    """module.explain on a module of the shape's widths in its precision: the variant and the
+    routes of an inference and a training call."""
+    import torch
+
+    from .evaluate import module_in_precision
+
+    module = module_in_precision(spec, spec.widths_of(shape), torch.Generator().manual_seed(0), precision_of(spec),
+                                 torch.device("cuda", info.index))
+    return module.explain(shape["N"], info.index, precision_of(spec), batch=shape["B"])
+
+
+def _backward_line(spec, shape: dict, info) -> "str | None":
+    """The fused backward kernels a closed-form training call of the shape runs (their launch
+    shapes and where those came from); None for an op without any."""
+    from pairgen.ops import backward_tuning
+    from pairgen.precision import lookup
+
+    if spec.name not in backward_tuning.OPS:
+        return None
+    kind = lookup(precision_of(spec)).storage
+    return backward_tuning.describe(spec.name, kind, spec.widths_of(shape), shape["N"], info)
 
 
 def tune(work, args) -> int:
@@ -915,7 +948,8 @@ def main(argv=None) -> int:
             return 2
         from .backward_tune import main as tune_backward
 
-        return tune_backward(selected_shapes(args, parser, without_kernels=("bfloat16", "float16")))
+        return tune_backward(selected_shapes(args, parser, without_kernels=("bfloat16", "float16")),
+                             storage_url=args.storage)
     work = selected_shapes(args, parser, main_job=True)
     if args.explain:
         info = described_gpu(args) or this_gpu()
