@@ -74,8 +74,12 @@ def derive(params: dict, w: dict, name: str):
     output_smem = (align(P * k_padded(H) * eb, 1024) + align(gate_columns(w) * k_padded(P) * eb, 1024)
                    + params["o_groups"] * align(params["o_stages"] * x_tile + align(WGMMA_ROWS * H * eb, 1024)
                                                 + z_tile + 4 * 64 * 4, 1024))
+    off = wgmma_weight_offsets(P, H, eb, hidden)
+    if params["consts_smem"]:  # the epilogues' per-column constants, staged once per block
+        project_smem += align(off["c1o"] - off["c1p"], 1024)
+        output_smem += align(off["total"] - off["c1o"], 1024)
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
-               "gate_hidden": hidden, "off": wgmma_weight_offsets(P, H, eb, hidden),
+               "gate_hidden": hidden, "off": off, "consts_smem": params["consts_smem"],
                "p_groups": params["p_groups"], "p_wn": params["p_wn"],
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
@@ -102,9 +106,10 @@ def _swizzle_applies(plan: Plan, limits: DeviceLimits) -> bool:
 def _wgmma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
     """At most 128 fp32 accumulators per thread (the projection holds two passes', the output kernel
     two products'), and at most 64 where a block has 4 warpgroups (65536 registers per SM: 128 per
-    thread)."""
+    thread); the projection's 128 only up to 2 warpgroups (at 3, 170 registers a thread left it
+    too few for its epilogue: it spilled)."""
     p, o = plan.params["p_wn"], plan.params["o_wn"]
-    return (p <= (64 if plan.params["p_groups"] == 4 else 128)
+    return (p <= (64 if plan.params["p_groups"] >= 3 else 128)
             and o <= (64 if plan.params["o_groups"] == 4 else 128))
 
 
@@ -176,9 +181,12 @@ WGMMA = Strategy(
     # Per kernel: warpgroups per block (each works alone on 64-row tiles, sharing the block's
     # resident weights) and the columns of one wgmma pass (its n: wn / 2 accumulators per thread);
     # each kernel's x tiles per warpgroup (2: the next one in flight; 1: room for more groups); the
-    # operands' layout in shared memory (swizzle: 128-byte swizzle where K is a multiple of 64).
+    # operands' layout in shared memory (swizzle: 128-byte swizzle where K is a multiple of 64);
+    # whether the epilogues read their per-column constants from shared memory (staged once per
+    # block) instead of global memory.
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
-           "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True)},
+           "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
+           "consts_smem": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
