@@ -5,13 +5,13 @@ these kernels are several times faster there. Used where the closed forms' fused
 (PAIRGEN_FUSED_BACKWARD)."""
 from __future__ import annotations
 
-try:
-    import torch
-except ImportError:  # rendering these kernels' sources (tuning_sources, pairgen-tune --status) needs no torch
-    torch = None
+from typing import TYPE_CHECKING
 
 from .. import config
 from .fused_kernels import THREADS, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, storage_kind, warp_per_item_blocks
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used, so that these sources
+    import torch  # render without it (pairgen-tune --status)
 
 SIGNATURES = {"": ("ptr",) * 6 + ("i64",), "grad": ("ptr",) * 10 + ("i64",)}
 #: Widest row taken (a lane holds C / 32 values of each of a few arrays in registers).
@@ -32,6 +32,8 @@ def layer_norm(rows: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps:
                blocks_per_sm: int = WARP_KERNEL_BLOCKS_PER_SM) -> tuple:
     """LayerNorm over the last dim of rows (M, C) contiguous: (xn (M, C), mean and 1/std (M,) in
     fp32), as torch.native_layer_norm returns them."""
+    import torch
+
     M, C = rows.shape
     xn = torch.empty_like(rows)
     mean = torch.empty(M, device=rows.device, dtype=torch.float32)
@@ -48,6 +50,8 @@ def layer_norm_backward(d_xn: torch.Tensor, rows: torch.Tensor, mean: torch.Tens
     """The backward of layer_norm: (d rows, d gamma, d beta; the affine gradients in fp32 from each
     warp's partial sums), d xn taken as d_xn + add_before, and add_after added to d rows (both
     (M, C) contiguous, optional): the two places a second path's gradient joins."""
+    import torch
+
     M, C = rows.shape
     d_rows = torch.empty_like(rows)
     blocks = warp_per_item_blocks(rows, M, blocks_per_sm)

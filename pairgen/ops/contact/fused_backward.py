@@ -8,13 +8,13 @@ rows in registers. On by default where the closed form's fused kernels are
 (PAIRGEN_FUSED_BACKWARD); the GPU tests check both ways against the same standard."""
 from __future__ import annotations
 
-try:
-    import torch
-except ImportError:  # rendering these kernels' sources (tuning_sources, pairgen-tune --status) needs no torch
-    torch = None
+from typing import TYPE_CHECKING
 
 from .. import layer_norm_rows
 from ..fused_kernels import THREADS, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, warp_per_item_blocks
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used, so that these sources
+    import torch  # render without it (pairgen-tune --status)
 
 #: Whether these kernels take rows like t of width cols: the row LayerNorm's conditions (CUDA, a
 #: stored dtype, a row that fits in a warp's registers, PAIRGEN_FUSED_BACKWARD not 0).
@@ -41,6 +41,8 @@ def layer_norm_symmetrised(rows: torch.Tensor, pairs, gamma: torch.Tensor, beta:
                            eps: float, tuning: dict = TUNING_DEFAULT) -> tuple:
     """rows (B*N*N, C) contiguous and pairs a backward.UniquePairs: (s (pairs, C), the mean and
     1/std of every row (B*N*N,) in fp32)."""
+    import torch
+
     M, C = rows.shape
     count = pairs.ij.numel()
     s = rows.new_empty(count, C)
@@ -57,6 +59,8 @@ def layer_norm_symmetrised_backward(d_s: torch.Tensor, rows: torch.Tensor, pairs
                                     tuning: dict = TUNING_DEFAULT) -> tuple:
     """The backward of layer_norm_symmetrised: (d rows (B*N*N, C), d gamma, d beta; the affine
     gradients in fp32 from each warp's partial sums)."""
+    import torch
+
     M, C = rows.shape
     count = pairs.ij.numel()
     d_rows = torch.empty_like(rows)

@@ -9,13 +9,13 @@ instead (the GPU tests check both against the same standard).
 """
 from __future__ import annotations
 
-try:
-    import torch
-except ImportError:  # rendering these kernels' sources (tuning_sources, pairgen-tune --status) needs no torch
-    torch = None
+from typing import TYPE_CHECKING
 
 from ... import config
 from ..fused_kernels import THREADS, FusedTemplate, sm_count, storage_kind
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used, so that these sources
+    import torch  # render without it (pairgen-tune --status)
 
 #: The launch shapes a tuned backward entry chooses (pairgen/ops/backward_tuning.py), and the
 #: defaults where there is none: elements per thread of the elementwise kernels ("items"), pairs
@@ -114,6 +114,8 @@ def layer_norm_channels_first(z: torch.Tensor, gamma: torch.Tensor, beta: torch.
                               tuning: dict = TUNING_DEFAULT) -> tuple:
     """LayerNorm over dim 1 of z (B, H, L) contiguous: (zn (B*L, H) one row per pair, mean and
     1/std (B*L,) in fp32)."""
+    import torch
+
     B, H, L = z.shape
     zn = z.new_empty(B * L, H)
     mean = torch.empty(B * L, device=z.device, dtype=torch.float32)
@@ -128,6 +130,8 @@ def layer_norm_channels_first_backward(d_zn: torch.Tensor, z: torch.Tensor, mean
                                        gamma: torch.Tensor, eps: float, tuning: dict = TUNING_DEFAULT) -> tuple:
     """The backward of layer_norm_channels_first: (d z (B, H, L), d gamma (H,), d beta (H,)), the
     affine gradients in fp32 (each block's partial sums, added here)."""
+    import torch
+
     B, H, L = z.shape
     d_z = torch.empty_like(z)
     tiles = -(-L // tuning["ln_tile"])

@@ -14,13 +14,6 @@ from ..common import (PROLOGUE_COLS, PROLOGUE_THREADS, launch_with_prologue_insi
                       row_tiles, weight_offsets)
 from ..packs import fp32_pieces
 
-try:
-    import torch
-except ImportError:  # the spec half (space, restrictions, plans) loads without torch: pairgen-tune --status
-    torch = None
-else:
-    from ....precision import OPERAND_DTYPES
-
 #: The tensor-core kernels (mma, wgmma): nodes, pair features, mask, weights, uv, out, then B, N,
 #: row tiles.
 MMA_ARGS = ("ptr nodes", "ptr pair", "ptr mask", "ptr wpack", "ptr uv", "ptr out", "i32 B", "i32 N", "i32 num_tiles")
@@ -120,6 +113,10 @@ def run(module, variant, weights, nodes, pair_feats, edge_mask, out) -> None:
     packed for the call in the operand dtype (mma_layout; the wgmma strategy's too). Under autocast
     (fp32 inputs, a 16-bit kernel) the inputs are cast first and the 16-bit result widened into
     `out`, the reference's dtype there."""
+    import torch
+
+    from ....precision import OPERAND_DTYPES
+
     B, N, D = nodes.shape
     H = module.widths["H"]
     dtype = OPERAND_DTYPES[variant.plan.precision]

@@ -7,14 +7,6 @@ from __future__ import annotations
 from ....spec import Kernel, Strategy, flat_tile_grid
 from ..common import FMA_RESTRICTIONS, OUTPUT_ARGS, PROJECT_ARGS, fma_context
 
-try:
-    import torch
-except ImportError:  # the spec half (space, restrictions, plans) loads without torch: pairgen-tune --status
-    torch = None
-else:
-    from ....module.modes import fp32_matmul
-    from ..triangle import triangle_bmm
-
 
 def derive(params: dict, w: dict, name: str):
     context, project_smem, output_smem = fma_context(params, w)
@@ -26,6 +18,11 @@ def derive(params: dict, w: dict, name: str):
 
 def run(module, variant, weights, x, mask, out) -> None:
     """Projection kernel -> cuBLAS bmm (fp32: no TF32 even where the caller allowed it) -> output kernel."""
+    import torch
+
+    from ....module.modes import fp32_matmul
+    from ..triangle import triangle_bmm
+
     B, N = x.shape[0], x.shape[1]
     project, output = variant.launches(x.get_device(), B, N)
     # One allocation for a, b and their product, from torch's stream-aware caching allocator (so a

@@ -7,13 +7,6 @@ from __future__ import annotations
 from ....spec import DeviceLimits, Kernel, Plan, Restriction, Strategy, ceil_div, cuda_bool, padded_stride
 from ..common import FMA_RESTRICTIONS, fma_context, triangle_staging
 
-try:
-    import torch
-except ImportError:  # the spec half (space, restrictions, plans) loads without torch: pairgen-tune --status
-    torch = None
-else:
-    from .... import fastcall
-
 
 #: The fused kernel: x, mask, weights, a, b, the barrier's ints, out, then B, N, work, mask is float.
 FUSED_ARGS = ("ptr x", "ptr mask", "ptr w", "ptr ar", "ptr br", "ptr barrier", "ptr out", "i32 B", "i32 N", "i32 work",
@@ -55,6 +48,10 @@ def _persistent_blocks_fit(plan: Plan, limits: DeviceLimits) -> bool:
 
 def run(module, variant, weights, x, mask, out) -> None:
     """One cooperative kernel; its grid barrier's two ints are held by the module."""
+    import torch
+
+    from .... import fastcall
+
     B, N = x.shape[0], x.shape[1]
     (fused,) = variant.launches(x.get_device(), B, N)
     ab = torch.empty((2, B * module.widths["H"] * N * N), device=x.device, dtype=torch.float32)

@@ -16,13 +16,6 @@ from ..common import OUTPUT_ARGS, PROJECT_ARGS, gate_columns
 from ..packs import parameter_names
 from .mma import run_three_steps
 
-try:
-    import torch
-except ImportError:  # the spec half (space, restrictions, plans) loads without torch: pairgen-tune --status
-    torch = None
-else:
-    from ....module.buffers import PACK_SLOTS
-
 
 #: The rows of a wgmma kernel's tile: one warpgroup's m64 product.
 WGMMA_ROWS = 64
@@ -159,6 +152,8 @@ def pack(module, plan, weights):
     """`weights` folded for this call into the module's pack buffer (pack_wgmma), as the caller
     holds them where the fold kernel reads them so (packing.readable), else as fp32 copies (mixed
     dtypes: an fp32 LayerNorm in a bf16 model; strided tensors)."""
+    from ....module.buffers import PACK_SLOTS
+
     w = module.widths
     P, H, hidden = w["P"], w["H"], bool(w.get("gate_hidden"))
     tensors = list(weights.tensors)
