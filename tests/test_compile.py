@@ -58,27 +58,40 @@ def _assert_compiled(results) -> set:
     return seen
 
 
-def _compile_switching_defaults_and_a_sample(spec, widths: dict) -> list:
-    """(plan, Compiled or the exception) for each strategy's feasible defaults at `widths` that
-    switch a feature as no earlier one does (helpers.switching_defaults), then a sampled point."""
+def _switching_defaults_and_a_sample(spec, widths: dict) -> list:
+    """Each strategy's feasible defaults at `widths` that switch a feature as no earlier one does
+    (helpers.switching_defaults), then a sampled point."""
     plans = []
     for s in spec.strategies:
         defaults = len(feasible_defaults(spec, s, widths, None))
         sampled = sampled_plans(spec, s, widths, 1, seed=7)  # the feasible defaults, then the sampled point
         plans += switching_defaults(sampled[:defaults]) + sampled[defaults:]
-    rendered = [codegen.render_plan(p) for p in plans]
-    return list(zip(plans, compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])))
+    return plans
+
+
+def _compile_once(plans) -> dict:
+    """{plan label and widths: (plan, Compiled or the exception)}, each distinct source compiled once."""
+    unique = {(p.label, _label(p.widths)): p for p in plans}
+    rendered = [codegen.render_plan(p) for p in unique.values()]
+    results = compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])
+    return {key: (plan, result) for (key, plan), result in zip(unique.items(), results)}
 
 
 @pytest.mark.parametrize("op", op_names())
-def test_every_strategy_compiles_at_the_seed_widths(op):
-    """The fast share of the sweep below: at the seed preset's widths, each strategy's defaults that
-    switch a feature as no earlier one does, and one sampled point (the sweep compiles every default
-    at every preset width)."""
+def test_every_strategy_compiles_at_the_seed_widths_and_first_defaults_do_not_spill(op):
+    """The fast share of the sweeps below, in one compile pass (a plan both need compiles once): at
+    the seed preset's widths each strategy's defaults that switch a feature as no earlier one does
+    and one sampled point (the sweep compiles every default at every preset width); at the seed and
+    real presets' widths the first default of each strategy (the one a module runs where nothing is
+    tuned), without spills."""
     spec = get_op(op)
     seed_widths = spec.widths_of(spec.presets["seed"][0])
-    seen = _assert_compiled(_compile_switching_defaults_and_a_sample(spec, seed_widths))
+    switching = _switching_defaults_and_a_sample(spec, seed_widths)
+    first = _feasible_defaults(spec, first_per_strategy=True, presets=("seed", "real"))
+    compiled = _compile_once(switching + first)
+    seen = _assert_compiled(compiled[(p.label, _label(p.widths))] for p in switching)
     assert seen == {(s, _label(seed_widths)) for s in spec.strategies}
+    _assert_no_spills_in(compiled[(p.label, _label(p.widths))] for p in first)
 
 
 @pytest.mark.slow
@@ -108,16 +121,15 @@ def _feasible_defaults(spec, first_per_strategy: bool, presets=None) -> list:
     return plans
 
 
-def _assert_no_spills(plans) -> None:
-    rendered = [codegen.render_plan(p) for p in plans]
-    for plan, result in zip(plans, compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])):
+def _assert_no_spills_in(results) -> None:
+    for plan, result in results:
         assert not isinstance(result, Exception), f"{plan.label} {plan.widths}: {result}"
         assert result.spill_bytes == 0 and result.stack_bytes == 0, f"{plan.label} {plan.widths}: {result.summary()}"
 
 
-@pytest.mark.parametrize("op", op_names())
-def test_first_default_of_each_strategy_does_not_spill_at_the_seed_and_real_widths(op):
-    _assert_no_spills(_feasible_defaults(get_op(op), first_per_strategy=True, presets=("seed", "real")))
+def _assert_no_spills(plans) -> None:
+    rendered = [codegen.render_plan(p) for p in plans]
+    _assert_no_spills_in(zip(plans, compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])))
 
 
 
