@@ -234,8 +234,10 @@ def test_hosts_share_a_postgresql_study_and_a_dead_workers_point_is_taken_over(t
     assert _entry(tmp_path / "b" / "tuned") == single
 
 
+@pytest.mark.slow  # ~18 s of pairgen-tune processes; CI runs it beside the PostgreSQL test (.ci/run)
 def test_workers_on_one_host_share_a_journal_study_and_a_dead_workers_point_is_taken_over(tmp_path, monkeypatch):
-    """The one-host default: two stand-in GPUs, the study in a journal file."""
+    """The one-host default: two stand-in GPUs, the study in a journal file. (Workers sharing a
+    journal study without the command line: tests/test_tuner_shared.py, in the default run.)"""
     dead_point, outputs = _run_hosts(tmp_path, {"one": ("one-host", {"TUNE_FLAGS": TUNE_FLAGS}, 2, 1)})
     assert "workers on GPU(s) [1] stopped" in outputs["one"]
 
