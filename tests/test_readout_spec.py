@@ -287,6 +287,22 @@ def test_prologue_alone_matches_float64_and_writes_nothing_past_its_rows(plan):
         assert_variant_matches_float64(READOUT, plan, variant, ODD_SHAPES)
 
 
+@pytest.mark.parametrize("widths", [PRESET_WIDTHS[0], PRESET_WIDTHS[-1]] + [
+    pytest.param(w, marks=pytest.mark.slow) for w in PRESET_WIDTHS[1:-1]], ids=lambda w: "D{D}P{P}H{H}".format(**w))
+def test_every_feasible_pair_max_point_has_a_consistent_layout(widths):
+    """Every feasible point of the pair-max strategies: tiles split into the threads' rows, columns
+    dividing D and H, shared memory within the limit (the seed's and the largest widths; the others
+    with --slow)."""
+    for strategy in PAIR_MAX:
+        feasible = feasible_plans(READOUT, strategy, widths, LIMITS)
+        assert feasible, f"{strategy} has no feasible point at {widths}"
+        for plan in feasible:
+            c = plan.context
+            assert c["tm"] * c["threads_m"] == c["tile_pairs"] and c["threads_m"] % c["tile_i"] == 0
+            assert widths["D"] % c["cols"] == 0 and widths["H"] % c["cols"] == 0
+            assert plan.smem_bytes <= LIMITS.max_smem_per_block
+
+
 def test_restrictions_prune_impossible_points():
     widths = PRESET_WIDTHS[-1]  # D256 P64 H512
     big = READOUT.plan("direct", {"tile_i": 8, "tile_j": 32, "threads": 128, "threads_n": 8, "tn": 8, "unroll": 2,
@@ -298,15 +314,6 @@ def test_restrictions_prune_impossible_points():
     layout = READOUT.plan("split", {"tile_i": 8, "tile_j": 8, "threads": 256, "threads_n": 2, "tn": 4,
                                     "unroll": 2, "weights_smem": False}, widths)
     assert any("thread layout" in r or "rows that divide" in r for r in READOUT.infeasible(layout, LIMITS))
-    for w in PRESET_WIDTHS:
-        for strategy in PAIR_MAX:
-            feasible = feasible_plans(READOUT, strategy, w, LIMITS)
-            assert feasible, f"{strategy} has no feasible point at {w}"
-            for plan in feasible:
-                c = plan.context
-                assert c["tm"] * c["threads_m"] == c["tile_pairs"] and c["threads_m"] % c["tile_i"] == 0
-                assert w["D"] % c["cols"] == 0 and w["H"] % c["cols"] == 0
-                assert plan.smem_bytes <= LIMITS.max_smem_per_block
 
 
 def test_search_space_is_modest():

@@ -246,15 +246,18 @@ def test_staged_triangle_sums_compile_without_spills(options, every_tile):
     assert {p.params["o_tile"] for p in plans} == {16, 32, 64}
 
 
-@pytest.mark.parametrize("options, with_defaults", [(DEFAULT_OPTIONS, False),
-                                                    pytest.param(DEFAULT_OPTIONS, True, marks=pytest.mark.slow),
-                                                    pytest.param(OTHER_OPTIONS, True, marks=pytest.mark.slow)],
-                         ids=["default", "default-and-defaults", "out-norm-nobias"])
-def test_sampled_points_of_every_strategy_compile(options, with_defaults):
+@pytest.mark.parametrize("options, with_defaults, sizes", [
+    (DEFAULT_OPTIONS, False, ((40, 24),)),
+    pytest.param(DEFAULT_OPTIONS, True, ((40, 24), (128, 128)), marks=pytest.mark.slow),
+    pytest.param(OTHER_OPTIONS, True, ((40, 24), (128, 128)), marks=pytest.mark.slow)],
+    ids=["default", "default-and-defaults", "out-norm-nobias"])
+def test_sampled_points_of_every_strategy_compile(options, with_defaults, sizes):
     """A sampled point of every strategy, with its feasible defaults before it (with_defaults): in
-    the fast share the sampled points alone, the defaults at these widths compiling in
-    test_compile.py (each strategy's first, P = H = 128) and test_the_default_compiles_without_spills_in_either_kernel."""
-    plans = [p for s in TRIMUL.strategies for w in ((40, 24), (128, 128))  # the seed's (64, 32): test_compile.py
+    the fast share the sampled points alone at odd widths, the defaults compiling in
+    test_compile.py (each strategy's first, at the seed's and P = H = 128) and
+    test_the_default_compiles_without_spills_in_either_kernel, the tensor-core strategies' samples
+    at P = H = 128 in their own files; with --slow also every strategy's at P = H = 128."""
+    plans = [p for s in TRIMUL.strategies for w in sizes  # the seed's (64, 32): test_compile.py
              for p in sampled_plans(TRIMUL, s, widths(*w, options), 1, seed=3)[0 if with_defaults else -1:]]
     rendered = [codegen.render_plan(p) for p in plans]
     results = compiler.compile_many([(r.source, r.kernel_name, ARCH) for r in rendered])
