@@ -7,10 +7,10 @@ widths)` (the rendered sources those kernels run). `pairgen-tune --backward`
 fastest whose gradients agree with the default's, as an entry of `tuned/<gpu>/<op>_backward.json`
 keyed as forward entries are: the storage dtype the fused kernels run in ("float32", "bfloat16",
 "float16"), the module's widths, the N bucket. An entry is stale when today's sources at its
-parameters hash differently from the ones it was tuned with, invalid when its parameters are outside today's space: either way the
-lookup skips it (a warning names the file once), and `pairgen-tune --status` lists it. Lookups go
-through the forward kernels' chain (runtime.find_entry): this GPU's exact N bucket, its nearest, a
-same-architecture GPU's entries, else the defaults.
+parameters hash differently from the ones it was tuned with, invalid when its parameters are outside
+today's space: either way the lookup skips it (a warning names the file once), and `pairgen-tune
+--status` lists it. Lookups go through the forward kernels' chain (runtime.find_entry): this GPU's
+exact N bucket, its nearest, a same-architecture GPU's entries, else the defaults.
 """
 from __future__ import annotations
 

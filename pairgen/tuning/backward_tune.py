@@ -25,8 +25,8 @@ def sweep(points: list[dict], step_us: Callable[[dict], float], gradients: Calla
           bound: float, study=None) -> dict:
     """Time and check every point (the first is the default, which the others are checked
     against), each a trial of `study` (default: one in memory), queued in order; points the study
-    already holds a verdict for are read back, not timed again. Returns {"best": (params, µs) or None, "default_us", "timed": {label: µs},
-    "disagreed": [labels]}."""
+    already holds a verdict for are read back, not timed again. Returns {"best": (params, µs) or
+    None, "default_us", "timed": {label: µs}, "disagreed": [labels]}."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
