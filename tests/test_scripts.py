@@ -197,8 +197,10 @@ def test_status_says_which_entries_apply_on_a_described_gpu(tmp_path):
 
 def test_status_and_explain_run_where_torch_is_not_installed():
     """--status and --explain (for a described GPU) need only the specs: the op packages load
-    their torch half on first use, so a machine without torch can still read the tuned folders."""
-    blocked = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['tune.py'] + sys.argv[1:]; "
+    their torch half on first use and the options need no Optuna, so a machine without torch or
+    Optuna can still read the tuned folders."""
+    blocked = ("import runpy, sys; sys.modules['torch'] = sys.modules['optuna'] = None; "
+               "sys.argv = ['tune.py'] + sys.argv[1:]; "
                "runpy.run_path('scripts/tune.py', run_name='__main__')")
     status = run("-c", blocked, "--status")
     assert status.returncode == 0, status.stderr
@@ -207,4 +209,4 @@ def test_status_and_explain_run_where_torch_is_not_installed():
                          "--gpu", "NVIDIA H100", "--arch", "sm_90")
     assert explain.returncode == 0, explain.stderr
     assert "same architecture" in explain.stdout
-    assert "torch" not in explain.stderr
+    assert "torch" not in explain.stderr and "optuna" not in explain.stderr

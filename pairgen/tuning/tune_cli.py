@@ -55,7 +55,7 @@ INTERRUPTED_EXIT = 130
 
 
 def parse_args(argv=None):
-    from pairgen.tuning.tuner import SAMPLERS, TuneSettings
+    from pairgen.tuning.settings import SAMPLERS, TuneSettings
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_selection_args(parser, main_job=True)

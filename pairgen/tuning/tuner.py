@@ -34,6 +34,7 @@ from typing import Callable, NamedTuple, Protocol
 from .. import config, files
 from . import storage
 from ..spec import DeviceLimits, OpSpec, Plan, n_bucket, precision_of
+from .settings import SAMPLERS, TuneSettings  # noqa: F401 (importers take them from here too)
 
 log = logging.getLogger("pairgen")
 
@@ -46,18 +47,6 @@ class Evaluator(Protocol):
     def compile(self, plans: list[Plan]) -> list[object]: ...  # a runnable variant, or an Exception
 
     def evaluate(self, variant) -> float: ...  # median µs; raises when the check or launch fails
-
-
-@dataclass
-class TuneSettings:
-    trials: int = 64                 # distinct points checked and timed (pruned points not counted)
-    time_budget_s: float | None = None
-    batch: int | None = None         # points compiling at once (default: compile workers)
-    seed: int = 0
-    progress: bool = True
-    finalists: int = 3               # best points timed again at the end, in turns (0: none)
-    retime_rounds: int = 5
-    sampler: str = "random"          # how the study proposes points (SAMPLERS; docs/performance.md compares them)
 
 
 @dataclass
@@ -157,12 +146,6 @@ def _aside_path(path: Path) -> Path:
         aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
         n += 1
     return aside
-
-
-#: The samplers a study can propose points with (TuneSettings.sampler, pairgen-tune --sampler).
-#: Random is the default: on the largest spaces it landed closest to a long search at the default
-#: budget, and it costs no host time per proposal (docs/performance.md, "Which sampler").
-SAMPLERS = ("random", "tpe", "gp")
 
 
 def make_sampler(name: str, seed: int):
