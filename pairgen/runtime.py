@@ -165,14 +165,17 @@ class Choice:
     expected_reference: bool = False
 
 
+def entries_for_key(db: TunedDB, dtype: str, widths: dict) -> list[dict]:
+    """The database's entries for (dtype, widths), every N bucket, whatever their state."""
+    want = {k: int(v) for k, v in widths.items()}
+    return [e for e in db.entries() if e["key"]["dtype"] == dtype and e["key"]["widths"] == want]
+
+
 def _usable(spec: OpSpec, db: TunedDB, dtype: str, widths: dict, limits: DeviceLimits) -> list[dict]:
     """The database's entries for (dtype, widths) that today's code can run as they were tuned;
     stale and invalid ones are skipped, each with a warning naming the file."""
-    want = {k: int(v) for k, v in widths.items()}
     usable = []
-    for entry in db.entries():
-        if entry["key"]["dtype"] != dtype or entry["key"]["widths"] != want:
-            continue
+    for entry in entries_for_key(db, dtype, widths):
         state = entry_state(spec, entry, limits)
         if state == "ok":
             usable.append(entry)

@@ -83,11 +83,8 @@ def entry_state(op: str, entry: dict) -> str:
 def _usable(op: str, db, kind: str, widths: dict) -> list[dict]:
     """The database's entries for (kind, widths) whose sources are today's; a stale or invalid one
     is skipped, with a warning naming the file once."""
-    want = {k: int(v) for k, v in widths.items()}
     usable = []
-    for entry in db.entries():
-        if entry["key"]["dtype"] != kind or entry["key"]["widths"] != want:
-            continue
+    for entry in runtime.entries_for_key(db, kind, widths):
         state = entry_state(op, entry)
         if state == "ok":
             usable.append(entry)

@@ -9,6 +9,15 @@ from ....spec import (MMA_KINDS, MMA_TILE_RESTRICTIONS, DeviceLimits, Kernel, Pl
                       byte_sections, ceil_div, element_bytes, mma_row_bytes, persistent_blocks)
 from ...packing import OPERAND_KINDS, Sources, layout
 
+#: torch and what needs it, bound by _import_torch_half() on the first call a strategy runs, so that
+#: the spec half (space, restrictions, plans) loads without torch and a call pays no import.
+OPERAND_DTYPES = None
+
+
+def _import_torch_half() -> None:
+    global OPERAND_DTYPES
+    from ....precision import OPERAND_DTYPES
+
 #: x, packed weights, out, then the batches, the length and the tiles as 64-bit ints (mma, wgmma).
 TENSOR_CORE_ARGS = ("ptr x", "ptr w", "ptr out", "i64 batches", "i64 length", "i64 num_tiles")
 
@@ -80,8 +89,8 @@ def mma_layout(P: int, H: int, precision: str, sources: Sources):
 def run(module, variant, weights, x, out) -> None:
     """The tensor-core kernel, on the weights packed for the call in its operand dtype; an fp32
     input under autocast is cast first (the kernel reads x in that dtype)."""
-    from ....precision import OPERAND_DTYPES
-
+    if OPERAND_DTYPES is None:
+        _import_torch_half()
     B, N = x.shape[0], x.shape[1]
     dtype = OPERAND_DTYPES[variant.plan.precision]
     if x.dtype is not dtype:

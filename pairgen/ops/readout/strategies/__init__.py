@@ -2,8 +2,8 @@
 its search space, restrictions, derived constants and kernels, the weights it packs, and what runs a
 call (scratch, launches with named arguments, the cuBLAS product between them). What several share
 (the node prologue, the pair-max kernel of direct, split and fused) is in ../common.py. A strategy
-file imports torch inside the functions that run a call, so that the spec half (pairgen-tune
---status, a tuner's worker) loads quickly and without torch."""
+file binds torch (and what needs it) on its first call, so that the spec half (pairgen-tune
+--status, a tuner's worker) loads quickly and without torch, and a call pays no import."""
 from .direct import DIRECT
 from .fused import FUSED
 from .gemm import GEMM

@@ -13,6 +13,17 @@ from ...packing import Sources, layout
 from ..common import (EXACT_SERVES, PROLOGUE_COLS, PROLOGUE_ROWS, PROLOGUE_THREADS, WIDTHS_VECTORISE, fp32_pack,
                       min_blocks_per_sm, nodes_kernel, weight_offsets)
 
+#: torch and what needs it, bound by _import_torch_half() on the first call a strategy runs, so that
+#: the spec half (space, restrictions, plans) loads without torch and a call pays no import.
+torch = PACK_SLOTS = cublas_fp32_mode = fp32_matmul = None
+
+
+def _import_torch_half() -> None:
+    global torch, PACK_SLOTS, cublas_fp32_mode, fp32_matmul
+    import torch
+    from ....module.buffers import PACK_SLOTS
+    from ....module.modes import cublas_fp32_mode, fp32_matmul
+
 #: The hidden kernel: pair features, uv, weights, hidden, then B, N, tiles.
 HIDDEN_ARGS = ("ptr pair", "ptr uv", "ptr wpack", "ptr hidden", "i32 B", "i32 N", "i32 num_tiles")
 #: The pool kernel: messages, mask, nodes, weights, out, then B, N.
@@ -119,11 +130,8 @@ def run(module, variant, weights, nodes, pair_feats, edge_mask, out) -> None:
     """Prologue -> hidden kernel -> fp32 mm -> pool kernel, all on the current stream, on one
     scratch buffer (hidden, messages, uv) from the caching allocator, held until all are enqueued.
     With split_product (tf32x3) hidden rows are [hi | lo] and the mm is two TF32 GEMMs."""
-    import torch
-
-    from ....module.buffers import PACK_SLOTS
-    from ....module.modes import cublas_fp32_mode, fp32_matmul
-
+    if torch is None:
+        _import_torch_half()
     B, N, D = nodes.shape
     H, pairs = module.widths["H"], B * N * N
     split = variant.plan.params.get("split_product", False)

@@ -14,6 +14,16 @@ from ..common import (PROLOGUE_COLS, PROLOGUE_THREADS, launch_with_prologue_insi
                       row_tiles, weight_offsets)
 from ..packs import fp32_pieces
 
+#: torch and what needs it, bound by _import_torch_half() on the first call a strategy runs, so that
+#: the spec half (space, restrictions, plans) loads without torch and a call pays no import.
+torch = OPERAND_DTYPES = None
+
+
+def _import_torch_half() -> None:
+    global torch, OPERAND_DTYPES
+    import torch
+    from ....precision import OPERAND_DTYPES
+
 #: The tensor-core kernels (mma, wgmma): nodes, pair features, mask, weights, uv, out, then B, N,
 #: row tiles.
 MMA_ARGS = ("ptr nodes", "ptr pair", "ptr mask", "ptr wpack", "ptr uv", "ptr out", "i32 B", "i32 N", "i32 num_tiles")
@@ -113,10 +123,8 @@ def run(module, variant, weights, nodes, pair_feats, edge_mask, out) -> None:
     packed for the call in the operand dtype (mma_layout; the wgmma strategy's too). Under autocast
     (fp32 inputs, a 16-bit kernel) the inputs are cast first and the 16-bit result widened into
     `out`, the reference's dtype there."""
-    import torch
-
-    from ....precision import OPERAND_DTYPES
-
+    if torch is None:
+        _import_torch_half()
     B, N, D = nodes.shape
     H = module.widths["H"]
     dtype = OPERAND_DTYPES[variant.plan.precision]

@@ -7,6 +7,17 @@ from __future__ import annotations
 from ....spec import Kernel, Strategy, flat_tile_grid
 from ..common import FMA_RESTRICTIONS, OUTPUT_ARGS, PROJECT_ARGS, fma_context
 
+#: torch and what needs it, bound by _import_torch_half() on the first call a strategy runs, so that
+#: the spec half (space, restrictions, plans) loads without torch and a call pays no import.
+torch = fp32_matmul = triangle_bmm = None
+
+
+def _import_torch_half() -> None:
+    global torch, fp32_matmul, triangle_bmm
+    import torch
+    from ....module.modes import fp32_matmul
+    from ..triangle import triangle_bmm
+
 
 def derive(params: dict, w: dict, name: str):
     context, project_smem, output_smem = fma_context(params, w)
@@ -18,11 +29,8 @@ def derive(params: dict, w: dict, name: str):
 
 def run(module, variant, weights, x, mask, out) -> None:
     """Projection kernel -> cuBLAS bmm (fp32: no TF32 even where the caller allowed it) -> output kernel."""
-    import torch
-
-    from ....module.modes import fp32_matmul
-    from ..triangle import triangle_bmm
-
+    if torch is None:
+        _import_torch_half()
     B, N = x.shape[0], x.shape[1]
     project, output = variant.launches(x.get_device(), B, N)
     # One allocation for a, b and their product, from torch's stream-aware caching allocator (so a

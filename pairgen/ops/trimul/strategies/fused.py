@@ -7,6 +7,16 @@ from __future__ import annotations
 from ....spec import DeviceLimits, Kernel, Plan, Restriction, Strategy, ceil_div, cuda_bool, padded_stride
 from ..common import FMA_RESTRICTIONS, fma_context, triangle_staging
 
+#: torch and what needs it, bound by _import_torch_half() on the first call a strategy runs, so that
+#: the spec half (space, restrictions, plans) loads without torch and a call pays no import.
+torch = fastcall = None
+
+
+def _import_torch_half() -> None:
+    global torch, fastcall
+    import torch
+    from .... import fastcall
+
 
 #: The fused kernel: x, mask, weights, a, b, the barrier's ints, out, then B, N, work, mask is float.
 FUSED_ARGS = ("ptr x", "ptr mask", "ptr w", "ptr ar", "ptr br", "ptr barrier", "ptr out", "i32 B", "i32 N", "i32 work",
@@ -48,10 +58,8 @@ def _persistent_blocks_fit(plan: Plan, limits: DeviceLimits) -> bool:
 
 def run(module, variant, weights, x, mask, out) -> None:
     """One cooperative kernel; its grid barrier's two ints are held by the module."""
-    import torch
-
-    from .... import fastcall
-
+    if torch is None:
+        _import_torch_half()
     B, N = x.shape[0], x.shape[1]
     (fused,) = variant.launches(x.get_device(), B, N)
     ab = torch.empty((2, B * module.widths["H"] * N * N), device=x.device, dtype=torch.float32)

@@ -12,6 +12,19 @@ from ...packing import OPERAND_KINDS, Sources, layout
 from ..common import OUTPUT_ARGS, PROJECT_ARGS, gate_columns
 from ..packs import FOUR
 
+#: torch and what needs it, bound by _import_torch_half() on the first call a strategy runs, so that
+#: the spec half (space, restrictions, plans) loads without torch and a call pays no import.
+torch = fastcall = cublas_fp32_mode = HALF_DTYPES = OPERAND_DTYPES = triangle_bmm = triangle_operands = None
+
+
+def _import_torch_half() -> None:
+    global torch, fastcall, cublas_fp32_mode, HALF_DTYPES, OPERAND_DTYPES, triangle_bmm, triangle_operands
+    import torch
+    from .... import fastcall
+    from ....module.modes import cublas_fp32_mode
+    from ....precision import HALF_DTYPES, OPERAND_DTYPES
+    from ..triangle import triangle_bmm, triangle_operands
+
 
 def mma_weight_offsets(P: int, H: int, bias: bool, elem_bytes: int, gate: int | None = None) -> dict[str, int]:
     """Byte offsets of the mma kernels' packed weights (shared with templates/trimul/mma.cu.j2),
@@ -116,13 +129,8 @@ def run_three_steps(module, variant, x, mask, out, packed) -> None:
     the weights `packed` for the call (the mma and wgmma strategies, each with its own pack).
     tf32x3's a and b hold three blocks each along the contracted index (mma.cu.j2), so one TF32
     GEMM over 3N sums hi·hi + hi·lo + lo·hi."""
-    import torch
-
-    from .... import fastcall
-    from ....module.modes import cublas_fp32_mode
-    from ....precision import HALF_DTYPES, OPERAND_DTYPES
-    from ..triangle import triangle_bmm, triangle_operands
-
+    if torch is None:
+        _import_torch_half()
     B, N = x.shape[0], x.shape[1]
     H, precision = module.widths["H"], variant.plan.precision
     project, output = variant.launches(x.get_device(), B, N)

@@ -16,6 +16,15 @@ from ..common import OUTPUT_ARGS, PROJECT_ARGS, gate_columns
 from ..packs import parameter_names
 from .mma import run_three_steps
 
+#: torch and what needs it, bound by _import_torch_half() on the first call a strategy runs, so that
+#: the spec half (space, restrictions, plans) loads without torch and a call pays no import.
+PACK_SLOTS = None
+
+
+def _import_torch_half() -> None:
+    global PACK_SLOTS
+    from ....module.buffers import PACK_SLOTS
+
 
 #: The rows of a wgmma kernel's tile: one warpgroup's m64 product.
 WGMMA_ROWS = 64
@@ -152,8 +161,8 @@ def pack(module, plan, weights):
     """`weights` folded for this call into the module's pack buffer (pack_wgmma), as the caller
     holds them where the fold kernel reads them so (packing.readable), else as fp32 copies (mixed
     dtypes: an fp32 LayerNorm in a bf16 model; strided tensors)."""
-    from ....module.buffers import PACK_SLOTS
-
+    if PACK_SLOTS is None:
+        _import_torch_half()
     w = module.widths
     P, H, hidden = w["P"], w["H"], bool(w.get("gate_hidden"))
     tensors = list(weights.tensors)
