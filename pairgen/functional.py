@@ -90,11 +90,10 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
     flat_mask = None if mask is None else _flat_mask(mask, x)
     if precision == "bfloat16" and x.dtype is torch.float32 and x.is_cuda:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = _update(flat, direction, flat_mask, _complete(weights, x), eps, "ieee")
+            out = _update(flat, direction, flat_mask, weights, eps, "ieee")
         out = out.to(x.dtype)
     else:
-        out = _update(flat, direction, flat_mask, _complete(weights, x), eps,
-                      "ieee" if precision == "bfloat16" else precision)
+        out = _update(flat, direction, flat_mask, weights, eps, "ieee" if precision == "bfloat16" else precision)
     return out if out.dim() == x.dim() else out.reshape(x.shape)
 
 
@@ -103,10 +102,16 @@ def _replay(x, direction: str, mask, given: tuple, precision: str):
     replay itself, the same shapes, dtypes, device and contiguity of x, the mask and every weight,
     and no autograd or autocast): replayed from compiled code before any Python check, as a
     module's own repeated calls are. None: take the ordinary path."""
-    module = _replayers.get((direction, precision, *(w is None for w in given)))
+    module = _replayers.get(_replayer_key(direction, precision, given))
     if module is None:
         return None
     return module._fast_forward(x, mask, *(w for w in given if w is not None))
+
+
+def _replayer_key(direction: str, precision: str, given) -> tuple:
+    """The _replayers key of a call: its direction, precision and which weights it gives (in the
+    function's argument order): the one spelling both the recording and the lookup use."""
+    return (direction, precision, *(w is not None for w in given))
 
 
 def precision_name(precision) -> str:
@@ -133,7 +138,8 @@ def _flat_mask(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _update(x, direction: str, mask, weights: dict, eps: float, precision: str) -> torch.Tensor:
-    """The update of x (B, N, N, P) with mask (B, N, N) or None."""
+    """The update of x (B, N, N, P) with mask (B, N, N) or None; weights as the caller gave them
+    (None where left out)."""
     tensors = [x, *(w for w in weights.values() if w is not None)] + ([mask] if mask is not None else [])
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if eps != KERNEL_EPS or (wants_grad and not closed_form_trains(x, mask)):
@@ -147,6 +153,7 @@ def _update(x, direction: str, mask, weights: dict, eps: float, precision: str) 
         return _on_given_weights(x, direction, as_mask(mask), weights, precision)
     if mask is None:
         mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
+    weights = _complete(weights, x)  # the module's LayerNorms hold affines; the kernels' packs fill them
     module = _module_for(weights, direction, precision, x, _key(weights, direction, precision, x))
     # the closed form, its gradients mapped onto the caller's tensors
     names = [n for n, w in weights.items() if w is not None]
@@ -398,7 +405,7 @@ def _on_given_weights(x, direction: str, mask, weights: dict, precision: str):
         return reference_call()
     out = module._launch_recorded((x, mask), variant, given)
     if module._fast_calls:  # recorded: the next such call is replayed before any Python check
-        _replayers[(direction, precision, *key[-1])] = module
+        _replayers[_replayer_key(direction, precision, weights.values())] = module
     return out
 
 

@@ -70,3 +70,29 @@ def test_gradients_through_the_kernels_meet_the_standard(direction, recompute, m
     module = next(iter(functional._modules.values()))
     assert module.variant_for(37, x.device, "float32") is not None, "a kernel, not the reference"
     assert_gradients_meet_the_fp32_standard(x, direction, mask, w, g)
+
+
+@pytest.mark.parametrize("norms", ["given", "left out"])
+def test_a_repeated_call_is_replayed_before_any_python_check(norms, compiled_fast_path, monkeypatch):
+    """A call like a recorded one, its weights made anew (a torch.cat on every call, as OpenFold 3
+    and Protenix call it), is served by the replay at the top of the function: none of the Python
+    checks run, and the result is the recorded path's, bit for bit."""
+    gen = torch.Generator().manual_seed(8)
+    w = {k: v.cuda().to(torch.bfloat16) for k, v in weights(gen, bias=False, **KERNEL_WIDTHS).items()
+         if norms == "given" or not k.startswith("norm_")}
+    x = torch.randn(1, 24, 24, KERNEL_WIDTHS["P"], generator=gen).cuda().to(torch.bfloat16)
+    mask = (torch.rand(1, 24, 24, generator=gen) > 0.2).cuda()
+    functional._structures.clear()
+    functional._replayers.clear()
+    with torch.no_grad():
+        first = pairgen.triangle_multiplicative_update(x, "incoming", mask, **w)
+        assert functional._replayers, "the first call was recorded"
+
+        def no_check(*args):
+            raise AssertionError("the Python path ran")
+
+        monkeypatch.setattr(functional, "_check", no_check)
+        fresh = {name: t.clone() for name, t in w.items()}  # new tensors, same values
+        again = pairgen.triangle_multiplicative_update(x, "incoming", mask, **fresh)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    assert compare(first, _float64(x, "incoming", mask, w), TRIMUL.tolerance["bfloat16"]).ok
