@@ -165,8 +165,12 @@ def test_the_row_layer_norm_kernels_render_to_their_signatures_and_compile(kind,
     assert not compiled.spill_bytes
 
 
-def test_a_kernel_whose_signature_disagrees_with_its_launch_is_refused(monkeypatch):
-    monkeypatch.setitem(fused_backward.SIGNATURES, "out_gate", ("ptr", "ptr", "i64"))
+@pytest.mark.parametrize("declared", [("ptr o", "ptr u", "i64 count"), ("ptr u", "ptr o", "ptr g", "i64 count")],
+                         ids=["an argument left out", "two pointers swapped"])
+def test_a_kernel_whose_signature_disagrees_with_its_launch_is_refused(monkeypatch, declared):
+    """The fused kernels are plans like the forward ones: their arguments are checked by name and
+    kind, so two pointers of one kind in each other's place are caught too."""
+    monkeypatch.setitem(fused_backward.SIGNATURES, "out_gate", declared)
     with pytest.raises(codegen.ContractError, match="out_gate"):
         fused_backward.render("float32")
 

@@ -1,14 +1,16 @@
 """Launching the fused elementwise templates of the closed forms (passes over pair-sized tensors
-that replace chains of PyTorch kernels): a template rendered per storage type and context, its
-kernels' signatures checked against what the launches pass, compiled once per device, and each
-launch bound once per grid (a bounded cache: every length N has its own grids)."""
+that replace chains of PyTorch kernels) and the weight packs: a template rendered per storage type
+and context as a Plan, its kernels checked by argument name and kind, compiled once per device as a
+runtime.Variant, and each launch bound once per grid (a bounded cache: every length N has its own
+grids)."""
 from __future__ import annotations
 
 import functools
 from typing import TYPE_CHECKING, Callable
 
-from .. import codegen, compiler, runtime
+from .. import codegen, runtime
 from ..precision import STORAGE_KINDS
+from ..spec import Kernel, Plan, kernel_base_name
 
 if TYPE_CHECKING:  # annotations only: the launches take torch tensors, rendering needs no torch
     import torch
@@ -43,31 +45,41 @@ def warp_per_item_blocks(t: torch.Tensor, items: int, blocks_per_sm: int = WARP_
     return max(1, min(-(-items // (THREADS // 32)), sm_count(t.device.index) * blocks_per_sm))
 
 
+def _blocks_per_call(batch: int, n: int, sm_count: int, resident: int):
+    """A fused kernel's grid function: it has none of (B, N); each launch gives its block count,
+    worked out from its tensors (FusedTemplate.launch)."""
+    raise TypeError("a fused kernel is launched with the block count of its call (FusedTemplate.launch)")
+
+
 class FusedTemplate:
     """templates/<op>/<name>.cu.j2, whose kernels are `pairgen_<op>_<name>` plus "_<suffix>"
-    (suffix "" names the base kernel). signatures(context) gives each suffix's argument kinds, in
-    the order launch() passes them."""
+    (suffix "" names the base kernel). kernels(context) gives each suffix's arguments as "kind name"
+    (spec.Kernel.args), in the order launch() passes them.
 
-    def __init__(self, op: str, name: str, signatures: Callable[[dict], dict]):
-        self.op, self.name, self.signatures = op, name, signatures
-        self._kernels = functools.lru_cache(maxsize=None)(self._load)
+    A rendering is a Plan (strategy: the template's name; its context; a Kernel per suffix), so it
+    takes the forward kernels' path: codegen's contract check by name and kind, a runtime.Variant
+    compiled for the device's arch, its kernels loaded and bound by the Variant. What differs is
+    the grid: each launch gives its block count, worked out from the call's tensors."""
+
+    def __init__(self, op: str, name: str, kernels: Callable[[dict], dict]):
+        self.op, self.name, self.kernels = op, name, kernels
+        self._variants = functools.lru_cache(maxsize=None)(self._variant)
         self._bound = functools.lru_cache(maxsize=256)(self._bind)
 
-    def render(self, kind: str, **context) -> codegen.Rendered:
-        """The source for one storage type and context, its signatures checked."""
+    def plan(self, kind: str, **context) -> Plan:
+        """The plan of one storage type and context: a Kernel per suffix, THREADS threads each."""
         context = {"kind": kind, "threads": THREADS, **context}
-        rendered = codegen.render_template(self.op, self.name, {}, {}, context, precision=kind)
-        found = codegen.signatures(rendered.source)
-        for suffix, kinds in self.signatures(context).items():
-            name = self.kernel_name(rendered, suffix)
-            if found.get(name) != kinds:
-                raise codegen.ContractError(f"{rendered.template}: kernel {name} takes {found.get(name)} in the "
-                                            f"source but the launch passes {kinds}")
-        return rendered
+        declared = tuple(Kernel(self.kernel_name(suffix), THREADS, 0, tuple(args), _blocks_per_call)
+                         for suffix, args in self.kernels(context).items())
+        return Plan(self.op, self.name, {}, {}, context, declared, precision=kind)
 
-    @staticmethod
-    def kernel_name(rendered: codegen.Rendered, suffix: str) -> str:
-        return f"{rendered.kernel_name}_{suffix}" if suffix else rendered.kernel_name
+    def render(self, kind: str, **context) -> codegen.Rendered:
+        """The source for one storage type and context, its kernels checked against the plan's."""
+        return codegen.render_plan(self.plan(kind, **context))
+
+    def kernel_name(self, suffix: str) -> str:
+        base = kernel_base_name(self.op, self.name)
+        return f"{base}_{suffix}" if suffix else base
 
     def launch(self, like: torch.Tensor, suffix: str, blocks: int, *args: int, smem: int = 0, **context) -> None:
         """Launch kernel `suffix` for tensors like `like` (its dtype and device) on the current
@@ -75,14 +87,9 @@ class FusedTemplate:
         key = tuple(sorted(context.items()))
         self._bound(storage_kind(like.dtype), like.device.index, key, suffix, blocks, smem, len(args))(*args)
 
-    def _load(self, kind: str, device_index: int, context_items: tuple) -> dict:
-        from ..launch import LoadedKernel
-
-        context = dict(context_items)
-        rendered = self.render(kind, **context)
-        compiled = compiler.compile_source(rendered.source, rendered.kernel_name, runtime.device_info(device_index).arch)
-        return {suffix: LoadedKernel(compiled, device_index, 0, THREADS, self.kernel_name(rendered, suffix))
-                for suffix in self.signatures({"kind": kind, **context})}
+    def _variant(self, kind: str, device_index: int, context_items: tuple) -> runtime.Variant:
+        return runtime.build_variant(self.plan(kind, **dict(context_items)), runtime.device_info(device_index).arch)
 
     def _bind(self, kind, device_index, context_items, suffix, blocks, smem, arg_count):
-        return self._kernels(kind, device_index, context_items)[suffix].bind(blocks, THREADS, smem, arg_count)
+        variant = self._variants(kind, device_index, context_items)
+        return variant.kernel(device_index, self.kernel_name(suffix)).bind(blocks, THREADS, smem, arg_count)

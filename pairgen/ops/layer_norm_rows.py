@@ -13,7 +13,9 @@ from .fused_kernels import THREADS, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, st
 if TYPE_CHECKING:  # annotations only: torch is imported where it is used, so that these sources
     import torch  # render without it (pairgen-tune --status)
 
-SIGNATURES = {"": ("ptr",) * 6 + ("i64",), "grad": ("ptr",) * 10 + ("i64",)}
+SIGNATURES = {"": ("ptr x", "ptr gamma", "ptr beta", "ptr xn", "ptr mean", "ptr rstd", "i64 rows"),
+              "grad": ("ptr d_xn", "ptr add_before", "ptr x", "ptr mean", "ptr rstd", "ptr gamma", "ptr add_after",
+                       "ptr d_x", "ptr gamma_parts", "ptr beta_parts", "i64 rows")}
 #: Widest row taken (a lane holds C / 32 values of each of a few arrays in registers).
 MAX_COLS = 1024
 TEMPLATE = FusedTemplate("common", "layer_norm_rows", lambda context: SIGNATURES)

@@ -143,8 +143,12 @@ class Sources:
 
 # ---- the kernel ------------------------------------------------------------------------------------
 
-TEMPLATE = FusedTemplate("common", "gather_pack",
-                         lambda context: {"": ("ptr",) * (MAX_SOURCES + 1) + ("i32",)})
+def source_arguments() -> tuple[str, ...]:
+    """The pack kernels' first arguments: a pointer per source slot (s0, s1, ...), then the pack."""
+    return tuple(f"ptr s{k}" for k in range(MAX_SOURCES)) + ("ptr packed",)
+
+
+TEMPLATE = FusedTemplate("common", "gather_pack", lambda context: {"": source_arguments() + ("i32 count",)})
 
 
 def render(kind: str, layout_: Layout):

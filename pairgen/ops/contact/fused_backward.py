@@ -20,7 +20,9 @@ if TYPE_CHECKING:  # annotations only: torch is imported where it is used, so th
 #: stored dtype, a row that fits in a warp's registers, PAIRGEN_FUSED_BACKWARD not 0).
 applies = layer_norm_rows.applies
 
-SIGNATURES = {"": ("ptr",) * 8 + ("i64",), "grad": ("ptr",) * 10 + ("i64",)}
+SIGNATURES = {"": ("ptr x", "ptr ij", "ptr ji", "ptr gamma", "ptr beta", "ptr s", "ptr mean", "ptr rstd", "i64 pairs"),
+              "grad": ("ptr d_s", "ptr ij", "ptr ji", "ptr x", "ptr mean", "ptr rstd", "ptr gamma", "ptr d_x",
+                       "ptr gamma_parts", "ptr beta_parts", "i64 pairs")}
 #: The launch shape a tuned backward entry chooses (pairgen/ops/backward_tuning.py), and the
 #: default where there is none: blocks per SM of the warp-per-pair kernels ("row_blocks").
 TUNING_SPACE = {"row_blocks": (2, 4, 8, 16)}

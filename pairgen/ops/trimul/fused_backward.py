@@ -25,13 +25,17 @@ TUNING_SPACE = {"items": (2, 4, 8), "ln_tile": (8, 16, 32), "out_gate_blocks": (
 TUNING_DEFAULT = {"items": 4, "ln_tile": 16, "out_gate_blocks": 8, "row_blocks": 4}
 #: The output LayerNorm kernels stay within a block's default shared memory (no opt-in).
 SMEM_LIMIT = 48 * 1024
-#: Each kernel's argument kinds, in order, as the launches below pass them; render() checks them
-#: against the source's `extern "C"` signatures.
-SIGNATURES = {"gates": ("ptr",) * 5 + ("i32", "i64", "i32", "i32"),
-              "gates_grad": ("ptr",) * 3 + ("i32", "i64", "i32", "i32"),
-              "out_gate": ("ptr",) * 3 + ("i64",),
-              "ln": ("ptr",) * 6 + ("i32", "i64", "i32"),
-              "ln_grad": ("ptr",) * 8 + ("i32", "i64", "i32")}
+#: Each kernel's arguments ("kind name"), in order, as the launches below pass them; render() checks
+#: them by name and kind against the source's `extern "C"` signatures.
+SIGNATURES = {"gates": ("ptr proj", "ptr bias4", "ptr keep", "ptr a", "ptr b", "i32 hidden", "i64 plane",
+                        "i32 blocks_per_plane", "i32 apply"),
+              "gates_grad": ("ptr da", "ptr proj", "ptr keep", "i32 hidden", "i64 plane", "i32 blocks_per_plane",
+                             "i32 slot_index"),
+              "out_gate": ("ptr o", "ptr u", "ptr g", "i64 count"),
+              "ln": ("ptr z", "ptr gamma", "ptr beta", "ptr zn", "ptr mean", "ptr rstd", "i32 hidden", "i64 plane",
+                     "i32 tiles_per_batch"),
+              "ln_grad": ("ptr d_zn", "ptr z", "ptr mean", "ptr rstd", "ptr gamma", "ptr d_z", "ptr gamma_parts",
+                          "ptr beta_parts", "i32 hidden", "i64 plane", "i32 tiles_per_batch")}
 TEMPLATE = FusedTemplate("trimul", "backward", lambda context: SIGNATURES)
 
 

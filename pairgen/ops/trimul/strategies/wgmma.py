@@ -11,7 +11,7 @@ from ....spec import (HALF_PRECISIONS, MMA_KINDS, DeviceLimits, Kernel, Plan, Re
                       align, byte_sections, ceil_div, cuda_bool, element_bytes, smem_fits)
 from ...fused_kernels import THREADS, FusedTemplate
 from ... import packing
-from ...packing import MAX_SOURCES, Sources, launch_pack
+from ...packing import MAX_SOURCES, Sources, launch_pack, source_arguments
 from ..common import OUTPUT_ARGS, PROJECT_ARGS, gate_columns
 from ..packs import parameter_names
 from .mma import run_three_steps
@@ -117,7 +117,7 @@ def _wgmma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
 
 #: The weights the fold kernel reads, each a pointer variable of the template.
 FOLD_WEIGHTS = parameter_names(True)
-FOLD_TEMPLATE = FusedTemplate("trimul", "pack_wgmma", lambda context: {"": ("ptr",) * (MAX_SOURCES + 1)})
+FOLD_TEMPLATE = FusedTemplate("trimul", "pack_wgmma", lambda context: {"": source_arguments()})
 OPERAND_ELEMENT_BYTES = 2
 
 
