@@ -4,6 +4,8 @@ torch.compile(mode="max-autotune-no-cudagraphs", or --compile-mode), in one proc
   pairgen-bench                  every op, its default shapes (seed + real)
   pairgen-bench --op contact --shape B=1,N=256,P=128,H=128 --peers eager,compile
   pairgen-bench --backward       forward + backward (training), with peak memory and gradient error
+  pairgen-bench --train-loop     the README's training example, whole steps, against the references
+                                 and cuEquivariance's triangle update
   pairgen-bench --dry-run        list what would be measured
 
 Writes bench.md (table), <date>-<gpu>.json (all numbers, merged per GPU and date) and bench.png (speedups, with matplotlib: the
@@ -59,6 +61,11 @@ def parse_args(argv=None):
                         help=f"the torch.compile peer's mode (default {COMPILE_MODE}; \"default\" builds in a "
                              "fraction of the time, useful for --backward where max-autotune's build of the "
                              "backward takes many minutes); rows record it")
+    parser.add_argument("--train-loop", nargs="?", const="", metavar="SHAPE",
+                        help="time the README's training example instead (triangle update, contact head and readout "
+                             "trained with AdamW under bf16 autocast; whole steps) on pairgen's modules, the PyTorch "
+                             "references and cuEquivariance's triangle update; SHAPE overrides its widths, e.g. "
+                             "N=512 (default B=2,N=384,P=64,H=32,D=32); writes train-loop.md")
     parser.add_argument("--dry-run", action="store_true", help="list what would be measured, and exit")
     args = parser.parse_args(argv)
     return parser, args
@@ -328,6 +335,8 @@ def main(argv=None) -> int:
     native.fastcall(wait=True)
     env["fastcall"] = native.status()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.train_loop is not None:
+        return run_train_loop(args, env)
     rows = []
     if args.backward:
         env["timing"] = "median of CUDA-event-timed forward + backward steps, L2 flushed before each"
@@ -352,6 +361,22 @@ def main(argv=None) -> int:
     return 0
 
 
+def run_train_loop(args, env: dict) -> int:
+    """--train-loop: the README's training example, timed on each model; train-loop.md and the row
+    merged into the results JSON."""
+    from .train_loop import measure, table
+
+    shape = {k: int(v) for k, v in (part.split("=") for part in args.train_loop.split(",") if part)}
+    row = measure(shape, "cuda", steps=max(5, min(args.reps, 30)))
+    env = {**env, "timing": "median of whole training steps (forward under autocast, loss, backward, AdamW step), "
+                            "the GPU synchronised around each"}
+    text = f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}.\n\n{table(row)}"
+    (args.out / "train-loop.md").write_text(text)
+    merge_rows(args.out, env, [row])
+    print(text)
+    return 0
+
+
 def results_name(env: dict) -> str:
     """The machine-readable results file of one GPU and date: what the README's tables cite
     (benchmarks/results/<date>-<gpu>.json in the repo)."""
@@ -367,6 +392,13 @@ def write_results(out: Path, env: dict, rows: list, peers: list) -> str:
             f"TF32 off in float32 rows; peers in each row's dtype; {env['timing']}.\n\n"
             + (training_table(rows, peers) if training else table(rows, peers)) + "\n")
     (out / "bench.md").write_text(text)
+    merge_rows(out, env, rows)
+    return text
+
+
+def merge_rows(out: Path, env: dict, rows: list) -> None:
+    """The rows as JSON under results_name(env), merged with the rows an earlier run of the same GPU
+    and date wrote there (a later row of the same op, shape, precision and mode wins)."""
     path = out / results_name(env)
     earlier = json.loads(path.read_text())["rows"] if path.exists() else []
     def key(r):
@@ -375,7 +407,6 @@ def write_results(out: Path, env: dict, rows: list, peers: list) -> str:
     mine = {key(r) for r in rows}
     kept = [r for r in earlier if key(r) not in mine]
     path.write_text(json.dumps({"env": env, "rows": kept + rows}, indent=1) + "\n")
-    return text
 
 
 if __name__ == "__main__":
