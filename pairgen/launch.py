@@ -152,13 +152,18 @@ def _allow_dynamic_smem(function, nbytes: int) -> None:
         raise LaunchError(f"cannot allow {nbytes} B of dynamic shared memory: {err}")
 
 
-def _function_of(kernel):
-    """The CUfunction of a cuda.core kernel in the current (primary) context."""
+def _function_of(kernel, device_index: int):
+    """The CUfunction of a cuda.core kernel in the device's primary context. A thread with no
+    context current yet (autograd's backward thread, where a kernel may be loaded on first use) has
+    the primary context made current first, as a launch there does (BoundLaunch)."""
     from cuda.bindings import driver
 
     handle = kernel.handle
     if isinstance(handle, driver.CUkernel):
         err, function = driver.cuKernelGetFunction(handle)
+        if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+            _cuda_core().Device(device_index).set_current()
+            err, function = driver.cuKernelGetFunction(handle)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise LaunchError(f"cuKernelGetFunction failed: {err}")
         return function
@@ -177,7 +182,7 @@ class LoadedKernel:
         self.compiled = compiled
         self.name = name or compiled.kernel_name
         self.kernel = _cuda_core().ObjectCode.from_cubin(compiled.cubin).get_kernel(self.name)
-        self._function = _function_of(self.kernel)
+        self._function = _function_of(self.kernel, device_index)
         self._handle = ctypes.c_void_p(int(self._function))
         # The 48 KB default counts static and dynamic shared memory together: a kernel with static
         # arrays (the node prologue inside fused) needs the opt-in below 48 KB of dynamic memory.
