@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import time
 import warnings
@@ -278,15 +279,25 @@ def compile_pool(workers: int | None = None) -> ProcessPoolExecutor:
     CUDA context, and a forked child must not touch it. They ignore Ctrl-C, which the terminal
     sends to every process of the command: the parent decides what stops (pairgen-tune keeps the
     shapes done and shuts the pool down), and an idle worker it interrupted would die printing a
-    traceback and break the pool."""
+    traceback and break the pool. They run at a lower CPU priority (WORKER_NICENESS): the tuner
+    times calls while they compile the next candidates, and a call that is bound by its host time
+    (the small shapes) must not wait for a core behind them."""
     return ProcessPoolExecutor(max_workers=workers or config.compile_workers(), mp_context=get_context("spawn"),
-                               initializer=_ignore_interrupts)
+                               initializer=_start_worker)
 
 
-def _ignore_interrupts() -> None:
+#: How much lower than the parent's the compile workers' CPU priority is (os.nice's increment).
+WORKER_NICENESS = 10
+
+
+def _start_worker() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        os.nice(WORKER_NICENESS)
+    except (AttributeError, OSError):  # no nice() here (Windows), or not allowed: the normal priority
+        pass
 
 
 def start_compile(job: tuple[str, str, str], pool: ProcessPoolExecutor) -> Future:
