@@ -78,9 +78,8 @@ def cuequivariance_model(model: PairModel) -> PairModel | str:
         from cuequivariance_torch import triangle_multiplicative_update
     except Exception as exc:  # not installed, or its CUDA libraries do not load here
         return f"cuequivariance_torch is not importable ({type(exc).__name__}: {exc})"
-    reference = reference_model(model)
-    return PairModel(CuequivarianceTriangle(model.tri, triangle_multiplicative_update).to(model.tri.out_proj.weight.device),
-                     reference.contact, reference.readout)
+    return PairModel(CuequivarianceTriangle(model.tri, triangle_multiplicative_update),
+                     get_op("contact").make_reference(model.contact), get_op("readout").make_reference(model.readout))
 
 
 def batch(shape: dict, device, seed: int = 0) -> tuple:
@@ -132,10 +131,9 @@ def measure(shape: dict | None = None, device="cuda", dtype: torch.dtype = torch
     shape = {**DEFAULT_SHAPE, **(shape or {})}
     torch.manual_seed(0)
     built = pairgen_model(shape, device)
-    made = {"pairgen": lambda: built, "reference": lambda: reference_model(built),
-            "cuequivariance": lambda: cuequivariance_model(built)}
+    made = {"pairgen": lambda m: m, "reference": reference_model, "cuequivariance": cuequivariance_model}
     # every model from the same starting weights: each is built before any step
-    candidates = {name: made[name]() for name in models}
+    candidates = {name: made[name](built) for name in models}
     data = batch(shape, device)
     row = {"op": "train-loop", "shape": shape, "precision": f"{str(dtype).removeprefix('torch.')} autocast",
            "mode": "train-loop", "steps": steps}
