@@ -12,7 +12,7 @@ import jinja2
 from jinja2 import meta
 
 from .config import templates_dir
-from .spec import Plan, kernel_base_name
+from .spec import Plan, kernel_base_name, kernel_name
 
 #: <repo>/templates in a checkout, the wheel's packaged copy (pairgen/_templates) when installed.
 TEMPLATES_DIR = templates_dir()
@@ -61,13 +61,15 @@ def hashes_as_tuned(rendered: Rendered, entry: dict):
     """Every hash today's source of an entry's variant may have been recorded under and still be
     the kernel it was measured with, most likely first (a generator: a caller stops at a match):
     today's; as rendered under the entry's template hash and parameters (source_hash_as_tuned); and
-    each of those with the kernels named as they were before names carried the variant (the names
-    are symbols, not code)."""
+    each of those with the kernels named as they were before names carried the variant, or as the
+    entry's point named them before parameters were added to it (the names are symbols, not code)."""
     op, strategy = rendered.template.removesuffix(".cu.j2").split("/")
-    base = kernel_base_name(op, strategy)
-    renamed = Rendered(rendered.source.replace(rendered.kernel_name, base), rendered.template,
-                       rendered.template_sha256, base)
-    for source in (rendered, renamed):
+    names = [kernel_base_name(op, strategy)]
+    if "params" in entry and "dtype" in entry.get("key", {}):
+        names.append(kernel_name(op, strategy, entry["key"]["dtype"], entry["params"]))
+    renamed = [Rendered(rendered.source.replace(rendered.kernel_name, name), rendered.template,
+                        rendered.template_sha256, name) for name in names if name != rendered.kernel_name]
+    for source in (rendered, *renamed):
         yield source.source_sha256
         yield source_hash_as_tuned(source, entry["template_sha256"])
         yield source_hash_as_tuned(source, entry["template_sha256"], entry["params"])

@@ -73,7 +73,35 @@ def _hidden_gate_cases():
     return cases
 
 
-CASES = gpu_params(lambda: _cases() + _wgmma_cases() + _hidden_gate_cases())
+#: wgmma with paired columns (two channels per lane, stmatrix staging, the sigmoid's halves folded
+#: into the staged constants): small passes for any P a multiple of 16 and H of 8.
+PAIRED = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1, "swizzle": False,
+          "consts_smem": True, "paired_columns": True}
+
+
+def _paired_cases():
+    """Paired columns in both 16-bit types: every option set at P = 48, H = 24 (k padded, 12 passes
+    of 32 columns), the seed's widths, the models' form at the first default point with pairing in
+    both directions (swizzled, 4 warpgroups) and with two stages, and the gate in hidden width."""
+    cases = []
+    for precision in ("bfloat16", "float16"):
+        view = TRIMUL.at(precision)
+        first_default = {**next(params for s, params in view.default_points if s == "wgmma"), "paired_columns": True}
+        points = [({"P": 48, "H": 24, **options}, PAIRED) for options in OPTION_SETS]
+        points += [({"P": 64, "H": 32, **OPTION_SETS[0]}, PAIRED),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-1]}, first_default),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0}, first_default),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "p_groups": 2, "p_stages": 2,
+                                                              "o_groups": 2, "o_stages": 2}),
+                   ({"P": 128, "H": 64, **OPTION_SETS[5], "gate_hidden": 1}, PAIRED)]
+        for k, (widths, params) in enumerate(points):
+            plan = view.plan("wgmma", params, widths)
+            assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, params)
+            cases.append(pytest.param(plan, id=f"paired-{precision}-{k}-P{widths['P']}H{widths['H']}"))
+    return cases
+
+
+CASES = gpu_params(lambda: _cases() + _wgmma_cases() + _hidden_gate_cases() + _paired_cases())
 variants = compiled_cases(CASES)
 
 

@@ -82,6 +82,7 @@ def derive(params: dict, w: dict, name: str):
         output_smem += align(off["total"] - off["c1o"], 1024)
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
                "gate_hidden": hidden, "off": off, "consts_smem": params["consts_smem"],
+               "paired_columns": params["paired_columns"],
                "p_groups": params["p_groups"], "p_wn": params["p_wn"],
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
@@ -105,14 +106,21 @@ def _swizzle_applies(plan: Plan, limits: DeviceLimits) -> bool:
     return not plan.params["swizzle"] or k_padded(plan.widths["P"]) % 64 == 0 or k_padded(plan.widths["H"]) % 64 == 0
 
 
+def _paired_columns_staged(plan: Plan, limits: DeviceLimits) -> bool:
+    """Paired columns reorder the epilogues' constants as they stage them in shared memory."""
+    return not plan.params["paired_columns"] or plan.params["consts_smem"]
+
+
 def _wgmma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
     """At most 128 fp32 accumulators per thread (the projection holds two passes', the output kernel
     two products'), and at most 64 where a block has 4 warpgroups (65536 registers per SM: 128 per
     thread); the projection's 128 only up to 2 warpgroups (at 3, 170 registers a thread left it
-    too few for its epilogue: it spilled)."""
+    too few for its epilogue: it spilled); with paired columns, at most 32 in an output kernel of 4
+    warpgroups (at 64 it spilled a register)."""
     p, o = plan.params["p_wn"], plan.params["o_wn"]
+    o_max_at_4 = 32 if plan.params.get("paired_columns") else 64
     return (p <= (64 if plan.params["p_groups"] >= 3 else 128)
-            and o <= (64 if plan.params["o_groups"] == 4 else 128))
+            and o <= (o_max_at_4 if plan.params["o_groups"] == 4 else 128))
 
 
 #: The weights the fold kernel reads, each a pointer variable of the template.
@@ -187,15 +195,19 @@ WGMMA = Strategy(
     # each kernel's x tiles per warpgroup (2: the next one in flight; 1: room for more groups); the
     # operands' layout in shared memory (swizzle: 128-byte swizzle where K is a multiple of 64);
     # whether the epilogues read their per-column constants from shared memory (staged once per
-    # block) instead of global memory.
+    # block) instead of global memory; whether the epilogues pair their columns (paired_columns: each
+    # lane holds two channels' outputs, packed and staged by stmatrix in the projection, and the
+    # sigmoid's halves folded into the staged constants, fewer instructions per output).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
-           "consts_smem": (False, True)},
+           "consts_smem": (False, True), "paired_columns": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
                               _wgmma_columns_divide),
                   Restriction("at most 128 accumulators per thread", _wgmma_accumulators_fit),
+                  Restriction("paired columns stage their constants in shared memory (consts_smem)",
+                              _paired_columns_staged),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
     precisions=HALF_PRECISIONS,
