@@ -78,6 +78,33 @@ def test_restrictions_keep_it_on_hopper_in_16_bit_with_whole_chunks():
                for p in TRIMUL.feasible_plans("wgmma", ODD, DeviceLimits(), "bfloat16"))
 
 
+def test_paired_columns_stage_their_constants_and_keep_the_output_kernel_unspilled():
+    """Paired columns reorder the epilogues' constants as they stage them in shared memory, so they
+    need consts_smem; with 4 output warpgroups their 64-column passes spilled a register, so those
+    are left out. Every feasible paired point of the models' width compiles without spills and
+    renders no staging of its own where pairing is off (the unpaired source has no stmatrix)."""
+    limits = DeviceLimits()
+    base = {"p_groups": 4, "p_stages": 1, "p_wn": 64, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
+            "consts_smem": True, "paired_columns": True}
+    assert not TRIMUL.infeasible(TRIMUL.plan("wgmma", base, MODEL, "bfloat16"), limits)
+    assert TRIMUL.infeasible(TRIMUL.plan("wgmma", {**base, "consts_smem": False}, MODEL, "bfloat16"), limits) == [
+        "paired columns stage their constants in shared memory (consts_smem)"]
+    four = {**base, "o_groups": 4, "o_stages": 1, "swizzle": False}  # (4 groups fit the shared memory at P = 64)
+    assert "at most 128 accumulators per thread" in TRIMUL.infeasible(TRIMUL.plan("wgmma", four, SEED, "bfloat16"), limits)
+    assert not TRIMUL.infeasible(TRIMUL.plan("wgmma", {**four, "o_wn": 32}, SEED, "bfloat16"), limits)
+    assert not TRIMUL.infeasible(TRIMUL.plan("wgmma", {**four, "paired_columns": False}, SEED, "bfloat16"), limits)
+    unpaired = codegen.render_plan(TRIMUL.plan("wgmma", {**base, "paired_columns": False}, MODEL, "bfloat16")).source
+    assert "stmatrix" not in unpaired
+    plans = [p for p in TRIMUL.feasible_plans("wgmma", MODEL, limits, "bfloat16") if p.params["paired_columns"]]
+    plans = random.Random(3).sample(plans, 4)
+    jobs = [(r.source, r.kernel_name, "sm_90") for r in map(codegen.render_plan, plans)]
+    with compiler.compile_pool(2) as pool:
+        for plan, result in zip(plans, compiler.compile_many(jobs, pool)):
+            assert not isinstance(result, Exception), f"{plan.label}: {result}"
+            assert "stmatrix" in codegen.render_plan(plan).source
+            assert result.spill_bytes == 0, f"{plan.label}: {result.summary()}"
+
+
 def test_a_plan_whose_shared_memory_disagrees_with_its_template_does_not_build():
     plan = TRIMUL.feasible_plans("wgmma", MODEL, DeviceLimits(), "bfloat16")[0]
     plan.context = {**plan.context, "o_smem": plan.context["o_smem"] + 16}

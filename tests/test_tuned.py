@@ -289,6 +289,30 @@ def test_an_entry_written_before_a_parameter_was_added_stays_ok():
     assert runtime.entry_state(CONTACT, dict(tuned, source_sha256=source_hash(quads))) == "stale"
 
 
+def test_an_entry_whose_kernels_were_named_before_a_parameter_was_added_stays_ok():
+    """Kernel names carry every parameter of a point, so the kernels of an entry written before a
+    parameter was added were named without it: the same code under other symbols, still ok (the
+    tuned store's wgmma entries of the triangle update, written before paired_columns). Another
+    name is not accepted for it."""
+    from pairgen.codegen import source_hash
+    from pairgen.ops.trimul import TRIMUL
+    from pairgen.spec import kernel_name
+
+    widths = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+    old_point = {"p_groups": 4, "p_stages": 1, "p_wn": 64, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
+                 "consts_smem": True}  # before paired_columns existed
+    rendered = codegen.render_plan(TRIMUL.plan("wgmma", old_point, widths, "bfloat16"))
+    old_name = kernel_name("trimul", "wgmma", "bfloat16", old_point)
+    assert "paired_columns0" in rendered.kernel_name and old_name != rendered.kernel_name
+    first, rest = rendered.source.replace(rendered.kernel_name, old_name).split("\n", 1)
+    as_written = first + "\n// params " + json.dumps(old_point, sort_keys=True) + "\n" + rest.split("\n", 1)[1]
+    tuned = {"strategy": "wgmma", "params": old_point, "key": {"dtype": "bfloat16", "n_bucket": 512, "widths": widths},
+             "template_sha256": codegen.template_hash("trimul", "wgmma"), "source_sha256": source_hash(as_written)}
+    assert runtime.entry_state(TRIMUL, tuned) == "ok"
+    renamed = as_written.replace(old_name, old_name + "x")
+    assert runtime.entry_state(TRIMUL, dict(tuned, source_sha256=source_hash(renamed))) == "stale"
+
+
 def test_kernels_are_named_after_their_variant_and_entries_from_before_stay_ok():
     """Two points of one strategy name their kernels apart (a profile says which variant ran); an
     entry recorded when every variant's kernels had the strategy's name is the same code under
