@@ -82,7 +82,8 @@ PAIRED = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "
 def _paired_cases():
     """Paired columns in both 16-bit types: every option set at P = 48, H = 24 (k padded, 12 passes
     of 32 columns), the seed's widths, the models' form at the first default point with pairing in
-    both directions (swizzled, 4 warpgroups) and with two stages, and the gate in hidden width."""
+    both directions (swizzled, 4 warpgroups) and with two stages, and the gate in hidden width; the
+    early x fetch with and without pairing (8 and 3 passes of the projection)."""
     cases = []
     for precision in ("bfloat16", "float16"):
         view = TRIMUL.at(precision)
@@ -93,7 +94,12 @@ def _paired_cases():
                    ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0}, first_default),
                    ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "p_groups": 2, "p_stages": 2,
                                                               "o_groups": 2, "o_stages": 2}),
-                   ({"P": 128, "H": 64, **OPTION_SETS[5], "gate_hidden": 1}, PAIRED)]
+                   ({"P": 128, "H": 64, **OPTION_SETS[5], "gate_hidden": 1}, PAIRED),
+                   # the next tile's x fetched as this tile's last products finish (odd and even pass counts)
+                   ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "early_x_fetch": True}),
+                   ({"P": 48, "H": 24, **OPTION_SETS[2]}, {**PAIRED, "early_x_fetch": True}),
+                   ({"P": 48, "H": 24, **OPTION_SETS[3]}, {**PAIRED, "early_x_fetch": True, "paired_columns": False,
+                                                           "consts_smem": False, "p_groups": 3})]
         for k, (widths, params) in enumerate(points):
             plan = view.plan("wgmma", params, widths)
             assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, params)

@@ -95,6 +95,12 @@ def test_paired_columns_stage_their_constants_and_keep_the_output_kernel_unspill
     assert not TRIMUL.infeasible(TRIMUL.plan("wgmma", {**four, "paired_columns": False}, SEED, "bfloat16"), limits)
     unpaired = codegen.render_plan(TRIMUL.plan("wgmma", {**base, "paired_columns": False}, MODEL, "bfloat16")).source
     assert "stmatrix" not in unpaired
+    # the early x fetch is the one-stage projection's; off, no trace of it in the source
+    two = {**base, "p_groups": 2, "p_stages": 2, "early_x_fetch": True}
+    assert TRIMUL.infeasible(TRIMUL.plan("wgmma", two, MODEL, "bfloat16"), limits) == [
+        "the early x fetch is for one x stage (p_stages 1)"]
+    early = codegen.render_plan(TRIMUL.plan("wgmma", {**base, "early_x_fetch": True}, MODEL, "bfloat16")).source
+    assert "fetch_next_x(" in early and "fetch_next_x(" not in unpaired
     plans = [p for p in TRIMUL.feasible_plans("wgmma", MODEL, limits, "bfloat16") if p.params["paired_columns"]]
     plans = random.Random(3).sample(plans, 4)
     jobs = [(r.source, r.kernel_name, "sm_90") for r in map(codegen.render_plan, plans)]

@@ -82,7 +82,7 @@ def derive(params: dict, w: dict, name: str):
         output_smem += align(off["total"] - off["c1o"], 1024)
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
                "gate_hidden": hidden, "off": off, "consts_smem": params["consts_smem"],
-               "paired_columns": params["paired_columns"],
+               "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
                "p_groups": params["p_groups"], "p_wn": params["p_wn"],
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
@@ -109,6 +109,11 @@ def _swizzle_applies(plan: Plan, limits: DeviceLimits) -> bool:
 def _paired_columns_staged(plan: Plan, limits: DeviceLimits) -> bool:
     """Paired columns reorder the epilogues' constants as they stage them in shared memory."""
     return not plan.params["paired_columns"] or plan.params["consts_smem"]
+
+
+def _early_fetch_has_one_stage(plan: Plan, limits: DeviceLimits) -> bool:
+    """The early x fetch is the one-stage projection's (two stages already fetch a tile ahead)."""
+    return not plan.params["early_x_fetch"] or plan.params["p_stages"] == 1
 
 
 def _wgmma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
@@ -197,10 +202,12 @@ WGMMA = Strategy(
     # whether the epilogues read their per-column constants from shared memory (staged once per
     # block) instead of global memory; whether the epilogues pair their columns (paired_columns: each
     # lane holds two channels' outputs, packed and staged by stmatrix in the projection, and the
-    # sigmoid's halves folded into the staged constants, fewer instructions per output).
+    # sigmoid's halves folded into the staged constants, fewer instructions per output); whether a
+    # one-stage projection fetches the next tile's x as soon as this tile's last products have read
+    # it (early_x_fetch: the load runs under the last epilogue instead of before the next tile).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
-           "consts_smem": (False, True), "paired_columns": (False, True)},
+           "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -208,6 +215,7 @@ WGMMA = Strategy(
                   Restriction("at most 128 accumulators per thread", _wgmma_accumulators_fit),
                   Restriction("paired columns stage their constants in shared memory (consts_smem)",
                               _paired_columns_staged),
+                  Restriction("the early x fetch is for one x stage (p_stages 1)", _early_fetch_has_one_stage),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
     precisions=HALF_PRECISIONS,
