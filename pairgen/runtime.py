@@ -368,6 +368,11 @@ def explain_on_cpu(spec: OpSpec, n: int, why: str) -> Explanation:
 _variants: dict[tuple, Variant] = {}
 
 
+def variant_of(plan: Plan, device_index: int) -> Variant:
+    """The built variant of a plan for a device (built once per process)."""
+    return _by_plan(plan, device_info(device_index).arch)
+
+
 def _by_plan(plan: Plan, arch: str) -> Variant:
     key = (plan.op, plan.strategy, plan.precision, tuple(sorted(plan.params.items())),
            tuple(sorted(plan.widths.items())), arch)

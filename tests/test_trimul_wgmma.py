@@ -207,3 +207,25 @@ def variant_kernels(plan) -> set:
     name = kernel_name("trimul", "wgmma", plan.precision, plan.params)
     assert name.startswith("pairgen_trimul_wgmma_") and all(f"{k}{int(v)}" in name for k, v in plan.params.items())
     return {name, f"{name}_output"}
+
+
+def test_calls_past_the_paired_offsets_run_the_same_point_unpaired():
+    """Paired columns keep a warp's offset into a and b in 16-byte units in 32 bits: a call with
+    B*H*N*N >= 2^34 elements there runs the same point unpaired (64-bit store offsets), one below
+    it the paired plan itself; unpaired plans are never swapped."""
+    from pairgen.ops.trimul.strategies.wgmma import PAIRED_MAX_AB_ELEMENTS, for_call
+
+    paired = TRIMUL.plan("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 64, "o_groups": 3, "o_wn": 64,
+                                   "o_stages": 1, "swizzle": True, "consts_smem": True, "paired_columns": True,
+                                   "early_x_fetch": True}, MODEL, "bfloat16")
+    H = MODEL["H"]
+    assert PAIRED_MAX_AB_ELEMENTS == 2**34
+    assert for_call(TRIMUL, paired, 1, 11585) is None          # 128 * 11585^2 < 2^34
+    instead = for_call(TRIMUL, paired, 1, 11586)               # 128 * 11586^2 >= 2^34
+    assert instead is not None and H * 11586**2 >= 2**34 > H * 11585**2
+    assert instead.params == {**paired.params, "paired_columns": False}
+    assert instead.widths == paired.widths and instead.precision == "bfloat16"
+    assert not TRIMUL.infeasible(instead, DeviceLimits())
+    assert for_call(TRIMUL, paired, 2, 8192) is not None       # B counts: 2 * 128 * 8192^2 = 2^34
+    unpaired = TRIMUL.plan("wgmma", instead.params, MODEL, "bfloat16")
+    assert for_call(TRIMUL, unpaired, 4, 16384) is None

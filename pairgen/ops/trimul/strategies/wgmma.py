@@ -9,6 +9,7 @@ import functools
 
 from ....spec import (HALF_PRECISIONS, MMA_KINDS, DeviceLimits, Kernel, Plan, Restriction, Strategy, WGMMA_ON_SM90,
                       align, byte_sections, ceil_div, cuda_bool, element_bytes, smem_fits)
+from .... import runtime
 from ...fused_kernels import THREADS, FusedTemplate
 from ... import packing
 from ...packing import MAX_SOURCES, Sources, launch_pack, source_arguments
@@ -186,7 +187,24 @@ def pack(module, plan, weights):
                       out)
 
 
+#: Paired columns keep a warp's offset into a and b (B*H*N*N elements) in 16-byte units in 32 bits
+#: (wgmma.cu.j2: paired_row_base); from here on a call runs the same point unpaired, whose stores
+#: index in 64 bits.
+PAIRED_MAX_AB_ELEMENTS = 2**34
+
+
+def for_call(spec, plan: Plan, B: int, N: int) -> Plan | None:
+    """The plan (of `spec`, the op's) a call of B x N pairs runs instead of `plan`, or None where
+    `plan` runs it."""
+    if plan.params.get("paired_columns") and B * plan.widths["H"] * N * N >= PAIRED_MAX_AB_ELEMENTS:
+        return spec.plan(plan.strategy, {**plan.params, "paired_columns": False}, plan.widths, plan.precision)
+    return None
+
+
 def run(module, variant, weights, x, mask, out) -> None:
+    instead = for_call(module.op, variant.plan, x.shape[0], x.shape[1])
+    if instead is not None:
+        variant = runtime.variant_of(instead, x.get_device())
     packed = pack(module, variant.plan, weights)  # alive until every launch is enqueued
     run_three_steps(module, variant, x, mask, out, packed)
 
