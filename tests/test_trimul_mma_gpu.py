@@ -93,7 +93,7 @@ def _paired_cases():
                    ({"P": 128, "H": 128, **OPTION_SETS[-1]}, first_default),
                    ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0}, first_default),
                    ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "p_groups": 2, "p_stages": 2,
-                                                              "o_groups": 2, "o_stages": 2}),
+                                                              "o_groups": 2, "o_stages": 2, "early_x_fetch": False}),
                    ({"P": 128, "H": 64, **OPTION_SETS[5], "gate_hidden": 1}, PAIRED),
                    # the next tile's x fetched as this tile's last products finish (odd and even pass counts)
                    ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "early_x_fetch": True}),
