@@ -81,7 +81,7 @@ def test_restrictions_keep_it_on_hopper_in_16_bit_with_whole_chunks():
 def test_paired_columns_stage_their_constants_and_keep_the_output_kernel_unspilled():
     """Paired columns reorder the epilogues' constants as they stage them in shared memory, so they
     need consts_smem; with 4 output warpgroups their 64-column passes spilled a register, so those
-    are left out. Every feasible paired point of the models' width compiles without spills and
+    are left out. Sampled paired points of the models' width compile without spills and
     renders no staging of its own where pairing is off (the unpaired source has no stmatrix)."""
     limits = DeviceLimits()
     base = {"p_groups": 4, "p_stages": 1, "p_wn": 64, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
@@ -102,7 +102,7 @@ def test_paired_columns_stage_their_constants_and_keep_the_output_kernel_unspill
     early = codegen.render_plan(TRIMUL.plan("wgmma", {**base, "early_x_fetch": True}, MODEL, "bfloat16")).source
     assert "fetch_next_x(" in early and "fetch_next_x(" not in unpaired
     plans = [p for p in TRIMUL.feasible_plans("wgmma", MODEL, limits, "bfloat16") if p.params["paired_columns"]]
-    plans = random.Random(3).sample(plans, 4)
+    plans = random.Random(3).sample(plans, 2)  # (the first default, paired, compiles in the fast-share sweep)
     jobs = [(r.source, r.kernel_name, "sm_90") for r in map(codegen.render_plan, plans)]
     with compiler.compile_pool(2) as pool:
         for plan, result in zip(plans, compiler.compile_many(jobs, pool)):
