@@ -99,7 +99,14 @@ def _paired_cases():
                    ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "early_x_fetch": True}),
                    ({"P": 48, "H": 24, **OPTION_SETS[2]}, {**PAIRED, "early_x_fetch": True}),
                    ({"P": 48, "H": 24, **OPTION_SETS[3]}, {**PAIRED, "early_x_fetch": True, "paired_columns": False,
-                                                           "consts_smem": False, "p_groups": 3})]
+                                                           "consts_smem": False, "p_groups": 3}),
+                   # x in registers (the passes read only Wp from shared memory)
+                   ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "x_registers": True, "early_x_fetch": False,
+                                                              "p_groups": 3}),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0},
+                    {**first_default, "x_registers": True, "early_x_fetch": False, "p_wn": 32}),
+                   ({"P": 48, "H": 24, **OPTION_SETS[1]}, {**PAIRED, "x_registers": True}),
+                   ({"P": 64, "H": 32, **OPTION_SETS[0]}, {**PAIRED, "x_registers": True})]
         for k, (widths, params) in enumerate(points):
             plan = view.plan("wgmma", params, widths)
             assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, params)

@@ -99,6 +99,12 @@ def test_paired_columns_stage_their_constants_and_keep_the_output_kernel_unspill
     two = {**base, "p_groups": 2, "p_stages": 2, "early_x_fetch": True}
     assert TRIMUL.infeasible(TRIMUL.plan("wgmma", two, MODEL, "bfloat16"), limits) == [
         "the early x fetch is for one x stage (p_stages 1)"]
+    # x in registers: the paired one-stage projection's, without the early fetch (its own is earlier)
+    xr = {**base, "p_groups": 3, "x_registers": True}
+    assert not TRIMUL.infeasible(TRIMUL.plan("wgmma", xr, MODEL, "bfloat16"), limits)
+    assert TRIMUL.infeasible(TRIMUL.plan("wgmma", {**xr, "early_x_fetch": True}, MODEL, "bfloat16"), limits)
+    assert TRIMUL.infeasible(TRIMUL.plan("wgmma", {**xr, "paired_columns": False, "consts_smem": False}, MODEL,
+                                         "bfloat16"), limits)
     early = codegen.render_plan(TRIMUL.plan("wgmma", {**base, "early_x_fetch": True}, MODEL, "bfloat16")).source
     assert "fetch_next_x(" in early and "fetch_next_x(" not in unpaired
     plans = [p for p in TRIMUL.feasible_plans("wgmma", MODEL, limits, "bfloat16") if p.params["paired_columns"]]

@@ -84,6 +84,7 @@ def derive(params: dict, w: dict, name: str):
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
                "gate_hidden": hidden, "off": off, "consts_smem": params["consts_smem"],
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
+               "x_registers": params["x_registers"], "wgmma_rs_widths": [params["p_wn"]] if params["x_registers"] else [],
                "p_groups": params["p_groups"], "p_wn": params["p_wn"],
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
@@ -112,6 +113,13 @@ def _paired_columns_staged(plan: Plan, limits: DeviceLimits) -> bool:
     return not plan.params["paired_columns"] or plan.params["consts_smem"]
 
 
+def _x_registers_paired(plan: Plan, limits: DeviceLimits) -> bool:
+    """x in registers is a variant of the paired projection (one x stage, fetched as soon as the
+    warps hold their rows, so not with early_x_fetch, which it makes moot)."""
+    return not plan.params["x_registers"] or (plan.params["paired_columns"] and plan.params["p_stages"] == 1
+                                              and not plan.params["early_x_fetch"])
+
+
 def _early_fetch_has_one_stage(plan: Plan, limits: DeviceLimits) -> bool:
     """The early x fetch is the one-stage projection's (two stages already fetch a tile ahead)."""
     return not plan.params["early_x_fetch"] or plan.params["p_stages"] == 1
@@ -125,7 +133,8 @@ def _wgmma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
     warpgroups (at 64 it spilled a register)."""
     p, o = plan.params["p_wn"], plan.params["o_wn"]
     o_max_at_4 = 32 if plan.params.get("paired_columns") else 64
-    return (p <= (64 if plan.params["p_groups"] >= 3 else 128)
+    p_max_at_4 = 32 if plan.params.get("x_registers") else 64  # (x's 32 fragment registers: 64 spilled)
+    return (p <= (p_max_at_4 if plan.params["p_groups"] == 4 else 64 if plan.params["p_groups"] == 3 else 128)
             and o <= (o_max_at_4 if plan.params["o_groups"] == 4 else 128))
 
 
@@ -225,7 +234,8 @@ WGMMA = Strategy(
     # it (early_x_fetch: the load runs under the last epilogue instead of before the next tile).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
-           "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True)},
+           "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
+           "x_registers": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -234,6 +244,7 @@ WGMMA = Strategy(
                   Restriction("paired columns stage their constants in shared memory (consts_smem)",
                               _paired_columns_staged),
                   Restriction("the early x fetch is for one x stage (p_stages 1)", _early_fetch_has_one_stage),
+                  Restriction("x in registers is the paired, one-stage projection's", _x_registers_paired),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
     precisions=HALF_PRECISIONS,
