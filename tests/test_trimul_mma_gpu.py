@@ -82,8 +82,9 @@ PAIRED = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "
 def _paired_cases():
     """Paired columns in both 16-bit types: every option set at P = 48, H = 24 (k padded, 12 passes
     of 32 columns), the seed's widths, the models' form at the first default point with pairing in
-    both directions (swizzled, 4 warpgroups) and with two stages, and the gate in hidden width; the
-    early x fetch with and without pairing (8 and 3 passes of the projection)."""
+    both directions (swizzled, 4 warpgroups, x in registers) and with two stages, and the gate in
+    hidden width; the early x fetch with and without pairing (8 and 3 passes of the projection); x in
+    registers at 3 warpgroups and at k padded."""
     cases = []
     for precision in ("bfloat16", "float16"):
         view = TRIMUL.at(precision)
@@ -93,18 +94,19 @@ def _paired_cases():
                    ({"P": 128, "H": 128, **OPTION_SETS[-1]}, first_default),
                    ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0}, first_default),
                    ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "p_groups": 2, "p_stages": 2,
-                                                              "o_groups": 2, "o_stages": 2, "early_x_fetch": False}),
+                                                              "o_groups": 2, "o_stages": 2, "x_registers": False}),
                    ({"P": 128, "H": 64, **OPTION_SETS[5], "gate_hidden": 1}, PAIRED),
                    # the next tile's x fetched as this tile's last products finish (odd and even pass counts)
-                   ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "early_x_fetch": True}),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "early_x_fetch": True,
+                                                              "x_registers": False, "p_wn": 64}),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0},
+                    {**first_default, "early_x_fetch": True, "x_registers": False, "p_wn": 64}),
                    ({"P": 48, "H": 24, **OPTION_SETS[2]}, {**PAIRED, "early_x_fetch": True}),
                    ({"P": 48, "H": 24, **OPTION_SETS[3]}, {**PAIRED, "early_x_fetch": True, "paired_columns": False,
                                                            "consts_smem": False, "p_groups": 3}),
                    # x in registers (the passes read only Wp from shared memory)
-                   ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "x_registers": True, "early_x_fetch": False,
-                                                              "p_groups": 3}),
-                   ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0},
-                    {**first_default, "x_registers": True, "early_x_fetch": False, "p_wn": 32}),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "x_registers": True, "p_groups": 3,
+                                                              "p_wn": 64}),
                    ({"P": 48, "H": 24, **OPTION_SETS[1]}, {**PAIRED, "x_registers": True}),
                    ({"P": 64, "H": 32, **OPTION_SETS[0]}, {**PAIRED, "x_registers": True})]
         for k, (widths, params) in enumerate(points):

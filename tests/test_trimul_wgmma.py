@@ -233,5 +233,12 @@ def test_calls_past_the_paired_offsets_run_the_same_point_unpaired():
     assert instead.widths == paired.widths and instead.precision == "bfloat16"
     assert not TRIMUL.infeasible(instead, DeviceLimits())
     assert for_call(TRIMUL, paired, 2, 8192) is not None       # B counts: 2 * 128 * 8192^2 = 2^34
+    # x in registers is the paired projection's: it falls back with the pairing, to a feasible plan
+    in_registers = TRIMUL.plan("wgmma", {**paired.params, "early_x_fetch": False, "x_registers": True, "p_wn": 32},
+                               MODEL, "bfloat16")
+    assert not TRIMUL.infeasible(in_registers, DeviceLimits())
+    instead = for_call(TRIMUL, in_registers, 1, 11586)
+    assert instead.params == {**in_registers.params, "paired_columns": False, "x_registers": False}
+    assert not TRIMUL.infeasible(instead, DeviceLimits())
     unpaired = TRIMUL.plan("wgmma", instead.params, MODEL, "bfloat16")
     assert for_call(TRIMUL, unpaired, 4, 16384) is None

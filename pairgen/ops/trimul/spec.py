@@ -34,14 +34,15 @@ class TrimulSpec(OpSpec):
         # output tiles keep P = H = 248 within shared memory).
         ("bmm", {"p_tile": 64, "p_tm": 4, "p_tn": 4, "p_weights_smem": False, "o_tile": 64, "o_tm": 1, "o_tn": 4,
                  "o_weights_smem": False, "threads": 128, "unroll": 4, "min_blocks": 1}),
-        # Hopper tensor cores (16-bit, sm_90): 4 warpgroups per SM with one x tile each, fetched as
-        # the last tile's products finish, swizzled operands, the epilogues' constants in shared
-        # memory and their columns paired (the fastest measured at P = H = 128). The others are
+        # Hopper tensor cores (16-bit, sm_90): 4 warpgroups per SM with one x tile each, each warp's
+        # rows of it held in registers as the products' A operand (the next tile fetched as soon as
+        # they are), swizzled operands, the epilogues' constants in shared memory and their columns
+        # paired (the fastest measured at P = H = 128 from N = 512). The others are
         # unswizzled, as they must be where neither P nor H is a multiple of 64, and read their
         # constants from global memory (less shared memory); the last has passes small enough for
         # any P a multiple of 16 and H of 8.
-        ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 64, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
-                   "consts_smem": True, "paired_columns": True, "early_x_fetch": True}),
+        ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
+                   "consts_smem": True, "paired_columns": True, "x_registers": True}),
         ("wgmma", {"p_groups": 3, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 64, "o_stages": 2, "swizzle": False,
                    "consts_smem": False}),
         ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1, "swizzle": False,

@@ -197,8 +197,8 @@ def pack(module, plan, weights):
 
 
 #: Paired columns keep a warp's offset into a and b (B*H*N*N elements) in 16-byte units in 32 bits
-#: (wgmma.cu.j2: paired_row_base); from here on a call runs the same point unpaired, whose stores
-#: index in 64 bits.
+#: (wgmma.cu.j2: paired_row_base); from here on a call runs the same point unpaired (and with x
+#: through shared memory), whose stores index in 64 bits.
 PAIRED_MAX_AB_ELEMENTS = 2**34
 
 
@@ -206,7 +206,9 @@ def for_call(spec, plan: Plan, B: int, N: int) -> Plan | None:
     """The plan (of `spec`, the op's) a call of B x N pairs runs instead of `plan`, or None where
     `plan` runs it."""
     if plan.params.get("paired_columns") and B * plan.widths["H"] * N * N >= PAIRED_MAX_AB_ELEMENTS:
-        return spec.plan(plan.strategy, {**plan.params, "paired_columns": False}, plan.widths, plan.precision)
+        # (x in registers is a variant of the paired projection: it goes too)
+        unpaired = {**plan.params, "paired_columns": False, "x_registers": False}
+        return spec.plan(plan.strategy, unpaired, plan.widths, plan.precision)
     return None
 
 
@@ -231,7 +233,10 @@ WGMMA = Strategy(
     # lane holds two channels' outputs, packed and staged by stmatrix in the projection, and the
     # sigmoid's halves folded into the staged constants, fewer instructions per output); whether a
     # one-stage projection fetches the next tile's x as soon as this tile's last products have read
-    # it (early_x_fetch: the load runs under the last epilogue instead of before the next tile).
+    # it (early_x_fetch: the load runs under the last epilogue instead of before the next tile);
+    # whether each warp of a paired one-stage projection holds its 16 rows of the x tile in
+    # registers as the products' A operand (x_registers: loaded and normalised once per tile, the
+    # passes then read only Wp from shared memory, and the tile is free for the next fetch at once).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
            "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
