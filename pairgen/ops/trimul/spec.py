@@ -19,7 +19,7 @@ class TrimulSpec(OpSpec):
     # those entries ran, so that an entry without them still plans.
     added_params = {"fused": {"tri_smem": False}, "bmm": {"o_weights_smem": False, "o_tn": O_TN},
                     "wgmma": {"consts_smem": False, "paired_columns": False,
-                              "early_x_fetch": False, "x_registers": False}}
+                              "early_x_fetch": False, "x_registers": False, "z_registers": False}}
     name = "trimul"
     # The options are compile-time and part of the tuned key, as 0/1 next to the widths.
     width_names = ("P", "H", "outgoing", "gate_normalized", "bias")
@@ -36,11 +36,14 @@ class TrimulSpec(OpSpec):
                  "o_weights_smem": False, "threads": 128, "unroll": 4, "min_blocks": 1}),
         # Hopper tensor cores (16-bit, sm_90): 4 warpgroups per SM with one x tile each, each warp's
         # rows of it held in registers as the products' A operand (the next tile fetched as soon as
-        # they are), swizzled operands, the epilogues' constants in shared memory and their columns
-        # paired (the fastest measured at P = H = 128 from N = 512). The others are
-        # unswizzled, as they must be where neither P nor H is a multiple of 64, and read their
-        # constants from global memory (less shared memory); the last has passes small enough for
-        # any P a multiple of 16 and H of 8.
+        # they are), the output kernel's triangle sums likewise, swizzled operands, the epilogues'
+        # constants in shared memory and their columns paired (the fastest measured at P = H = 128).
+        # The second is the same with the sums in shared memory (the gate in hidden width rewrites
+        # them there). The others are unswizzled, as they must be where neither P nor H is a
+        # multiple of 64, and read their constants from global memory (less shared memory); the last
+        # has passes small enough for any P a multiple of 16 and H of 8.
+        ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
+                   "consts_smem": True, "paired_columns": True, "x_registers": True, "z_registers": True}),
         ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
                    "consts_smem": True, "paired_columns": True, "x_registers": True}),
         ("wgmma", {"p_groups": 3, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 64, "o_stages": 2, "swizzle": False,

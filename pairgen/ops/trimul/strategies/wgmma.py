@@ -72,11 +72,13 @@ def derive(params: dict, w: dict, name: str):
     project_smem = (align(4 * H * k_padded(P) * eb, 1024)
                     + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb, 1024))
     # Resident Wout and Wgate; per warpgroup o_stages x tiles, the triangle sums as they lie in
-    # memory ([H][64]) and in the operand layout, and the rows' partial statistics ([4][64] fp32).
+    # memory ([H][64]) and (unless they go to registers) in the operand layout with the rows'
+    # partial statistics ([4][64] fp32).
     hidden = bool(w["gate_hidden"])
+    transposed = 0 if params["z_registers"] else z_tile + 4 * 64 * 4
     output_smem = (align(P * k_padded(H) * eb, 1024) + align(gate_columns(w) * k_padded(P) * eb, 1024)
                    + params["o_groups"] * align(params["o_stages"] * x_tile + align(WGMMA_ROWS * H * eb, 1024)
-                                                + z_tile + 4 * 64 * 4, 1024))
+                                                + transposed, 1024))
     off = wgmma_weight_offsets(P, H, eb, hidden)
     if params["consts_smem"]:  # the epilogues' per-column constants, staged once per block
         project_smem += align(off["c1o"] - off["c1p"], 1024)
@@ -84,7 +86,9 @@ def derive(params: dict, w: dict, name: str):
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
                "gate_hidden": hidden, "off": off, "consts_smem": params["consts_smem"],
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
-               "x_registers": params["x_registers"], "wgmma_rs_widths": [params["p_wn"]] if params["x_registers"] else [],
+               "x_registers": params["x_registers"], "z_registers": params["z_registers"],
+               "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
+                                                              (params["o_wn"], params["z_registers"])) if rs}),
                "p_groups": params["p_groups"], "p_wn": params["p_wn"],
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
@@ -118,6 +122,13 @@ def _x_registers_paired(plan: Plan, limits: DeviceLimits) -> bool:
     warps hold their rows, so not with early_x_fetch, which it makes moot)."""
     return not plan.params["x_registers"] or (plan.params["paired_columns"] and plan.params["p_stages"] == 1
                                               and not plan.params["early_x_fetch"])
+
+
+def _z_registers_paired(plan: Plan, limits: DeviceLimits) -> bool:
+    """The triangle sums in registers are a variant of the paired output kernel with the gate on the
+    pair width (the hidden gate rewrites the sums in shared memory), for whole 16-channel k-steps."""
+    return not plan.params["z_registers"] or (plan.params["paired_columns"] and not plan.widths.get("gate_hidden")
+                                              and plan.widths["H"] % 16 == 0)
 
 
 def _early_fetch_has_one_stage(plan: Plan, limits: DeviceLimits) -> bool:
@@ -206,8 +217,8 @@ def for_call(spec, plan: Plan, B: int, N: int) -> Plan | None:
     """The plan (of `spec`, the op's) a call of B x N pairs runs instead of `plan`, or None where
     `plan` runs it."""
     if plan.params.get("paired_columns") and B * plan.widths["H"] * N * N >= PAIRED_MAX_AB_ELEMENTS:
-        # (x in registers is a variant of the paired projection: it goes too)
-        unpaired = {**plan.params, "paired_columns": False, "x_registers": False}
+        # (x and the sums in registers are variants of the paired kernels: they go too)
+        unpaired = {**plan.params, "paired_columns": False, "x_registers": False, "z_registers": False}
         return spec.plan(plan.strategy, unpaired, plan.widths, plan.precision)
     return None
 
@@ -236,11 +247,14 @@ WGMMA = Strategy(
     # it (early_x_fetch: the load runs under the last epilogue instead of before the next tile);
     # whether each warp of a paired one-stage projection holds its 16 rows of the x tile in
     # registers as the products' A operand (x_registers: loaded and normalised once per tile, the
-    # passes then read only Wp from shared memory, and the tile is free for the next fetch at once).
+    # passes then read only Wp from shared memory, and the tile is free for the next fetch at once);
+    # whether each warp of the paired output kernel holds its 16 rows of the triangle sums in
+    # registers as the out product's A operand (z_registers: ldmatrix.trans from the staging as the
+    # sums lie in memory, no transposing pass through shared memory).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
            "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
-           "x_registers": (False, True)},
+           "x_registers": (False, True), "z_registers": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -250,6 +264,8 @@ WGMMA = Strategy(
                               _paired_columns_staged),
                   Restriction("the early x fetch is for one x stage (p_stages 1)", _early_fetch_has_one_stage),
                   Restriction("x in registers is the paired, one-stage projection's", _x_registers_paired),
+                  Restriction("the sums in registers are the paired output kernel's, gate on P, H a multiple of 16",
+                              _z_registers_paired),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
     precisions=HALF_PRECISIONS,
