@@ -74,10 +74,21 @@ class Kernel:
 
 @dataclass(frozen=True)
 class Restriction:
-    """A predicate on a plan; a point that fails one is pruned before it is compiled."""
+    """A predicate on a plan; a point that fails one is pruned before it is compiled. on_point: it
+    reads only the plan's params and widths (and the limits), not what the strategy derives, so
+    feasible_plans can prune a point by it before building the point's plan."""
 
     reason: str
     holds: Callable[["Plan", DeviceLimits], bool]
+    on_point: bool = False
+
+
+@dataclass(frozen=True)
+class PointProbe:
+    """What an on_point restriction reads of a plan, before the plan is built."""
+
+    params: dict
+    widths: dict
 
 
 @dataclass
@@ -307,7 +318,16 @@ class OpSpec:
 
     def feasible_plans(self, strategy: str, widths: dict, limits: DeviceLimits,
                        precision: str | None = None) -> list[Plan]:
-        plans = (self.plan(strategy, params, widths, precision) for params in self.points(strategy))
+        """Every feasible point's plan. A space can hold tens of thousands of points and building a
+        plan costs a strategy's derive, so the on_point restrictions prune first."""
+        on_point = [r for r in self.strategies[strategy].restrictions if r.on_point]
+        w = self.widths_of(widths)
+
+        def may_hold(params: dict) -> bool:
+            probe = PointProbe(self.with_added_params(strategy, params), w)
+            return all(r.holds(probe, limits) for r in on_point)
+
+        plans = (self.plan(strategy, params, widths, precision) for params in self.points(strategy) if may_hold(params))
         return [plan for plan in plans if not self.infeasible(plan, limits)]
 
     #: Random draws per wanted point before sample_plans enumerates the whole space instead.
@@ -523,7 +543,7 @@ MMA_TILE_RESTRICTIONS = (
 
 #: Hopper's warpgroup products (wgmma) compile for sm_90a, whose features run on sm_90 only.
 WGMMA_ON_SM90 = Restriction("wgmma needs sm_90 (its sm_90a features do not run on later architectures)",
-                            lambda p, limits: limits.arch == "sm_90")
+                            lambda p, limits: limits.arch == "sm_90", on_point=True)
 
 
 def persistent_blocks(num_tiles: int, blocks_per_sm: int, sms: int, resident_per_sm: int) -> int:

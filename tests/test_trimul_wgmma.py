@@ -242,3 +242,27 @@ def test_calls_past_the_paired_offsets_run_the_same_point_unpaired():
     assert not TRIMUL.infeasible(instead, DeviceLimits())
     unpaired = TRIMUL.plan("wgmma", instead.params, MODEL, "bfloat16")
     assert for_call(TRIMUL, unpaired, 4, 16384) is None
+
+
+def test_restrictions_marked_on_point_read_only_the_point():
+    """feasible_plans prunes by the on_point restrictions before building a plan (spec.PointProbe):
+    on sampled points of every width kind, each such restriction answers the probe as it answers
+    the built plan, and the pruned enumeration keeps exactly the feasible points."""
+    from pairgen.spec import PointProbe
+
+    limits = DeviceLimits()
+    on_point = [r for r in TRIMUL.strategies["wgmma"].restrictions if r.on_point]
+    assert len(on_point) >= 7
+    rng = random.Random(11)
+    points = list(TRIMUL.points("wgmma"))
+    for widths in (MODEL, {"P": 48, "H": 24, "outgoing": 0, "gate_normalized": 0, "bias": 1},
+                   {"P": 128, "H": 64, "outgoing": 1, "gate_normalized": 1, "bias": 0, "gate_hidden": 1}):
+        for params in rng.sample(points, 300):
+            plan = TRIMUL.plan("wgmma", params, widths, "bfloat16")
+            probe = PointProbe(plan.params, plan.widths)
+            assert [r.holds(probe, limits) for r in on_point] == [r.holds(plan, limits) for r in on_point], params
+    small = {"P": 48, "H": 24, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+    kept = {p.kernel_name for p in TRIMUL.feasible_plans("wgmma", small, limits, "bfloat16")}
+    subset = [TRIMUL.plan("wgmma", params, small, "bfloat16") for params in points[::7]]
+    feasible = {p.kernel_name for p in subset if not TRIMUL.infeasible(p, limits)}
+    assert feasible and feasible == kept & {p.kernel_name for p in subset}
