@@ -320,6 +320,13 @@ class OpSpec:
                        precision: str | None = None) -> list[Plan]:
         """Every feasible point's plan. A space can hold tens of thousands of points and building a
         plan costs a strategy's derive, so the on_point restrictions prune first."""
+        may_hold = self._point_filter(strategy, widths, limits)
+        plans = (self.plan(strategy, params, widths, precision) for params in self.points(strategy) if may_hold(params))
+        return [plan for plan in plans if not self.infeasible(plan, limits)]
+
+    def _point_filter(self, strategy: str, widths: dict, limits: DeviceLimits) -> Callable[[dict], bool]:
+        """A test of a point's params against the strategy's on_point restrictions (False: the
+        point is infeasible; True: its plan decides)."""
         on_point = [r for r in self.strategies[strategy].restrictions if r.on_point]
         w = self.widths_of(widths)
 
@@ -327,8 +334,7 @@ class OpSpec:
             probe = PointProbe(self.with_added_params(strategy, params), w)
             return all(r.holds(probe, limits) for r in on_point)
 
-        plans = (self.plan(strategy, params, widths, precision) for params in self.points(strategy) if may_hold(params))
-        return [plan for plan in plans if not self.infeasible(plan, limits)]
+        return may_hold
 
     #: Random draws per wanted point before sample_plans enumerates the whole space instead.
     SAMPLE_DRAWS_PER_POINT = 200
@@ -342,6 +348,7 @@ class OpSpec:
         defaults = [self.plan(s, p, widths, precision) for s, p in self.default_points if s == strategy]
         space = self.strategies[strategy].space
         names = sorted(space)
+        may_hold = self._point_filter(strategy, widths, limits)
         drawn, seen = [], set()
         for _ in range(self.SAMPLE_DRAWS_PER_POINT * k):
             if len(drawn) == k:
@@ -350,7 +357,10 @@ class OpSpec:
             if values in seen:
                 continue
             seen.add(values)
-            plan = self.plan(strategy, dict(zip(names, values)), widths, precision)
+            params = dict(zip(names, values))
+            if not may_hold(params):
+                continue
+            plan = self.plan(strategy, params, widths, precision)
             if not self.infeasible(plan, limits):
                 drawn.append(plan)
         if len(drawn) < k:
