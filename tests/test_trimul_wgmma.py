@@ -108,7 +108,7 @@ def test_paired_columns_stage_their_constants_and_keep_the_output_kernel_unspill
     early = codegen.render_plan(TRIMUL.plan("wgmma", {**base, "early_x_fetch": True}, MODEL, "bfloat16")).source
     assert "fetch_next_x(" in early and "fetch_next_x(" not in unpaired
     plans = [p for p in TRIMUL.feasible_plans("wgmma", MODEL, limits, "bfloat16") if p.params["paired_columns"]]
-    plans = random.Random(3).sample(plans, 2)  # (the first default, paired, compiles in the fast-share sweep)
+    plans = random.Random(3).sample(plans, 1)  # (the first default, paired, compiles in the fast-share sweep)
     jobs = [(r.source, r.kernel_name, "sm_90") for r in map(codegen.render_plan, plans)]
     with compiler.compile_pool(2) as pool:
         for plan, result in zip(plans, compiler.compile_many(jobs, pool)):
@@ -263,6 +263,6 @@ def test_restrictions_marked_on_point_read_only_the_point():
             assert [r.holds(probe, limits) for r in on_point] == [r.holds(plan, limits) for r in on_point], params
     small = {"P": 48, "H": 24, "outgoing": 1, "gate_normalized": 1, "bias": 0}
     kept = {p.kernel_name for p in TRIMUL.feasible_plans("wgmma", small, limits, "bfloat16")}
-    subset = [TRIMUL.plan("wgmma", params, small, "bfloat16") for params in points[::7]]
+    subset = [TRIMUL.plan("wgmma", params, small, "bfloat16") for params in points[::29]]
     feasible = {p.kernel_name for p in subset if not TRIMUL.infeasible(p, limits)}
     assert feasible and feasible == kept & {p.kernel_name for p in subset}
