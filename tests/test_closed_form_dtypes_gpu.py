@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 SIXTEEN_BIT = Tolerance(max_abs=float("inf"), rel_l2=1e-2)
 AUTOCAST = Tolerance(max_abs=float("inf"), rel_l2=2.65e-2)
 #: op -> an odd shape of it (widths and lengths), heavy-tailed enough to matter
-CASES = {"contact": {"B": 2, "N": 29, "P": 64, "H": 48}}
+CASES = {"contact": {"B": 2, "N": 29, "P": 64, "H": 48}, "trimul": {"B": 2, "N": 29, "P": 64, "H": 48}}
 
 
 def _case(op: str, seed: int, dtype: torch.dtype = torch.float32):
@@ -41,9 +41,12 @@ def _case(op: str, seed: int, dtype: torch.dtype = torch.float32):
 
 
 def _spy_on_closed_form(module) -> list:
-    """Records each closed-form forward the module runs."""
-    calls, forward = [], module.saving_forward
-    module.saving_forward = lambda *args: calls.append(1) or forward(*args)
+    """Records each closed-form forward the module runs (keeping its intermediates or not)."""
+    calls = []
+    for name in ("saving_forward", "inference_forward"):
+        forward = getattr(module, name)
+        if forward is not None:
+            setattr(module, name, lambda *args, _forward=forward: calls.append(1) or _forward(*args))
     return calls
 
 
@@ -87,6 +90,39 @@ def test_16_bit_training_keeps_the_intermediates_and_meets_the_16_bit_gradient_s
     assert closed_form_paths(module, step) == ["saved"]
     ours = [leaf.grad for leaf in leaves if leaf.is_floating_point()] + [p.grad for p in module.parameters()]
     assert_16_bit_gradients_meet_the_standard(module, inputs, g, ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wide_hidden_widths_run_the_fused_closed_form_forward_and_training(dtype):
+    """Hidden width 384: the output LayerNorm's forward kernel fits one tile of 384 channels, its
+    backward's two do not (PyTorch's LayerNorm backward on a transposed copy then): the closed
+    form's forward (inference and training) and the gradients meet the 16-bit standards on an
+    odd length with an empty mask row."""
+    spec = get_op("trimul")
+    shape = {"B": 1, "N": 31, "P": 64, "H": 384, "outgoing": 0, "gate_normalized": 1, "bias": 1}
+    gen = generator(49)
+    module = spec.make_module(spec.widths_of(shape), gen).cuda().to(dtype)
+    module.routing = replace(module.routing, fp32_kernel_max_pairs=-1, closed_form_min_pairs=0)
+    module.kernel_precision = lambda *call: None
+    module.backward_mode = "closed_form"
+    x, mask = (t.cuda() for t in spec.make_inputs(shape, gen, "cauchy"))
+    x = x.to(dtype)
+    mask[0, 4] = False
+    calls = _spy_on_closed_form(module)
+    with torch.no_grad():
+        out = module(x, mask)
+    assert calls == [1]
+    result = compare(out, reference64(module, (x, mask)), SIXTEEN_BIT)
+    assert result.ok, result
+    g = torch.randn(x.shape, generator=generator(50)).cuda().to(dtype)
+    leaf = x.clone().requires_grad_()
+
+    def step():
+        (module(leaf, mask) * g).sum().backward()
+
+    assert closed_form_paths(module, step) == ["saved"]
+    ours = [leaf.grad] + [p.grad for p in module.parameters()]
+    assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, ours)
 
 
 @pytest.mark.parametrize("op", sorted(CASES))

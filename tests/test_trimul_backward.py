@@ -303,3 +303,23 @@ def test_the_hidden_gate_placement_in_closed_form(outgoing, gate_normalized, bia
     kept = gradient_errors64(_saving_call(module), module, (x, mask), g)
     worst = max(kept, key=kept.get)
     assert kept[worst] <= STANDARD, f"kept: gradient of {worst}: {kept}"
+
+
+@pytest.mark.parametrize("outgoing,gate_normalized,bias,gate_hidden", [(0, 0, 1, 0), (1, 1, 0, 0), (1, 0, 1, 1)])
+def test_the_inference_forward_keeps_nothing_and_matches_the_reference(outgoing, gate_normalized, bias, gate_hidden):
+    """The closed form's forward without a backward (what a CLOSED_FORM call runs: the gates not
+    stored, each intermediate freed once used, the output gate in the projection's storage) gives
+    the reference's output within the fp32 forward standard: odd N, heavy tails, an empty mask row."""
+    widths = {"P": 24, "H": 16, "outgoing": outgoing, "gate_normalized": gate_normalized, "bias": bias,
+              "gate_hidden": gate_hidden}
+    gen = generator(140 + outgoing + 2 * gate_hidden)
+    module = TRIMUL.make_module(widths, gen)
+    x, mask = TRIMUL.make_inputs({"B": 2, "N": 13, **widths}, gen, "cauchy")
+    mask[1, 6] = False
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    with torch.no_grad():
+        out = module.inference_forward(module, x, mask, params, "ieee")
+        exact = TRIMUL.make_reference(module).double()(x.double(), mask)
+    assert out.dtype is torch.float32 and out.shape == x.shape
+    assert ((out.double() - exact).norm() / exact.norm()).item() <= 1e-5
+    assert (out.double() - exact).abs().max().item() <= 1e-4 * exact.abs().max().item()

@@ -315,8 +315,14 @@ class KernelModule:
 
     def _closed_form_call(self, inputs: tuple) -> torch.Tensor:
         """The CLOSED_FORM path's output: the closed form's forward on the module's parameters
-        (a first-use check times it as the rival of a default kernel, dispatch.route)."""
-        return self.closed_form_forward(inputs, {name: p.detach() for name, p in self.named_parameters()})[0]
+        (a first-use check times it as the rival of a default kernel, dispatch.route), the op's
+        inference_forward where it has one."""
+        params = {name: p.detach() for name, p in self.named_parameters()}
+        if self.inference_forward is None:
+            return self.closed_form_forward(inputs, params)[0]
+        autocast = current_autocast()
+        out = self.inference_forward(self, *inputs, params, self.backward_precision(inputs[0], autocast))
+        return as_dtype(out, self.closed_form_output_dtype(inputs[0], autocast))
 
     def closed_form_forward(self, inputs: tuple, params: dict) -> tuple:
         """The op's forward computed the closed form's way (saving_forward) on `inputs` and
@@ -376,6 +382,10 @@ class KernelModule:
     #: training calls run the kernel forward and recompute (recompute_for_backward).
     saving_forward: Callable | None = None
     saved_gradients: Callable | None = None
+    #: The closed form's forward keeping nothing (fewer passes, a lower peak), as a staticmethod:
+    #: inference_forward(module, *inputs, params_by_name, precision) -> out. None: the CLOSED_FORM
+    #: path runs saving_forward and drops what it kept.
+    inference_forward: Callable | None = None
 
     def closed_form_applies(self, inputs: list) -> bool:
         """Whether closed_form covers this call's inputs (an op narrows it)."""

@@ -137,6 +137,13 @@ def forward_saving(forward, x: torch.Tensor, params: dict[str, torch.Tensor], pr
     return out, Saved(state, weights, precision, x.dtype, {name: p.dtype for name, p in params.items()})
 
 
+def forward_only(forward, x: torch.Tensor, params: dict[str, torch.Tensor], precision: str) -> torch.Tensor:
+    """forward(x, params, products) -> out, run as forward_saving runs its forward, for a call no
+    backward follows."""
+    with computing_in(precision) as (dtype, products):
+        return forward(as_dtype(x, dtype), {name: as_dtype(p, dtype) for name, p in params.items()}, products)
+
+
 def gradients_from(backward, saved: Saved, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
     """backward(state, params, grad_out, products) -> gradients as closed_form_gradients returns
     them, from a forward_saving() state, which it consumes (its tensors may become gradients in

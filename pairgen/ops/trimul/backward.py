@@ -61,8 +61,27 @@ def forward_saving(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str
         if state.hidden:  # o is the output: the backward does not need it
             out, state.o = state.o, None
             return out.view(x_in.shape), state
-        return torch.sigmoid(state.u).mul_(state.o).view(x_in.shape), state
+        return _gated_output(state, state.o.new_empty(state.o.shape)).view(x_in.shape), state
     return closed_form.forward_saving(forward, x, params, precision)
+
+
+def forward_only(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor],
+                 precision: str) -> torch.Tensor:
+    """The forward computed the closed form's way, in `precision`, keeping nothing for a backward
+    (fewer passes and a lower peak: the gates are not stored, each intermediate is freed once
+    used, the output gate is applied in the output projection's storage)."""
+    def forward(x_in, w, mm):
+        state = _forward(module, x_in, mask, w, mm, inference=True)
+        out = state.o if state.hidden else _gated_output(state, state.o)
+        return out.view(x_in.shape)
+    return closed_form.forward_only(forward, x, params, precision)
+
+
+def _gated_output(f: SimpleNamespace, out: torch.Tensor) -> torch.Tensor:
+    """out = sigmoid(u) * o, the output gate, into `out` (o's storage or a new tensor)."""
+    if f.fused:
+        return fused_backward.gated(f.o, f.u, out, f.tuning)
+    return torch.mul(torch.sigmoid(f.u), f.o, out=out)
 
 
 def gradients_from(module, saved: closed_form.Saved, grad_out: torch.Tensor,
@@ -83,11 +102,12 @@ def _channels_first(t: torch.Tensor, B: int, N: int) -> torch.Tensor:
     return t.view(B, N * N, C).transpose(1, 2).reshape(B * C, N, N)
 
 
-def _forward(module, x, mask, w, mm, keep_operands: bool = False) -> SimpleNamespace:
+def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: bool = False) -> SimpleNamespace:
     """The forward's intermediates the chain rule needs, in the layouts it wants. keep_operands:
     keep A and B (two hidden-width tensors) for the backward's triangle products, where a
     backward that follows at once remakes them from the projections (a lower peak: they are not
-    held through the output half)."""
+    held through the output half). inference: no backward follows (forward_only): the
+    projections, A, B and the triangle sums are dropped once used, the gates not stored."""
     B, N, _, P = x.shape
     NN = N * N
     H = w["proj_a.weight"].shape[0]
@@ -119,38 +139,43 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False) -> SimpleNames
         f.proj = mm.channels_first(f.w4, f.xn_cl, f.b4).view(B, 4, H, NN)
         f.proj[:, 1].sigmoid_(), f.proj[:, 3].sigmoid_()  # in place: the pre-activations are not needed again
         f.keep = mask.reshape(B, 1, NN).to(x.dtype)
-    a, b = _operands(f, apply=True)
+    a, b = _operands(f, apply=True, store=not inference)
+    if inference:
+        f.proj = None
     f.z = mm.bmm(a, b.transpose(1, 2)) if f.outgoing else mm.bmm(a.transpose(1, 2), b)  # (B*H, N, N)
     f.operands = (a, b) if keep_operands else None
     del a, b
 
     # ---- the output LayerNorm, the output projection and gate, one row per pair ----
     f.ln_out = (w["layer_norm_out.weight"], w["layer_norm_out.bias"], module.layer_norm_out.eps)
-    f.fused_ln = f.fused and fused_backward.layer_norm_fits(H, f.tuning)
+    f.fused_ln = f.fused and fused_backward.layer_norm_fits(H, x.element_size(), f.tuning, backward=False)
     if f.fused_ln:  # read channels first, written one row per pair: no transposing copy
         f.zn, f.mean_out, f.rstd_out = fused_backward.layer_norm_channels_first(f.z.view(B, H, NN), *f.ln_out,
                                                                                  f.tuning)
     else:
         f.z = _channels_last(f.z, B, N)
         f.zn, f.mean_out, f.rstd_out = torch.native_layer_norm(f.z, [H], *f.ln_out)
+    if inference:
+        f.z = None
     f.gate_in = f.xn if f.gate_normalized else f.rows
     f.u = mm.linear(f.gate_in, w["out_gate.weight"], w.get("out_gate.bias"))  # the out gate's pre-activation
     if f.hidden:  # the gate on LN_out(z), in hidden width, before the output projection
         f.s = torch.sigmoid(f.u)
         f.u = None
         f.zg = f.zn * f.s
-        f.o = mm.linear(f.zg, w["out_proj.weight"], w.get("out_proj.bias")) if keep_operands else None
+        f.o = mm.linear(f.zg, w["out_proj.weight"], w.get("out_proj.bias")) if keep_operands or inference else None
         return f
     f.o = mm.linear(f.zn, w["out_proj.weight"], w.get("out_proj.bias"))
     return f
 
 
-def _operands(f: SimpleNamespace, apply: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _operands(f: SimpleNamespace, apply: bool = False, store: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A and B as (B*H, N, N) from the projections (apply: add the bias and take the gates'
-    sigmoid in place first, which the forward does once)."""
+    sigmoid in place first, which the forward does once; store False: not in place, for a
+    forward that keeps nothing)."""
     B, H, N = f.B, f.H, f.N
     if f.fused:
-        a, b = fused_backward.gates(f.proj, f.b4, f.keep, apply, f.tuning)
+        a, b = fused_backward.gates(f.proj, f.b4, f.keep, apply, f.tuning, store)
         return a.view(B * H, N, N), b.view(B * H, N, N)
     pa, sa, pb, sb = f.proj.unbind(1)
     return torch.mul(pa, sa).mul_(f.keep).view(B * H, N, N), torch.mul(pb, sb).mul_(f.keep).view(B * H, N, N)
@@ -213,12 +238,15 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     else:
         d_zn, d_gate_in = _output_gate_backward(f, w, g, grads, mm, frozen)
     ln_out = f.ln_out
-    if f.fused_ln:  # d z straight into the channels-first layout the triangle products take
+    if f.fused_ln and fused_backward.layer_norm_fits(H, f.z.element_size(), f.tuning):
+        # d z straight into the channels-first layout the triangle products take
         d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = \
             fused_backward.layer_norm_channels_first_backward(d_zn, f.z.view(B, H, NN), f.mean_out, f.rstd_out,
                                                               ln_out[0], ln_out[2], f.tuning)
         d_z = d_z.view(B * H, N, N)
     else:
+        if f.fused_ln:  # (the forward's kernel fitted, the backward's two tiles do not)
+            f.z = _channels_last(f.z, B, N)
         d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = torch.ops.aten.native_layer_norm_backward(
             d_zn, f.z, [H], f.mean_out, f.rstd_out, *ln_out[:2], [True, True, True])
         d_z = _channels_first(d_z, B, N)

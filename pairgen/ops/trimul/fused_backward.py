@@ -20,9 +20,9 @@ if TYPE_CHECKING:  # annotations only: torch is imported where it is used, so th
 #: The launch shapes a tuned backward entry chooses (pairgen/ops/backward_tuning.py), and the
 #: defaults where there is none: elements per thread of the elementwise kernels ("items"), pairs
 #: per block of the output LayerNorm kernels ("ln_tile"), blocks per SM of the grid-stride
-#: output-gate kernel ("out_gate_blocks") and of the warp-per-row input LayerNorm ("row_blocks").
-TUNING_SPACE = {"items": (2, 4, 8), "ln_tile": (8, 16, 32), "out_gate_blocks": (4, 8, 16), "row_blocks": (2, 4, 8)}
-TUNING_DEFAULT = {"items": 4, "ln_tile": 16, "out_gate_blocks": 8, "row_blocks": 4}
+#: output-gate kernels ("out_gate_blocks": the backward's and the forward's) and of the warp-per-row input LayerNorm ("row_blocks").
+TUNING_SPACE = {"items": (2, 4, 8), "ln_tile": (16, 32, 64), "out_gate_blocks": (4, 8, 16), "row_blocks": (2, 4, 8)}
+TUNING_DEFAULT = {"items": 4, "ln_tile": 64, "out_gate_blocks": 8, "row_blocks": 4}
 #: The output LayerNorm kernels stay within a block's default shared memory (no opt-in).
 SMEM_LIMIT = 48 * 1024
 #: Each kernel's arguments ("kind name"), in order, as the launches below pass them; render() checks
@@ -32,6 +32,7 @@ SIGNATURES = {"gates": ("ptr proj", "ptr bias4", "ptr keep", "ptr a", "ptr b", "
               "gates_grad": ("ptr da", "ptr proj", "ptr keep", "i32 hidden", "i64 plane", "i32 blocks_per_plane",
                              "i32 slot_index"),
               "out_gate": ("ptr o", "ptr u", "ptr g", "i64 count"),
+              "gated": ("ptr o", "ptr u", "ptr out", "i64 count", "i32 vectors"),
               "ln": ("ptr z", "ptr gamma", "ptr beta", "ptr zn", "ptr mean", "ptr rstd", "i32 hidden", "i64 plane",
                      "i32 tiles_per_batch"),
               "ln_grad": ("ptr d_zn", "ptr z", "ptr mean", "ptr rstd", "ptr gamma", "ptr d_z", "ptr gamma_parts",
@@ -74,15 +75,17 @@ def _plane_blocks(plane: int, tuning: dict) -> int:
 
 
 def gates(proj: torch.Tensor, bias4: torch.Tensor | None, keep: torch.Tensor, apply: bool,
-          tuning: dict = TUNING_DEFAULT) -> tuple:
-    """proj (B, 4, H, L) contiguous: with `apply`, bias added and the gates' sigmoid taken in
-    place; returns a, b = value * sigmoid(gate) * keep as (B*H, L) each (keep: (B, L))."""
+          tuning: dict = TUNING_DEFAULT, store: bool = True) -> tuple:
+    """proj (B, 4, H, L) contiguous: with `apply`, bias added and the gates' sigmoid taken, in
+    place unless `store` is False (a forward that keeps nothing: proj is left as it was); returns
+    a, b = value * sigmoid(gate) * keep as (B*H, L) each (keep: (B, L))."""
     B, _, H, L = proj.shape
     a = proj.new_empty(B * H, L)
     b = proj.new_empty(B * H, L)
     per_plane = _plane_blocks(L, tuning)
+    mode = (1 if store else 2) if apply else 0
     _launch(proj, tuning, "gates", B * H * per_plane, proj.data_ptr(), 0 if bias4 is None else bias4.data_ptr(),
-            keep.data_ptr(), a.data_ptr(), b.data_ptr(), H, L, per_plane, int(apply))
+            keep.data_ptr(), a.data_ptr(), b.data_ptr(), H, L, per_plane, mode)
     return a, b
 
 
@@ -103,15 +106,39 @@ def out_gate(o: torch.Tensor, u: torch.Tensor, g: torch.Tensor, tuning: dict = T
     _launch(o, tuning, "out_gate", blocks, o.data_ptr(), u.data_ptr(), g.data_ptr(), o.numel())
 
 
-def _ln_smem(hidden: int, tiles: int, ln_tile: int) -> int:
-    return tiles * hidden * (ln_tile + 1) * 4
+def gated(o: torch.Tensor, u: torch.Tensor, out: torch.Tensor, tuning: dict = TUNING_DEFAULT) -> torch.Tensor:
+    """out = o * sigmoid(u) (o, u, out contiguous, one shape; out may be o), in one pass: the
+    forward's output gate. Returns out."""
+    count = o.numel()
+    vectors = all(t.data_ptr() % 16 == 0 for t in (o, u, out))
+    per_thread = 16 // o.element_size() if vectors else 1
+    blocks = min(-(-count // (THREADS * per_thread)), sm_count(o.device.index) * tuning["out_gate_blocks"])
+    _launch(o, tuning, "gated", max(1, blocks), o.data_ptr(), u.data_ptr(), out.data_ptr(), count, int(vectors))
+    return out
 
 
-def layer_norm_fits(hidden: int, tuning: dict = TUNING_DEFAULT) -> bool:
-    """Whether the LayerNorm kernels' tiles (two of hidden x ln_tile, fp32, and their statistics)
-    fit in a block's default shared memory; wider hidden widths keep PyTorch's LayerNorm and
-    transposing copies."""
-    return _ln_smem(hidden, 2, tuning["ln_tile"]) <= SMEM_LIMIT - 2 * tuning["ln_tile"] * 4
+def _ln_smem(hidden: int, tiles: int, ln_tile: int, element_bytes: int) -> int:
+    """The dynamic shared memory of the LayerNorm kernels: `tiles` tiles of hidden rows of ln_tile
+    values in the storage type, each row padded to an odd number of 4-byte words."""
+    return tiles * hidden * (ln_tile + 4 // element_bytes) * element_bytes
+
+
+def ln_tile(hidden: int, element_bytes: int, tuning: dict = TUNING_DEFAULT, backward: bool = True) -> int | None:
+    """The pairs per block of the output LayerNorm kernel at this hidden width and storage type:
+    the tuning's ln_tile, halved until its tiles (one for the forward, two for the backward) and
+    their statistics fit a block's default shared memory, down to 8; None where even 8 does not
+    (wider hidden widths keep PyTorch's LayerNorm and transposing copies)."""
+    tile = tuning["ln_tile"]
+    while tile >= 8:
+        if _ln_smem(hidden, 2 if backward else 1, tile, element_bytes) <= SMEM_LIMIT - 2 * tile * 4:
+            return tile
+        tile //= 2
+    return None
+
+
+def layer_norm_fits(hidden: int, element_bytes: int, tuning: dict = TUNING_DEFAULT, backward: bool = True) -> bool:
+    """Whether the LayerNorm kernel (the forward's, or the backward's) runs at this hidden width."""
+    return ln_tile(hidden, element_bytes, tuning, backward) is not None
 
 
 def layer_norm_channels_first(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
@@ -124,9 +151,11 @@ def layer_norm_channels_first(z: torch.Tensor, gamma: torch.Tensor, beta: torch.
     zn = z.new_empty(B * L, H)
     mean = torch.empty(B * L, device=z.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    tiles = -(-L // tuning["ln_tile"])
-    _launch(z, tuning, "ln", B * tiles, z.data_ptr(), gamma.data_ptr(), beta.data_ptr(), zn.data_ptr(),
-            mean.data_ptr(), rstd.data_ptr(), H, L, tiles, smem=_ln_smem(H, 1, tuning["ln_tile"]), eps=eps)
+    tile = ln_tile(H, z.element_size(), tuning, backward=False)
+    tiles = -(-L // tile)
+    _launch(z, {**tuning, "ln_tile": tile}, "ln", B * tiles, z.data_ptr(), gamma.data_ptr(), beta.data_ptr(),
+            zn.data_ptr(), mean.data_ptr(), rstd.data_ptr(), H, L, tiles,
+            smem=_ln_smem(H, 1, tile, z.element_size()), eps=eps)
     return zn, mean, rstd
 
 
@@ -138,10 +167,11 @@ def layer_norm_channels_first_backward(d_zn: torch.Tensor, z: torch.Tensor, mean
 
     B, H, L = z.shape
     d_z = torch.empty_like(z)
-    tiles = -(-L // tuning["ln_tile"])
+    tile = ln_tile(H, z.element_size(), tuning)
+    tiles = -(-L // tile)
     parts = torch.empty(2, B * tiles, H, device=z.device, dtype=torch.float32)
-    _launch(z, tuning, "ln_grad", B * tiles, d_zn.data_ptr(), z.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
-            gamma.data_ptr(), d_z.data_ptr(), parts[0].data_ptr(), parts[1].data_ptr(), H, L, tiles,
-            smem=_ln_smem(H, 2, tuning["ln_tile"]), eps=eps)
+    _launch(z, {**tuning, "ln_tile": tile}, "ln_grad", B * tiles, d_zn.data_ptr(), z.data_ptr(), mean.data_ptr(),
+            rstd.data_ptr(), gamma.data_ptr(), d_z.data_ptr(), parts[0].data_ptr(), parts[1].data_ptr(), H, L, tiles,
+            smem=_ln_smem(H, 2, tile, z.element_size()), eps=eps)
     return d_z, parts[0].sum(0), parts[1].sum(0)  # two tensors: gradients may not alias each other
 

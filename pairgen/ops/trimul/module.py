@@ -55,6 +55,7 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
     closed_form = staticmethod(backward.gradients)
     saving_forward = staticmethod(backward.forward_saving)
     saved_gradients = staticmethod(backward.gradients_from)
+    inference_forward = staticmethod(backward.forward_only)
     input_gradients = ("input", None)
 
     def closed_form_applies(self, inputs: list) -> bool:
