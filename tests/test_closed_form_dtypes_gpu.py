@@ -26,7 +26,8 @@ pytestmark = pytest.mark.gpu
 SIXTEEN_BIT = Tolerance(max_abs=float("inf"), rel_l2=1e-2)
 AUTOCAST = Tolerance(max_abs=float("inf"), rel_l2=2.65e-2)
 #: op -> an odd shape of it (widths and lengths), heavy-tailed enough to matter
-CASES = {"contact": {"B": 2, "N": 29, "P": 64, "H": 48}, "trimul": {"B": 2, "N": 29, "P": 64, "H": 48}}
+CASES = {"contact": {"B": 2, "N": 29, "P": 64, "H": 48},
+         "trimul": {"B": 2, "N": 29, "P": 64, "H": 48, "outgoing": 0, "gate_normalized": 1, "bias": 1}}
 
 
 def _case(op: str, seed: int, dtype: torch.dtype = torch.float32):
@@ -92,14 +93,17 @@ def test_16_bit_training_keeps_the_intermediates_and_meets_the_16_bit_gradient_s
     assert_16_bit_gradients_meet_the_standard(module, inputs, g, ours)
 
 
+@pytest.mark.parametrize("N", [31, 36])
+@pytest.mark.parametrize("H", [48, 384])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_wide_hidden_widths_run_the_fused_closed_form_forward_and_training(dtype):
-    """Hidden width 384: the output LayerNorm's forward kernel fits one tile of 384 channels, its
-    backward's two do not (PyTorch's LayerNorm backward on a transposed copy then): the closed
-    form's forward (inference and training) and the gradients meet the 16-bit standards on an
-    odd length with an empty mask row."""
+def test_fused_closed_form_forward_and_training_at_both_access_widths(dtype, H, N):
+    """The fused passes move 16 bytes a load where N * N and H are multiples of 8 (N = 36), one
+    value where not (N = 31); at hidden width 384 the output LayerNorm's forward kernel fits one
+    tile of 384 channels, its backward's two do not (PyTorch's LayerNorm backward on a transposed
+    copy then). Either way the closed form's forward (inference and training) and the gradients
+    meet the 16-bit standards, with an empty mask row."""
     spec = get_op("trimul")
-    shape = {"B": 1, "N": 31, "P": 64, "H": 384, "outgoing": 0, "gate_normalized": 1, "bias": 1}
+    shape = {"B": 1, "N": N, "P": 64, "H": H, "outgoing": int(N % 2 == 0), "gate_normalized": 1, "bias": 1}
     gen = generator(49)
     module = spec.make_module(spec.widths_of(shape), gen).cuda().to(dtype)
     module.routing = replace(module.routing, fp32_kernel_max_pairs=-1, closed_form_min_pairs=0)

@@ -28,15 +28,15 @@ SMEM_LIMIT = 48 * 1024
 #: Each kernel's arguments ("kind name"), in order, as the launches below pass them; render() checks
 #: them by name and kind against the source's `extern "C"` signatures.
 SIGNATURES = {"gates": ("ptr proj", "ptr bias4", "ptr keep", "ptr a", "ptr b", "i32 hidden", "i64 plane",
-                        "i32 blocks_per_plane", "i32 apply"),
+                        "i32 blocks_per_plane", "i32 apply", "i32 vectors"),
               "gates_grad": ("ptr da", "ptr proj", "ptr keep", "i32 hidden", "i64 plane", "i32 blocks_per_plane",
-                             "i32 slot_index"),
+                             "i32 slot_index", "i32 vectors"),
               "out_gate": ("ptr o", "ptr u", "ptr g", "i64 count"),
               "gated": ("ptr o", "ptr u", "ptr out", "i64 count", "i32 vectors"),
               "ln": ("ptr z", "ptr gamma", "ptr beta", "ptr zn", "ptr mean", "ptr rstd", "i32 hidden", "i64 plane",
-                     "i32 tiles_per_batch"),
+                     "i32 tiles_per_batch", "i32 vectors"),
               "ln_grad": ("ptr d_zn", "ptr z", "ptr mean", "ptr rstd", "ptr gamma", "ptr d_z", "ptr gamma_parts",
-                          "ptr beta_parts", "i32 hidden", "i64 plane", "i32 tiles_per_batch")}
+                          "ptr beta_parts", "i32 hidden", "i64 plane", "i32 tiles_per_batch", "i32 vectors")}
 TEMPLATE = FusedTemplate("trimul", "backward", lambda context: SIGNATURES)
 
 
@@ -70,8 +70,18 @@ def _launch(t: torch.Tensor, tuning: dict, suffix: str, blocks: int, *args: int,
     TEMPLATE.launch(t, suffix, blocks, *args, smem=smem, **_context(eps, tuning))
 
 
-def _plane_blocks(plane: int, tuning: dict) -> int:
-    return -(-plane // (THREADS * tuning["items"]))
+def _vectors(*tensors: torch.Tensor, multiples_of: tuple = ()) -> bool:
+    """Whether the kernels move 16 bytes a load for these tensors (one storage type): every one
+    16-byte aligned, and each length of `multiples_of` (a plane, a hidden width: what the accesses
+    step along) a multiple of the values in 16 bytes."""
+    per_access = 16 // tensors[0].element_size()
+    return (all(t.data_ptr() % 16 == 0 for t in tensors)
+            and all(length % per_access == 0 for length in multiples_of))
+
+
+def _plane_blocks(plane: int, tuning: dict, vectors: bool, element_bytes: int) -> int:
+    """Blocks per (batch, channel) plane: a thread takes `items` positions, or one 16-byte access."""
+    return -(-plane // (THREADS * (16 // element_bytes if vectors else tuning["items"])))
 
 
 def gates(proj: torch.Tensor, bias4: torch.Tensor | None, keep: torch.Tensor, apply: bool,
@@ -82,10 +92,11 @@ def gates(proj: torch.Tensor, bias4: torch.Tensor | None, keep: torch.Tensor, ap
     B, _, H, L = proj.shape
     a = proj.new_empty(B * H, L)
     b = proj.new_empty(B * H, L)
-    per_plane = _plane_blocks(L, tuning)
+    vectors = _vectors(proj, keep, a, b, multiples_of=(L,))
+    per_plane = _plane_blocks(L, tuning, vectors, proj.element_size())
     mode = (1 if store else 2) if apply else 0
     _launch(proj, tuning, "gates", B * H * per_plane, proj.data_ptr(), 0 if bias4 is None else bias4.data_ptr(),
-            keep.data_ptr(), a.data_ptr(), b.data_ptr(), H, L, per_plane, mode)
+            keep.data_ptr(), a.data_ptr(), b.data_ptr(), H, L, per_plane, mode, int(vectors))
     return a, b
 
 
@@ -94,15 +105,17 @@ def gates_grad(da: torch.Tensor, proj: torch.Tensor, keep: torch.Tensor, slot: i
     """da (B*H, L) the gradient of a (slot 0) or b (slot 2): proj's slot becomes the value's
     gradient and slot + 1 the gate's, in place."""
     B, _, H, L = proj.shape
-    per_plane = _plane_blocks(L, tuning)
+    vectors = _vectors(da, proj, keep, multiples_of=(L,))
+    per_plane = _plane_blocks(L, tuning, vectors, proj.element_size())
     _launch(proj, tuning, "gates_grad", B * H * per_plane, da.data_ptr(), proj.data_ptr(), keep.data_ptr(), H, L,
-            per_plane, slot)
+            per_plane, slot, int(vectors))
 
 
 def out_gate(o: torch.Tensor, u: torch.Tensor, g: torch.Tensor, tuning: dict = TUNING_DEFAULT) -> None:
     """o, u (the out gate's pre-activation), g contiguous, same shape: o becomes the gradient of
     u, u the gradient of o, in place."""
-    blocks = min(_plane_blocks(o.numel(), tuning), sm_count(o.device.index) * tuning["out_gate_blocks"])
+    blocks = min(_plane_blocks(o.numel(), tuning, False, o.element_size()),
+                 sm_count(o.device.index) * tuning["out_gate_blocks"])
     _launch(o, tuning, "out_gate", blocks, o.data_ptr(), u.data_ptr(), g.data_ptr(), o.numel())
 
 
@@ -110,7 +123,7 @@ def gated(o: torch.Tensor, u: torch.Tensor, out: torch.Tensor, tuning: dict = TU
     """out = o * sigmoid(u) (o, u, out contiguous, one shape; out may be o), in one pass: the
     forward's output gate. Returns out."""
     count = o.numel()
-    vectors = all(t.data_ptr() % 16 == 0 for t in (o, u, out))
+    vectors = _vectors(o, u, out)
     per_thread = 16 // o.element_size() if vectors else 1
     blocks = min(-(-count // (THREADS * per_thread)), sm_count(o.device.index) * tuning["out_gate_blocks"])
     _launch(o, tuning, "gated", max(1, blocks), o.data_ptr(), u.data_ptr(), out.data_ptr(), count, int(vectors))
@@ -153,8 +166,9 @@ def layer_norm_channels_first(z: torch.Tensor, gamma: torch.Tensor, beta: torch.
     rstd = torch.empty_like(mean)
     tile = ln_tile(H, z.element_size(), tuning, backward=False)
     tiles = -(-L // tile)
+    vectors = _vectors(z, zn, multiples_of=(L, H))
     _launch(z, {**tuning, "ln_tile": tile}, "ln", B * tiles, z.data_ptr(), gamma.data_ptr(), beta.data_ptr(),
-            zn.data_ptr(), mean.data_ptr(), rstd.data_ptr(), H, L, tiles,
+            zn.data_ptr(), mean.data_ptr(), rstd.data_ptr(), H, L, tiles, int(vectors),
             smem=_ln_smem(H, 1, tile, z.element_size()), eps=eps)
     return zn, mean, rstd
 
@@ -170,8 +184,9 @@ def layer_norm_channels_first_backward(d_zn: torch.Tensor, z: torch.Tensor, mean
     tile = ln_tile(H, z.element_size(), tuning)
     tiles = -(-L // tile)
     parts = torch.empty(2, B * tiles, H, device=z.device, dtype=torch.float32)
+    vectors = _vectors(d_zn, z, d_z, multiples_of=(L, H))
     _launch(z, {**tuning, "ln_tile": tile}, "ln_grad", B * tiles, d_zn.data_ptr(), z.data_ptr(), mean.data_ptr(),
             rstd.data_ptr(), gamma.data_ptr(), d_z.data_ptr(), parts[0].data_ptr(), parts[1].data_ptr(), H, L, tiles,
-            smem=_ln_smem(H, 2, tile, z.element_size()), eps=eps)
+            int(vectors), smem=_ln_smem(H, 2, tile, z.element_size()), eps=eps)
     return d_z, parts[0].sum(0), parts[1].sum(0)  # two tensors: gradients may not alias each other
 
