@@ -75,7 +75,7 @@ def time_cuda(fn: Callable[[], object], device: torch.device | None = None, reps
         if k == 0:
             torch.cuda.synchronize(device)
             first_s = starts[0].elapsed_time(ends[0]) / 1e3
-            reps = max(5, min(reps, int(max_seconds / max(first_s, 1e-6))))
+            reps = min(reps, max(5, int(max_seconds / max(first_s, 1e-6))))  # (never past the events made)
         if k + 1 >= reps:
             break
     torch.cuda.synchronize(device)
