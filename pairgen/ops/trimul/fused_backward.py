@@ -31,7 +31,7 @@ SIGNATURES = {"gates": ("ptr proj", "ptr bias4", "ptr keep", "ptr a", "ptr b", "
                         "i32 blocks_per_plane", "i32 apply", "i32 vectors"),
               "gates_grad": ("ptr da", "ptr proj", "ptr keep", "i32 hidden", "i64 plane", "i32 blocks_per_plane",
                              "i32 slot_index", "i32 vectors"),
-              "out_gate": ("ptr o", "ptr u", "ptr g", "i64 count"),
+              "out_gate": ("ptr o", "ptr u", "ptr g", "i64 count", "i32 vectors"),
               "gated": ("ptr o", "ptr u", "ptr out", "i64 count", "i32 vectors"),
               "ln": ("ptr z", "ptr gamma", "ptr beta", "ptr zn", "ptr mean", "ptr rstd", "i32 hidden", "i64 plane",
                      "i32 tiles_per_batch", "i32 vectors"),
@@ -114,9 +114,10 @@ def gates_grad(da: torch.Tensor, proj: torch.Tensor, keep: torch.Tensor, slot: i
 def out_gate(o: torch.Tensor, u: torch.Tensor, g: torch.Tensor, tuning: dict = TUNING_DEFAULT) -> None:
     """o, u (the out gate's pre-activation), g contiguous, same shape: o becomes the gradient of
     u, u the gradient of o, in place."""
-    blocks = min(_plane_blocks(o.numel(), tuning, False, o.element_size()),
+    vectors = _vectors(o, u, g)
+    blocks = min(_plane_blocks(o.numel(), tuning, vectors, o.element_size()),
                  sm_count(o.device.index) * tuning["out_gate_blocks"])
-    _launch(o, tuning, "out_gate", blocks, o.data_ptr(), u.data_ptr(), g.data_ptr(), o.numel())
+    _launch(o, tuning, "out_gate", blocks, o.data_ptr(), u.data_ptr(), g.data_ptr(), o.numel(), int(vectors))
 
 
 def gated(o: torch.Tensor, u: torch.Tensor, out: torch.Tensor, tuning: dict = TUNING_DEFAULT) -> torch.Tensor:
