@@ -323,3 +323,33 @@ def test_the_inference_forward_keeps_nothing_and_matches_the_reference(outgoing,
     assert out.dtype is torch.float32 and out.shape == x.shape
     assert ((out.double() - exact).norm() / exact.norm()).item() <= 1e-5
     assert (out.double() - exact).abs().max().item() <= 1e-4 * exact.abs().max().item()
+
+
+def test_the_output_layer_norm_tile_halves_until_it_fits_and_wider_widths_keep_pytorchs():
+    """The LayerNorm kernels' pairs per block: the tuning's ln_tile where its tiles (one forward,
+    two backward, in the storage type) fit 48 KB of shared memory, halved down to 8 where not,
+    None past that (the closed form then uses PyTorch's LayerNorm on a transposed copy)."""
+    tuning = fused_backward.TUNING_DEFAULT
+    assert tuning["ln_tile"] == 64
+    assert fused_backward.ln_tile(128, 2, tuning, backward=False) == 64
+    assert fused_backward.ln_tile(128, 2, tuning) == 64
+    assert fused_backward.ln_tile(384, 2, tuning, backward=False) == 32
+    assert fused_backward.ln_tile(384, 2, tuning) == 16
+    assert fused_backward.ln_tile(512, 4, tuning, backward=False) == 16
+    assert fused_backward.ln_tile(768, 4, tuning) is None and not fused_backward.layer_norm_fits(768, 4, tuning)
+    for hidden in (48, 128, 384, 512, 768):
+        for element_bytes in (2, 4):
+            for backward in (False, True):
+                tile = fused_backward.ln_tile(hidden, element_bytes, tuning, backward)
+                if tile is not None:
+                    smem = fused_backward._ln_smem(hidden, 2 if backward else 1, tile, element_bytes)
+                    assert smem + 2 * tile * 4 <= fused_backward.SMEM_LIMIT
+                    assert ((tile + 4 // element_bytes) * element_bytes // 4) % 2 == 1, "rows of odd words"
+
+
+def test_the_fused_passes_move_16_bytes_a_load_only_where_every_tensor_and_length_allows():
+    wide = torch.empty(4, 64, dtype=torch.bfloat16)
+    assert fused_backward._vectors(wide, wide, multiples_of=(36 * 36, 128))
+    assert not fused_backward._vectors(wide, wide, multiples_of=(37 * 37,))  # odd N: one value a load
+    assert not fused_backward._vectors(wide, wide.view(-1)[1:], multiples_of=(64,))  # 2 bytes off alignment
+    assert not fused_backward._vectors(torch.empty(4, 64), multiples_of=(6,))  # fp32: multiples of 4

@@ -18,9 +18,10 @@ if TYPE_CHECKING:  # annotations only: torch is imported where it is used, so th
     import torch  # render without it (pairgen-tune --status)
 
 #: The launch shapes a tuned backward entry chooses (pairgen/ops/backward_tuning.py), and the
-#: defaults where there is none: elements per thread of the elementwise kernels ("items"), pairs
-#: per block of the output LayerNorm kernels ("ln_tile"), blocks per SM of the grid-stride
-#: output-gate kernels ("out_gate_blocks": the backward's and the forward's) and of the warp-per-row input LayerNorm ("row_blocks").
+#: defaults where there is none: elements per thread of the elementwise kernels where they read
+#: one value at a time ("items"), pairs per block of the output LayerNorm kernels ("ln_tile"),
+#: blocks per SM of the grid-stride output-gate kernels ("out_gate_blocks": the backward's and the
+#: forward's) and of the warp-per-row input LayerNorm ("row_blocks").
 TUNING_SPACE = {"items": (2, 4, 8), "ln_tile": (16, 32, 64), "out_gate_blocks": (4, 8, 16), "row_blocks": (2, 4, 8)}
 TUNING_DEFAULT = {"items": 4, "ln_tile": 64, "out_gate_blocks": 8, "row_blocks": 4}
 #: The output LayerNorm kernels stay within a block's default shared memory (no opt-in).
@@ -115,19 +116,23 @@ def out_gate(o: torch.Tensor, u: torch.Tensor, g: torch.Tensor, tuning: dict = T
     """o, u (the out gate's pre-activation), g contiguous, same shape: o becomes the gradient of
     u, u the gradient of o, in place."""
     vectors = _vectors(o, u, g)
-    blocks = min(_plane_blocks(o.numel(), tuning, vectors, o.element_size()),
-                 sm_count(o.device.index) * tuning["out_gate_blocks"])
-    _launch(o, tuning, "out_gate", blocks, o.data_ptr(), u.data_ptr(), g.data_ptr(), o.numel(), int(vectors))
+    _launch(o, tuning, "out_gate", _grid_stride_blocks(o, tuning, vectors), o.data_ptr(), u.data_ptr(), g.data_ptr(),
+            o.numel(), int(vectors))
+
+
+def _grid_stride_blocks(o: torch.Tensor, tuning: dict, vectors: bool) -> int:
+    """The output-gate kernels' grid over o's elements: a block per THREADS accesses (of one
+    value, or of 16 bytes), at most out_gate_blocks per SM (past that the threads loop)."""
+    accesses = -(-o.numel() // (16 // o.element_size() if vectors else 1))
+    return max(1, min(-(-accesses // THREADS), sm_count(o.device.index) * tuning["out_gate_blocks"]))
 
 
 def gated(o: torch.Tensor, u: torch.Tensor, out: torch.Tensor, tuning: dict = TUNING_DEFAULT) -> torch.Tensor:
     """out = o * sigmoid(u) (o, u, out contiguous, one shape; out may be o), in one pass: the
     forward's output gate. Returns out."""
-    count = o.numel()
     vectors = _vectors(o, u, out)
-    per_thread = 16 // o.element_size() if vectors else 1
-    blocks = min(-(-count // (THREADS * per_thread)), sm_count(o.device.index) * tuning["out_gate_blocks"])
-    _launch(o, tuning, "gated", max(1, blocks), o.data_ptr(), u.data_ptr(), out.data_ptr(), count, int(vectors))
+    _launch(o, tuning, "gated", _grid_stride_blocks(o, tuning, vectors), o.data_ptr(), u.data_ptr(), out.data_ptr(),
+            o.numel(), int(vectors))
     return out
 
 
