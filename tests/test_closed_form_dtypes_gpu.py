@@ -98,10 +98,10 @@ def test_16_bit_training_keeps_the_intermediates_and_meets_the_16_bit_gradient_s
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_closed_form_forward_and_training_at_both_access_widths(dtype, H, N):
     """The fused passes move 16 bytes a load where N * N and H are multiples of 8 (N = 36), one
-    value where not (N = 31); at hidden width 384 the output LayerNorm's forward kernel fits one
-    tile of 384 channels, its backward's two do not (PyTorch's LayerNorm backward on a transposed
-    copy then). Either way the closed form's forward (inference and training) and the gradients
-    meet the 16-bit standards, with an empty mask row."""
+    value where not (N = 31); at hidden width 384 the output LayerNorm's tiles are halved to fit
+    (32 pairs a block forward, 16 backward, against 64 at H = 48). Either way the closed form's
+    forward (inference and training) and the gradients meet the 16-bit standards, with an empty
+    mask row."""
     spec = get_op("trimul")
     shape = {"B": 1, "N": N, "P": 64, "H": H, "outgoing": int(N % 2 == 0), "gate_normalized": 1, "bias": 1}
     gen = generator(49)

@@ -328,7 +328,8 @@ def test_the_inference_forward_keeps_nothing_and_matches_the_reference(outgoing,
 def test_the_output_layer_norm_tile_halves_until_it_fits_and_wider_widths_keep_pytorchs():
     """The LayerNorm kernels' pairs per block: the tuning's ln_tile where its tiles (one forward,
     two backward, in the storage type) fit 48 KB of shared memory, halved down to 8 where not,
-    None past that (the closed form then uses PyTorch's LayerNorm on a transposed copy)."""
+    None past that (the closed form then uses PyTorch's LayerNorm on a transposed copy; a training
+    call, whose backward needs both tiles, where the backward's do not fit)."""
     tuning = fused_backward.TUNING_DEFAULT
     assert tuning["ln_tile"] == 64
     assert fused_backward.ln_tile(128, 2, tuning, backward=False) == 64

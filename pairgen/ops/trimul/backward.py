@@ -148,7 +148,8 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
 
     # ---- the output LayerNorm, the output projection and gate, one row per pair ----
     f.ln_out = (w["layer_norm_out.weight"], w["layer_norm_out.bias"], module.layer_norm_out.eps)
-    f.fused_ln = f.fused and fused_backward.layer_norm_fits(H, x.element_size(), f.tuning, backward=False)
+    # the kernel where it fits (and, where a backward follows, where its backward's fits too)
+    f.fused_ln = f.fused and fused_backward.layer_norm_fits(H, x.element_size(), f.tuning, backward=not inference)
     if f.fused_ln:  # read channels first, written one row per pair: no transposing copy
         f.zn, f.mean_out, f.rstd_out = fused_backward.layer_norm_channels_first(f.z.view(B, H, NN), *f.ln_out,
                                                                                  f.tuning)
@@ -238,15 +239,12 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     else:
         d_zn, d_gate_in = _output_gate_backward(f, w, g, grads, mm, frozen)
     ln_out = f.ln_out
-    if f.fused_ln and fused_backward.layer_norm_fits(H, f.z.element_size(), f.tuning):
-        # d z straight into the channels-first layout the triangle products take
+    if f.fused_ln:  # d z straight into the channels-first layout the triangle products take
         d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = \
             fused_backward.layer_norm_channels_first_backward(d_zn, f.z.view(B, H, NN), f.mean_out, f.rstd_out,
                                                               ln_out[0], ln_out[2], f.tuning)
         d_z = d_z.view(B * H, N, N)
     else:
-        if f.fused_ln:  # (the forward's kernel fitted, the backward's two tiles do not)
-            f.z = _channels_last(f.z, B, N)
         d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = torch.ops.aten.native_layer_norm_backward(
             d_zn, f.z, [H], f.mean_out, f.rstd_out, *ln_out[:2], [True, True, True])
         d_z = _channels_first(d_z, B, N)
