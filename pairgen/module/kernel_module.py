@@ -314,22 +314,23 @@ class KernelModule:
         return (CLOSED_FORM if r.path in (CLOSED_FORM, SAVED_CLOSED_FORM) else REFERENCE), None
 
     def _closed_form_call(self, inputs: tuple) -> torch.Tensor:
-        """The CLOSED_FORM path's output: the closed form's forward on the module's parameters
-        (a first-use check times it as the rival of a default kernel, dispatch.route), the op's
-        inference_forward where it has one."""
-        params = {name: p.detach() for name, p in self.named_parameters()}
-        if self.inference_forward is None:
-            return self.closed_form_forward(inputs, params)[0]
-        autocast = current_autocast()
-        out = self.inference_forward(self, *inputs, params, self.backward_precision(inputs[0], autocast))
-        return as_dtype(out, self.closed_form_output_dtype(inputs[0], autocast))
+        """The CLOSED_FORM path's output: the closed form's forward on the module's parameters,
+        keeping nothing (a first-use check times it as the rival of a default kernel,
+        dispatch.route)."""
+        return self.closed_form_forward(inputs, {name: p.detach() for name, p in self.named_parameters()},
+                                        keep=False)[0]
 
-    def closed_form_forward(self, inputs: tuple, params: dict) -> tuple:
-        """The op's forward computed the closed form's way (saving_forward) on `inputs` and
-        `params` (by name), in the precision backward_precision names under the current autocast:
-        (the output in the reference's dtype, what saved_gradients needs)."""
+    def closed_form_forward(self, inputs: tuple, params: dict, keep: bool = True) -> tuple:
+        """The op's forward computed the closed form's way on `inputs` and `params` (by name), in
+        the precision backward_precision names under the current autocast: (the output in the
+        reference's dtype, what saved_gradients needs: saving_forward's). keep False: for a call
+        no backward follows, the op's inference_forward where it has one (None kept)."""
         autocast = current_autocast()
-        out, saved = self.saving_forward(self, *inputs, params, self.backward_precision(inputs[0], autocast))
+        precision = self.backward_precision(inputs[0], autocast)
+        if keep or self.inference_forward is None:
+            out, saved = self.saving_forward(self, *inputs, params, precision)
+        else:
+            out, saved = self.inference_forward(self, *inputs, params, precision), None
         return as_dtype(out, self.closed_form_output_dtype(inputs[0], autocast)), saved
 
     def closed_form_output_dtype(self, first: torch.Tensor, autocast: "torch.dtype | None") -> torch.dtype:
