@@ -162,6 +162,10 @@ class Tolerance:
 #: The 16-bit accuracy standard (bf16/fp16 modules): relative L2 against float64 of the same
 #: rounded inputs and weights; no elementwise bound (a 16-bit value's own rounding can exceed any).
 SIXTEEN_BIT_TOLERANCE = Tolerance(max_abs=float("inf"), rel_l2=1e-2)
+#: An fp32 module's call under a 16-bit autocast, against the float64 reference of its fp32 weights
+#: and inputs: cuEquivariance's bf16 triangle update measured 2.6e-2 there (H200, N = 128-512), so an
+#: fp32 call under autocast must do no worse.
+AUTOCAST_TOLERANCE = Tolerance(max_abs=float("inf"), rel_l2=2.65e-2)
 
 
 @dataclass(frozen=True)

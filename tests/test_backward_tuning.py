@@ -94,6 +94,26 @@ def test_a_stale_or_invalid_entry_is_skipped_with_a_warning(tuned_dir):
     assert backward_tuning.entry_state("contact", invalid) == "invalid"
 
 
+def test_an_entry_stays_current_across_template_edits_that_leave_its_sources(monkeypatch):
+    """Staleness compares the rendered sources without the header's hash of the template files: an
+    edit elsewhere in the tree (code for other calls, behind a condition) leaves the entry current;
+    other sources (here another point's) make it stale."""
+    from pairgen import codegen
+
+    entry = _entry("trimul", trimul_fused.TUNING_DEFAULT, 256, "bfloat16")
+    before = trimul_fused.render("bfloat16").source
+    monkeypatch.setattr(codegen, "template_hash", lambda op, strategy: "f" * 64)  # the tree edited
+    after = trimul_fused.render("bfloat16").source
+    assert before != after and before.partition("\n")[2] == after.partition("\n")[2], "only the header differs"
+    assert backward_tuning.entry_state("trimul", entry) == "ok"
+    other = {**trimul_fused.TUNING_DEFAULT, "items": next(v for v in trimul_fused.TUNING_SPACE["items"]
+                                                          if v != trimul_fused.TUNING_DEFAULT["items"])}
+    assert backward_tuning.entry_state("trimul", {**entry, "params": other}) == "stale"
+    whole = backward_tuning.sources_sha256("trimul", "bfloat16", trimul_fused.TUNING_DEFAULT, WIDTHS["trimul"],
+                                           with_template_hash=True)  # an entry recorded before: still current
+    assert whole != entry["source_sha256"] and backward_tuning.entry_state("trimul", {**entry, "source_sha256": whole}) == "ok"
+
+
 def test_the_module_s_forced_tuning_wins_and_cpu_calls_run_the_defaults():
     from pairgen.ops.contact import CONTACT
 

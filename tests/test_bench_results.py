@@ -68,3 +68,35 @@ def test_host_time_is_measured_as_separate_runs_with_the_gpu_drained_between(mon
     values = timing.host_us_runs(lambda: events.append("call"), calls=3, runs=4)
     assert len(values) == 4 and all(v > 0 for v in values)
     assert events == (["call", "sync"] + ["call"] * 3 + ["sync"]) * 4
+
+
+def test_the_forward_table_ends_with_the_rows_geometric_means():
+    """GPU MODE ranks its TriMul shapes by the geometric mean: the table gives it for pairgen's call
+    and each peer timed on every row (not for one missing a row)."""
+    from pairgen.tuning.bench_cli import geometric_means, table
+
+    rows = [{**_forward_row(100.0), "cuequivariance_us": 50.0, "eager_us": 10.0},
+            {**_forward_row(400.0), "cuequivariance_us": 200.0}]
+    means = geometric_means(rows, ["call", "cuequivariance", "eager"])
+    assert means.keys() == {"call", "cuequivariance"}
+    assert abs(means["call"] - 200.0) < 1e-9 and abs(means["cuequivariance"] - 100.0) < 1e-9
+    text = table(rows, ["cuequivariance", "eager"])
+    assert "- geometric means of these rows' µs (call, then each peer timed on all of them): call 200.0, " \
+           "cuequivariance 100.0" in text
+
+
+def test_autocast_is_for_16_bit_forwards_and_gpumode_lists_the_seven_shapes():
+    import subprocess
+    import sys
+
+    def bench(*args):
+        return subprocess.run([sys.executable, "scripts/bench.py", "--dry-run", "--op", "trimul", *args],
+                              capture_output=True, text=True)
+
+    listed = bench("--preset", "gpumode", "--precision", "bfloat16", "--autocast", "--peers", "cuequivariance")
+    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 7
+    assert "trimul B2 N256 P384 H128 bias=0 gate_normalized=1 outgoing=1" in listed.stdout
+    for refused in (("--autocast",), ("--autocast", "--precision", "float32"), ("--autocast", "--precision",
+                                                                                 "bfloat16", "--backward")):
+        result = bench(*refused)
+        assert result.returncode == 2 and "--autocast times forwards" in result.stderr

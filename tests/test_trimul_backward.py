@@ -153,13 +153,16 @@ def test_the_fused_backward_kernels_render_to_their_signatures_and_compile(kind)
     assert not compiled.spill_bytes
 
 
-@pytest.mark.parametrize("kind,cols", [("float32", 128), ("bfloat16", 128), ("float16", 100),
-                                       ("float32", layer_norm_rows.MAX_COLS)])
-def test_the_row_layer_norm_kernels_render_to_their_signatures_and_compile(kind, cols):
+@pytest.mark.parametrize("kind,cols,x_kind", [("float32", 128, None), ("bfloat16", 128, None), ("float16", 100, None),
+                                              ("float32", layer_norm_rows.MAX_COLS, None), ("bfloat16", 384, "float32"),
+                                              ("float16", 100, "float32")])
+def test_the_row_layer_norm_kernels_render_to_their_signatures_and_compile(kind, cols, x_kind):
     """The row LayerNorm (pairgen/ops/layer_norm_rows.py) for each storage type, at a width no
-    multiple of the warp and the widest it takes: its signatures are the launches', and NVRTC
-    compiles it for sm_90 without spills (the row lives in registers)."""
-    rendered = layer_norm_rows.render(kind, cols)
+    multiple of the warp and the widest it takes, and reading fp32 rows into 16 bits (x_kind): its
+    signatures are the launches', and NVRTC compiles it for sm_90 without spills (the row lives in
+    registers)."""
+    rendered = layer_norm_rows.render(kind, cols, x_kind=x_kind)
+    assert ("const float* __restrict__ x" in rendered.source) == (x_kind == "float32")
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
     assert set(compiled.kernels) >= {rendered.kernel_name, f"{rendered.kernel_name}_grad"}
     assert not compiled.spill_bytes
@@ -354,3 +357,4 @@ def test_the_fused_passes_move_16_bytes_a_load_only_where_every_tensor_and_lengt
     assert not fused_backward._vectors(wide, wide, multiples_of=(37 * 37,))  # odd N: one value a load
     assert not fused_backward._vectors(wide, wide.view(-1)[1:], multiples_of=(64,))  # 2 bytes off alignment
     assert not fused_backward._vectors(torch.empty(4, 64), multiples_of=(6,))  # fp32: multiples of 4
+

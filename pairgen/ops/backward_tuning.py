@@ -52,11 +52,18 @@ def points(op: str) -> list[dict]:
     return [dict(default)] + [p for p in rest if p != default]
 
 
-def sources_sha256(op: str, kind: str, tuning: dict, widths: dict) -> str:
-    """sha256 over the rendered sources the tuning's kernels run: what staleness compares."""
+def sources_sha256(op: str, kind: str, tuning: dict, widths: dict, with_template_hash: bool = False) -> str:
+    """sha256 over the rendered sources the tuning's kernels run, each without its header's hash of
+    the template files (a comment): what staleness compares. So an edit of the templates that
+    leaves these sources as they were (code behind a condition these calls do not meet) leaves an
+    entry current, as the forward entries' check does (codegen.source_hash_as_tuned).
+    with_template_hash: over the sources whole, as entries recorded before 2026-12-04 hashed them."""
     digest = hashlib.sha256()
     for rendered in declared(op).tuning_sources(kind, tuning, widths):
-        digest.update(rendered.source.encode() + b"\0")
+        first, newline, rest = rendered.source.partition("\n")
+        if not with_template_hash:
+            first = first.replace(f" (sha256 {rendered.template_sha256[:16]})", "", 1)
+        digest.update((first + newline + rest).encode() + b"\0")
     return digest.hexdigest()
 
 
@@ -75,7 +82,9 @@ def entry_state(op: str, entry: dict) -> str:
     if set(params) != set(space) or any(params[k] not in space[k] for k in space):
         return "invalid"
     key = entry["key"]
-    if entry.get("source_sha256") != sources_sha256(op, key["dtype"], params, key["widths"]):
+    recorded = entry.get("source_sha256")
+    if recorded != sources_sha256(op, key["dtype"], params, key["widths"]) and \
+            recorded != sources_sha256(op, key["dtype"], params, key["widths"], with_template_hash=True):
         return "stale"
     return "ok"
 
@@ -118,19 +127,20 @@ def tuning_for(op: str, kind: str, widths: dict, n: int, device_index: int) -> d
     return found
 
 
-def for_call(module, x) -> dict:
-    """The tuning of a closed form's call on x (its rows in the compute dtype): the module's
-    forced one (the tuner's `_backward_tuning`), else the tuned entry's on a GPU, else the
-    defaults."""
+def for_call(module, x, dtype=None) -> dict:
+    """The tuning of a closed form's call on x computing in `dtype` (default: x's; x's rows are
+    in the compute dtype, or fp32 read as they are): the module's forced one (the tuner's
+    `_backward_tuning`), else the tuned entry's on a GPU, else the defaults."""
     forced = module.__dict__.get("_backward_tuning")
     if forced is not None:
         return forced
     from .fused_kernels import storage_kind
 
     op = module.op.name
-    if not x.is_cuda or storage_kind(x.dtype) is None:
+    kind = storage_kind(dtype or x.dtype)
+    if not x.is_cuda or kind is None:
         return declared(op).TUNING_DEFAULT
-    return tuning_for(op, storage_kind(x.dtype), module.widths, x.shape[1], x.device.index)
+    return tuning_for(op, kind, module.widths, x.shape[1], x.device.index)
 
 
 def describe(op: str, kind: str, widths: dict, n: int, info) -> str:

@@ -137,11 +137,14 @@ def forward_saving(forward, x: torch.Tensor, params: dict[str, torch.Tensor], pr
     return out, Saved(state, weights, precision, x.dtype, {name: p.dtype for name, p in params.items()})
 
 
-def forward_only(forward, x: torch.Tensor, params: dict[str, torch.Tensor], precision: str) -> torch.Tensor:
+def forward_only(forward, x: torch.Tensor, params: dict[str, torch.Tensor], precision: str,
+                 cast_input: bool = True) -> torch.Tensor:
     """forward(x, params, products) -> out, run as forward_saving runs its forward, for a call no
-    backward follows."""
+    backward follows. cast_input=False: x goes to forward as it is (a forward whose first kernel
+    reads it in its own dtype)."""
     with computing_in(precision) as (dtype, products):
-        return forward(as_dtype(x, dtype), {name: as_dtype(p, dtype) for name, p in params.items()}, products)
+        return forward(as_dtype(x, dtype) if cast_input else x, {name: as_dtype(p, dtype) for name, p in params.items()},
+                       products)
 
 
 def gradients_from(backward, saved: Saved, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:

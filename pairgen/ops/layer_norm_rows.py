@@ -26,23 +26,34 @@ def applies(t: torch.Tensor, cols: int) -> bool:
     return t.is_cuda and storage_kind(t.dtype) is not None and cols <= MAX_COLS and config.fused_backward()
 
 
-def render(kind: str, cols: int, eps: float = 1e-5):
-    return TEMPLATE.render(kind, cols=cols, eps=repr(float(eps)))
+def render(kind: str, cols: int, eps: float = 1e-5, x_kind: str | None = None):
+    """The kernels' source for one storage type and width; x_kind "float32" with a 16-bit kind: the
+    forward reading fp32 rows (layer_norm's fp32 input)."""
+    return TEMPLATE.render(kind, cols=cols, eps=repr(float(eps)), x_kind=x_kind or kind)
 
 
 def layer_norm(rows: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
                blocks_per_sm: int = WARP_KERNEL_BLOCKS_PER_SM) -> tuple:
     """LayerNorm over the last dim of rows (M, C) contiguous: (xn (M, C), mean and 1/std (M,) in
-    fp32), as torch.native_layer_norm returns them."""
+    fp32), as torch.native_layer_norm returns them. xn in gamma's dtype: rows in that dtype, or
+    fp32 rows with 16-bit weights (an fp32 input under autocast, normalised as it is read instead
+    of cast first: reads_fp32)."""
     import torch
 
     M, C = rows.shape
-    xn = torch.empty_like(rows)
+    xn = torch.empty(rows.shape, device=rows.device, dtype=gamma.dtype)
     mean = torch.empty(M, device=rows.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    TEMPLATE.launch(rows, "", warp_per_item_blocks(rows, M, blocks_per_sm), rows.data_ptr(), gamma.data_ptr(), beta.data_ptr(), xn.data_ptr(),
-                    mean.data_ptr(), rstd.data_ptr(), M, cols=C, eps=repr(float(eps)))
+    TEMPLATE.launch(xn, "", warp_per_item_blocks(rows, M, blocks_per_sm), rows.data_ptr(), gamma.data_ptr(), beta.data_ptr(), xn.data_ptr(),
+                    mean.data_ptr(), rstd.data_ptr(), M, cols=C, eps=repr(float(eps)), x_kind=storage_kind(rows.dtype))
     return xn, mean, rstd
+
+
+def reads_fp32(rows: torch.Tensor, dtype) -> bool:
+    """Whether layer_norm takes fp32 rows with weights of `dtype` as they are (16-bit weights)."""
+    import torch
+
+    return rows.dtype is torch.float32 and dtype in (torch.bfloat16, torch.float16) and applies(rows, rows.shape[-1])
 
 
 def layer_norm_backward(d_xn: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
@@ -61,6 +72,6 @@ def layer_norm_backward(d_xn: torch.Tensor, rows: torch.Tensor, mean: torch.Tens
     TEMPLATE.launch(rows, "grad", blocks, d_xn.data_ptr(), 0 if add_before is None else add_before.data_ptr(),
                     rows.data_ptr(), mean.data_ptr(), rstd.data_ptr(), gamma.data_ptr(),
                     0 if add_after is None else add_after.data_ptr(), d_rows.data_ptr(), parts[0].data_ptr(),
-                    parts[1].data_ptr(), M, cols=C, eps=repr(float(eps)))
+                    parts[1].data_ptr(), M, cols=C, eps=repr(float(eps)), x_kind=storage_kind(rows.dtype))
     return d_rows, parts[0].sum(0), parts[1].sum(0)  # two tensors: gradients may not alias each other
 

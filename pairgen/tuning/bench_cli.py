@@ -66,6 +66,11 @@ def parse_args(argv=None):
                              "trained with AdamW under bf16 autocast; whole steps) on pairgen's modules, the PyTorch "
                              "references and cuEquivariance's triangle update; SHAPE overrides its widths, e.g. "
                              "N=512 (default B=2,N=384,P=64,H=32,D=32); writes train-loop.md")
+    parser.add_argument("--autocast", action="store_true",
+                        help="with --precision bfloat16 or float16: fp32 modules and inputs, every call under "
+                             "torch.autocast to that dtype and its output made fp32 (fp32 in and out, as GPU MODE's "
+                             "TriMul benchmark calls; cuEquivariance's kernel on the input cast to that dtype); "
+                             "checked against the float64 reference at the autocast standard")
     parser.add_argument("--dry-run", action="store_true", help="list what would be measured, and exit")
     args = parser.parse_args(argv)
     return parser, args
@@ -90,13 +95,50 @@ def _forward_label(module, inputs: tuple, n: int, device) -> tuple:
     return variant, variant.plan.label
 
 
-def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE):
+def _under_autocast(fn, dtype):
+    """fn() under torch.autocast to `dtype`, its output made fp32: fp32 in and out."""
+    import torch
+
+    def call():
+        with torch.autocast("cuda", dtype=dtype):
+            return fn().float()
+    return call
+
+
+def _autocast_peer(spec, name: str, module, inputs: tuple, dtype):
+    """An op's own peer in `dtype` for an fp32 call: on a copy of the module in that dtype and
+    buffers of the inputs in it, each call casting the fp32 inputs into them and the output back
+    to fp32 (a string says why it cannot run here)."""
+    import copy
+
+    import torch
+
+    half = copy.deepcopy(module).to(dtype)
+    staged = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+    peer = spec.extra_peer(name, half, staged)
+    if isinstance(peer, str):
+        return peer
+
+    def call():
+        for buffer, given in zip(staged, inputs):
+            if given.is_floating_point():
+                buffer.copy_(given)
+        out = peer()
+        return out.float() if out.dtype is not torch.float32 else out
+    return call
+
+
+def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE, autocast: bool = False):
     """One row: pairgen's call, graph replay and host time, each peer's time, and every output's
     error against the float64 reference (pairgen's is also checked against the op's tolerance for
-    the precision). Peers run in the module's dtype."""
+    the precision). Peers run in the module's dtype. autocast: fp32 modules and inputs, each call
+    (pairgen's, eager's, torch.compile's) under torch.autocast to the precision's dtype with its
+    output made fp32, the op's own peers on the inputs cast to that dtype; the autocast standard."""
     import torch
 
     from pairgen import runtime
+    from pairgen.precision import HALF_DTYPES
+    from pairgen.spec import AUTOCAST_TOLERANCE
     from pairgen.tuning import function_peers
     from pairgen.tuning.check import compare, reference64
     from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision, reference_in_precision
@@ -104,38 +146,43 @@ def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE):
 
     device = torch.device("cuda", torch.cuda.current_device())
     precision = precision_of(spec)
+    autocast_dtype = HALF_DTYPES[precision] if autocast else None
     gen = torch.Generator().manual_seed(0)
     widths = spec.widths_of(shape)
-    module = module_in_precision(spec, widths, gen, precision, device)
-    inputs = inputs_in_precision(spec.make_inputs(shape, gen), precision, device)
+    module = module_in_precision(spec, widths, gen, "float32" if autocast else precision, device)
+    inputs = inputs_in_precision(spec.make_inputs(shape, gen), "float32" if autocast else precision, device)
     eager = reference_in_precision(spec, module)
-    row = {"op": spec.name, "shape": shape, "precision": precision}
+    tolerance = AUTOCAST_TOLERANCE if autocast else spec.tolerance[precision]
+    row = {"op": spec.name, "shape": shape, "precision": f"{precision} autocast" if autocast else precision}
+    wrap = (lambda fn: _under_autocast(fn, autocast_dtype)) if autocast else (lambda fn: fn)
     with torch.inference_mode():
         expected = reference64(module, inputs)
-        out = module(*inputs)
-        check = compare(out, expected, spec.tolerance[precision])
+        call = wrap(lambda: module(*inputs))
+        check = compare(call(), expected, tolerance)
         row["rel_l2"] = check.rel_l2
-        _, row["variant"] = _forward_label(module, inputs, shape["N"], device)
+        with torch.autocast("cuda", dtype=autocast_dtype or torch.bfloat16, enabled=autocast):
+            _, row["variant"] = _forward_label(module, inputs, shape["N"], device)
         row["check"] = str(check)
-        call = lambda: module(*inputs)  # noqa: E731
         row["call_us"] = time_cuda(call, device, reps=reps).median_us
         row["graph_us"] = time_graph_replay(call, device, reps=reps).median_us
         row["host_runs_us"] = [round(us, 2) for us in host_us_runs(call)]
         row["host_us"] = statistics.median(row["host_runs_us"])
         timed = {}
         if "eager" in peers:
-            timed["eager"] = lambda: eager(*inputs)
+            timed["eager"] = wrap(lambda: eager(*inputs))
         if "compile" in peers:
             compiled = torch.compile(eager, mode=compile_mode)
             row["compile_mode"] = compile_mode
             start = time.perf_counter()
-            compiled(*inputs)
+            wrap(lambda: compiled(*inputs))()
             row["compile_build_s"] = time.perf_counter() - start
-            timed["compile"] = lambda: compiled(*inputs)
+            timed["compile"] = wrap(lambda: compiled(*inputs))
         for name in peers:
-            if name in spec.extra_peer_names:
+            if name in spec.extra_peer_names and autocast:
+                peer = _autocast_peer(spec, name, module, inputs, autocast_dtype)
+            elif name in spec.extra_peer_names:
                 peer = spec.extra_peer(name, module, inputs)
-            elif spec.name == "trimul" and name in FUNCTION_PEERS:
+            elif spec.name == "trimul" and name in FUNCTION_PEERS and not autocast:
                 peer = function_peers.functional_peer(name, module, inputs)
             else:
                 continue
@@ -145,7 +192,7 @@ def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE):
                 timed[name] = peer
         for name, fn in timed.items():
             try:
-                row[f"{name}_rel_l2"] = compare(fn(), expected, spec.tolerance[precision]).rel_l2
+                row[f"{name}_rel_l2"] = compare(fn(), expected, tolerance).rel_l2
             except Exception as exc:  # a peer that does not take this shape or dtype
                 row.setdefault("unavailable", {})[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 continue
@@ -273,7 +320,21 @@ def table(rows, peers) -> str:
         cells.append(" / ".join(f"{e:.1e}" if e is not None else "–" for e in errors))
         lines.append("| " + " | ".join(cells) + " |")
     notes = {f"{name}: {why}" for r in rows for name, why in r.get("unavailable", {}).items()}
-    return "\n".join(lines + [""] + [f"- not measured: {note}" for note in sorted(notes)])
+    means = geometric_means(rows, ["call", *peers])
+    if len(rows) > 1 and means:
+        notes.add("geometric means of these rows' µs (call, then each peer timed on all of them): "
+                  + ", ".join(f"{name} {us:.1f}" for name, us in means.items()))
+    return "\n".join(lines + [""] + [f"- not measured: {note}" if not note.startswith("geometric") else f"- {note}"
+                                     for note in sorted(notes)])
+
+
+def geometric_means(rows, names) -> dict:
+    """{name: the geometric mean of the rows' <name>_us}, for the names every row has a time of
+    (GPU MODE ranks its TriMul shapes so)."""
+    import math
+
+    return {name: math.exp(sum(math.log(r[f"{name}_us"]) for r in rows) / len(rows))
+            for name in names if rows and all(f"{name}_us" in r for r in rows)}
 
 
 def plot(rows, peers, path: Path) -> None:
@@ -302,6 +363,9 @@ def main(argv=None) -> int:
         print(f"pairgen-bench: {problem}", file=sys.stderr)
         return 2
     peers = [p for p in args.peers.split(",") if p]
+    if args.autocast and (args.backward or args.train_loop is not None
+                          or not args.precision or set(args.precision) - {"bfloat16", "float16"}):
+        parser.error("--autocast times forwards in --precision bfloat16 or float16 (and only those)")
     work = selected_shapes(args, parser, without_kernels=("bfloat16", "float16"))
     known = {"eager", "compile", *FUNCTION_PEERS}.union(*(get_op(name).extra_peer_names for name in op_names()))
     bad = set(peers) - known
@@ -349,7 +413,7 @@ def main(argv=None) -> int:
                   + ", ".join(f"{n} {r[n + '_us']:.1f} µs ({r[n + '_peak_mib']:.0f} MiB)"
                               for n in ["pairgen", *peers] if n + "_us" in r), flush=True)
         else:
-            rows.append(measure(spec, shape, peers, args.reps, args.compile_mode))
+            rows.append(measure(spec, shape, peers, args.reps, args.compile_mode, args.autocast))
             r = rows[-1]
             print(f"{spec.name} {shape_label(shape)} {r['precision']}: call {r['call_us']:.1f} µs, "
                   f"graph {r['graph_us']:.1f} µs, "

@@ -35,6 +35,7 @@ import torch
 
 from .. import backward_tuning, closed_form, layer_norm_rows
 from ..closed_form import channel_sums, closed_form_gradients, column_sums
+from ...precision import COMPUTE_DTYPES
 from . import fused_backward
 
 #: The four input projections, in the order their rows are stacked into W4.
@@ -74,7 +75,16 @@ def forward_only(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, 
         state = _forward(module, x_in, mask, w, mm, inference=True)
         out = state.o if state.hidden else _gated_output(state, state.o)
         return out.view(x_in.shape)
-    return closed_form.forward_only(forward, x, params, precision)
+    return closed_form.forward_only(forward, x, params, precision, cast_input=not _normalises_fp32_input(module, x, precision))
+
+
+def _normalises_fp32_input(module, x: torch.Tensor, precision: str) -> bool:
+    """Whether a forward-only call in 16-bit `precision` takes an fp32 x as it is: the input
+    LayerNorm's kernel reads it and writes the normalised rows in 16 bits, where the whole input
+    would otherwise be cast first (a pass over x as long as the LayerNorm's). Only where nothing
+    else reads x (the output gate on the normalised input)."""
+    return (module.gate_on == "normalized" and x.is_contiguous()
+            and layer_norm_rows.reads_fp32(x, COMPUTE_DTYPES.get(precision)))
 
 
 def _gated_output(f: SimpleNamespace, out: torch.Tensor) -> torch.Tensor:
@@ -111,13 +121,14 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
     B, N, _, P = x.shape
     NN = N * N
     H = w["proj_a.weight"].shape[0]
+    dtype = w["proj_a.weight"].dtype  # what the closed form computes in (x may be fp32: forward_only)
     f = SimpleNamespace(B=B, N=N, P=P, H=H, NN=NN, bias="proj_a.bias" in w,
                         outgoing=module.direction == "outgoing", gate_normalized=module.gate_on == "normalized",
                         hidden=module.gate_at == "hidden")
 
     # ---- the input LayerNorm and the four projections, channels first: (B, 4H, N*N) ----
-    f.fused = fused_backward.enabled(x)
-    f.tuning = backward_tuning.for_call(module, x)  # the fused kernels' launch shapes (tuned, or the defaults)
+    f.fused = fused_backward.enabled(w["proj_a.weight"])
+    f.tuning = backward_tuning.for_call(module, x, dtype)  # the fused kernels' launch shapes (tuned, or the defaults)
     f.eps_in = module.layer_norm_in.eps
     f.fused_ln_in = layer_norm_rows.applies(x, P)
     if f.fused_ln_in:  # a warp per row (PyTorch's kernel reads these short rows at a fraction of the rate)
@@ -134,11 +145,11 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
     f.b4 = torch.cat([w[f"{name}.bias"] for name in _FOUR]) if f.bias else None
     if f.fused:  # bias, sigmoid and the products with the mask in one kernel (fused_backward.py)
         f.proj = mm.channels_first(f.w4, f.xn_cl).view(B, 4, H, NN)
-        f.keep = mask.reshape(B, NN).to(x.dtype).contiguous()
+        f.keep = mask.reshape(B, NN).to(dtype).contiguous()
     else:
         f.proj = mm.channels_first(f.w4, f.xn_cl, f.b4).view(B, 4, H, NN)
         f.proj[:, 1].sigmoid_(), f.proj[:, 3].sigmoid_()  # in place: the pre-activations are not needed again
-        f.keep = mask.reshape(B, 1, NN).to(x.dtype)
+        f.keep = mask.reshape(B, 1, NN).to(dtype)
     a, b = _operands(f, apply=True, store=not inference)
     if inference:
         f.proj = None
@@ -149,7 +160,7 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
     # ---- the output LayerNorm, the output projection and gate, one row per pair ----
     f.ln_out = (w["layer_norm_out.weight"], w["layer_norm_out.bias"], module.layer_norm_out.eps)
     # the kernel where it fits (and, where a backward follows, where its backward's fits too)
-    f.fused_ln = f.fused and fused_backward.layer_norm_fits(H, x.element_size(), f.tuning, backward=not inference)
+    f.fused_ln = f.fused and fused_backward.layer_norm_fits(H, dtype.itemsize, f.tuning, backward=not inference)
     if f.fused_ln:  # read channels first, written one row per pair: no transposing copy
         f.zn, f.mean_out, f.rstd_out = fused_backward.layer_norm_channels_first(f.z.view(B, H, NN), *f.ln_out,
                                                                                  f.tuning)

@@ -76,6 +76,11 @@ class TrimulSpec(OpSpec):
         # The pair widths of AlphaFold 3-scale trunks and public benchmarks (hidden 128), in that form.
         "wide": tuple({"B": 1, "N": n, "P": p, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
                       for p in (256, 384, 768) for n in (256, 512, 1024)),
+        # GPU MODE's TriMul benchmark (fp32 in and out: bench --autocast): its seven shapes, outgoing,
+        # in the models' form, hidden 128.
+        "gpumode": tuple({"B": b, "N": n, "P": p, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+                         for b, n, p in ((2, 256, 128), (1, 768, 128), (2, 256, 384), (1, 512, 128), (1, 1024, 128),
+                                         (1, 768, 384), (1, 1024, 384))),
         # lucidrains' form: the out gate in hidden width, on the normalised input, biases everywhere.
         "hidden": tuple({"B": 1, "N": n, "P": 128, "H": 128, "outgoing": o, "gate_normalized": 1, "bias": 1,
                          "gate_hidden": 1} for n in (256, 512) for o in (1, 0)),
