@@ -18,13 +18,13 @@ from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_paths
 from pairgen import runtime
 from pairgen.module.dispatch import pairs
 from pairgen.ops import get_op
-from pairgen.spec import Tolerance
+from pairgen.spec import AUTOCAST_TOLERANCE, SIXTEEN_BIT_TOLERANCE
 from pairgen.tuning.check import compare, reference64
 
 pytestmark = pytest.mark.gpu
 
-SIXTEEN_BIT = Tolerance(max_abs=float("inf"), rel_l2=1e-2)
-AUTOCAST = Tolerance(max_abs=float("inf"), rel_l2=2.65e-2)
+SIXTEEN_BIT = SIXTEEN_BIT_TOLERANCE
+AUTOCAST = AUTOCAST_TOLERANCE
 #: op -> an odd shape of it (widths and lengths), heavy-tailed enough to matter
 CASES = {"contact": {"B": 2, "N": 29, "P": 64, "H": 48},
          "trimul": {"B": 2, "N": 29, "P": 64, "H": 48, "outgoing": 0, "gate_normalized": 1, "bias": 1}}

@@ -320,12 +320,10 @@ def table(rows, peers) -> str:
         cells.append(" / ".join(f"{e:.1e}" if e is not None else "–" for e in errors))
         lines.append("| " + " | ".join(cells) + " |")
     notes = {f"{name}: {why}" for r in rows for name, why in r.get("unavailable", {}).items()}
-    means = geometric_means(rows, ["call", *peers])
-    if len(rows) > 1 and means:
-        notes.add("geometric means of these rows' µs (call, then each peer timed on all of them): "
-                  + ", ".join(f"{name} {us:.1f}" for name, us in means.items()))
-    return "\n".join(lines + [""] + [f"- not measured: {note}" if not note.startswith("geometric") else f"- {note}"
-                                     for note in sorted(notes)])
+    means = geometric_means(rows, ["call", *peers]) if len(rows) > 1 else {}
+    mean_line = ["- geometric means of these rows' µs (call, then each peer timed on all of them): "
+                 + ", ".join(f"{name} {us:.1f}" for name, us in means.items())] if means else []
+    return "\n".join(lines + [""] + [f"- not measured: {note}" for note in sorted(notes)] + mean_line)
 
 
 def geometric_means(rows, names) -> dict:
