@@ -89,8 +89,8 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
     flat = x if x.dim() == 4 else x.reshape(-1, *x.shape[-3:])
     flat_mask = None if mask is None else _flat_mask(mask, x)
     if precision == "bfloat16" and x.dtype is torch.float32 and x.is_cuda:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = _update(flat, direction, flat_mask, weights, eps, "ieee")
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # the kernels write the fp32 output where they can
+            out = _update(flat, direction, flat_mask, weights, eps, "ieee", out_dtype=torch.float32)
         out = out.to(x.dtype)
     else:
         out = _update(flat, direction, flat_mask, weights, eps, "ieee" if precision == "bfloat16" else precision)
@@ -137,9 +137,11 @@ def _flat_mask(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return mask.expand(*lead, *n).reshape(-1, *n)
 
 
-def _update(x, direction: str, mask, weights: dict, eps: float, precision: str) -> torch.Tensor:
+def _update(x, direction: str, mask, weights: dict, eps: float, precision: str,
+            out_dtype: "torch.dtype | None" = None) -> torch.Tensor:
     """The update of x (B, N, N, P) with mask (B, N, N) or None; weights as the caller gave them
-    (None where left out)."""
+    (None where left out). out_dtype: what an inference call's kernels write (the module's
+    output_dtype; None: the reference's dtype); other paths return the reference's."""
     tensors = [x, *(w for w in weights.values() if w is not None)] + ([mask] if mask is not None else [])
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if eps != KERNEL_EPS or (wants_grad and not closed_form_trains(x, mask)):
@@ -150,7 +152,7 @@ def _update(x, direction: str, mask, weights: dict, eps: float, precision: str) 
                 return reference(x, direction, mask, weights, eps)
         if mask is None:
             mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
-        return _on_given_weights(x, direction, as_mask(mask), weights, precision)
+        return _on_given_weights(x, direction, as_mask(mask), weights, precision, out_dtype)
     if mask is None:
         mask = torch.ones(x.shape[:3], dtype=torch.bool, device=x.device)
     weights = _complete(weights, x)  # the module's LayerNorms hold affines; the kernels' packs fill them
@@ -358,31 +360,34 @@ def _keep(kept: OrderedDict, key: tuple, module) -> None:
         kept.popitem(last=False)
 
 
-def _structure_key(weights: dict, direction: str, precision: str, x) -> tuple:
+def _structure_key(weights: dict, direction: str, precision: str, x, out_dtype=None) -> tuple:
     """What a module's kernels depend on besides the weights' values."""
     given = tuple(w is not None for w in weights.values())
-    return direction, precision, x.dtype, x.device, weights["p_in_weight"].dtype, tuple(weights["p_out_weight"].shape), given
+    return (direction, precision, x.dtype, x.device, weights["p_in_weight"].dtype, tuple(weights["p_out_weight"].shape),
+            out_dtype, given)
 
 
-def _structure_module(key: tuple, weights: dict, direction: str, precision: str, x):
+def _structure_module(key: tuple, weights: dict, direction: str, precision: str, x, out_dtype=None):
     """The module of this structure (its parameters never read: each call gives the weights)."""
     module = _structures.get(key)
     if module is None:
         P, H = x.shape[-1], weights["p_in_weight"].shape[0] // 2
         bias = any(weights[n] is not None for n in ("p_in_bias", "g_in_bias", "p_out_bias", "g_out_bias"))
         module = empty_trimul(P, H, direction, bias, precision)
+        module.output_dtype = out_dtype
         _keep(_structures, key, module)
     else:
         _structures.move_to_end(key)
     return module
 
 
-def _on_given_weights(x, direction: str, mask, weights: dict, precision: str):
+def _on_given_weights(x, direction: str, mask, weights: dict, precision: str, out_dtype=None):
     """A CUDA inference call: the tuned kernels of this structure's module on the caller's tensors
     (packed for the call in one launch), recorded for replay with the weights as its inputs; the
-    reference where no kernel computes the call."""
-    key = _structure_key(weights, direction, precision, x)
-    module = _structure_module(key, weights, direction, precision, x)
+    reference where no kernel computes the call. out_dtype: the module's output_dtype (what its
+    kernels write where they can)."""
+    key = _structure_key(weights, direction, precision, x, out_dtype)
+    module = _structure_module(key, weights, direction, precision, x, out_dtype)
     present = tuple(w for w in weights.values() if w is not None)
     if module._fast_calls:  # a recording of such a call: it checks the inputs itself
         out = module._fast_forward(x, mask, *present)

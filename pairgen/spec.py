@@ -151,6 +151,9 @@ class Strategy:
     #: those where `run` launches only pairgen kernels and noted 16-bit products on the inputs, the
     #: weights, the output, buffers the module holds and per-call buffers it notes.
     records: tuple[str, ...] = ()
+    #: The 16-bit precisions whose `run` writes an fp32 `out` itself (a call that wants an fp32
+    #: output: KernelModule.output_dtype); elsewhere such a call's output is cast.
+    fp32_output: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -143,14 +143,30 @@ def test_backward_mode_is_checked_and_auto_trains_large_16_bit_calls_through_the
     assert not module.trains_through_reference("bfloat16", small)
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
-def test_the_fused_backward_kernels_render_to_their_signatures_and_compile(kind):
+@pytest.mark.parametrize("kind,out_fp32", [("float32", False), ("bfloat16", False), ("float16", False),
+                                          ("bfloat16", True), ("float16", True)])
+def test_the_fused_backward_kernels_render_to_their_signatures_and_compile(kind, out_fp32):
     """The fused passes (fused_backward.py): each storage type's source declares the signatures
-    the launches pass, and NVRTC compiles it for sm_90 without spills."""
-    rendered = fused_backward.render(kind)
+    the launches pass, and NVRTC compiles it for sm_90 without spills; out_fp32 (the output gate
+    writing fp32 from 16-bit storage) changes only that kernel."""
+    rendered = fused_backward.render(kind, out_fp32=out_fp32)
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
     assert set(compiled.kernels) >= {f"{rendered.kernel_name}_{suffix}" for suffix in fused_backward.SIGNATURES}
     assert not compiled.spill_bytes
+    if out_fp32:  # the same source before the output gate and after it
+        plain, wide = fused_backward.render(kind).source, rendered.source
+        gate = f'extern "C" __global__ void __launch_bounds__(THREADS) {rendered.kernel_name}_gated('
+        after = "// The LayerNorm kernels' tile"
+        assert wide[:wide.index("// out_fp32:")] == plain[:plain.index(gate)]
+        assert wide[wide.index(after):] == plain[plain.index(after):]
+        assert "float* out" in wide[wide.index(gate):].splitlines()[1]
+
+
+def test_the_output_gate_refuses_an_output_it_cannot_write():
+    """fp32 out from 16-bit o and u, or o's own dtype: nothing else (an fp32 o into a 16-bit out)."""
+    o = torch.zeros(8)
+    with pytest.raises(ValueError, match="o's dtype or fp32 from 16 bits"):
+        fused_backward.gated(o, o, torch.zeros(8, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("kind,cols,x_kind", [("float32", 128, None), ("bfloat16", 128, None), ("float16", 100, None),

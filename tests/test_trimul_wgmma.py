@@ -266,3 +266,44 @@ def test_restrictions_marked_on_point_read_only_the_point():
     subset = [TRIMUL.plan("wgmma", params, small, "bfloat16") for params in points[::29]]
     feasible = {p.kernel_name for p in subset if not TRIMUL.infeasible(p, limits)}
     assert feasible and feasible == kept & {p.kernel_name for p in subset}
+
+
+def _fp32_output_plans() -> list:
+    """Plans whose output kernels store in each of the template's three places: paired columns with
+    the sums in registers, unpaired, and the gate in hidden width."""
+    paired = TRIMUL.plan("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1,
+                                   "swizzle": True, "consts_smem": True, "paired_columns": True, "x_registers": True,
+                                   "z_registers": True}, MODEL, "bfloat16")
+    unpaired = TRIMUL.plan("wgmma", {**paired.params, "paired_columns": False, "x_registers": False,
+                                     "z_registers": False}, MODEL, "float16")
+    hidden = TRIMUL.plan("wgmma", {**unpaired.params, "consts_smem": False}, {**MODEL, "gate_hidden": 1}, "bfloat16")
+    return [paired, unpaired, hidden]
+
+
+def test_an_fp32_output_changes_only_the_output_kernels_stores_and_compiles():
+    """for_call's fp32-output plan (out_fp32) differs from its tuned plan only where the output
+    kernel declares and stores `out`, compiles for sm_90a without spills; the mma strategy refuses
+    the option (its kernels store the operand type), and a call that wants none is left alone."""
+    from pairgen.ops.trimul.strategies.wgmma import for_call
+
+    plans, jobs = _fp32_output_plans(), []
+    for plan in plans:
+        assert for_call(TRIMUL, plan, 1, 64) is None
+        wide = for_call(TRIMUL, plan, 1, 64, fp32_output=True)
+        assert wide.widths == {**plan.widths, "out_fp32": 1} and wide.params == plan.params
+        before, after = (codegen.render_plan(p).source.splitlines() for p in (plan, wide))
+        changed = [(a, b) for a, b in zip(before, after) if a != b and not a.startswith("// widths")]
+        assert len(before) == len(after) and 1 < len(changed) <= 4, changed
+        for old, new in changed:  # the signature's out, or a store into out
+            assert ("elem_t* __restrict__ out" in old and "float* __restrict__ out" in new) or (
+                "reinterpret_cast<unsigned*>(out +" in old and "reinterpret_cast<float2*>(out +" in new) or (
+                old.strip().startswith("pack2(") and new.strip().startswith("make_float2(")), (old, new)
+        rendered = codegen.render_plan(wide)
+        jobs.append((rendered.source, rendered.kernel_name, "sm_90"))
+    with compiler.compile_pool(2) as pool:
+        for plan, result in zip(plans, compiler.compile_many(jobs, pool)):
+            assert not isinstance(result, Exception), f"{plan.label}: {result}"
+            assert result.spill_bytes == 0, f"{plan.label}: {result.summary()}"
+    mma = TRIMUL.feasible_plans("mma", MODEL, DeviceLimits(), "bfloat16")[0]
+    refused = TRIMUL.plan("mma", mma.params, {**MODEL, "out_fp32": 1}, "bfloat16")
+    assert "an fp32 output (out_fp32) is the wgmma strategy's" in TRIMUL.infeasible(refused, DeviceLimits())

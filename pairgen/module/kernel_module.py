@@ -17,7 +17,8 @@ import torch
 from .. import fastcall, first_use, library, native, runtime
 from ..ops import packing
 from ..launch import current_raw_stream
-from ..precision import CLOSED_FORM_DTYPES, HALF_BY_DTYPE, HALF_DTYPES, MODULE_OPTIONS, MODULE_PRECISIONS, lookup
+from ..precision import (CLOSED_FORM_DTYPES, HALF_BY_DTYPE, HALF_DTYPES, MODULE_OPTIONS, MODULE_PRECISIONS, OUTPUT_DTYPES,
+                         lookup)
 from ..spec import OpSpec
 from . import dispatch
 from .autograd import ReferenceBackward, SavedClosedForm, frozen_names
@@ -84,9 +85,12 @@ class KernelModule:
     #: Recordings kept per module: a few lengths called in turn all stay fast.
     MAX_FAST_CALLS = 4
     def _records(self, variant) -> bool:
-        """Whether a call of this variant can be recorded for replay (its strategy's `records`)."""
+        """Whether a call of this variant can be recorded for replay (its strategy's `records`),
+        and its kernels write the output dtype the call returns (a replay casts nothing)."""
         plan = variant.plan
-        return plan.precision in self.op.strategies[plan.strategy].records
+        wanted = self._output_dtype
+        return (plan.precision in self.op.strategies[plan.strategy].records
+                and (wanted is None or self.kernel_output_dtype(plan) is wanted))
 
     def _fast_forward(self, *inputs):
         """The output of a recorded call that matches these inputs, or None: take the Python path.
@@ -195,6 +199,37 @@ class KernelModule:
         reference (dispatch.trains_through_reference)."""
         return dispatch.trains_through_reference(self, precision, inputs)
 
+    # ---- the output's dtype ----------------------------------------------------------------------
+    _output_dtype = None
+
+    @property
+    def output_dtype(self) -> "torch.dtype | None":
+        """The dtype every call returns. None (the default): the reference's (the input's, or the
+        autocast's under a 16-bit autocast). A floating dtype: that one. An fp32 model under
+        autocast that wants an fp32 output (a residual stream kept in fp32; GPU MODE's contract:
+        fp32 in and out) sets torch.float32: kernels that can (kernel_output_dtype) then write
+        fp32 themselves, the rest is cast; a training call casts too (differentiably)."""
+        return self._output_dtype
+
+    @output_dtype.setter
+    def output_dtype(self, dtype: "torch.dtype | None") -> None:
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"output_dtype must be None (the reference's) or a floating torch.dtype, got {dtype!r}")
+        self._output_dtype = dtype
+        self.forget_fast_calls()
+
+    def kernel_output_dtype(self, plan) -> torch.dtype:
+        """The dtype a kernel call of `plan` writes: its precision's, or fp32 where output_dtype is
+        fp32 and the plan's strategy writes fp32 from that precision (Strategy.fp32_output)."""
+        if self._output_dtype is torch.float32 and plan.precision in self.op.strategies[plan.strategy].fp32_output:
+            return torch.float32
+        return OUTPUT_DTYPES[plan.precision]
+
+    def _as_output(self, out: torch.Tensor) -> torch.Tensor:
+        """out in output_dtype (unchanged where that is None or out's already)."""
+        wanted = self._output_dtype
+        return out if wanted is None or out.dtype is wanted else out.to(wanted)
+
     def force_variant(self, variant) -> None:
         """Run `variant` (a runtime.Variant) instead of the tuned choice; None restores it."""
         self._forced_plan = variant
@@ -282,8 +317,10 @@ class KernelModule:
         return route(self, inputs, settle=False)
 
     def _dispatch(self, *inputs: torch.Tensor):
-        """Run the call the way dispatch.route decides."""
-        r = route(self, inputs)
+        """Run the call the way dispatch.route decides, its output in output_dtype."""
+        return self._as_output(self._run_route(route(self, inputs), inputs))
+
+    def _run_route(self, r: Route, inputs: tuple) -> torch.Tensor:
         path = r.path
         if path == KERNEL:
             return self._launch_recorded(inputs, r.variant, self._slots.weights())
@@ -296,7 +333,7 @@ class KernelModule:
         if path == FP32_KERNEL:
             with autocast_off():  # a strategy's own PyTorch products stay fp32
                 out = self._launch(*r.inputs, variant=r.variant)
-            return as_dtype(out, self.closed_form_output_dtype(inputs[0], current_autocast()))
+            return as_dtype(out, self._output_dtype or self.closed_form_output_dtype(inputs[0], current_autocast()))
         if path == CLOSED_FORM:
             return self._closed_form_call(inputs)
         if path == COMPILED:  # torch.compile sees one operator (pairgen/library.py)
@@ -329,9 +366,10 @@ class KernelModule:
         precision = self.backward_precision(inputs[0], autocast)
         if keep or self.inference_forward is None:
             out, saved = self.saving_forward(self, *inputs, params, precision)
-        else:
-            out, saved = self.inference_forward(self, *inputs, params, precision), None
-        return as_dtype(out, self.closed_form_output_dtype(inputs[0], autocast)), saved
+            return as_dtype(out, self.closed_form_output_dtype(inputs[0], autocast)), saved
+        # nothing differentiates this output: it may be made in output_dtype at once
+        out = self.inference_forward(self, *inputs, params, precision, self._output_dtype)
+        return as_dtype(out, self._output_dtype or self.closed_form_output_dtype(inputs[0], autocast)), None
 
     def closed_form_output_dtype(self, first: torch.Tensor, autocast: "torch.dtype | None") -> torch.dtype:
         """The dtype the reference returns for a call whose first input is `first`, under an
@@ -384,8 +422,9 @@ class KernelModule:
     saving_forward: Callable | None = None
     saved_gradients: Callable | None = None
     #: The closed form's forward keeping nothing (fewer passes, a lower peak), as a staticmethod:
-    #: inference_forward(module, *inputs, params_by_name, precision) -> out. None: the CLOSED_FORM
-    #: path runs saving_forward and drops what it kept.
+    #: inference_forward(module, *inputs, params_by_name, precision, out_dtype) -> out, in out_dtype
+    #: where it can make it so at no cost (None: the computation's). None: the CLOSED_FORM path runs
+    #: saving_forward and drops what it kept.
     inference_forward: Callable | None = None
 
     def closed_form_applies(self, inputs: list) -> bool:
@@ -470,7 +509,10 @@ class TensorCorePrecisions:
         self.forget_fast_calls()
 
     def extra_repr(self) -> str:
-        return "" if self._precision == "ieee" else f"precision={self._precision!r}"
+        parts = [f"precision={self._precision!r}"] if self._precision != "ieee" else []
+        if self._output_dtype is not None:
+            parts.append(f"output_dtype={self._output_dtype}")
+        return ", ".join(parts)
 
     def kernel_precision(self, x, *rest) -> str | None:
         """float32 in the module's precision, or autocast's dtype under torch.autocast("cuda");

@@ -69,8 +69,9 @@ def parse_args(argv=None):
     parser.add_argument("--autocast", action="store_true",
                         help="with --precision bfloat16 or float16: fp32 modules and inputs, every call under "
                              "torch.autocast to that dtype and its output made fp32 (fp32 in and out, as GPU MODE's "
-                             "TriMul benchmark calls; cuEquivariance's kernel on the input cast to that dtype); "
-                             "checked against the float64 reference at the autocast standard")
+                             "TriMul benchmark calls; pairgen's module with output_dtype=torch.float32, so its "
+                             "kernels write the fp32 output; cuEquivariance's kernel on the input cast to that "
+                             "dtype); checked against the float64 reference at the autocast standard")
     parser.add_argument("--dry-run", action="store_true", help="list what would be measured, and exit")
     args = parser.parse_args(argv)
     return parser, args
@@ -152,6 +153,8 @@ def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE, autocast
     module = module_in_precision(spec, widths, gen, "float32" if autocast else precision, device)
     inputs = inputs_in_precision(spec.make_inputs(shape, gen), "float32" if autocast else precision, device)
     eager = reference_in_precision(spec, module)
+    if autocast:  # fp32 out: pairgen's kernels write it where they can (the `.float()` after is then free)
+        module.output_dtype = torch.float32
     tolerance = AUTOCAST_TOLERANCE if autocast else spec.tolerance[precision]
     row = {"op": spec.name, "shape": shape, "precision": f"{precision} autocast" if autocast else precision}
     wrap = (lambda fn: _under_autocast(fn, autocast_dtype)) if autocast else (lambda fn: fn)

@@ -67,14 +67,19 @@ def forward_saving(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str
 
 
 def forward_only(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor],
-                 precision: str) -> torch.Tensor:
+                 precision: str, out_dtype: "torch.dtype | None" = None) -> torch.Tensor:
     """The forward computed the closed form's way, in `precision`, keeping nothing for a backward
     (fewer passes and a lower peak: the gates are not stored, each intermediate is freed once
-    used, the output gate is applied in the output projection's storage)."""
+    used, the output gate is applied in the output projection's storage). out_dtype fp32 from
+    16-bit math: the output gate writes fp32 (no 16-bit output to cast); otherwise the output is in
+    the computation's dtype."""
     def forward(x_in, w, mm):
         state = _forward(module, x_in, mask, w, mm, inference=True)
-        out = state.o if state.hidden else _gated_output(state, state.o)
-        return out.view(x_in.shape)
+        if state.hidden:
+            return state.o.view(x_in.shape)
+        o = state.o
+        wide = out_dtype is torch.float32 and o.dtype is not torch.float32
+        return _gated_output(state, torch.empty(o.shape, device=o.device, dtype=out_dtype) if wide else o).view(x_in.shape)
     return closed_form.forward_only(forward, x, params, precision, cast_input=not _normalises_fp32_input(module, x, precision))
 
 

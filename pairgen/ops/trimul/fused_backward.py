@@ -47,10 +47,10 @@ def enabled(t: torch.Tensor) -> bool:
     return t.is_cuda and storage_kind(t.dtype) is not None and config.fused_backward()
 
 
-def render(kind: str, eps: float = 1e-5, tuning: dict = TUNING_DEFAULT):
-    """The kernels' source for one storage type, LayerNorm epsilon and tuning, its signatures
-    checked against SIGNATURES."""
-    return TEMPLATE.render(kind, **_context(eps, tuning))
+def render(kind: str, eps: float = 1e-5, tuning: dict = TUNING_DEFAULT, out_fp32: bool = False):
+    """The kernels' source for one storage type, LayerNorm epsilon and tuning (out_fp32: the output
+    gate writing fp32), its signatures checked against SIGNATURES."""
+    return TEMPLATE.render(kind, **_context(eps, tuning, out_fp32))
 
 
 def tuning_sources(kind: str, tuning: dict, widths: dict) -> list:
@@ -62,13 +62,14 @@ def tuning_sources(kind: str, tuning: dict, widths: dict) -> list:
     return [render(kind, tuning=tuning), layer_norm_rows.render(kind, widths["P"])]
 
 
-def _context(eps: float, tuning: dict) -> dict:
-    return {"items": tuning["items"], "ln_tile": tuning["ln_tile"], "eps": repr(float(eps))}
+def _context(eps: float, tuning: dict, out_fp32: bool = False) -> dict:
+    """out_fp32: the output gate (`gated`) writes fp32 from 16-bit storage (another rendering)."""
+    return {"items": tuning["items"], "ln_tile": tuning["ln_tile"], "eps": repr(float(eps)), "out_fp32": out_fp32}
 
 
 def _launch(t: torch.Tensor, tuning: dict, suffix: str, blocks: int, *args: int, smem: int = 0,
-            eps: float = 1e-5) -> None:
-    TEMPLATE.launch(t, suffix, blocks, *args, smem=smem, **_context(eps, tuning))
+            eps: float = 1e-5, out_fp32: bool = False) -> None:
+    TEMPLATE.launch(t, suffix, blocks, *args, smem=smem, **_context(eps, tuning, out_fp32))
 
 
 def _vectors(*tensors: torch.Tensor, multiples_of: tuple = ()) -> bool:
@@ -129,10 +130,14 @@ def _grid_stride_blocks(o: torch.Tensor, tuning: dict, vectors: bool) -> int:
 
 def gated(o: torch.Tensor, u: torch.Tensor, out: torch.Tensor, tuning: dict = TUNING_DEFAULT) -> torch.Tensor:
     """out = o * sigmoid(u) (o, u, out contiguous, one shape; out may be o), in one pass: the
-    forward's output gate. Returns out."""
+    forward's output gate. out in o's dtype, or fp32 for 16-bit o and u (a caller that wants an
+    fp32 output: the values as computed, no rounding to 16 bits). Returns out."""
+    out_fp32 = out.dtype != o.dtype
+    if out_fp32 and not (out.element_size() == 4 and o.element_size() == 2):
+        raise ValueError(f"the output gate writes o's dtype or fp32 from 16 bits, not {o.dtype} -> {out.dtype}")
     vectors = _vectors(o, u, out)
     _launch(o, tuning, "gated", _grid_stride_blocks(o, tuning, vectors), o.data_ptr(), u.data_ptr(), out.data_ptr(),
-            o.numel(), int(vectors))
+            o.numel(), int(vectors), out_fp32=out_fp32)
     return out
 
 

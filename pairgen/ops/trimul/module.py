@@ -8,7 +8,6 @@ from ...module.dispatch import Routing
 from ...module.kernel_module import KernelModule, TensorCorePrecisions
 from ...module.validation import as_mask, check_float_tensor, check_mask, contiguous_aligned
 from ...module.parameters import CallWeights, ParameterSlots
-from ...precision import OUTPUT_DTYPES
 from . import backward, packs
 from .common import gate_columns
 from .reference import TriangleMultiplicationReference
@@ -23,6 +22,9 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
     opted into TF32), bfloat16 and float16 on tensor cores with fp32 accumulation and fp32
     LayerNorm statistics, and float32 under torch.autocast("cuda") in the autocast dtype (the
     weights cast as each call packs them). CPU input and other dtypes run the reference.
+    output_dtype (KernelModule.output_dtype): None returns the reference's dtype; torch.float32
+    returns fp32 from every call, which the Hopper kernels and the closed form's output gate write
+    themselves from their 16-bit math (an fp32 model under autocast: no bf16 output and cast).
     Scratch for a and b comes from torch's stream-aware caching allocator on every call. The fused
     strategy's grid-barrier ints are owned by the module and left zeroed by every launch: two
     launches of the SAME module on different streams at once would share them.
@@ -31,9 +33,11 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
     op = TRIMUL
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "incoming", gate_on: str = "input",
-                 bias: bool = True, precision: str = "ieee", *, gate_at: str = "output"):
+                 bias: bool = True, precision: str = "ieee", *, gate_at: str = "output",
+                 output_dtype: "torch.dtype | None" = None):
         super().__init__(pair_dim, hidden_dim, direction=direction, gate_on=gate_on, bias=bias, gate_at=gate_at)
         self.precision = precision
+        self.output_dtype = output_dtype
         self.widths = {"P": int(pair_dim), "H": int(hidden_dim), "outgoing": int(direction == "outgoing"),
                        "gate_normalized": int(gate_on == "normalized"), "bias": int(bias)}
         if gate_at == "hidden":  # only then (an optional width): the output placement's keys stay as tuned
@@ -113,7 +117,7 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
         if variant is None:
             variant = self.variant_for(N, x.get_device(), self.kernel_precision(x, mask))
         if out is None:
-            dtype = OUTPUT_DTYPES[variant.plan.precision]  # x is contiguous CUDA here
+            dtype = self.kernel_output_dtype(variant.plan)  # x is contiguous CUDA here
             out = torch.empty_like(x) if x.dtype is dtype else torch.empty(x.shape, device=x.device, dtype=dtype)
         if out.numel() == 0:
             return out

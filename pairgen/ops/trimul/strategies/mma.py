@@ -95,6 +95,11 @@ def _mma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
     return 4 * p["mt"] * p["nt"] <= 128 and 8 * o["mt"] * o["nt"] <= 128
 
 
+def _writes_operand_type(plan: Plan, limits: DeviceLimits) -> bool:
+    """Its output kernel stores the operand type: an fp32 output (out_fp32) is the wgmma kernels'."""
+    return not plan.widths.get("out_fp32")
+
+
 @functools.lru_cache(maxsize=64)
 def mma_layout(P: int, H: int, bias: bool, gate: int, precision: str, sources: Sources):
     """pack_mma_weights's layout (mma_weight_offsets, bytes): the matrices n-major as nn.Linear holds
@@ -177,7 +182,8 @@ MMA = Strategy(
                               _mma_layouts_ok),
                   Restriction("at most 128 accumulators per thread", _mma_accumulators_fit),
                   Restriction("the output kernel's threads must be a multiple of its tile", _output_rows_split),
-                  Restriction("shared memory exceeds the per-block limit", smem_fits)),
+                  Restriction("shared memory exceeds the per-block limit", smem_fits),
+                  Restriction("an fp32 output (out_fp32) is the wgmma strategy's", _writes_operand_type)),
     precisions=tuple(MMA_KINDS),
     records=("bfloat16", "float16"),  # in fp32 its product runs in a TF32 mode a replay does not set
     run=run,

@@ -6,6 +6,7 @@ it, with the row sums and offsets the epilogues need."""
 from __future__ import annotations
 
 import functools
+import weakref
 
 from ....spec import (HALF_PRECISIONS, MMA_KINDS, DeviceLimits, Kernel, Plan, Restriction, Strategy, WGMMA_ON_SM90,
                       align, byte_sections, ceil_div, cuda_bool, element_bytes, smem_fits)
@@ -84,7 +85,7 @@ def derive(params: dict, w: dict, name: str):
         project_smem += align(off["c1o"] - off["c1p"], 1024)
         output_smem += align(off["total"] - off["c1o"], 1024)
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
-               "gate_hidden": hidden, "off": off, "consts_smem": params["consts_smem"],
+               "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "off": off, "consts_smem": params["consts_smem"],
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
                "x_registers": params["x_registers"], "z_registers": params["z_registers"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
@@ -213,20 +214,44 @@ def pack(module, plan, weights):
 PAIRED_MAX_AB_ELEMENTS = 2**34
 
 
-def for_call(spec, plan: Plan, B: int, N: int) -> Plan | None:
+def _unpaired(plan: Plan, B: int, N: int) -> bool:
+    """Whether a call of B x N pairs runs `plan` unpaired (its a and b past PAIRED_MAX_AB_ELEMENTS)."""
+    return bool(plan.params.get("paired_columns")) and B * plan.widths["H"] * N * N >= PAIRED_MAX_AB_ELEMENTS
+
+
+def for_call(spec, plan: Plan, B: int, N: int, fp32_output: bool = False) -> Plan | None:
     """The plan (of `spec`, the op's) a call of B x N pairs runs instead of `plan`, or None where
-    `plan` runs it."""
-    if plan.params.get("paired_columns") and B * plan.widths["H"] * N * N >= PAIRED_MAX_AB_ELEMENTS:
-        # (x and the sums in registers are variants of the paired kernels: they go too)
-        unpaired = {**plan.params, "paired_columns": False, "x_registers": False, "z_registers": False}
-        return spec.plan(plan.strategy, unpaired, plan.widths, plan.precision)
-    return None
+    `plan` runs it: unpaired past PAIRED_MAX_AB_ELEMENTS (x and the sums in registers are variants
+    of the paired kernels: they go too), and with its output kernel writing fp32 where the call
+    wants an fp32 output (fp32_output)."""
+    unpaired = _unpaired(plan, B, N)
+    if not (unpaired or fp32_output):
+        return None
+    params = {**plan.params, "paired_columns": False, "x_registers": False, "z_registers": False} if unpaired \
+        else plan.params
+    widths = {**plan.widths, "out_fp32": 1} if fp32_output else plan.widths
+    return spec.plan(plan.strategy, params, widths, plan.precision)
+
+
+#: Per tuned variant, the variants its calls run instead (for_call), by (unpaired, fp32 output):
+#: planned once, not on every call (a plan's derive costs more host time than a small call).
+_instead: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def variant_for_call(spec, variant, B: int, N: int, fp32_output: bool, device_index: int):
+    """The variant a call of B x N pairs runs: `variant`, or the one for_call plans instead."""
+    key = (_unpaired(variant.plan, B, N), fp32_output)
+    if key == (False, False):
+        return variant
+    instead = _instead.setdefault(variant, {})
+    if key not in instead:
+        instead[key] = runtime.variant_of(for_call(spec, variant.plan, B, N, fp32_output), device_index)
+    return instead[key]
 
 
 def run(module, variant, weights, x, mask, out) -> None:
-    instead = for_call(module.op, variant.plan, x.shape[0], x.shape[1])
-    if instead is not None:
-        variant = runtime.variant_of(instead, x.get_device())
+    """An `out` of 4-byte elements (fp32: the caller wants an fp32 output): the output kernel writes fp32."""
+    variant = variant_for_call(module.op, variant, x.shape[0], x.shape[1], out.element_size() == 4, x.get_device())
     packed = pack(module, variant.plan, weights)  # alive until every launch is enqueued
     run_three_steps(module, variant, x, mask, out, packed)
 
@@ -273,5 +298,6 @@ WGMMA = Strategy(
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
     precisions=HALF_PRECISIONS,
     records=HALF_PRECISIONS,
+    fp32_output=HALF_PRECISIONS,
     run=run,
 )
