@@ -60,7 +60,7 @@ def test_the_hopper_kernels_write_fp32_under_autocast(output_kernels, N, directi
     widths = {"P": 128, "H": 128, **MODELS, "outgoing": direction}
     module = TRIMUL.make_module(widths, generator(3)).cuda()
     x, mask = _inputs(widths, 2, N, seed=N + direction)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         assert module.route(x, mask).path == KERNEL
     narrow, wide = _pair(module, x, mask, autocast=True)
     assert output_kernels == [0, 1], "the second call ran the output kernel that writes fp32"
@@ -74,7 +74,7 @@ def test_the_hopper_kernels_write_fp32_under_autocast(output_kernels, N, directi
 def test_a_16_bit_module_returns_fp32_and_replays_it(output_kernels, dtype):
     """No autocast: a 16-bit module asked for fp32; repeated calls are recorded and replayed with
     the fp32 output (the replay casts nothing: the kernels write it)."""
-    widths = {"P": 128, "H": 64, **MODELS}
+    widths = {"P": 128, "H": 128, **MODELS}
     module = TRIMUL.make_module(widths, generator(4)).cuda().to(dtype)
     x, mask = _inputs(widths, 1, 61, seed=5, dtype=dtype)
     narrow, wide = _pair(module, x, mask, autocast=False)
@@ -96,7 +96,7 @@ def test_the_closed_form_output_gate_writes_fp32(P, H, N):
     module.routing = replace(module.routing, fp32_kernel_max_pairs=-1, closed_form_min_pairs=0)
     module.kernel_precision = lambda *call: None  # as at widths no kernel takes
     x, mask = _inputs(widths, 2, N, seed=8)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         assert module.route(x, mask).path == CLOSED_FORM
     narrow, wide = _pair(module, x, mask, autocast=True)
     assert narrow.dtype == torch.bfloat16 and wide.dtype == torch.float32
@@ -110,7 +110,7 @@ def test_the_function_in_bf16_answers_fp32_from_the_kernels(output_kernels):
     widths = {"P": 128, "H": 128, **MODELS}
     module = TRIMUL.make_module(widths, generator(9)).cuda()
     x, mask = _inputs(widths, 1, 77, seed=10)
-    p = dict(module.named_parameters())
+    p = {name: t.detach() for name, t in module.named_parameters()}  # an inference call
     out = triangle_multiplicative_update(
         x, "outgoing", mask, norm_in_weight=p["layer_norm_in.weight"], norm_in_bias=p["layer_norm_in.bias"],
         p_in_weight=torch.cat([p["proj_a.weight"], p["proj_b.weight"]]),
