@@ -50,7 +50,7 @@ KERNEL_EPS = 1e-5
 #: What an fp32 call computes in (a module's precision= spelling, or "bfloat16"), by cuEquivariance's
 #: name (its TriMulPrecision members, any case) or pairgen's (pairgen/precision.py): "default" and
 #: "none" are exact fp32, pairgen's default; "bfloat16" computes on the bf16 kernels, as an fp32
-#: call under autocast to bf16 does, and answers in fp32. float16 is not one (cuEquivariance has no
+#: call under autocast to bf16 does, and answers in fp32 (which the kernels write where they can). float16 is not one (cuEquivariance has no
 #: such mode; fp16 inputs compute in their own dtype).
 PRECISIONS = {alias: p.spelling for alias, p in {**CUEQUIVARIANCE_ALIASES, **ALIASES}.items()
               if p.module_option or p.name == "bfloat16"}
