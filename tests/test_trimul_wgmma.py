@@ -307,3 +307,25 @@ def test_an_fp32_output_changes_only_the_output_kernels_stores_and_compiles():
     mma = TRIMUL.feasible_plans("mma", MODEL, DeviceLimits(), "bfloat16")[0]
     refused = TRIMUL.plan("mma", mma.params, {**MODEL, "out_fp32": 1}, "bfloat16")
     assert "an fp32 output (out_fp32) is the wgmma strategy's" in TRIMUL.infeasible(refused, DeviceLimits())
+
+
+def test_a_call_derives_its_fp32_output_variant_once(monkeypatch):
+    """variant_for_call plans and builds the variant a call runs instead (an fp32 output, unpaired
+    past the offsets) once per tuned variant, not on every call (a plan costs host time); a call
+    that wants neither runs the tuned variant itself."""
+    from pairgen import runtime
+    from pairgen.ops.trimul.strategies import wgmma
+
+    built = []
+    monkeypatch.setattr(runtime, "variant_of", lambda plan, index: built.append(plan) or object())
+
+    class Tuned:  # a stand-in of runtime.Variant: its plan is what the derivation reads
+        plan = _fp32_output_plans()[0]
+
+    tuned = Tuned()
+    assert wgmma.variant_for_call(TRIMUL, tuned, 1, 64, False, 0) is tuned
+    first = wgmma.variant_for_call(TRIMUL, tuned, 1, 64, True, 0)
+    assert wgmma.variant_for_call(TRIMUL, tuned, 2, 96, True, 0) is first
+    assert [plan.widths.get("out_fp32") for plan in built] == [1]
+    unpaired = wgmma.variant_for_call(TRIMUL, tuned, 1, 11586, True, 0)   # past 2^34 elements of a and b
+    assert unpaired is not first and built[-1].params["paired_columns"] is False and len(built) == 2
