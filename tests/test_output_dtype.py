@@ -68,3 +68,21 @@ def test_the_closed_form_forward_makes_fp32_from_16_bit_math(precision):
     wide = backward.forward_only(module, x, mask, params, precision, torch.float32)
     assert narrow.dtype != torch.float32 and wide.dtype == torch.float32
     assert torch.equal(wide.to(narrow.dtype), narrow)
+
+
+@pytest.mark.parametrize("op_name", ["contact", "readout"])
+def test_every_op_casts_to_output_dtype(op_name):
+    """The contact head and the readout (no kernel writes another dtype for them): the reference's
+    output cast, on the CPU, in both directions of width."""
+    from pairgen.ops import get_op
+
+    spec = get_op(op_name)
+    shape = dict(spec.presets["seed"][0])
+    module = spec.make_module(spec.widths_of(shape), generator(3))
+    inputs = spec.make_inputs(shape, generator(4))
+    with torch.no_grad():
+        own = module(*inputs)
+        for wanted in (torch.bfloat16, torch.float64):
+            module.output_dtype = wanted
+            out = module(*inputs)
+            assert out.dtype == wanted and torch.equal(out, own.to(wanted))
