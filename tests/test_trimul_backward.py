@@ -374,3 +374,37 @@ def test_the_fused_passes_move_16_bytes_a_load_only_where_every_tensor_and_lengt
     assert not fused_backward._vectors(wide, wide.view(-1)[1:], multiples_of=(64,))  # 2 bytes off alignment
     assert not fused_backward._vectors(torch.empty(4, 64), multiples_of=(6,))  # fp32: multiples of 4
 
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
+def test_the_column_layer_norm_rendering_compiles_and_is_opt_in(kind):
+    """The output LayerNorm's ln_columns rendering (a thread per column of the tile) compiles without
+    spills at every tile it can get, down to the 8 pairs narrow tiles halve to; a tuning without
+    the key (every entry tuned before it) renders the warp-per-pair kernel, byte for byte the same
+    as with it False."""
+    for tile in (8, 16, 64):
+        rendered = fused_backward.render(kind, tuning={**fused_backward.TUNING_DEFAULT, "ln_tile": tile,
+                                                       "ln_columns": True})
+        compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
+        assert "ln_pass_columns<VEC>" in rendered.source and not compiled.spill_bytes
+    without = {key: value for key, value in fused_backward.TUNING_DEFAULT.items() if key != "ln_columns"}
+    plain = fused_backward.render(kind, tuning=without).source
+    assert "ln_pass_columns" not in plain
+    assert plain == fused_backward.render(kind, tuning={**without, "ln_columns": False}).source
+
+
+def test_the_column_layer_norm_leaves_room_for_its_partial_sums():
+    """Its partial sums take shared memory beside the tile: at widths where the warp-per-pair
+    kernel's tile just fits, the column kernel's is halved, and what it uses stays in the limit."""
+    columns = {**fused_backward.TUNING_DEFAULT, "ln_tile": 64, "ln_columns": True}
+    for element_bytes in (2, 4):
+        partial_sums = fused_backward.THREADS * (4 // element_bytes) * 4
+        for hidden in range(8, 3000, 8):
+            tile = fused_backward.ln_tile(hidden, element_bytes, columns, backward=False)
+            if tile is not None:
+                used = fused_backward._ln_smem(hidden, 1, tile, element_bytes) + 2 * tile * 4 + partial_sums
+                assert used <= fused_backward.SMEM_LIMIT, (hidden, element_bytes, tile)
+        narrowed = [h for h in range(8, 3000, 8)
+                    if fused_backward.ln_tile(h, element_bytes, columns, backward=False)
+                    != fused_backward.ln_tile(h, element_bytes, {**columns, "ln_columns": False}, backward=False)]
+        assert narrowed, "some width's tile is halved for the partial sums"
