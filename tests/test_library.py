@@ -102,6 +102,19 @@ def test_frozen_parameters_get_no_gradient_through_the_operator():
     assert module.out_gate.weight.grad is None and module.out_proj.weight.grad is not None and x.grad is not None
 
 
+def test_a_compiled_module_returns_its_output_dtype_and_trains_through_the_cast():
+    """output_dtype under torch.compile(fullgraph=True): the operator's output cast in the graph,
+    the gradient flowing back through it."""
+    module, (x, mask) = _module_and_inputs("trimul", 6)
+    module.output_dtype = torch.float64
+    compiled = torch.compile(module, fullgraph=True)
+    out = compiled(x.requires_grad_(), mask)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, module.reference_forward(x, mask).double().detach(), rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.dtype == x.dtype
+
+
 def test_handles_name_live_modules_only():
     module, _ = _module_and_inputs("contact", 3)
     handle = library.register(module)

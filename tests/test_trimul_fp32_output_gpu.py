@@ -135,3 +135,16 @@ def test_training_under_autocast_casts_the_output_differentiably():
     assert out.dtype == torch.float32
     out.square().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_a_compiled_module_casts_the_operators_output():
+    """Under torch.compile the operator returns what its fake implementation declares (the 16-bit
+    output of the module's kernels), and the traced call casts it: fp32, the 16-bit values widened."""
+    widths = {"P": 128, "H": 128, **MODELS}
+    module = TRIMUL.make_module(widths, generator(13)).cuda().to(torch.bfloat16)
+    x, mask = _inputs(widths, 1, 64, seed=14, dtype=torch.bfloat16)
+    with torch.no_grad():
+        narrow = module(x, mask)
+        module.output_dtype = torch.float32
+        out = torch.compile(module, fullgraph=True)(x, mask)
+    assert out.dtype == torch.float32 and torch.equal(out, narrow.float())

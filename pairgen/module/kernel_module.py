@@ -88,7 +88,7 @@ class KernelModule:
         """Whether a call of this variant can be recorded for replay (its strategy's `records`),
         and its kernels write the output dtype the call returns (a replay casts nothing)."""
         plan = variant.plan
-        wanted = self._output_dtype
+        wanted = self._wanted_output()
         return (plan.precision in self.op.strategies[plan.strategy].records
                 and (wanted is None or self.kernel_output_dtype(plan) is wanted))
 
@@ -218,16 +218,28 @@ class KernelModule:
         self._output_dtype = dtype
         self.forget_fast_calls()
 
+    def _wanted_output(self) -> "torch.dtype | None":
+        """output_dtype, except inside pairgen's operator (pairgen/library.py: its reference and
+        its kernel calls), which returns the dtype its fake implementation declares (the
+        computation's): the module call torch.compile traced casts its result after. (While it
+        traces, the flags are not read: a guard on them would recompile once an operator call has
+        set and restored them.)"""
+        wanted = self._output_dtype
+        if wanted is None or (not torch.compiler.is_compiling()
+                              and (self._reference_only or self.__dict__.get("_state_per_call"))):
+            return None
+        return wanted
+
     def kernel_output_dtype(self, plan) -> torch.dtype:
         """The dtype a kernel call of `plan` writes: its precision's, or fp32 where output_dtype is
         fp32 and the plan's strategy writes fp32 from that precision (Strategy.fp32_output)."""
-        if self._output_dtype is torch.float32 and plan.precision in self.op.strategies[plan.strategy].fp32_output:
+        if self._wanted_output() is torch.float32 and plan.precision in self.op.strategies[plan.strategy].fp32_output:
             return torch.float32
         return OUTPUT_DTYPES[plan.precision]
 
     def _as_output(self, out: torch.Tensor) -> torch.Tensor:
         """out in output_dtype (unchanged where that is None or out's already)."""
-        wanted = self._output_dtype
+        wanted = self._wanted_output()
         return out if wanted is None or out.dtype is wanted else out.to(wanted)
 
     def force_variant(self, variant) -> None:
@@ -333,7 +345,7 @@ class KernelModule:
         if path == FP32_KERNEL:
             with autocast_off():  # a strategy's own PyTorch products stay fp32
                 out = self._launch(*r.inputs, variant=r.variant)
-            return as_dtype(out, self._output_dtype or self.closed_form_output_dtype(inputs[0], current_autocast()))
+            return as_dtype(out, self._wanted_output() or self.closed_form_output_dtype(inputs[0], current_autocast()))
         if path == CLOSED_FORM:
             return self._closed_form_call(inputs)
         if path == COMPILED:  # torch.compile sees one operator (pairgen/library.py)
@@ -368,8 +380,9 @@ class KernelModule:
             out, saved = self.saving_forward(self, *inputs, params, precision)
             return as_dtype(out, self.closed_form_output_dtype(inputs[0], autocast)), saved
         # nothing differentiates this output: it may be made in output_dtype at once
-        out = self.inference_forward(self, *inputs, params, precision, self._output_dtype)
-        return as_dtype(out, self._output_dtype or self.closed_form_output_dtype(inputs[0], autocast)), None
+        wanted = self._wanted_output()
+        out = self.inference_forward(self, *inputs, params, precision, wanted)
+        return as_dtype(out, wanted or self.closed_form_output_dtype(inputs[0], autocast)), None
 
     def closed_form_output_dtype(self, first: torch.Tensor, autocast: "torch.dtype | None") -> torch.dtype:
         """The dtype the reference returns for a call whose first input is `first`, under an
