@@ -397,3 +397,14 @@ def main_grid(plan, B: int, N: int, sms: int, resident: int) -> tuple[int, int]:
     shape arguments its grid function gives: tiles, pairs)."""
     blocks, tail = plan.main.grid(B, N, sms, resident)
     return blocks, tail[-1]
+
+
+def trimul_inputs_with_an_empty_row(widths: dict, B: int, N: int, seed: int, dtype=torch.float32) -> tuple:
+    """The triangle update's x (in `dtype`, Cauchy-tailed) and a float mask whose middle row of the
+    first batch entry is empty, on the GPU."""
+    from pairgen.ops.trimul import TRIMUL
+
+    x, mask = TRIMUL.make_inputs({"B": B, "N": N, **widths}, generator(seed), "cauchy")
+    mask = mask.float()
+    mask[0, N // 2, :] = 0.0
+    return x.to(dtype).cuda(), mask.cuda()

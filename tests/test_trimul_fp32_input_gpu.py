@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import generator
+from helpers import generator, trimul_inputs_with_an_empty_row
 from pairgen.ops import layer_norm_rows
 from pairgen.ops.trimul import TRIMUL
 from pairgen.spec import AUTOCAST_TOLERANCE
@@ -16,15 +16,6 @@ from pairgen.tuning.check import compare, reference64
 
 pytestmark = pytest.mark.gpu
 MODELS = {"outgoing": 1, "gate_normalized": 1, "bias": 0}
-
-
-def _inputs(widths: dict, B: int, N: int, seed: int):
-    """fp32 x and a float mask with one empty row, on the GPU."""
-    gen = generator(seed)
-    x, mask = TRIMUL.make_inputs({"B": B, "N": N, **widths}, gen, "cauchy")
-    mask = mask.float()
-    mask[0, N // 2, :] = 0.0
-    return x.cuda(), mask.cuda()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -36,7 +27,7 @@ def test_the_closed_form_normalises_fp32_rows_as_it_reads_them(monkeypatch, dtyp
     module = TRIMUL.make_module(widths, generator(6)).cuda()
     module.routing = replace(module.routing, fp32_kernel_max_pairs=-1, closed_form_min_pairs=0)  # the closed form
     module.kernel_precision = lambda *call: None  # as at widths no kernel takes (P = 200 would fit one)
-    x, mask = _inputs(widths, 2, N, seed=7)
+    x, mask = trimul_inputs_with_an_empty_row(widths, 2, N, seed=7)
     row_dtypes = []
     normalise = layer_norm_rows.layer_norm
     monkeypatch.setattr(layer_norm_rows, "layer_norm",

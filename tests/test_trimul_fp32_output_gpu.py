@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import generator
+from helpers import generator, trimul_inputs_with_an_empty_row
 from pairgen import triangle_multiplicative_update
 from pairgen.module.dispatch import CLOSED_FORM, KERNEL
 from pairgen.ops.trimul import TRIMUL
@@ -19,14 +19,6 @@ from pairgen.tuning.check import compare, reference64
 
 pytestmark = pytest.mark.gpu
 MODELS = {"outgoing": 1, "gate_normalized": 1, "bias": 0}
-
-
-def _inputs(widths: dict, B: int, N: int, seed: int, dtype=torch.float32):
-    """x (in `dtype`) and a float mask with one empty row, on the GPU."""
-    x, mask = TRIMUL.make_inputs({"B": B, "N": N, **widths}, generator(seed), "cauchy")
-    mask = mask.float()
-    mask[0, N // 2, :] = 0.0
-    return x.to(dtype).cuda(), mask.cuda()
 
 
 @pytest.fixture
@@ -59,7 +51,7 @@ def _pair(module, x, mask, autocast):
 def test_the_hopper_kernels_write_fp32_under_autocast(output_kernels, N, direction):
     widths = {"P": 128, "H": 128, **MODELS, "outgoing": direction}
     module = TRIMUL.make_module(widths, generator(3)).cuda()
-    x, mask = _inputs(widths, 2, N, seed=N + direction)
+    x, mask = trimul_inputs_with_an_empty_row(widths, 2, N, seed=N + direction)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         assert module.route(x, mask).path == KERNEL
     narrow, wide = _pair(module, x, mask, autocast=True)
@@ -76,7 +68,7 @@ def test_a_16_bit_module_returns_fp32_and_replays_it(output_kernels, dtype):
     the fp32 output (the replay casts nothing: the kernels write it)."""
     widths = {"P": 128, "H": 128, **MODELS}
     module = TRIMUL.make_module(widths, generator(4)).cuda().to(dtype)
-    x, mask = _inputs(widths, 1, 61, seed=5, dtype=dtype)
+    x, mask = trimul_inputs_with_an_empty_row(widths, 1, 61, seed=5, dtype=dtype)
     narrow, wide = _pair(module, x, mask, autocast=False)
     assert wide.dtype == torch.float32 and torch.equal(wide.to(dtype), narrow)
     with torch.no_grad():
@@ -95,7 +87,7 @@ def test_the_closed_form_output_gate_writes_fp32(P, H, N):
     module = TRIMUL.make_module(widths, generator(6)).cuda()
     module.routing = replace(module.routing, fp32_kernel_max_pairs=-1, closed_form_min_pairs=0)
     module.kernel_precision = lambda *call: None  # as at widths no kernel takes
-    x, mask = _inputs(widths, 2, N, seed=8)
+    x, mask = trimul_inputs_with_an_empty_row(widths, 2, N, seed=8)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         assert module.route(x, mask).path == CLOSED_FORM
     narrow, wide = _pair(module, x, mask, autocast=True)
@@ -109,7 +101,7 @@ def test_the_function_in_bf16_answers_fp32_from_the_kernels(output_kernels):
     """cuEquivariance's call with precision "bfloat16" on fp32 x: fp32 out, written by the kernels."""
     widths = {"P": 128, "H": 128, **MODELS}
     module = TRIMUL.make_module(widths, generator(9)).cuda()
-    x, mask = _inputs(widths, 1, 77, seed=10)
+    x, mask = trimul_inputs_with_an_empty_row(widths, 1, 77, seed=10)
     p = {name: t.detach() for name, t in module.named_parameters()}  # an inference call
     out = triangle_multiplicative_update(
         x, "outgoing", mask, norm_in_weight=p["layer_norm_in.weight"], norm_in_bias=p["layer_norm_in.bias"],
@@ -128,7 +120,7 @@ def test_training_under_autocast_casts_the_output_differentiably():
     widths = {"P": 128, "H": 64, **MODELS}
     module = TRIMUL.make_module(widths, generator(11)).cuda()
     module.output_dtype = torch.float32
-    x, mask = _inputs(widths, 1, 45, seed=12)
+    x, mask = trimul_inputs_with_an_empty_row(widths, 1, 45, seed=12)
     x.requires_grad_(True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = module(x, mask)
@@ -142,7 +134,7 @@ def test_a_compiled_module_casts_the_operators_output():
     output of the module's kernels), and the traced call casts it: fp32, the 16-bit values widened."""
     widths = {"P": 128, "H": 128, **MODELS}
     module = TRIMUL.make_module(widths, generator(13)).cuda().to(torch.bfloat16)
-    x, mask = _inputs(widths, 1, 64, seed=14, dtype=torch.bfloat16)
+    x, mask = trimul_inputs_with_an_empty_row(widths, 1, 64, seed=14, dtype=torch.bfloat16)
     with torch.no_grad():
         narrow = module(x, mask)
         module.output_dtype = torch.float32

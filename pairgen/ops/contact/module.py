@@ -8,7 +8,6 @@ from ...module.dispatch import Routing
 from ...module.kernel_module import KernelModule, TensorCorePrecisions
 from ...module.validation import check_float_tensor, contiguous_aligned
 from ...module.parameters import CallWeights, ParameterSlots
-from ...precision import OUTPUT_DTYPES
 from . import backward, packs
 from .reference import ContactHeadReference
 from .spec import CONTACT
@@ -74,7 +73,7 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
         if variant is None:
             variant = self.variant_for(N, x.get_device(), self.kernel_precision(x))
         if out is None:
-            out = x.new_empty((B, N, N), dtype=OUTPUT_DTYPES[variant.plan.precision])
+            out = x.new_empty((B, N, N), dtype=self.kernel_output_dtype(variant.plan))
         if out.numel() == 0:
             return out
         self._run(variant, self._slots.weights() if weights is None else weights, x, out)
