@@ -377,34 +377,33 @@ def test_the_fused_passes_move_16_bytes_a_load_only_where_every_tensor_and_lengt
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
-def test_the_column_layer_norm_rendering_compiles_and_is_opt_in(kind):
-    """The output LayerNorm's ln_columns rendering (a thread per column of the tile) compiles without
-    spills at every tile it can get, down to the 8 pairs narrow tiles halve to; a tuning without
-    the key (every entry tuned before it) renders the warp-per-pair kernel, byte for byte the same
-    as with it False."""
+def test_the_output_layer_norm_compiles_at_every_tile(kind):
+    """The output LayerNorm's forward (a thread per column of the tile, in its 16-byte and its
+    scalar form) compiles without spills at every tile it can get, down to the 8 pairs narrow
+    tiles halve to."""
     for tile in (8, 16, 64):
-        rendered = fused_backward.render(kind, tuning={**fused_backward.TUNING_DEFAULT, "ln_tile": tile,
-                                                       "ln_columns": True})
+        rendered = fused_backward.render(kind, tuning={**fused_backward.TUNING_DEFAULT, "ln_tile": tile})
         compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
-        assert "ln_pass_columns<VEC>" in rendered.source and not compiled.spill_bytes
-    without = {key: value for key, value in fused_backward.TUNING_DEFAULT.items() if key != "ln_columns"}
-    plain = fused_backward.render(kind, tuning=without).source
-    assert "ln_pass_columns" not in plain
-    assert plain == fused_backward.render(kind, tuning={**without, "ln_columns": False}).source
+        assert "ln_pass_columns<VEC>" in rendered.source and "ln_pass_columns<1>" in rendered.source
+        assert not compiled.spill_bytes
 
 
-def test_the_column_layer_norm_leaves_room_for_its_partial_sums():
-    """Its partial sums take shared memory beside the tile: at widths where the warp-per-pair
-    kernel's tile just fits, the column kernel's is halved, and what it uses stays in the limit."""
-    columns = {**fused_backward.TUNING_DEFAULT, "ln_tile": 64, "ln_columns": True}
+def test_the_output_layer_norm_leaves_room_for_its_partial_sums():
+    """The forward's partial sums take shared memory beside its tile: the tile it gets is the
+    largest (from the tuning's, halving) whose tile, statistics and partial sums stay in the limit."""
+    tuning = {**fused_backward.TUNING_DEFAULT, "ln_tile": 64}
     for element_bytes in (2, 4):
         partial_sums = fused_backward.THREADS * (4 // element_bytes) * 4
+
+        def used(hidden, tile):
+            return fused_backward._ln_smem(hidden, 1, tile, element_bytes) + 2 * tile * 4 + partial_sums
+
+        tiles = set()
         for hidden in range(8, 3000, 8):
-            tile = fused_backward.ln_tile(hidden, element_bytes, columns, backward=False)
+            tile = fused_backward.ln_tile(hidden, element_bytes, tuning, backward=False)
+            tiles.add(tile)
             if tile is not None:
-                used = fused_backward._ln_smem(hidden, 1, tile, element_bytes) + 2 * tile * 4 + partial_sums
-                assert used <= fused_backward.SMEM_LIMIT, (hidden, element_bytes, tile)
-        narrowed = [h for h in range(8, 3000, 8)
-                    if fused_backward.ln_tile(h, element_bytes, columns, backward=False)
-                    != fused_backward.ln_tile(h, element_bytes, {**columns, "ln_columns": False}, backward=False)]
-        assert narrowed, "some width's tile is halved for the partial sums"
+                assert used(hidden, tile) <= fused_backward.SMEM_LIMIT, (hidden, element_bytes, tile)
+            if tile != 64:
+                assert used(hidden, 64 if tile is None else 2 * tile) > fused_backward.SMEM_LIMIT, (hidden, tile)
+        assert {64, 8, None} <= tiles

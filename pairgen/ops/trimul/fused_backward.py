@@ -63,11 +63,8 @@ def tuning_sources(kind: str, tuning: dict, widths: dict) -> list:
 
 
 def _context(eps: float, tuning: dict, out_fp32: bool = False) -> dict:
-    """out_fp32: the output gate (`gated`) writes fp32 from 16-bit storage (another rendering).
-    A tuning's "ln_columns" (absent: False, the kernel every tuned entry ran): the output
-    LayerNorm's forward with a thread per column of the tile (backward.cu.j2)."""
-    return {"items": tuning["items"], "ln_tile": tuning["ln_tile"], "eps": repr(float(eps)), "out_fp32": out_fp32,
-            "ln_columns": bool(tuning.get("ln_columns", False))}
+    """out_fp32: the output gate (`gated`) writes fp32 from 16-bit storage (another rendering)."""
+    return {"items": tuning["items"], "ln_tile": tuning["ln_tile"], "eps": repr(float(eps)), "out_fp32": out_fp32}
 
 
 def _launch(t: torch.Tensor, tuning: dict, suffix: str, blocks: int, *args: int, smem: int = 0,
@@ -154,11 +151,10 @@ def ln_tile(hidden: int, element_bytes: int, tuning: dict = TUNING_DEFAULT, back
     """The pairs per block of the output LayerNorm kernel at this hidden width and storage type:
     the tuning's ln_tile, halved until its tiles (one for the forward, two for the backward) and
     their statistics fit a block's default shared memory, down to 8; None where even 8 does not
-    (wider hidden widths keep PyTorch's LayerNorm and transposing copies). The forward's
-    ln_columns rendering also holds the statistics' partial sums (THREADS * pairs per 4-byte word
-    floats)."""
+    (wider hidden widths keep PyTorch's LayerNorm and transposing copies). The forward also holds
+    its statistics' partial sums (THREADS * pairs per 4-byte word floats)."""
     tile = tuning["ln_tile"]
-    partial_sums = 0 if backward or not tuning.get("ln_columns") else THREADS * (4 // element_bytes) * 4
+    partial_sums = 0 if backward else THREADS * (4 // element_bytes) * 4
     while tile >= 8:
         if _ln_smem(hidden, 2 if backward else 1, tile, element_bytes) <= SMEM_LIMIT - 2 * tile * 4 - partial_sums:
             return tile
