@@ -19,6 +19,7 @@ def _forward_row(us):
 def _training_row(us):
     return {"op": "contact", "shape": SHAPE, "precision": "float32", "mode": "train", "variant": "v",
             "pairgen_us": us, "eager_us": 3 * us, "pairgen_peak_mib": 10.0, "eager_peak_mib": 40.0,
+            "pairgen_gpu_us": 0.6 * us, "pairgen_host_us": 0.9 * us, "eager_gpu_us": us, "eager_host_us": 2.5 * us,
             "pairgen_grad_rel_l2": 2e-7, "eager_grad_rel_l2": 3e-7,
             "unavailable": {"compile": "RuntimeError: no"}}
 
@@ -39,6 +40,7 @@ def test_the_training_table():
     assert "pairgen fwd+bwd µs" in header and "× vs eager" in header and "peak MiB" in header
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[3] == "train" and cells[5:8] == ["100.0", "300.0", "–"] and "3.00×" in cells and "10 / 40 / –" in cells
+    assert "GPU / host µs a step: pairgen / eager / compile" in header and "60, 90 / 100, 250 / –" in cells
     assert "- not measured: compile: RuntimeError: no" in text
 
 

@@ -3,7 +3,8 @@ torch.compile(mode="max-autotune-no-cudagraphs", or --compile-mode), in one proc
 
   pairgen-bench                  every op, its default shapes (seed + real)
   pairgen-bench --op contact --shape B=1,N=256,P=128,H=128 --peers eager,compile
-  pairgen-bench --backward       forward + backward (training), with peak memory and gradient error
+  pairgen-bench --backward       forward + backward (training), with the GPU's and the host's time a
+                                 step, peak memory and gradient error
   pairgen-bench --train-loop     the README's training example, whole steps, against the references
                                  and cuEquivariance's triangle update
   pairgen-bench --dry-run        list what would be measured
@@ -49,7 +50,8 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, default=200, help="timed repetitions per measurement")
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (a training step's work: gradients for the input and every "
-                             "parameter) instead of the forward, with each one's peak memory")
+                             "parameter) instead of the forward, with each one's GPU time and host time a step "
+                             "and its peak memory")
     parser.add_argument("--backward-mode", default="auto", choices=("auto", "closed_form", "reference"),
                         help="with --backward: the modules' backward_mode (default auto); rows of another mode are "
                              "kept apart from auto's in the results")
@@ -205,16 +207,23 @@ def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE, autocast
     return row
 
 
+#: Training steps a host-time run issues back to back (timing.host_us_runs): a step of the triangle
+#: update is about 60 launches, so ten stay within the GPU's launch queue (about a thousand).
+STEPS_PER_HOST_RUN = 10
+
+
 def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", recompute: bool = False,
                      compile_mode: str = COMPILE_MODE):
     """One --backward row: forward + backward of the loss (out * g).sum() (g random, fixed) for
     pairgen's module and each peer, each with gradients for the input and its parameters: median
-    µs (L2 flushed), the peak memory one step adds, and the input gradient's relative L2 against
-    float64 autograd of the reference. Peers run in the module's dtype."""
+    µs (L2 flushed), the GPU's busy time in one step and the host's time to issue one (steps back
+    to back, the GPU not awaited: the step takes about the larger), the peak memory one step adds,
+    and the input gradient's relative L2 against float64 autograd of the reference. Peers run in
+    the module's dtype."""
     import torch
 
     from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision, reference_in_precision
-    from pairgen.tuning.timing import time_cuda
+    from pairgen.tuning.timing import gpu_us_of_one_call, host_us_runs, time_cuda
 
     device = torch.device("cuda", torch.cuda.current_device())
     precision = precision_of(spec)
@@ -273,6 +282,9 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", reco
             torch.cuda.synchronize(device)
             row[f"{name}_peak_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
             row[f"{name}_us"] = time_cuda(step, device, reps=reps).median_us
+            row[f"{name}_gpu_us"] = gpu_us_of_one_call(step, device)
+            # few steps a run: their launches stay within the GPU's queue, so the host never waits
+            row[f"{name}_host_us"] = statistics.median(host_us_runs(step, calls=STEPS_PER_HOST_RUN))
         except Exception as exc:  # a peer that does not take this shape or dtype, or has no backward
             row.setdefault("unavailable", {})[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return row
@@ -290,13 +302,16 @@ def _input_gradient64(spec, module, inputs, g):
 def training_table(rows, peers) -> str:
     names = ["pairgen", *peers]
     head = ["op", "shape", "precision", "mode", "pairgen variant (forward)"] + [f"{n} fwd+bwd µs" for n in names]
-    head += [f"× vs {p}" for p in peers] + ["peak MiB: " + " / ".join(names), "input grad rel L2: " + " / ".join(names)]
+    head += [f"× vs {p}" for p in peers] + ["GPU / host µs a step: " + " / ".join(names)]
+    head += ["peak MiB: " + " / ".join(names), "input grad rel L2: " + " / ".join(names)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["op"], shape_label(r["shape"]), r.get("precision", "float32"), r["mode"], f"`{r['variant']}`"]
         cells += [f"{r[n + '_us']:.1f}" if n + "_us" in r else "–" for n in names]
         cells += [f"{r[p + '_us'] / r['pairgen_us']:.2f}×" if p + "_us" in r and "pairgen_us" in r else "–"
                   for p in peers]
+        cells.append(" / ".join(f"{r[n + '_gpu_us']:.0f}, {r[n + '_host_us']:.0f}" if n + "_gpu_us" in r else "–"
+                                for n in names))
         cells.append(" / ".join(f"{r[n + '_peak_mib']:.0f}" if n + "_peak_mib" in r else "–" for n in names))
         cells.append(" / ".join(f"{r[n + '_grad_rel_l2']:.1e}" if n + "_grad_rel_l2" in r else "–" for n in names))
         lines.append("| " + " | ".join(cells) + " |")
@@ -404,14 +419,19 @@ def main(argv=None) -> int:
         return run_train_loop(args, env)
     rows = []
     if args.backward:
-        env["timing"] = "median of CUDA-event-timed forward + backward steps, L2 flushed before each"
+        from pairgen.tuning.timing import HOST_RUNS
+
+        env["timing"] = ("median of CUDA-event-timed forward + backward steps, L2 flushed before each; GPU: the "
+                         "kernels' time in one step (torch.profiler); host: the time to issue one step, "
+                         f"{STEPS_PER_HOST_RUN} back to back, median of {HOST_RUNS} runs")
     for spec, shape in work:
         if args.backward:
             rows.append(measure_training(spec, shape, peers, args.reps, args.backward_mode, args.recompute_for_backward,
                                          args.compile_mode))
             r = rows[-1]
             print(f"{spec.name} {shape_label(shape)} {r['precision']} {r['mode']} fwd+bwd: "
-                  + ", ".join(f"{n} {r[n + '_us']:.1f} µs ({r[n + '_peak_mib']:.0f} MiB)"
+                  + ", ".join(f"{n} {r[n + '_us']:.1f} µs (GPU {r[n + '_gpu_us']:.0f}, host {r[n + '_host_us']:.0f}; "
+                              f"{r[n + '_peak_mib']:.0f} MiB)"
                               for n in ["pairgen", *peers] if n + "_us" in r), flush=True)
         else:
             rows.append(measure(spec, shape, peers, args.reps, args.compile_mode, args.autocast))

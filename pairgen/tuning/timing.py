@@ -120,6 +120,21 @@ def host_us_runs(fn: Callable[[], object], calls: int = 200, runs: int = HOST_RU
     return values
 
 
+def gpu_us_of_one_call(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    """The GPU's busy time in one call of fn, L2 flushed first: the durations of every kernel,
+    copy and fill it ran, summed (torch.profiler). Beside a call's timed µs it says whether the
+    call waits on the GPU or on the host (a training step with many small launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    _flush_l2(device)
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def floor_us(cost, gpu_slug: str, precision: str = "float32") -> float | None:
     """The larger of bytes over copy bandwidth and FLOPs over the precision's matmul rate, in us
     (cost is counted in fp32: 16-bit precisions move half its bytes; tf32x3 does three products)."""
