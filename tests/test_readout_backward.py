@@ -11,7 +11,9 @@ import torch
 from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_errors, generator, gradient_errors64
 from pairgen.module.autograd import SavedClosedForm
 from pairgen.module.dispatch import pairs
-from pairgen.ops.readout import READOUT
+from pairgen.ops.readout import READOUT, backward
+from pairgen.spec import SIXTEEN_BIT_TOLERANCE
+from pairgen.tuning.check import compare, reference64
 
 
 @pytest.mark.parametrize("widths,B,N,distribution", [({"D": 24, "P": 8, "H": 40}, 2, 11, "normal"),
@@ -26,17 +28,60 @@ def test_closed_form_gradients_meet_the_fp32_standard(widths, B, N, distribution
     assert errors[worst] <= 2e-5, f"gradient of {worst}: {errors}"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_16_bit_module_meets_the_16_bit_standard(dtype):
-    """Computed in the module's dtype (16-bit products, fp32 LayerNorm statistics)."""
-    gen = generator(61)
-    widths = {"D": 24, "P": 8, "H": 40}
+def _16_bit_case(dtype, widths, B, N, seed, distribution="normal"):
+    gen = generator(seed)
     module = READOUT.make_module(widths, gen).to(dtype)
     inputs = tuple(t.to(dtype) if t.is_floating_point() else t
-                   for t in READOUT.make_inputs({"B": 2, "N": 11, **widths}, gen))
-    g = torch.randn((2, 11, 24), generator=gen).to(dtype)
+                   for t in READOUT.make_inputs({"B": B, "N": N, **widths}, gen, distribution))
+    return module, inputs, torch.randn((B, N, widths["D"]), generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("widths,B,N,seed,distribution", [({"D": 24, "P": 8, "H": 40}, 2, 11, 61, "normal"),
+                                                          ({"D": 16, "P": 12, "H": 32}, 3, 37, 62, "cauchy")])
+def test_a_16_bit_module_meets_the_16_bit_standard(dtype, widths, B, N, seed, distribution):
+    """Computed in the module's dtype (16-bit products, the first layer on the concatenated rows
+    as the reference rounds it, the max's gradient dense, fp32 LayerNorm statistics), isolated
+    nodes included (the test masks)."""
+    module, inputs, g = _16_bit_case(dtype, widths, B, N, seed, distribution)
     ours = module.analytic_gradients(list(inputs), [p.detach() for p in module.parameters()], g)
+    assert module.backward_precision(inputs[0], None) == str(dtype).removeprefix("torch.")
     assert_16_bit_gradients_meet_the_standard(module, inputs, g, [t for t in ours if t is not None])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_saving_forward_meets_the_16_bit_standards(dtype):
+    """The training path that keeps its intermediates, in 16 bits: the output within the 16-bit
+    forward standard of float64, the gradients within the 16-bit gradient standard."""
+    widths = {"D": 24, "P": 8, "H": 40}
+    module, inputs, g = _16_bit_case(dtype, widths, 2, 13, 64, "cauchy")
+    leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    out = SavedClosedForm.run(module, leaves)
+    (out * g).sum().backward()
+    result = compare(out.detach(), reference64(module, inputs), SIXTEEN_BIT_TOLERANCE)
+    assert out.dtype is dtype and result.ok, result
+    ours = [leaf.grad for leaf in leaves if leaf.is_floating_point()] + [p.grad for p in module.parameters()]
+    assert_16_bit_gradients_meet_the_standard(module, inputs, g, ours)
+
+
+def test_the_dense_max_gradient_is_the_sparse_one():
+    """The 16-bit path's dense gradient of the max against the fp32 path's sparse one, with ties
+    (equal messages) and an isolated node: the same matrix, the same sums over rows."""
+    gen = generator(65)
+    B, N, D = 2, 7, 5
+    masked = torch.randn(B, N, N, D, generator=gen).round()  # few values: many ties
+    edge = torch.rand(B, N, N, 1, generator=gen) > 0.3
+    edge[1, 2] = False                                        # node (1, 2) reads no partner
+    masked.masked_fill_(~edge, float("-inf"))
+    isolated = ~edge.squeeze(-1).any(dim=2)
+    pooled = masked.amax(dim=2).masked_fill(isolated.unsqueeze(-1), 0.0)
+    d_pooled = torch.randn(B, N, D, generator=gen).masked_fill(isolated.unsqueeze(-1), 0.0)
+    sparse = backward._max_gradient(masked, pooled, edge, d_pooled)
+    dense = backward._dense_max_gradient(masked, pooled, edge, d_pooled)
+    assert torch.equal(dense.d_m, sparse.by_pair.to_dense())
+    assert torch.allclose(dense.column_sums, sparse.column_sums, atol=1e-6)
+    rows = torch.randn(B * N * N, 3, generator=gen)
+    assert torch.allclose(dense.transposed_times(rows, torch.matmul), sparse.transposed_times(rows, None), atol=1e-5)
 
 
 def test_ties_in_the_max_share_the_gradient_as_the_reference_does():

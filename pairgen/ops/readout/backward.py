@@ -1,4 +1,5 @@
-"""The pair readout's gradients in closed form, computed in fp32 (closed_form.closed_form_gradients).
+"""The pair readout's gradients in closed form (closed_form.closed_form_gradients): in fp32 for fp32
+modules, in the dtype of 16-bit modules and of a 16-bit autocast (LayerNorm statistics in fp32).
 
   pre_ij = nodes_i Wi^T + nodes_j Wj^T + pair_ij Wp^T + b1   (W1 = [Wi | Wj | Wp] by columns)
   m_ij = silu(pre_ij) W2^T + b2
@@ -7,13 +8,16 @@
 
 A training call's forward computes pre, m and pooled this way and keeps them for the backward
 (forward_saving, then gradients_from); with the module's recompute_for_backward, the forward is
-the kernel and the backward recomputes them from the inputs (gradients). The max passes each channel's gradient to the partners that reach it,
-shared equally among ties as torch.amax's backward does, as a sparse matrix (about one entry in
-N is nonzero), so the second layer's two gradient products read only the winners (cuSPARSE on
-the GPU) instead of a dense pair-sized matrix of zeros; an isolated node's pooled row is the
-constant 0, so its gradient stops there (its LayerNorm affine still gets one). Node i's first
-layer term is computed once per node and broadcast over j: its gradient is a sum over j (and
-node j's over i). d<name> is the gradient of the loss with respect to <name>.
+the kernel and the backward recomputes them from the inputs (gradients). In fp32 node i's first
+layer term is computed once per node and broadcast over j; in 16 bits the first layer runs on the
+concatenated rows, as the reference computes it (_first_layer says why). Either way the backward
+takes the split: node i's gradient is a sum over j (node j's over i). The max passes each channel's gradient to the partners that reach
+it, shared equally among ties as torch.amax's backward does. In fp32 that gradient is a sparse
+matrix (about one entry in N is nonzero), so the second layer's two gradient products read only
+the winners (cuSPARSE on the GPU) instead of multiplying a pair-sized matrix of zeros on CUDA
+cores; in 16 bits, which those sparse products do not take, it is a dense matrix for the tensor
+cores. An isolated node's pooled row is the constant 0, so its gradient stops there (its
+LayerNorm affine still gets one). d<name> is the gradient of the loss with respect to <name>.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 
 from .. import closed_form
 from ..closed_form import closed_form_gradients, layer_norm_backward, layer_norm_parts
+from ...module.modes import as_dtype
 
 
 def gradients(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: torch.Tensor,
@@ -54,19 +59,15 @@ def gradients_from(module, saved: closed_form.Saved, grad_out: torch.Tensor,
 
 
 def _forward(module, nodes, pair_feats, edge_mask, w, mm) -> SimpleNamespace:
-    """The forward's intermediates the chain rule needs (in fp32, the pair features' gradient
-    going back in their dtype)."""
+    """The forward's intermediates the chain rule needs, in the dtype `nodes` comes in (the
+    computation's), the LayerNorm's in fp32; the pair features' gradient goes back in their dtype."""
     B, N, D = nodes.shape
     P = pair_feats.shape[-1]
-    w1 = w["fuse.0.weight"]
-    H = w1.shape[0]
-    pair = pair_feats.float()
+    H = w["fuse.0.weight"].shape[0]
+    pair = as_dtype(pair_feats, nodes.dtype)
     f = SimpleNamespace(B=B, N=N, D=D, P=P, H=H, nodes=nodes, pair=pair, pair_dtype=pair_feats.dtype,
                         edge_mask=edge_mask)
-    u = mm(nodes, w1[:, :D].t())             # (B, N, H): node i's term
-    v = mm(nodes, w1[:, D:2 * D].t())        # (B, N, H): node j's term
-    f.pre = mm(pair.reshape(-1, P), w1[:, 2 * D:].t()).view(B, N, N, H)
-    f.pre.add_(u.add_(w["fuse.0.bias"]).unsqueeze(2)).add_(v.unsqueeze(1))  # in place: no pair-sized temporary
+    f.pre = _first_layer(nodes, pair, w, mm)
     f.act = F.silu(f.pre)
     f.edge = edge_mask.unsqueeze(-1)
     f.masked = mm.linear(f.act.view(-1, H), w["fuse.2.weight"], w["fuse.2.bias"]).view(B, N, N, D)
@@ -74,8 +75,27 @@ def _forward(module, nodes, pair_feats, edge_mask, w, mm) -> SimpleNamespace:
     pooled = f.masked.amax(dim=2)            # (B, N, D)
     f.isolated = ~edge_mask.any(dim=2)
     f.pooled = pooled.masked_fill(f.isolated.unsqueeze(-1), 0.0)
-    f.p_hat, f.rstd = layer_norm_parts(f.pooled, module.norm.eps)
+    f.p_hat, f.rstd = layer_norm_parts(as_dtype(f.pooled, torch.float32), module.norm.eps)  # statistics in fp32
     return f
+
+
+def _first_layer(nodes: torch.Tensor, pair: torch.Tensor, w, mm) -> torch.Tensor:
+    """pre (B, N, N, H), the first layer's output before the SiLU. In fp32 split by columns: each
+    node's terms once per node, broadcast over its partners. In 16 bits the concatenated rows in
+    one product, as the reference computes them: rounded once, where the split's three roundings
+    move which partner wins the max (measured on the CPU: an input gradient 4x as far from float64
+    as the 16-bit reference's)."""
+    B, N, D = nodes.shape
+    P = pair.shape[-1]
+    w1, b1 = w["fuse.0.weight"], w["fuse.0.bias"]
+    H = w1.shape[0]
+    if nodes.dtype is not torch.float32:
+        rows = torch.cat([nodes.unsqueeze(2).expand(B, N, N, D), nodes.unsqueeze(1).expand(B, N, N, D), pair], dim=-1)
+        return mm.linear(rows.view(-1, 2 * D + P), w1, b1).view(B, N, N, H)
+    u = mm(nodes, w1[:, :D].t())             # (B, N, H): node i's term
+    v = mm(nodes, w1[:, D:2 * D].t())        # (B, N, H): node j's term
+    pre = mm(pair.reshape(-1, P), w1[:, 2 * D:].t()).view(B, N, N, H)
+    return pre.add_(u.add_(b1).unsqueeze(2)).add_(v.unsqueeze(1))  # in place: no pair-sized temporary
 
 
 def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, torch.Tensor]:
@@ -87,19 +107,20 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     # ---- LayerNorm and the residual ----
     g = grad_out
     grads = {"norm.weight": (g * f.p_hat).sum((0, 1)), "norm.bias": g.sum((0, 1))}
-    d_pooled = layer_norm_backward(g * w["norm.weight"], f.p_hat, f.rstd)
+    d_pooled = layer_norm_backward(as_dtype(g, torch.float32) * w["norm.weight"], f.p_hat, f.rstd)  # in fp32
     d_pooled = d_pooled.masked_fill(f.isolated.unsqueeze(-1), 0.0)
 
     # ---- the max over partners: to the winners, ties sharing ----
-    d_m = _max_gradient(f.masked, f.pooled, f.edge, d_pooled)  # sparse (B*N*N, D) and its transpose
+    max_gradient = _max_gradient if f.act.dtype is torch.float32 else _dense_max_gradient
+    d_m = max_gradient(f.masked, f.pooled, f.edge, d_pooled)
     f.masked = None
 
     # ---- the second layer and the SiLU ----
     act_rows = f.act.view(-1, H)
     grads["fuse.2.bias"] = d_m.column_sums
     if "fuse.2.weight" not in frozen:
-        grads["fuse.2.weight"] = torch.sparse.mm(d_m.by_channel, act_rows)
-    d_act = torch.sparse.mm(d_m.by_pair, w["fuse.2.weight"])
+        grads["fuse.2.weight"] = d_m.transposed_times(act_rows, mm)
+    d_act = d_m.times(w["fuse.2.weight"], mm)
     del d_m, act_rows
     f.act = None
     # d_act * silu'(pre), in d_act's storage: PyTorch's fused SiLU backward, one pass
@@ -134,6 +155,46 @@ class _SparseMaxGradient:
     def __init__(self, by_pair: torch.Tensor, by_channel: torch.Tensor, column_sums: torch.Tensor):
         self.by_pair, self.by_channel, self.column_sums = by_pair, by_channel, column_sums
 
+    def times(self, weight: torch.Tensor, mm) -> torch.Tensor:
+        """d_m (B*N*N, D) @ weight (D, K)."""
+        return torch.sparse.mm(self.by_pair, weight)
+
+    def transposed_times(self, rows: torch.Tensor, mm) -> torch.Tensor:
+        """d_m^T (D, B*N*N) @ rows (B*N*N, K)."""
+        return torch.sparse.mm(self.by_channel, rows)
+
+
+class _DenseMaxGradient:
+    """The same gradient as a dense (B*N*N, D) matrix, for the products in 16 bits."""
+
+    def __init__(self, d_m: torch.Tensor, column_sums: torch.Tensor):
+        self.d_m, self.column_sums = d_m, column_sums
+
+    def times(self, weight: torch.Tensor, mm) -> torch.Tensor:
+        return mm(self.d_m, weight)
+
+    def transposed_times(self, rows: torch.Tensor, mm) -> torch.Tensor:
+        return mm(self.d_m.t(), rows)
+
+
+def _winners_and_shares(masked: torch.Tensor, pooled: torch.Tensor, edge: torch.Tensor,
+                        d_pooled: torch.Tensor) -> tuple:
+    """(winners (B, N, N, D) bool: the edges whose m equals the max, counts (B, N, D): winners per
+    node and channel, share (B, N, D): each winner's part of d_pooled, ties sharing equally)."""
+    winners = (masked == pooled.unsqueeze(2)) & edge
+    counts = winners.sum(dim=2)
+    return winners, counts, d_pooled / counts.clamp_min(1)
+
+
+def _dense_max_gradient(masked: torch.Tensor, pooled: torch.Tensor, edge: torch.Tensor,
+                        d_pooled: torch.Tensor) -> _DenseMaxGradient:
+    """_max_gradient's result as a dense matrix in masked's dtype (each winner's share rounded to
+    it); the sums over rows from the shares in fp32, as many times as each has winners."""
+    B, N, _, D = masked.shape
+    winners, counts, share = _winners_and_shares(masked, pooled, edge, d_pooled)
+    d_m = torch.where(winners, share.to(masked.dtype).unsqueeze(2), 0.0)
+    return _DenseMaxGradient(d_m.view(-1, D), (share * counts).sum((0, 1)))
+
 
 def _max_gradient(masked: torch.Tensor, pooled: torch.Tensor, edge: torch.Tensor,
                   d_pooled: torch.Tensor) -> _SparseMaxGradient:
@@ -142,8 +203,7 @@ def _max_gradient(masked: torch.Tensor, pooled: torch.Tensor, edge: torch.Tensor
     equally among the ties, as torch.amax's backward gives it: as CSR matrices (B*N*N, D) and
     (D, B*N*N), and the sums over rows (the second layer's bias gradient)."""
     B, N, _, D = masked.shape
-    winners = (masked == pooled.unsqueeze(2)) & edge
-    share = d_pooled / winners.sum(dim=2).clamp_min(1)          # (B, N, D): each winner's part
+    winners, _, share = _winners_and_shares(masked, pooled, edge, d_pooled)
     rows, channels = winners.view(-1, D).nonzero().unbind(1)    # row-major: sorted by pair row
     del winners
     values = share.view(-1, D)[rows // N, channels]             # row (b, i, j) belongs to node (b, i)
