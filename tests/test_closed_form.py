@@ -37,3 +37,18 @@ def test_products_and_layouts_agree_with_float64():
 def test_an_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision must be one of"):
         closed_form_gradients(lambda *args: {}, torch.zeros(1), {}, torch.zeros(1), "tf32x3")
+
+
+def test_gradients_an_operator_returns_have_distinct_storages():
+    """distinct_storages: views of one tensor and a gradient in an input's storage are copied
+    (the values kept); distinct tensors and None pass as they are."""
+    from pairgen.module.autograd import distinct_storages
+
+    stacked = torch.arange(8.0).view(2, 4)
+    grad_out = torch.ones(3)
+    alone = torch.zeros(5)
+    out = distinct_storages([stacked[0], stacked[1], None, alone, grad_out[:2]], (grad_out,))
+    assert out[0] is not None and out[0].data_ptr() == stacked[0].data_ptr(), "the first view is kept as it is"
+    assert out[1].untyped_storage().data_ptr() != stacked.untyped_storage().data_ptr()
+    assert torch.equal(out[1], stacked[1]) and out[2] is None and out[3] is alone
+    assert out[4].untyped_storage().data_ptr() != grad_out.untyped_storage().data_ptr() and torch.equal(out[4], grad_out[:2])

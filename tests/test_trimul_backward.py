@@ -239,6 +239,28 @@ def test_the_saving_forward_is_exact_and_its_gradients_meet_the_standard(outgoin
     assert errors[worst] <= STANDARD, f"gradient of {worst}: {errors}"
 
 
+def test_the_four_projection_gradients_are_one_product_copied_only_for_an_operator():
+    """The saving path hands autograd the four input projections' weight gradients as views of
+    the one product that makes them (no copies); analytic_gradients, which a custom operator
+    returns, makes every gradient its own storage. Accumulated over two steps they add up."""
+    module, x, mask = _small_case(98, 7, outgoing=1, gate_normalized=1)
+    _saving_call(module)(x, mask).sum().backward()
+    weights = [getattr(module, name).weight for name in ("proj_a", "gate_a", "proj_b", "gate_b")]
+    assert len({w.grad.untyped_storage().data_ptr() for w in weights}) == 1, "views of one product"
+    first = [w.grad.clone() for w in weights]
+    _saving_call(module)(x, mask).sum().backward()
+    assert all(torch.allclose(w.grad, 2 * g, rtol=1e-5, atol=1e-6) for w, g in zip(weights, first))
+    names = [name for name, _ in module.named_parameters()]
+    grads = module.analytic_gradients([x.detach(), mask], [p.detach() for p in module.parameters()],
+                                      torch.ones_like(x))
+    storages = [g.untyped_storage().data_ptr() for g in grads if g is not None]
+    assert len(storages) == len(set(storages)) == 1 + len(names)
+    for name, g in zip(names, grads[2:]):
+        if name.endswith(".weight") and name.split(".")[0] in ("proj_a", "gate_a", "proj_b", "gate_b"):
+            assert torch.allclose(g, first[("proj_a", "gate_a", "proj_b", "gate_b").index(name.split(".")[0])],
+                                  rtol=1e-5, atol=1e-6)
+
+
 def test_the_saved_intermediates_serve_one_backward_and_a_second_is_refused_clearly():
     """The backward turns the saved intermediates into gradients in place, so a second backward
     through the same call (retain_graph=True) is refused with what to do, not answered wrongly."""

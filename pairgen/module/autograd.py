@@ -12,6 +12,23 @@ def frozen_names(names: list[str], wanted: "list[bool] | None") -> frozenset:
     return frozenset() if wanted is None else frozenset(name for name, w in zip(names, wanted) if not w)
 
 
+def distinct_storages(grads: list, held: tuple) -> list:
+    """`grads` with no two sharing a storage and none sharing one of `held` (the call's tensors):
+    what a custom operator may return (pairgen/library.py). A closed form may give views of one
+    tensor (the four input projections' weight gradients from one product, a LayerNorm's two
+    affine ones from one reduction), which autograd takes as they are; here the second and later
+    views of a storage are copied."""
+    seen = {t.untyped_storage().data_ptr() for t in held if isinstance(t, torch.Tensor)}
+    out = []
+    for g in grads:
+        if g is not None:
+            if g.untyped_storage().data_ptr() in seen:
+                g = g.clone()
+            seen.add(g.untyped_storage().data_ptr())
+        out.append(g)
+    return out
+
+
 class ReferenceBackward(torch.autograd.Function):
     """Forward through the kernel; backward through the module's closed-form gradients where it
     has them for this call (`analytic_gradients`), else by recomputing the reference under

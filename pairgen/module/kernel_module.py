@@ -21,7 +21,7 @@ from ..precision import (CLOSED_FORM_DTYPES, HALF_BY_DTYPE, HALF_DTYPES, MODULE_
                          lookup)
 from ..spec import OpSpec
 from . import dispatch
-from .autograd import ReferenceBackward, SavedClosedForm, frozen_names
+from .autograd import ReferenceBackward, SavedClosedForm, distinct_storages, frozen_names
 from .buffers import PACK_SLOTS, HeldBuffer, grow_held
 from .dispatch import (CLOSED_FORM, COMPILED, FP32_KERNEL, KERNEL, KERNEL_TRAINING, REFERENCE, SAVED_CLOSED_FORM, Route,
                        Routing, route)
@@ -426,7 +426,8 @@ class KernelModule:
         names = [name for name, _ in self.named_parameters()]
         grads = self.closed_form(self, *inputs, dict(zip(names, params)), grad_out,
                                  precision=self.backward_precision(first, autocast), frozen=frozen_names(names, wanted))
-        return [grads[key] if key else None for key in self.input_gradients] + [grads.get(name) for name in names]
+        ordered = [grads[key] if key else None for key in self.input_gradients] + [grads.get(name) for name in names]
+        return distinct_storages(ordered, (*inputs, *params, grad_out))
 
     #: The op's forward computed the closed form's way, keeping what its backward needs, as
     #: staticmethods: saving_forward(module, *inputs, params_by_name, precision) -> (out, saved);

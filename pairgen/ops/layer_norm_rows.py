@@ -73,5 +73,5 @@ def layer_norm_backward(d_xn: torch.Tensor, rows: torch.Tensor, mean: torch.Tens
                     rows.data_ptr(), mean.data_ptr(), rstd.data_ptr(), gamma.data_ptr(),
                     0 if add_after is None else add_after.data_ptr(), d_rows.data_ptr(), parts[0].data_ptr(),
                     parts[1].data_ptr(), M, cols=C, eps=repr(float(eps)), x_kind=storage_kind(rows.dtype))
-    return d_rows, parts[0].sum(0), parts[1].sum(0)  # two tensors: gradients may not alias each other
+    return (d_rows, *parts.sum(1))  # d gamma and d beta: views of one reduction
 

@@ -71,5 +71,5 @@ def layer_norm_symmetrised_backward(d_s: torch.Tensor, rows: torch.Tensor, pairs
     TEMPLATE.launch(rows, "grad", blocks, d_s.data_ptr(), pairs.ij.data_ptr(), pairs.ji.data_ptr(),
                     rows.data_ptr(), mean.data_ptr(), rstd.data_ptr(), gamma.data_ptr(), d_rows.data_ptr(),
                     parts[0].data_ptr(), parts[1].data_ptr(), count, cols=C, eps=repr(float(eps)))
-    return d_rows, parts[0].sum(0), parts[1].sum(0)  # two tensors: gradients may not alias each other
+    return (d_rows, *parts.sum(1))  # d gamma and d beta: views of one reduction
 

@@ -294,14 +294,14 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
 
     # ---- the input projections and LayerNorm ----
     if any(f"{name}.weight" not in frozen for name in _FOUR):
-        # One product for the four weights, then a copy of each (weight-sized): gradients that
-        # are views of one tensor would alias each other, which custom operators may not return.
+        # One product for the four weights: their gradients are views of it (a custom operator's
+        # are made distinct where it returns them, KernelModule.analytic_gradients).
         d_w4 = mm.summed_over_batch(d_proj, f.xn_cl)
         for name, d_w in zip(_FOUR, d_w4.split(H)):
-            grads[f"{name}.weight"] = d_w.clone()
+            grads[f"{name}.weight"] = d_w
     if f.bias:
         for name, d_b in zip(_FOUR, channel_sums(d_proj).split(H)):
-            grads[f"{name}.bias"] = d_b.clone()
+            grads[f"{name}.bias"] = d_b
     d_xn = mm.channels_last(d_proj, f.w4)  # (B, N*N, P)
     del d_proj, proj
     f.xn = f.xn_cl = None

@@ -201,5 +201,5 @@ def layer_norm_channels_first_backward(d_zn: torch.Tensor, z: torch.Tensor, mean
     _launch(z, {**tuning, "ln_tile": tile}, "ln_grad", B * tiles, d_zn.data_ptr(), z.data_ptr(), mean.data_ptr(),
             rstd.data_ptr(), gamma.data_ptr(), d_z.data_ptr(), parts[0].data_ptr(), parts[1].data_ptr(), H, L, tiles,
             int(vectors), smem=_ln_smem(H, 2, tile, z.element_size()), eps=eps)
-    return d_z, parts[0].sum(0), parts[1].sum(0)  # two tensors: gradients may not alias each other
+    return (d_z, *parts.sum(1))  # d gamma and d beta: views of one reduction
 
