@@ -190,10 +190,9 @@ def _dense_max_gradient(masked: torch.Tensor, pooled: torch.Tensor, edge: torch.
                         d_pooled: torch.Tensor) -> _DenseMaxGradient:
     """_max_gradient's result as a dense matrix in masked's dtype (each winner's share rounded to
     it); the sums over rows from the shares in fp32, as many times as each has winners."""
-    B, N, _, D = masked.shape
     winners, counts, share = _winners_and_shares(masked, pooled, edge, d_pooled)
     d_m = torch.where(winners, share.to(masked.dtype).unsqueeze(2), 0.0)
-    return _DenseMaxGradient(d_m.view(-1, D), (share * counts).sum((0, 1)))
+    return _DenseMaxGradient(d_m.view(-1, masked.shape[-1]), (share * counts).sum((0, 1)))
 
 
 def _max_gradient(masked: torch.Tensor, pooled: torch.Tensor, edge: torch.Tensor,
