@@ -86,11 +86,12 @@ def test_unique_pairs_cover_each_unordered_pair_once():
     assert torch.equal(pairs.share, torch.where(pairs.off > 0, 0.5, 1.0))
 
 
-def test_16_bit_forwards_take_the_closed_form_from_the_measured_size_and_training_keeps_the_reference():
+def test_16_bit_forwards_and_training_take_the_closed_form_from_the_measured_sizes(monkeypatch):
     """Without 16-bit kernels, a forward from Routing.closed_form_min_pairs pairs runs the closed
     form (below it, where the host's time per PyTorch operation makes the closed form slower than
     the reference, the fp32 kernel on the input made fp32); "auto" trains 16-bit calls through the
-    reference, "closed_form" through the closed form (tests/test_dispatch.py follows the routes)."""
+    reference up to 2^18 pairs and the closed form above, "closed_form" through the closed form
+    (tests/test_dispatch.py follows the routes)."""
     module = CONTACT.make_module({"P": 8, "H": 8}, generator(62)).bfloat16()
     routing = module.routing
     assert routing.closed_form_min_pairs == 2**17 and routing.fp32_kernel_max_pairs == 2**17 - 1
@@ -98,5 +99,13 @@ def test_16_bit_forwards_take_the_closed_form_from_the_measured_size_and_trainin
     assert pairs(below) < routing.closed_form_min_pairs <= pairs(at)
     assert pairs(below) <= routing.fp32_kernel_max_pairs < pairs(at), "below it: the fp32 kernel"
     assert module.trains_through_reference("bfloat16", (at,))
+    # "auto" trains through the closed form above 2^18 pairs (B1 N512 measured even, B2 N384 and
+    # N768 faster), with the fused backward kernels only
+    N512, B2_N384 = torch.empty(1, 512, 512, 1), torch.empty(2, 384, 384, 1)
+    assert module.trains_through_reference("bfloat16", (N512,))
+    assert not module.trains_through_reference("bfloat16", (B2_N384,))
+    monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", "0")
+    assert module.trains_through_reference("bfloat16", (B2_N384,))
+    monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD")
     module.backward_mode = "closed_form"
     assert not module.trains_through_reference("bfloat16", (at,))

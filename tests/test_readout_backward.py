@@ -129,4 +129,22 @@ def test_16_bit_forwards_take_the_fp32_kernels_up_to_the_measured_size():
     for B, N, takes in ((8, 64, True), (16, 128, False), (9, 64, False)):
         nodes = torch.empty(B, N, 8, dtype=torch.bfloat16)
         assert (pairs(nodes) <= module.routing.fp32_kernel_max_pairs) is takes, (B, N)
-    assert module.routing.closed_form_min_pairs is None, "16-bit readouts never take the closed form"
+    assert module.routing.closed_form_min_pairs is None, "a 16-bit forward without a kernel never takes it"
+
+
+def test_auto_trains_16_bit_readouts_through_the_closed_form_from_the_measured_size(monkeypatch):
+    """From 2^18 pairs (B16 N128 measured 15 % faster than the bf16 reference), below the reference
+    (B16 N96: slower, bound by the host); with or without the fused backward kernels, which the
+    readout's closed form does not use; fp32 always takes the closed form."""
+    module = READOUT.make_module({"D": 8, "P": 4, "H": 8}, generator(64)).bfloat16()
+    below, at = torch.empty(16, 96, 8), torch.empty(16, 128, 8)
+    assert pairs(below) < module.routing.closed_form_16_bit_training_min_pairs == pairs(at)
+    for precision in ("bfloat16", "float16"):
+        assert module.trains_through_reference(precision, (below,))
+        assert not module.trains_through_reference(precision, (at,))
+    assert not module.trains_through_reference("float32", (below,))
+    monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", "0")
+    assert not module.trains_through_reference("bfloat16", (at,))
+    monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD")
+    module.backward_mode = "reference"
+    assert module.trains_through_reference("bfloat16", (at,))

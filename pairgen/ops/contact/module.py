@@ -35,9 +35,11 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
     saved_gradients = staticmethod(backward.gradients_from)
     #: A 16-bit forward that no tensor-core kernel serves (an autocast of the other 16-bit dtype)
     #: runs the closed form from 2^17 pairs (B*N*N), below it the fp32 kernel on the input made fp32
-    #: (below, the closed form is bound by the host's time per PyTorch operation). Training keeps the
-    #: reference ("auto"): measured faster.
-    routing = Routing(fp32_kernel_max_pairs=2**17 - 1, closed_form_min_pairs=2**17)
+    #: (below, the closed form is bound by the host's time per PyTorch operation). "auto" trains a
+    #: 16-bit call through the closed form (with the fused backward kernels) above 2^18 pairs; up to
+    #: there the step is bound by the host, and the reference's is as fast (docs/performance.md).
+    routing = Routing(fp32_kernel_max_pairs=2**17 - 1, closed_form_min_pairs=2**17,
+                      closed_form_16_bit_training_min_pairs=2**18 + 1)
     input_layout = (("pair_repr", "BNNP", "float"),)
 
     def reference_forward(self, pair_repr):

@@ -61,10 +61,12 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
     input_gradients = ("input", "pair_feats", None)
     #: Up to 2^15 pairs (B*N*N) a 16-bit (or autocast) forward no kernel serves runs the fp32
     #: kernels on the inputs made fp32: faster than the 16-bit reference up to there, slower beyond.
-    #: The closed form never runs without a kernel, and "auto" trains 16-bit calls through the
-    #: reference: the closed form in fp32 measured slower than the bf16 reference, and its 16-bit
-    #: computation (a dense max gradient) is not yet measured against it.
-    routing = Routing(fp32_kernel_max_pairs=2**15)
+    #: The closed form never runs without a kernel. "auto" trains a 16-bit call through the closed
+    #: form from 2^18 pairs, below through the reference: there the step is bound by the host's
+    #: time to issue its operations, which the closed form has more of (docs/performance.md).
+    #: Its products are PyTorch's, so it needs no fused backward kernels.
+    routing = Routing(fp32_kernel_max_pairs=2**15, closed_form_16_bit_training_min_pairs=2**18,
+                      closed_form_16_bit_training_needs_fused_kernels=False)
     input_layout = (("nodes", "BND", "float"), ("pair_feats", "BNNP", "float"), ("edge_mask", "BNN", "mask"))
 
     def closed_form_output_dtype(self, first, autocast):
