@@ -11,7 +11,8 @@ import torch
 from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_errors, generator, gradient_errors64
 from pairgen.module.autograd import SavedClosedForm
 from pairgen.module.dispatch import pairs
-from pairgen.ops.readout import READOUT, backward
+from pairgen import compiler
+from pairgen.ops.readout import READOUT, backward, fused_backward
 from pairgen.spec import SIXTEEN_BIT_TOLERANCE
 from pairgen.tuning.check import compare, reference64
 
@@ -148,3 +149,19 @@ def test_auto_trains_16_bit_readouts_through_the_closed_form_from_the_measured_s
     monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD")
     module.backward_mode = "reference"
     assert module.trains_through_reference("bfloat16", (at,))
+
+
+@pytest.mark.parametrize("kind,D,P", [("bfloat16", 256, 64), ("float16", 10, 6), ("bfloat16", 7, 3), ("float16", 96, 40)])
+def test_the_16_bit_closed_form_kernels_render_to_their_signatures_and_compile(kind, D, P):
+    """The first layer's rows and the max over partners (fused_backward.py), in both 16-bit types,
+    at widths that take 16-byte accesses and at odd ones that take 2- and 1-element ones: their
+    signatures are the launches', and NVRTC compiles them for sm_90 without spills."""
+    rendered = fused_backward.render(kind, D, P)
+    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
+    assert set(compiled.kernels) >= {f"{rendered.kernel_name}_{s}" for s in ("rows", "max", "max_grad")}
+    assert not compiled.spill_bytes
+
+
+def test_vector_width_takes_the_widest_access_both_widths_divide_into():
+    assert [fused_backward.vector_width(2, D, P) for D, P in ((256, 64), (96, 40), (10, 6), (7, 3))] == [8, 8, 2, 1]
+    assert fused_backward.vector_width(4, 256, 64) == 4

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from .. import closed_form
 from ..closed_form import closed_form_gradients, layer_norm_backward, layer_norm_parts
+from . import fused_backward
 from ...module.modes import as_dtype
 
 
@@ -70,11 +71,15 @@ def _forward(module, nodes, pair_feats, edge_mask, w, mm) -> SimpleNamespace:
     f.pre = _first_layer(nodes, pair, w, mm)
     f.act = F.silu(f.pre)
     f.edge = edge_mask.unsqueeze(-1)
-    f.masked = mm.linear(f.act.view(-1, H), w["fuse.2.weight"], w["fuse.2.bias"]).view(B, N, N, D)
-    f.masked.masked_fill_(~f.edge, float("-inf"))  # m, masked in place: m itself is not needed again
-    pooled = f.masked.amax(dim=2)            # (B, N, D)
-    f.isolated = ~edge_mask.any(dim=2)
-    f.pooled = pooled.masked_fill(f.isolated.unsqueeze(-1), 0.0)
+    m = mm.linear(f.act.view(-1, H), w["fuse.2.weight"], w["fuse.2.bias"]).view(B, N, N, D)
+    f.fused_max = fused_backward.applies(nodes)
+    if f.fused_max:  # the max over the edges in one pass over m (fused_backward.py)
+        f.m, f.pooled = m, fused_backward.max_pool(m, edge_mask, P)
+    else:
+        f.masked = m.masked_fill_(~f.edge, float("-inf"))  # masked in place: m itself is not needed again
+        pooled = f.masked.amax(dim=2)            # (B, N, D)
+        f.isolated = ~edge_mask.any(dim=2)
+        f.pooled = pooled.masked_fill(f.isolated.unsqueeze(-1), 0.0)
     f.p_hat, f.rstd = layer_norm_parts(as_dtype(f.pooled, torch.float32), module.norm.eps)  # statistics in fp32
     return f
 
@@ -90,7 +95,10 @@ def _first_layer(nodes: torch.Tensor, pair: torch.Tensor, w, mm) -> torch.Tensor
     w1, b1 = w["fuse.0.weight"], w["fuse.0.bias"]
     H = w1.shape[0]
     if nodes.dtype is not torch.float32:
-        rows = torch.cat([nodes.unsqueeze(2).expand(B, N, N, D), nodes.unsqueeze(1).expand(B, N, N, D), pair], dim=-1)
+        rows = fused_backward.first_layer_rows(nodes, pair) if fused_backward.applies(nodes) else None
+        if rows is None:
+            rows = torch.cat([nodes.unsqueeze(2).expand(B, N, N, D), nodes.unsqueeze(1).expand(B, N, N, D), pair],
+                             dim=-1)
         return mm.linear(rows.view(-1, 2 * D + P), w1, b1).view(B, N, N, H)
     u = mm(nodes, w1[:, :D].t())             # (B, N, H): node i's term
     v = mm(nodes, w1[:, D:2 * D].t())        # (B, N, H): node j's term
@@ -108,12 +116,16 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     g = grad_out
     grads = {"norm.weight": (g * f.p_hat).sum((0, 1)), "norm.bias": g.sum((0, 1))}
     d_pooled = layer_norm_backward(as_dtype(g, torch.float32) * w["norm.weight"], f.p_hat, f.rstd)  # in fp32
-    d_pooled = d_pooled.masked_fill(f.isolated.unsqueeze(-1), 0.0)
 
     # ---- the max over partners: to the winners, ties sharing ----
-    max_gradient = _max_gradient if f.act.dtype is torch.float32 else _dense_max_gradient
-    d_m = max_gradient(f.masked, f.pooled, f.edge, d_pooled)
-    f.masked = None
+    if f.fused_max:  # an isolated node has no winner: its d_pooled goes nowhere
+        d_m = _DenseMaxGradient(*fused_backward.max_pool_backward(f.m, f.edge_mask, f.pooled, d_pooled, P))
+        f.m = None
+    else:
+        d_pooled = d_pooled.masked_fill(f.isolated.unsqueeze(-1), 0.0)
+        max_gradient = _max_gradient if f.act.dtype is torch.float32 else _dense_max_gradient
+        d_m = max_gradient(f.masked, f.pooled, f.edge, d_pooled)
+        f.masked = None
 
     # ---- the second layer and the SiLU ----
     act_rows = f.act.view(-1, H)

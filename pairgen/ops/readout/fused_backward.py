@@ -1,0 +1,104 @@
+"""The readout's 16-bit closed form on the GPU: the first layer's rows and the max over partners,
+forward and backward (templates/readout/closed_form.cu.j2).
+
+PyTorch's way (backward.py's fallback) builds the first layer's rows with torch.cat of the
+broadcast node rows, which copies them element by element; masks the messages in place and takes
+the max; then finds the winners by comparing every message with its node's max, counts them (a
+cast of the pair-sized boolean to int64 first) and scatters the shares: pair-sized passes, most
+through broadcasting kernels that run at a fraction of the memory's rate. Here the rows are copied
+16 bytes at a time, and for the max a thread takes a node and 16 bytes of channels and walks the
+node's partners: the forward reads the messages once; the backward reads them once more and
+writes the dense gradient the tensor-core products take, revisiting a node's partners only where
+a channel's max is tied. On by default with the other closed forms' fused kernels
+(PAIRGEN_FUSED_BACKWARD); the GPU tests check both ways against the same standard."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ... import config
+from ..fused_kernels import THREADS, FusedTemplate, sm_count
+
+if TYPE_CHECKING:  # annotations only: these sources render without torch (pairgen-tune --status)
+    import torch
+
+SIGNATURES = {"rows": ("ptr nodes", "ptr pair", "ptr rows", "i64 n", "i64 total_rows"),
+              "max": ("ptr m", "ptr edge", "ptr pooled", "i64 nodes", "i64 n", "i64 channels"),
+              "max_grad": ("ptr m", "ptr edge", "ptr pooled", "ptr d_pooled", "ptr d_m", "ptr taken", "i64 nodes",
+                           "i64 n", "i64 channels")}
+TEMPLATE = FusedTemplate("readout", "closed_form", lambda context: SIGNATURES)
+#: Bytes a thread copies or reads of a row at a time.
+ACCESS_BYTES = 16
+#: Resident blocks per SM the grid-stride loops are sized for.
+BLOCKS_PER_SM = 8
+#: The rows kernel works out a row's (b, i, j) in 32-bit arithmetic.
+MAX_ROWS = 2**31 - 1
+
+
+def applies(nodes: torch.Tensor) -> bool:
+    """Whether these kernels take a closed form computing in nodes' dtype (CUDA, 16 bits: fp32
+    keeps its split first layer and sparse max gradient; PAIRGEN_FUSED_BACKWARD not 0)."""
+    import torch
+
+    return nodes.is_cuda and nodes.dtype in (torch.bfloat16, torch.float16) and config.fused_backward()
+
+
+def vector_width(itemsize: int, D: int, P: int) -> int:
+    """Elements a thread takes at a time: 16 bytes' worth where D and P divide into them, else fewer."""
+    vec = ACCESS_BYTES // itemsize
+    while math.gcd(D, P) % vec:
+        vec //= 2
+    return vec
+
+
+def render(kind: str, D: int, P: int):
+    return TEMPLATE.render(kind, vec=vector_width(2 if kind != "float32" else 4, D, P), d=D, p=P)
+
+
+def _launch(like: torch.Tensor, suffix: str, work: int, D: int, P: int, *args: int) -> None:
+    """Launch `suffix` for `work` thread-items (grid-stride, BLOCKS_PER_SM blocks per SM at most)."""
+    blocks = max(1, min(-(-work // THREADS), sm_count(like.device.index) * BLOCKS_PER_SM))
+    TEMPLATE.launch(like, suffix, blocks, *args, vec=vector_width(like.element_size(), D, P), d=D, p=P)
+
+
+def first_layer_rows(nodes: torch.Tensor, pair: torch.Tensor) -> torch.Tensor | None:
+    """(B*N*N, 2D+P): each pair's row [nodes[b, i] | nodes[b, j] | pair[b, i, j]] (nodes (B, N, D)
+    and pair (B, N, N, P) of one dtype); None past MAX_ROWS rows (the caller concatenates)."""
+    B, N, D = nodes.shape
+    P = pair.shape[-1]
+    if B * N * N > MAX_ROWS:
+        return None
+    nodes, pair = nodes.contiguous(), pair.contiguous()
+    rows = nodes.new_empty(B * N * N, 2 * D + P)
+    vec = vector_width(nodes.element_size(), D, P)
+    _launch(nodes, "rows", B * N * N * ((2 * D + P) // vec), D, P, nodes.data_ptr(), pair.data_ptr(),
+            rows.data_ptr(), N, B * N * N)
+    return rows
+
+
+def max_pool(m: torch.Tensor, edge: torch.Tensor, P: int) -> torch.Tensor:
+    """m (B, N, N, D) contiguous, edge (B, N, N) bool: pooled (B, N, D) in m's dtype, the max of
+    m[b, i, j] over the j with edge[b, i, j] (0 for a node with none). P: the pair width (the
+    kernels' rendering is per D and P)."""
+    B, N, _, D = m.shape
+    pooled = m.new_empty(B, N, D)
+    vec = vector_width(m.element_size(), D, P)
+    _launch(m, "max", B * N * (D // vec), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
+            B * N, N, D)
+    return pooled
+
+
+def max_pool_backward(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor, d_pooled: torch.Tensor,
+                      P: int) -> tuple:
+    """The gradient through max_pool: (d m (B*N*N, D) in m's dtype, the sum over nodes of what the
+    winners took (D,) in fp32). d_pooled (B, N, D)."""
+    import torch
+
+    B, N, _, D = m.shape
+    d_pooled = d_pooled.to(torch.float32).contiguous()
+    d_m = torch.empty_like(m)
+    taken = torch.empty_like(d_pooled)
+    vec = vector_width(m.element_size(), D, P)
+    _launch(m, "max_grad", B * N * (D // vec), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
+            d_pooled.data_ptr(), d_m.data_ptr(), taken.data_ptr(), B * N, N, D)
+    return d_m.view(-1, D), taken.sum((0, 1))
