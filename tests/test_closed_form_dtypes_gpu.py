@@ -4,8 +4,8 @@ Routing.closed_form_min_pairs, lowered here to take these odd small shapes; trai
 backward_mode "closed_form"): the output in the reference's dtype, within the 16-bit standard
 against float64 of the same rounded inputs and weights (autocast: within cuEquivariance's bf16
 error of the fp32 reference), and gradients within the 16-bit gradient standard; backward_mode
-"reference" keeps the reference. (Under "auto" 16-bit readouts train through the reference: their
-16-bit closed form is not yet measured against it; here "closed_form" asks for it.)"""
+"reference" keeps the reference. (Under "auto" 16-bit contact heads and readouts train through
+the reference at these small shapes, where it measured as fast; here "closed_form" asks for it.)"""
 from __future__ import annotations
 
 import json
@@ -81,7 +81,7 @@ def test_autocast_returns_the_references_dtype_within_the_autocast_standard(op):
 @pytest.mark.parametrize("op", sorted(CASES))
 def test_16_bit_training_keeps_the_intermediates_and_meets_the_16_bit_gradient_standard(op):
     _, module, inputs = _case(op, 42, torch.bfloat16)
-    module.backward_mode = "closed_form"  # "auto" trains 16-bit contact heads and readouts through the reference
+    module.backward_mode = "closed_form"  # "auto" trains small 16-bit contact heads and readouts through the reference
     with torch.no_grad():
         g = torch.randn(module(*inputs).shape, generator=generator(43)).cuda().bfloat16()
     leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
@@ -188,7 +188,7 @@ def test_small_autocast_forwards_run_the_fp32_kernel_in_the_references_dtype(op)
 def test_small_16_bit_training_and_backward_mode_reference_keep_the_reference(op):
     spec, module, inputs, launched = _small_case(op, 47, torch.bfloat16)
     leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
-    module(*leaves).float().sum().backward()  # "auto" trains 16-bit calls of these ops in PyTorch
+    module(*leaves).float().sum().backward()  # "auto" trains small 16-bit calls of these ops in PyTorch
     module.backward_mode = "reference"
     with torch.no_grad():
         out = module(*inputs)

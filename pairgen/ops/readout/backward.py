@@ -16,7 +16,8 @@ it, shared equally among ties as torch.amax's backward does. In fp32 that gradie
 matrix (about one entry in N is nonzero), so the second layer's two gradient products read only
 the winners (cuSPARSE on the GPU) instead of multiplying a pair-sized matrix of zeros on CUDA
 cores; in 16 bits, which those sparse products do not take, it is a dense matrix for the tensor
-cores. An isolated node's pooled row is the constant 0, so its gradient stops there (its
+cores (on the GPU both the 16-bit rows and the max with its gradient are fused kernels:
+fused_backward.py). An isolated node's pooled row is the constant 0, so its gradient stops there (its
 LayerNorm affine still gets one). d<name> is the gradient of the loss with respect to <name>.
 """
 from __future__ import annotations
