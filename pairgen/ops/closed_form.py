@@ -11,24 +11,6 @@ from ..module.modes import as_dtype, autocast_off, cublas_fp32_mode  # as_dtype:
 from ..precision import COMPUTE_DTYPES
 
 
-# Pair-sized tensors (B·N², C) dominate a backward's memory: these two make one new such tensor
-# each and work in place on it (vecdot: the per-row dot without the row-wise product).
-
-def layer_norm_parts(t: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t normalised over the last dim, 1/std): what the LayerNorm backward reuses."""
-    t_hat = t - t.mean(-1, keepdim=True)
-    rstd = torch.rsqrt(torch.linalg.vecdot(t_hat, t_hat).unsqueeze(-1) / t.shape[-1] + eps)
-    return t_hat.mul_(rstd), rstd
-
-
-def layer_norm_backward(d_hat: torch.Tensor, t_hat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """d(loss)/d(t) from d(loss)/d(t_hat), t_hat = (t - mean) * rstd over the last dim:
-    rstd * (d_hat - mean(d_hat) - t_hat * mean(d_hat * t_hat))."""
-    dot = torch.linalg.vecdot(d_hat, t_hat).unsqueeze(-1) / t_hat.shape[-1]
-    d = d_hat - d_hat.mean(-1, keepdim=True)
-    return d.addcmul_(t_hat, dot, value=-1).mul_(rstd)
-
-
 def channel_sums(t: torch.Tensor) -> torch.Tensor:
     """t (B, C, L) channels first -> (C,): a bias's gradient (each channel's row summed)."""
     return t.sum((0, 2))

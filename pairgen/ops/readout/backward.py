@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import closed_form
-from ..closed_form import closed_form_gradients, layer_norm_backward, layer_norm_parts
+from ..closed_form import closed_form_gradients
 from . import fused_backward
 from ...module.modes import as_dtype
 
@@ -50,7 +50,9 @@ def forward_saving(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_m
     """The forward computed the closed form's way: (out, what gradients_from() needs)."""
     def forward(n32, w, mm):
         state = _forward(module, n32, pair_feats, edge_mask, w, mm)
-        return n32 + (state.p_hat * w["norm.weight"] + w["norm.bias"]), state
+        out = n32 + state.normed
+        state.normed = None
+        return out, state
     return closed_form.forward_saving(forward, nodes, params, precision)
 
 
@@ -81,7 +83,10 @@ def _forward(module, nodes, pair_feats, edge_mask, w, mm) -> SimpleNamespace:
         pooled = f.masked.amax(dim=2)            # (B, N, D)
         f.isolated = ~edge_mask.any(dim=2)
         f.pooled = pooled.masked_fill(f.isolated.unsqueeze(-1), 0.0)
-    f.p_hat, f.rstd = layer_norm_parts(as_dtype(f.pooled, torch.float32), module.norm.eps)  # statistics in fp32
+    # the LayerNorm in fp32 (B x N x D: small), as PyTorch's one kernel each way
+    f.pooled32 = as_dtype(f.pooled, torch.float32)
+    f.norm = (as_dtype(w["norm.weight"], torch.float32), as_dtype(w["norm.bias"], torch.float32))
+    f.normed, f.mean, f.rstd = torch.native_layer_norm(f.pooled32, [D], *f.norm, module.norm.eps)
     return f
 
 
@@ -115,8 +120,9 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
 
     # ---- LayerNorm and the residual ----
     g = grad_out
-    grads = {"norm.weight": (g * f.p_hat).sum((0, 1)), "norm.bias": g.sum((0, 1))}
-    d_pooled = layer_norm_backward(as_dtype(g, torch.float32) * w["norm.weight"], f.p_hat, f.rstd)  # in fp32
+    grads = {}
+    d_pooled, grads["norm.weight"], grads["norm.bias"] = torch.ops.aten.native_layer_norm_backward(
+        as_dtype(g, torch.float32), f.pooled32, [D], f.mean, f.rstd, *f.norm, [True, True, True])  # in fp32
 
     # ---- the max over partners: to the winners, ties sharing ----
     if f.fused_max:  # an isolated node has no winner: its d_pooled goes nowhere
