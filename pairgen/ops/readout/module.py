@@ -64,7 +64,8 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
     #: The closed form never runs without a kernel. "auto" trains a 16-bit call through the closed
     #: form from 2^18 pairs, below through the reference: there the step is bound by the host's
     #: time to issue its operations, which the closed form has more of (docs/performance.md).
-    #: Its products are PyTorch's, so it needs no fused backward kernels.
+    #: It pays there without the fused backward kernels too (PAIRGEN_FUSED_BACKWARD=0: PyTorch's
+    #: passes), so "auto" does not ask for them.
     routing = Routing(fp32_kernel_max_pairs=2**15, closed_form_16_bit_training_min_pairs=2**18,
                       closed_form_16_bit_training_needs_fused_kernels=False)
     input_layout = (("nodes", "BND", "float"), ("pair_feats", "BNNP", "float"), ("edge_mask", "BNN", "mask"))
