@@ -166,3 +166,10 @@ def test_the_16_bit_closed_form_kernels_render_to_their_signatures_and_compile(k
 def test_vector_width_takes_the_widest_access_both_widths_divide_into():
     assert [fused_backward.vector_width(2, D, P) for D, P in ((256, 64), (96, 40), (10, 6), (7, 3))] == [8, 8, 2, 1]
     assert fused_backward.vector_width(4, 256, 64) == 4
+
+
+def test_the_rows_kernel_takes_only_inputs_that_start_on_a_vector():
+    """A contiguous view that starts mid-vector goes to torch.cat (first_layer_rows answers None)."""
+    whole = torch.zeros(3, 16, dtype=torch.bfloat16)
+    assert fused_backward.starts_aligned(whole, 8) and fused_backward.starts_aligned(whole[1:], 8)
+    assert not fused_backward.starts_aligned(whole.view(-1)[1:], 8) and fused_backward.starts_aligned(whole.view(-1)[1:], 1)

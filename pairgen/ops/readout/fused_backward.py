@@ -61,16 +61,25 @@ def _launch(like: torch.Tensor, suffix: str, work: int, D: int, P: int, *args: i
     TEMPLATE.launch(like, suffix, blocks, *args, vec=vector_width(like.element_size(), D, P), d=D, p=P)
 
 
+def starts_aligned(t: torch.Tensor, vec: int) -> bool:
+    """Whether t's first element starts a vec-element access (a contiguous view into a larger
+    tensor may start mid-vector)."""
+    return t.data_ptr() % (vec * t.element_size()) == 0
+
+
 def first_layer_rows(nodes: torch.Tensor, pair: torch.Tensor) -> torch.Tensor | None:
     """(B*N*N, 2D+P): each pair's row [nodes[b, i] | nodes[b, j] | pair[b, i, j]] (nodes (B, N, D)
-    and pair (B, N, N, P) of one dtype); None past MAX_ROWS rows (the caller concatenates)."""
+    and pair (B, N, N, P) of one dtype); None past MAX_ROWS rows, or for inputs that start
+    mid-vector (the caller concatenates)."""
     B, N, D = nodes.shape
     P = pair.shape[-1]
     if B * N * N > MAX_ROWS:
         return None
     nodes, pair = nodes.contiguous(), pair.contiguous()
-    rows = nodes.new_empty(B * N * N, 2 * D + P)
     vec = vector_width(nodes.element_size(), D, P)
+    if not (starts_aligned(nodes, vec) and starts_aligned(pair, vec)):
+        return None
+    rows = nodes.new_empty(B * N * N, 2 * D + P)
     _launch(nodes, "rows", B * N * N * ((2 * D + P) // vec), D, P, nodes.data_ptr(), pair.data_ptr(),
             rows.data_ptr(), N, B * N * N)
     return rows
