@@ -71,11 +71,11 @@ def _forward(module, nodes, pair_feats, edge_mask, w, mm) -> SimpleNamespace:
     pair = as_dtype(pair_feats, nodes.dtype)
     f = SimpleNamespace(B=B, N=N, D=D, P=P, H=H, nodes=nodes, pair=pair, pair_dtype=pair_feats.dtype,
                         edge_mask=edge_mask)
-    f.pre = _first_layer(nodes, pair, w, mm)
+    f.fused_max = fused_backward.applies(nodes)  # the rows and the max as pairgen's kernels
+    f.pre = _first_layer(nodes, pair, w, mm, f.fused_max)
     f.act = F.silu(f.pre)
     f.edge = edge_mask.unsqueeze(-1)
     m = mm.linear(f.act.view(-1, H), w["fuse.2.weight"], w["fuse.2.bias"]).view(B, N, N, D)
-    f.fused_max = fused_backward.applies(nodes)
     if f.fused_max:  # the max over the edges in one pass over m (fused_backward.py)
         f.m, f.pooled = m, fused_backward.max_pool(m, edge_mask, P)
     else:
@@ -90,18 +90,18 @@ def _forward(module, nodes, pair_feats, edge_mask, w, mm) -> SimpleNamespace:
     return f
 
 
-def _first_layer(nodes: torch.Tensor, pair: torch.Tensor, w, mm) -> torch.Tensor:
+def _first_layer(nodes: torch.Tensor, pair: torch.Tensor, w, mm, fused: bool) -> torch.Tensor:
     """pre (B, N, N, H), the first layer's output before the SiLU. In fp32 split by columns: each
     node's terms once per node, broadcast over its partners. In 16 bits the concatenated rows in
     one product, as the reference computes them: rounded once, where the split's three roundings
     move which partner wins the max (measured on the CPU: an input gradient 4x as far from float64
-    as the 16-bit reference's)."""
+    as the 16-bit reference's). fused: the rows built by pairgen's kernel (fused_backward.applies)."""
     B, N, D = nodes.shape
     P = pair.shape[-1]
     w1, b1 = w["fuse.0.weight"], w["fuse.0.bias"]
     H = w1.shape[0]
     if nodes.dtype is not torch.float32:
-        rows = fused_backward.first_layer_rows(nodes, pair) if fused_backward.applies(nodes) else None
+        rows = fused_backward.first_layer_rows(nodes, pair) if fused else None
         if rows is None:
             rows = torch.cat([nodes.unsqueeze(2).expand(B, N, N, D), nodes.unsqueeze(1).expand(B, N, N, D), pair],
                              dim=-1)

@@ -55,10 +55,11 @@ def render(kind: str, D: int, P: int):
     return TEMPLATE.render(kind, vec=vector_width(2 if kind != "float32" else 4, D, P), d=D, p=P)
 
 
-def _launch(like: torch.Tensor, suffix: str, work: int, D: int, P: int, *args: int) -> None:
-    """Launch `suffix` for `work` thread-items (grid-stride, BLOCKS_PER_SM blocks per SM at most)."""
+def _launch(like: torch.Tensor, suffix: str, vec: int, work: int, D: int, P: int, *args: int) -> None:
+    """Launch `suffix` of the rendering for (vec, D, P) for `work` thread-items (grid-stride,
+    BLOCKS_PER_SM blocks per SM at most)."""
     blocks = max(1, min(-(-work // THREADS), sm_count(like.device.index) * BLOCKS_PER_SM))
-    TEMPLATE.launch(like, suffix, blocks, *args, vec=vector_width(like.element_size(), D, P), d=D, p=P)
+    TEMPLATE.launch(like, suffix, blocks, *args, vec=vec, d=D, p=P)
 
 
 def starts_aligned(t: torch.Tensor, vec: int) -> bool:
@@ -80,7 +81,7 @@ def first_layer_rows(nodes: torch.Tensor, pair: torch.Tensor) -> torch.Tensor | 
     if not (starts_aligned(nodes, vec) and starts_aligned(pair, vec)):
         return None
     rows = nodes.new_empty(B * N * N, 2 * D + P)
-    _launch(nodes, "rows", B * N * N * ((2 * D + P) // vec), D, P, nodes.data_ptr(), pair.data_ptr(),
+    _launch(nodes, "rows", vec, B * N * N * ((2 * D + P) // vec), D, P, nodes.data_ptr(), pair.data_ptr(),
             rows.data_ptr(), N, B * N * N)
     return rows
 
@@ -92,7 +93,7 @@ def max_pool(m: torch.Tensor, edge: torch.Tensor, P: int) -> torch.Tensor:
     B, N, _, D = m.shape
     pooled = m.new_empty(B, N, D)
     vec = vector_width(m.element_size(), D, P)
-    _launch(m, "max", B * N * (D // vec), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
+    _launch(m, "max", vec, B * N * (D // vec), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
             B * N, N, D)
     return pooled
 
@@ -108,6 +109,6 @@ def max_pool_backward(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor,
     d_m = torch.empty_like(m)
     taken = torch.empty_like(d_pooled)
     vec = vector_width(m.element_size(), D, P)
-    _launch(m, "max_grad", B * N * (D // vec), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
+    _launch(m, "max_grad", vec, B * N * (D // vec), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
             d_pooled.data_ptr(), d_m.data_ptr(), taken.data_ptr(), B * N, N, D)
     return d_m.view(-1, D), taken.sum((0, 1))
