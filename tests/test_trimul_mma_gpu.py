@@ -124,7 +124,38 @@ def _paired_cases():
     return cases
 
 
-CASES = gpu_params(lambda: _cases() + _wgmma_cases() + _hidden_gate_cases() + _paired_cases())
+def _sliced_cases():
+    """Column slices (each block holding a slice of the projection's and of the output's weight
+    rows, the rows' statistics from their own kernel), in both 16-bit types: at the wide widths
+    where a point's kernels fit only sliced (the fewest slices that fit: a quarter of each kernel's
+    rows a block at P = 384, H = 128 outgoing and P = H = 256 incoming), and with counts named at
+    small widths: every option set, the projection's k padded, slices of one and of several passes,
+    the sums in shared memory and in registers, two x stages, the early fetch, one kernel sliced
+    and the other not."""
+    cases = []
+    for precision in ("bfloat16", "float16"):
+        view = TRIMUL.at(precision)
+        wide = {"p_groups": 2, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 32, "o_stages": 1, "swizzle": True,
+                "consts_smem": True, "paired_columns": True, "z_registers": True}
+        small = {**PAIRED, "p_slices": 4, "o_slices": 4}  # P = 64, H = 32: one pass a slice in both kernels
+        points = [({"P": 384, "H": 128, **OPTION_SETS[-1]}, wide),
+                  ({"P": 256, "H": 256, **OPTION_SETS[-2], "outgoing": 0}, wide)]
+        points += [({"P": 64, "H": 32, **options}, small) for options in OPTION_SETS]
+        points += [({"P": 48, "H": 32, **OPTION_SETS[5]}, {**PAIRED, "p_slices": 4}),
+                   ({"P": 64, "H": 32, **OPTION_SETS[0]}, {**PAIRED, "p_slices": 2, "o_slices": 2, "z_registers": True}),
+                   ({"P": 64, "H": 32, **OPTION_SETS[3]}, {**PAIRED, "p_slices": 2, "p_stages": 2, "o_slices": 2,
+                                                           "o_stages": 2}),
+                   ({"P": 64, "H": 32, **OPTION_SETS[6]}, {**PAIRED, "p_slices": 4, "early_x_fetch": True}),
+                   ({"P": 64, "H": 32, **OPTION_SETS[7]}, {**PAIRED, "o_slices": 2, "x_registers": True})]
+        for k, (widths, params) in enumerate(points):
+            plan = view.plan("wgmma", params, widths)
+            assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, params, TRIMUL.infeasible(plan, DeviceLimits()))
+            assert plan.context["p_slices"] > 1 or plan.context["o_slices"] > 1, (widths, params)
+            cases.append(pytest.param(plan, id=f"sliced-{precision}-{k}-P{widths['P']}H{widths['H']}"))
+    return cases
+
+
+CASES = gpu_params(lambda: _cases() + _wgmma_cases() + _hidden_gate_cases() + _paired_cases() + _sliced_cases())
 variants = compiled_cases(CASES)
 
 

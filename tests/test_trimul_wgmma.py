@@ -209,10 +209,64 @@ def test_default_points_keep_their_products_asynchronous():
 
 
 def variant_kernels(plan) -> set:
-    """The two kernels, named after the variant (a profile tells the points apart)."""
+    """The two kernels, named after the variant (a profile tells the points apart), and the rows'
+    statistics kernel where a kernel is sliced."""
     name = kernel_name("trimul", "wgmma", plan.precision, plan.params)
     assert name.startswith("pairgen_trimul_wgmma_") and all(f"{k}{int(v)}" in name for k, v in plan.params.items())
-    return {name, f"{name}_output"}
+    sliced = plan.context["p_slices"] > 1 or plan.context["o_slices"] > 1
+    return {name, f"{name}_output"} | ({f"{name}_stats"} if sliced else set())
+
+
+WIDE = {"P": 384, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+SQUARE_256 = {"P": 256, "H": 256, "outgoing": 0, "gate_normalized": 1, "bias": 0}
+#: A point whose blocks fit both widths above with a quarter of each kernel's weight rows.
+SLICED = {"p_groups": 2, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 32, "o_stages": 1, "swizzle": True,
+          "consts_smem": True, "paired_columns": True, "z_registers": True}
+
+
+def test_column_slices_fit_the_wide_widths_and_compile_asynchronous_without_spills():
+    """At P = 384 (H = 128) and P = H = 256 no block holds a kernel's whole weights; a point takes
+    the fewest slices of them per block that fit (p_slices, o_slices 0: here a quarter), with a
+    third kernel for the rows' statistics. They compile without spills and with their products
+    asynchronous; counts a point names are whole passes of the paired kernels (not with x in
+    registers, nor the gate in hidden width); at P = H = 128 nothing is sliced, and no trace of
+    slices is rendered."""
+    limits = DeviceLimits()
+    for widths in (WIDE, SQUARE_256):
+        for precision in ("bfloat16", "float16"):
+            first = TRIMUL.plan("wgmma", next(p for s, p in TRIMUL.default_points if s == "wgmma"), widths, precision)
+            assert "shared memory exceeds the per-block limit" in TRIMUL.infeasible(first, limits)
+            plan = TRIMUL.plan("wgmma", SLICED, widths, precision)
+            assert not TRIMUL.infeasible(plan, limits) and plan.context["p_slices"] == plan.context["o_slices"] == 4
+            unpaired = TRIMUL.plan("wgmma", {**SLICED, "paired_columns": False, "consts_smem": False}, widths, precision)
+            assert "shared memory exceeds the per-block limit" in TRIMUL.infeasible(unpaired, limits)
+            assert [k.name for k in plan.kernels][0].endswith("_stats")
+            assert [k.names for k in plan.kernels][1:] == [
+                ("x", "mask", "w", "ar", "br", "stats", "B", "N", "num_tiles", "mask_is_float"),
+                ("x", "z", "w", "out", "stats", "B", "N", "num_tiles")]
+    plans = [TRIMUL.plan("wgmma", SLICED, w, "bfloat16") for w in (WIDE, SQUARE_256)]
+    for plan in plans:
+        _, log = compiler._nvrtc_compile(codegen.render_plan(plan).source, "wgmma.cu", "sm_90a")
+        assert "serialized" not in log and "injected" not in log, log
+    jobs = [(r.source, r.kernel_name, "sm_90") for r in map(codegen.render_plan, plans)]
+    with compiler.compile_pool(2) as pool:
+        for plan, result in zip(plans, compiler.compile_many(jobs, pool)):
+            assert not isinstance(result, Exception), f"{plan.label}: {result}"
+            assert set(result.kernels) == variant_kernels(plan)
+            assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label}: {result.summary()}"
+    reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
+    named = {**SLICED, "p_slices": 4, "o_slices": 4}
+    assert not reasons(named)
+    why = ("column slices are whole passes of the paired kernels (a sliced projection with x in shared memory, "
+           "a sliced output with the gate on P)")
+    assert why in reasons({**named, "o_slices": 0}, SEED)   # 4H = 128: not 4 slices of 64-column passes
+    assert why in reasons({**named, "paired_columns": False, "consts_smem": False})
+    assert why in reasons({**named, "x_registers": True})
+    assert why in reasons({**named, "p_slices": 0}, {**MODEL, "gate_hidden": 1})
+    assert "x in registers is for P up to 128" in reasons({**SLICED, "x_registers": True}, WIDE)
+    assert TRIMUL.plan("wgmma", SLICED, MODEL, "bfloat16").context["p_slices"] == 1
+    unsliced = codegen.render_plan(TRIMUL.default_plan(MODEL, limits, "bfloat16")).source
+    assert "_stats(" not in unsliced.replace("row_stats(", "") and "SLICES" not in unsliced and "__ldg(stats" not in unsliced
 
 
 def test_calls_past_the_paired_offsets_run_the_same_point_unpaired():

@@ -129,6 +129,23 @@ def pack(module, plan, weights):
     return module._packed(mma_layout(P, H, bias, gate_columns(w), plan.precision, weights.sources), weights)
 
 
+def _row_statistics(launches: list, x, x_ptr: int) -> dict:
+    """The rows' LayerNorm statistics of x for kernels that read them rather than take them from
+    their tiles (the sliced wgmma kernels): `launches` holds the statistics kernel, or nothing
+    where no kernel of the variant reads them. The `stats` argument to pass, or nothing."""
+    if not launches:
+        return {}
+    stats = torch.empty((2, x.shape[0] * x.shape[1] * x.shape[2]), device=x.device, dtype=torch.float32)
+    fastcall.note_scratch(stats)
+    launches[0].named(x=x_ptr, stats=stats.data_ptr())
+    return {"stats": stats.data_ptr()}
+
+
+def _taken(launch, arguments: dict) -> dict:
+    """Those of `arguments` the launch's kernel declares."""
+    return {name: value for name, value in arguments.items() if name in launch.names}
+
+
 def run_three_steps(module, variant, x, mask, out, packed) -> None:
     """Projection kernel (tensor cores) -> cuBLAS bmm in the same precision -> output kernel, on
     the weights `packed` for the call (the mma and wgmma strategies, each with its own pack).
@@ -138,7 +155,7 @@ def run_three_steps(module, variant, x, mask, out, packed) -> None:
         _import_torch_half()
     B, N = x.shape[0], x.shape[1]
     H, precision = module.widths["H"], variant.plan.precision
-    project, output = variant.launches(x.get_device(), B, N)
+    *statistics, project, output = variant.launches(x.get_device(), B, N)
     copies = 3 if precision == "tf32x3" else 1
     ab = torch.empty((2, B * H, copies * N * N), device=x.device, dtype=OPERAND_DTYPES[precision])
     fastcall.note_scratch(ab)
@@ -146,8 +163,9 @@ def run_three_steps(module, variant, x, mask, out, packed) -> None:
     if x.dtype is not ab.dtype:
         x = x.to(ab.dtype)  # an fp32 input under autocast: the kernels read x in the operand type
     x_ptr = x.data_ptr()
+    stats = _row_statistics(statistics, x, x_ptr)
     project.named(x=x_ptr, mask=mask.data_ptr(), w=w_ptr, ar=ab[0].data_ptr(), br=ab[1].data_ptr(),
-                  mask_is_float=int(mask.dtype is torch.float32))
+                  mask_is_float=int(mask.dtype is torch.float32), **_taken(project, stats))
     shape = (B * H, N, copies * N) if module._outgoing else (B * H, copies * N, N)
     ar, br = ab[0].view(shape), ab[1].view(shape)
     if precision in HALF_DTYPES:  # fp32 accumulation, output in the operands' dtype
@@ -159,7 +177,7 @@ def run_three_steps(module, variant, x, mask, out, packed) -> None:
     else:
         with cublas_fp32_mode(tf32=True):
             z = triangle_bmm(ar, br, module._outgoing)
-    output.named(x=x_ptr, z=z.data_ptr(), w=w_ptr, out=out.data_ptr())
+    output.named(x=x_ptr, z=z.data_ptr(), w=w_ptr, out=out.data_ptr(), **_taken(output, stats))
 
 
 def run(module, variant, weights, x, mask, out) -> None:

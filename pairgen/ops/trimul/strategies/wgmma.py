@@ -52,51 +52,110 @@ def wgmma_weight_offsets(P: int, H: int, elem_bytes: int, gate_hidden: bool = Fa
     return byte_sections(sizes)
 
 
-def _wgmma_grid(groups: int):
+def _wgmma_grid(groups: int, slices: int = 1):
     """Persistent blocks of `groups` warpgroups, each warpgroup taking 64-row tiles in turn: at most
-    as many blocks as are resident at once, and no more than the tiles need."""
+    as many blocks as are resident at once, and no more than the tiles need. With column slices,
+    that many blocks per slice (consecutive blocks take the same tiles, each for its slice, so a
+    tile's x is read from memory once and from L2 by the others)."""
 
-    def grid(B, N, sms, resident, _groups=groups):
+    def grid(B, N, sms, resident, _groups=groups, _slices=slices):
         tiles = ceil_div(B * N * N, WGMMA_ROWS)
-        return max(1, min(ceil_div(tiles, _groups), max(1, resident) * sms)), (B, N, tiles)
+        if _slices == 1:
+            return max(1, min(ceil_div(tiles, _groups), max(1, resident) * sms)), (B, N, tiles)
+        per_slice = max(1, min(ceil_div(tiles, _groups), max(1, resident) * sms // _slices))
+        return _slices * per_slice, (B, N, tiles)
 
     return grid
 
 
+#: The row statistics kernel of the sliced wgmma kernels: warps per block (wgmma.cu.j2's
+#: STATS_WARPS), a pair each, and blocks per SM at most.
+STATS_WARPS, STATS_BLOCKS_PER_SM = 8, 8
+
+
+def _stats_grid(B, N, sms, resident):
+    pairs = B * N * N
+    return max(1, min(ceil_div(pairs, STATS_WARPS), STATS_BLOCKS_PER_SM * sms)), (B, N, ceil_div(pairs, WGMMA_ROWS))
+
+
+def _with_stats(args: tuple) -> tuple:
+    """A kernel's arguments with the row statistics (`ptr stats`) before the shape tail."""
+    pointers = tuple(a for a in args if a.startswith("ptr "))
+    return (*pointers, "ptr stats", *args[len(pointers):])
+
+
+#: The shared memory a wgmma block may take (Hopper's per-block limit: the strategy is sm_90's).
+SMEM_LIMIT = DeviceLimits().max_smem_per_block
+
+
+def _fewest_slices(passes: int, smem_of, sliceable: bool) -> int:
+    """The fewest slices (a divisor of the kernel's passes) whose block fits SMEM_LIMIT, 1 where
+    the kernel cannot be sliced or no count fits (the shared-memory restriction then says so)."""
+    for count in (c for c in range(1, passes + 1) if passes % c == 0) if sliceable else ():
+        if smem_of(count) <= SMEM_LIMIT:
+            return count
+    return 1
+
+
+def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int, int]:
+    """Each kernel's column slices: the point's own count, or (0) the fewest that fit. Slices are
+    the paired kernels' (their staged constants and stores); a sliced projection reads x from shared
+    memory, a sliced output kernel gates on the pair width."""
+    paired = params["paired_columns"]
+    p_passes, o_passes = 4 * w["H"] // params["p_wn"], w["P"] // params["o_wn"]
+    p_slices = params.get("p_slices", 1) or _fewest_slices(p_passes, project_smem,
+                                                            paired and not params["x_registers"])
+    o_slices = params.get("o_slices", 1) or _fewest_slices(o_passes, output_smem, paired and not w["gate_hidden"])
+    return p_slices, o_slices
+
+
 def derive(params: dict, w: dict, name: str):
     P, H, precision = w["P"], w["H"], w["precision"]
-    eb = element_bytes(precision)
+    eb, hidden = element_bytes(precision), bool(w["gate_hidden"])
     x_tile, z_tile = WGMMA_ROWS * k_padded(P) * eb, WGMMA_ROWS * k_padded(H) * eb
-    # Every region 1024-byte aligned (the 128-byte swizzle's atoms). Resident Wp; per warpgroup
-    # p_stages x tiles and, per warp, the staging of a pass's a, b (p_wn / 2 slots of 24 elements:
-    # its 16 rows, padded).
-    project_smem = (align(4 * H * k_padded(P) * eb, 1024)
-                    + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb, 1024))
-    # Resident Wout and Wgate; per warpgroup o_stages x tiles, the triangle sums as they lie in
-    # memory ([H][64]) and (unless they go to registers) in the operand layout with the rows'
-    # partial statistics ([4][64] fp32).
-    hidden = bool(w["gate_hidden"])
-    transposed = 0 if params["z_registers"] else z_tile + 4 * 64 * 4
-    output_smem = (align(P * k_padded(H) * eb, 1024) + align(gate_columns(w) * k_padded(P) * eb, 1024)
-                   + params["o_groups"] * align(params["o_stages"] * x_tile + align(WGMMA_ROWS * H * eb, 1024)
-                                                + transposed, 1024))
     off = wgmma_weight_offsets(P, H, eb, hidden)
-    if params["consts_smem"]:  # the epilogues' per-column constants, staged once per block
-        project_smem += align(off["c1o"] - off["c1p"], 1024)
-        output_smem += align(off["total"] - off["c1o"], 1024)
+
+    def project_smem(slices: int) -> int:
+        # Every region 1024-byte aligned (the 128-byte swizzle's atoms). Resident Wp (its slice of
+        # the 4H columns); per warpgroup p_stages x tiles and, per warp, the staging of a pass's a,
+        # b (p_wn / 2 slots of 24 elements: its 16 rows, padded); the epilogues' constants of the
+        # slice, staged once per block.
+        return (align(4 * H // slices * k_padded(P) * eb, 1024)
+                + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb, 1024)
+                + (align((off["c1o"] - off["c1p"]) // slices, 1024) if params["consts_smem"] else 0))
+
+    def output_smem(slices: int) -> int:
+        # Resident Wout and Wgate (their slice of the P output columns; the gate in hidden width is
+        # never sliced); per warpgroup o_stages x tiles, the triangle sums as they lie in memory
+        # ([H][64]) and (unless they go to registers) in the operand layout with the rows' partial
+        # statistics ([4][64] fp32); the epilogues' constants of the slice.
+        transposed = 0 if params["z_registers"] else z_tile + 4 * 64 * 4
+        columns = P // slices
+        return (align(columns * k_padded(H) * eb, 1024) + align((gate_columns(w) if hidden else columns) * k_padded(P) * eb, 1024)
+                + params["o_groups"] * align(params["o_stages"] * x_tile + align(WGMMA_ROWS * H * eb, 1024) + transposed, 1024)
+                + (align(columns * 16 if slices > 1 else off["total"] - off["c1o"], 1024) if params["consts_smem"] else 0))
+
+    p_slices, o_slices = _slice_counts(params, w, project_smem, output_smem)
+    project_smem, output_smem = project_smem(p_slices), output_smem(o_slices)
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
                "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "off": off, "consts_smem": params["consts_smem"],
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
                "x_registers": params["x_registers"], "z_registers": params["z_registers"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (params["o_wn"], params["z_registers"])) if rs}),
-               "p_groups": params["p_groups"], "p_wn": params["p_wn"],
+               "p_groups": params["p_groups"], "p_wn": params["p_wn"], "p_slices": p_slices, "o_slices": o_slices,
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
-    return context, (Kernel(name, 128 * params["p_groups"], project_smem, PROJECT_ARGS, _wgmma_grid(params["p_groups"])),
-                     Kernel(f"{name}_output", 128 * params["o_groups"], output_smem, OUTPUT_ARGS,
-                            _wgmma_grid(params["o_groups"])))
+    kernels = (Kernel(name, 128 * params["p_groups"], project_smem,
+                      _with_stats(PROJECT_ARGS) if p_slices > 1 else PROJECT_ARGS,
+                      _wgmma_grid(params["p_groups"], p_slices)),
+               Kernel(f"{name}_output", 128 * params["o_groups"], output_smem,
+                      _with_stats(OUTPUT_ARGS) if o_slices > 1 else OUTPUT_ARGS, _wgmma_grid(params["o_groups"], o_slices)))
+    if p_slices > 1 or o_slices > 1:  # the rows' statistics first (run_three_steps)
+        kernels = (Kernel(f"{name}_stats", 32 * STATS_WARPS, 0, ("ptr x", "ptr stats", "i32 B", "i32 N", "i32 num_tiles"),
+                          _stats_grid), *kernels)
+    return context, kernels
 
 
 def _wgmma_columns_divide(plan: Plan, limits: DeviceLimits) -> bool:
@@ -105,6 +164,25 @@ def _wgmma_columns_divide(plan: Plan, limits: DeviceLimits) -> bool:
     P, H, o_wn = plan.widths["P"], plan.widths["H"], plan.params["o_wn"]
     return (P % 8 == 0 and H % 8 == 0 and (4 * H) % plan.params["p_wn"] == 0 and P % o_wn == 0
             and (not plan.widths.get("gate_hidden") or H % o_wn == 0))
+
+
+def _slices_apply(plan: Plan, limits: DeviceLimits) -> bool:
+    """A point's own slice counts (not 0, the fewest that fit) are whole passes of a kernel that
+    can be sliced: the paired kernels, a sliced projection with x in shared memory, a sliced output
+    kernel with the gate on the pair width."""
+    params, w = plan.params, plan.widths
+    p_slices, o_slices = params.get("p_slices", 0), params.get("o_slices", 0)
+    p_ok = p_slices <= 1 or (params["paired_columns"] and not params["x_registers"]
+                             and (4 * w["H"]) % (p_slices * params["p_wn"]) == 0)
+    o_ok = o_slices <= 1 or (params["paired_columns"] and not w.get("gate_hidden")
+                             and w["P"] % (o_slices * params["o_wn"]) == 0)
+    return p_ok and o_ok
+
+
+def _x_fragments_fit(plan: Plan, limits: DeviceLimits) -> bool:
+    """x in registers takes k_padded(P) / 4 registers a thread for its fragments: up to P = 128,
+    beside two passes' accumulators (past it, the sliced kernels read x from shared memory)."""
+    return not plan.params["x_registers"] or k_padded(plan.widths["P"]) <= 128
 
 
 def _swizzle_applies(plan: Plan, limits: DeviceLimits) -> bool:
@@ -275,11 +353,16 @@ WGMMA = Strategy(
     # passes then read only Wp from shared memory, and the tile is free for the next fetch at once);
     # whether each warp of the paired output kernel holds its 16 rows of the triangle sums in
     # registers as the out product's A operand (z_registers: ldmatrix.trans from the staging as the
-    # sums lie in memory, no transposing pass through shared memory).
+    # sums lie in memory, no transposing pass through shared memory); the slices of each kernel's
+    # weight rows (p_slices of the 4H projection columns, o_slices of the P output columns; 0: the
+    # fewest whose block fits in shared memory, 1 at P = H = 128): each block keeps one slice
+    # resident and takes every tile for those columns, so that wide P and H fit, the rows'
+    # LayerNorm statistics then from a kernel of their own.
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
            "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
-           "x_registers": (False, True), "z_registers": (False, True)},
+           "x_registers": (False, True), "z_registers": (False, True),
+           "p_slices": (0, 2, 4), "o_slices": (0, 2, 4)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -293,6 +376,9 @@ WGMMA = Strategy(
                               on_point=True),
                   Restriction("the sums in registers are the paired output kernel's, gate on P, H a multiple of 16",
                               _z_registers_paired, on_point=True),
+                  Restriction("column slices are whole passes of the paired kernels (a sliced projection with x in "
+                              "shared memory, a sliced output with the gate on P)", _slices_apply, on_point=True),
+                  Restriction("x in registers is for P up to 128", _x_fragments_fit, on_point=True),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies,
                               on_point=True),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
