@@ -50,11 +50,12 @@ def add_selection_args(parser: argparse.ArgumentParser, main_job: bool = False) 
     parser.add_argument("--shape", type=parse_shape, action="append", default=[],
                         help="a shape such as B=4,N=64,P=64,H=32 (repeatable; needs exactly one --op)")
     default = ("the main job (above); all: seed and real" if main_job else "all, i.e. seed and real")
-    parser.add_argument("--preset", choices=("seed", "real", "models", "wide", "hidden", "gpumode", "all"),
+    parser.add_argument("--preset", choices=("seed", "real", "models", "wide", "classes", "hidden", "gpumode", "all"),
                         default=None if main_job else "all",
                         help=f"the op's default shapes to use when no --shape is given (default: {default}; "
                              "models: the options the AlphaFold 3 family runs, where an op has them; wide: "
-                             "that form at pair widths 256, 384 and 768; hidden: lucidrains' form, the out gate "
+                             "that form at pair widths 256, 384 and 768; classes: that form at the wider pair and hidden widths "
+                             "together (P / H 256 / 256 to 512 / 512, N512); hidden: lucidrains' form, the out gate "
                              "in hidden width; gpumode: GPU MODE's TriMul benchmark shapes, outgoing, in the "
                              "models' form)")
     parser.add_argument("--precision", action="append", choices=PRECISIONS,
