@@ -124,3 +124,24 @@ def test_named_gives_what_a_positional_call_gives_whatever_the_order_of_the_name
     assert len(bound._orders) == 2
     with pytest.raises(TypeError, match="k: no argument named outt"):
         bound.named(x=1, mask=2, outt=3, flag=0)
+
+
+def test_a_sliced_wgmma_runner_hands_one_statistics_buffer_to_both_kernels():
+    """With column slices the wgmma variant has a third kernel, run first: the rows' statistics of x,
+    into a per-call buffer that the projection and the output kernel then read (`stats`)."""
+    spec = get_op("trimul")
+    shape = SHAPES["trimul"]
+    params = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "p_slices": 4, "o_groups": 2, "o_wn": 16, "o_stages": 1,
+              "o_slices": 4, "swizzle": False, "consts_smem": True, "paired_columns": True}
+    plan = spec.at("bfloat16").plan("wgmma", params, spec.widths_of(shape))
+    assert not spec.infeasible(plan, DeviceLimits(arch="sm_90"))
+    gen = generator(0)
+    module = spec.make_module(spec.widths_of(shape), gen).to(torch.bfloat16)
+    x, mask = (t.to(torch.bfloat16) if t.dtype.is_floating_point else t for t in spec.make_inputs(shape, gen, "normal"))
+    variant = _RecordingVariant(plan, shape)
+    with torch.no_grad():
+        module._launch(x, mask, out=torch.empty_like(module.reference_forward(x, mask)), variant=variant)
+    stats, project, output = (dict(zip(k.names, k.calls[0])) for k in variant.launched)
+    assert [k.kernel.name.rsplit("_", 1)[-1] for k in variant.launched][0] == "stats"
+    assert stats["x"] == project["x"] == output["x"] == x.data_ptr()
+    assert stats["stats"] == project["stats"] == output["stats"] not in (0, x.data_ptr())
