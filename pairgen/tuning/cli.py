@@ -55,7 +55,7 @@ def add_selection_args(parser: argparse.ArgumentParser, main_job: bool = False) 
                         help=f"the op's default shapes to use when no --shape is given (default: {default}; "
                              "models: the options the AlphaFold 3 family runs, where an op has them; wide: "
                              "that form at pair widths 256, 384 and 768; classes: that form at the wider pair and hidden widths "
-                             "together (P / H 256 / 256 to 512 / 512, N512); hidden: lucidrains' form, the out gate "
+                             "together (P / H 256 / 256, 384 / 256, 384 / 384, N512); hidden: lucidrains' form, the out gate "
                              "in hidden width; gpumode: GPU MODE's TriMul benchmark shapes, outgoing, in the "
                              "models' form)")
     parser.add_argument("--precision", action="append", choices=PRECISIONS,
