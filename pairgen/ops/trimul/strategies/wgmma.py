@@ -60,8 +60,6 @@ def _wgmma_grid(groups: int, slices: int = 1):
 
     def grid(B, N, sms, resident, _groups=groups, _slices=slices):
         tiles = ceil_div(B * N * N, WGMMA_ROWS)
-        if _slices == 1:
-            return max(1, min(ceil_div(tiles, _groups), max(1, resident) * sms)), (B, N, tiles)
         per_slice = max(1, min(ceil_div(tiles, _groups), max(1, resident) * sms // _slices))
         return _slices * per_slice, (B, N, tiles)
 
@@ -91,9 +89,10 @@ SMEM_LIMIT = DeviceLimits().max_smem_per_block
 def _fewest_slices(passes: int, smem_of, sliceable: bool) -> int:
     """The fewest slices (a divisor of the kernel's passes) whose block fits SMEM_LIMIT, 1 where
     the kernel cannot be sliced or no count fits (the shared-memory restriction then says so)."""
-    for count in (c for c in range(1, passes + 1) if passes % c == 0) if sliceable else ():
-        if smem_of(count) <= SMEM_LIMIT:
-            return count
+    if sliceable:
+        for count in range(1, passes + 1):
+            if passes % count == 0 and smem_of(count) <= SMEM_LIMIT:
+                return count
     return 1
 
 
@@ -103,9 +102,8 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
     memory, a sliced output kernel gates on the pair width."""
     paired = params["paired_columns"]
     p_passes, o_passes = 4 * w["H"] // params["p_wn"], w["P"] // params["o_wn"]
-    p_slices = params.get("p_slices", 1) or _fewest_slices(p_passes, project_smem,
-                                                            paired and not params["x_registers"])
-    o_slices = params.get("o_slices", 1) or _fewest_slices(o_passes, output_smem, paired and not w["gate_hidden"])
+    p_slices = params["p_slices"] or _fewest_slices(p_passes, project_smem, paired and not params["x_registers"])
+    o_slices = params["o_slices"] or _fewest_slices(o_passes, output_smem, paired and not w["gate_hidden"])
     return p_slices, o_slices
 
 
@@ -171,7 +169,7 @@ def _slices_apply(plan: Plan, limits: DeviceLimits) -> bool:
     can be sliced: the paired kernels, a sliced projection with x in shared memory, a sliced output
     kernel with the gate on the pair width."""
     params, w = plan.params, plan.widths
-    p_slices, o_slices = params.get("p_slices", 0), params.get("o_slices", 0)
+    p_slices, o_slices = params["p_slices"], params["o_slices"]
     p_ok = p_slices <= 1 or (params["paired_columns"] and not params["x_registers"]
                              and (4 * w["H"]) % (p_slices * params["p_wn"]) == 0)
     o_ok = o_slices <= 1 or (params["paired_columns"] and not w.get("gate_hidden")
