@@ -155,13 +155,55 @@ def _sliced_cases():
     return cases
 
 
-CASES = gpu_params(lambda: _cases() + _wgmma_cases() + _hidden_gate_cases() + _paired_cases() + _sliced_cases())
+def _w_registers_point(precision: str) -> dict:
+    """The first default with the projection's Wp in registers (two warpgroups, two x stages)."""
+    first = next(params for s, params in TRIMUL.at(precision).default_points if s == "wgmma")
+    return {**first, "x_registers": False, "w_registers": True, "p_groups": 2, "p_stages": 2}
+
+
+def _w_registers_cases():
+    """The projection with Wp in registers (its products' operands swapped: Wp's 64-row blocks as A
+    from registers, the x tile shared by the block's warpgroups as B, a and b stored from the
+    accumulators), in both 16-bit types: the models' form in both directions (4 row blocks a
+    warpgroup), every option set at P = 64, H = 32 (one a warpgroup), one warpgroup of 4 blocks (H =
+    64), k padded and unswizzled (P = 48), the gate in hidden width."""
+    cases = []
+    for precision in ("bfloat16", "float16"):
+        view = TRIMUL.at(precision)
+        model = _w_registers_point(precision)
+        small = {**PAIRED, "w_registers": True, "p_stages": 2}
+        points = [({"P": 128, "H": 128, **OPTION_SETS[-1]}, model),
+                  ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0}, model),
+                  ({"P": 128, "H": 64, **OPTION_SETS[-1]}, {**model, "p_groups": 1})]
+        points += [({"P": 64, "H": 32, **options}, small) for options in OPTION_SETS]
+        points += [({"P": 48, "H": 32, **OPTION_SETS[5]}, small),
+                   ({"P": 128, "H": 64, **OPTION_SETS[5], "gate_hidden": 1}, small)]
+        for k, (widths, params) in enumerate(points):
+            plan = view.plan("wgmma", params, widths)
+            assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, params, TRIMUL.infeasible(plan, DeviceLimits()))
+            cases.append(pytest.param(plan, id=f"w_registers-{precision}-{k}-P{widths['P']}H{widths['H']}"))
+    return cases
+
+
+CASES = gpu_params(lambda: _cases() + _wgmma_cases() + _hidden_gate_cases() + _paired_cases() + _sliced_cases()
+                   + _w_registers_cases())
 variants = compiled_cases(CASES)
 
 
 @pytest.mark.parametrize("plan", CASES)
 def test_mma_variant_matches_float64_reference(plan, variants):
     assert_variant_matches_float64(TRIMUL, plan, compiled_variant(variants, plan), SHAPES)
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_w_registers_projection_over_many_tiles_a_block(precision):
+    """The projection with Wp in registers is persistent: a block takes every gridDim-th tile, the
+    two x buffers and the statistics alternating. The cases above have at most a few tiles a block;
+    here N = 123, 300 and B2 N97 (odd N: a and b's channel rows unaligned, tiles straddling batches)
+    give up to ~11 a block."""
+    plan = TRIMUL.at(precision).plan("wgmma", _w_registers_point(precision), {"P": 128, "H": 128, **OPTION_SETS[-1]})
+    variant = runtime.variant_of(plan, torch.cuda.current_device())
+    assert_variant_matches_float64(TRIMUL, plan, variant, [(1, 123), (1, 300), (2, 97)])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -269,6 +269,62 @@ def test_column_slices_fit_the_wide_widths_and_compile_asynchronous_without_spil
     assert "_stats(" not in unsliced.replace("row_stats(", "") and "SLICES" not in unsliced and "__ldg(stats" not in unsliced
 
 
+#: The projection with Wp in registers (its products' operands swapped), beside the first
+#: default's output kernel.
+W_REGISTERS = {**next(p for s, p in TRIMUL.default_points if s == "wgmma"), "x_registers": False,
+               "w_registers": True, "p_groups": 2, "p_stages": 2}
+
+
+def test_weights_in_registers_swap_the_projections_operands_and_compile_without_spills():
+    """w_registers: each of the projection's 2 warpgroups holds its half of Wp's 64-row blocks as A
+    fragments in registers, and the block's warpgroups share each x tile (B): the kernel's shared
+    memory is two x tiles and the pairs' statistics, its blocks take whole tiles, its arguments are
+    the projection's. It compiles for the models' widths and the small ones without spills and with
+    its products asynchronous; where the fragments do not fit beside the accumulators (4 warpgroups,
+    P = 384), or the row blocks do not share evenly, or with one x stage or the other projection
+    variants, the restriction says so; the points without it render no trace of it."""
+    from pairgen.ops.trimul.common import PROJECT_ARGS
+    from pairgen.ops.trimul.strategies.wgmma import w_registers_fragments
+
+    limits = DeviceLimits()
+    plans = []
+    for precision in ("bfloat16", "float16"):
+        for widths, params in ((MODEL, W_REGISTERS), ({**MODEL, "outgoing": 0, "H": 64}, {**W_REGISTERS, "p_groups": 1}),
+                               (ODD, {**W_REGISTERS, "swizzle": False, "o_wn": 16, "o_groups": 2})):
+            widths = {**widths, "H": 32} if widths is ODD else widths   # H a multiple of 16
+            plan = TRIMUL.plan("wgmma", params, widths, precision)
+            assert not TRIMUL.infeasible(plan, limits), (widths, params, TRIMUL.infeasible(plan, limits))
+            project = plan.kernels[0]
+            x_tile = 64 * k_padded(widths["P"]) * 2
+            assert project.threads == 128 * params["p_groups"] and project.args == PROJECT_ARGS
+            assert project.smem_bytes == 2 * x_tile + 1024
+            blocks, _ = project.grid(1, 512, 132, 1)
+            assert blocks == 132 and project.grid(1, 8, 132, 1)[0] == 1   # whole tiles a block
+            plans.append(plan)
+    assert w_registers_fragments(128, 128, 2) == 128 and w_registers_fragments(128, 64, 1) == 128
+    jobs = [(r.source, r.kernel_name, "sm_90") for r in map(codegen.render_plan, plans)]
+    with compiler.compile_pool(2) as pool:
+        for plan, result in zip(plans, compiler.compile_many(jobs, pool)):
+            assert not isinstance(result, Exception), f"{plan.label}: {result}"
+            assert set(result.kernels) == variant_kernels(plan)
+            assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label}: {result.summary()}"
+    _, log = compiler._nvrtc_compile(codegen.render_plan(plans[0]).source, "wgmma.cu", "sm_90a")
+    assert "wgmma" in log and "serialized" not in log and "injected" not in log, log
+    reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
+    why = ("Wp in registers: H / 16 row blocks shared evenly by at most 2 warpgroups, their fragments at most 128 "
+           "registers a thread, two x stages, not with x in registers or slices")
+    assert why in reasons({**W_REGISTERS, "p_groups": 4})
+    assert why in reasons({**W_REGISTERS, "p_groups": 1})                    # 256 fragment registers
+    assert why in reasons({**W_REGISTERS, "p_stages": 1})
+    assert why in reasons({**W_REGISTERS, "x_registers": True})
+    assert why in reasons({**W_REGISTERS, "p_slices": 2})
+    assert why in reasons(W_REGISTERS, WIDE)                                 # P = 384: 192 a row block pair
+    assert why in reasons(W_REGISTERS, {**MODEL, "H": 24, "P": 48})          # H not a multiple of 16
+    assert why in reasons({**W_REGISTERS, "p_groups": 3}, {**MODEL, "H": 32})   # 2 row blocks for 3 groups
+    plain = codegen.render_plan(TRIMUL.default_plan(MODEL, limits, "bfloat16")).source
+    assert "w_registers_epilogue" not in plain and "wgmma_rs_n64_first" not in plain
+
+
 def test_calls_past_the_paired_offsets_run_the_same_point_unpaired():
     """Paired columns keep a warp's offset into a and b in 16-byte units in 32 bits: a call with
     B*H*N*N >= 2^34 elements there runs the same point unpaired (64-bit store offsets), one below

@@ -102,7 +102,8 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
     memory, a sliced output kernel gates on the pair width."""
     paired = params["paired_columns"]
     p_passes, o_passes = 4 * w["H"] // params["p_wn"], w["P"] // params["o_wn"]
-    p_slices = params["p_slices"] or _fewest_slices(p_passes, project_smem, paired and not params["x_registers"])
+    p_sliceable = paired and not params["x_registers"] and not params["w_registers"]
+    p_slices = params["p_slices"] or _fewest_slices(p_passes, project_smem, p_sliceable)
     o_slices = params["o_slices"] or _fewest_slices(o_passes, output_smem, paired and not w["gate_hidden"])
     return p_slices, o_slices
 
@@ -117,7 +118,10 @@ def derive(params: dict, w: dict, name: str):
         # Every region 1024-byte aligned (the 128-byte swizzle's atoms). Resident Wp (its slice of
         # the 4H columns); per warpgroup p_stages x tiles and, per warp, the staging of a pass's a,
         # b (p_wn / 2 slots of 24 elements: its 16 rows, padded); the epilogues' constants of the
-        # slice, staged once per block.
+        # slice, staged once per block. With Wp in registers: the block's p_stages x tiles and
+        # their pairs' statistics (three floats a pair).
+        if params["w_registers"]:
+            return align(params["p_stages"] * x_tile, 1024) + align(3 * WGMMA_ROWS * 4, 1024)
         return (align(4 * H // slices * k_padded(P) * eb, 1024)
                 + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb, 1024)
                 + (align((off["c1o"] - off["c1p"]) // slices, 1024) if params["consts_smem"] else 0))
@@ -139,7 +143,9 @@ def derive(params: dict, w: dict, name: str):
                "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "off": off, "consts_smem": params["consts_smem"],
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
                "x_registers": params["x_registers"], "z_registers": params["z_registers"],
+               "w_registers": params["w_registers"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
+                                                              (WGMMA_ROWS, params["w_registers"]),
                                                               (params["o_wn"], params["z_registers"])) if rs}),
                "p_groups": params["p_groups"], "p_wn": params["p_wn"], "p_slices": p_slices, "o_slices": o_slices,
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
@@ -147,7 +153,7 @@ def derive(params: dict, w: dict, name: str):
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
     kernels = (Kernel(name, 128 * params["p_groups"], project_smem,
                       _with_stats(PROJECT_ARGS) if p_slices > 1 else PROJECT_ARGS,
-                      _wgmma_grid(params["p_groups"], p_slices)),
+                      _wgmma_grid(1 if params["w_registers"] else params["p_groups"], p_slices)),
                Kernel(f"{name}_output", 128 * params["o_groups"], output_smem,
                       _with_stats(OUTPUT_ARGS) if o_slices > 1 else OUTPUT_ARGS, _wgmma_grid(params["o_groups"], o_slices)))
     if p_slices > 1 or o_slices > 1:  # the rows' statistics first (run_three_steps)
@@ -181,6 +187,31 @@ def _x_fragments_fit(plan: Plan, limits: DeviceLimits) -> bool:
     """x in registers takes k_padded(P) / 4 registers a thread for its fragments: up to P = 128,
     beside two passes' accumulators (past it, the sliced kernels read x from shared memory)."""
     return not plan.params["x_registers"] or k_padded(plan.widths["P"]) <= 128
+
+
+def w_registers_fragments(P: int, H: int, p_groups: int) -> int:
+    """The registers a thread of the projection with Wp in registers holds its fragments in: its
+    warpgroup's share of Wp's 64-row blocks (H / 16 of them), k_padded(P) / 4 each."""
+    return H // 16 // p_groups * (k_padded(P) // 4)
+
+
+#: What a thread of that projection may give its fragments: beside two row blocks' accumulators
+#: (64) and the epilogue's ~40, within 255 registers (one block of 2 warpgroups per SM).
+W_REGISTERS_FRAGMENTS_MAX = 128
+
+
+def _w_registers_fit(plan: Plan, limits: DeviceLimits) -> bool:
+    """Wp in registers: the warpgroups share Wp's 64-row blocks evenly (H a multiple of 16), its
+    fragments fit beside the accumulators (at most 2 warpgroups: 4 leave 128 registers a thread),
+    two x stages (the block computes one tile while the next lands), and not with the other
+    projection variants (x in registers, slices)."""
+    params, P, H = plan.params, plan.widths["P"], plan.widths["H"]
+    if not params["w_registers"]:
+        return True
+    groups = params["p_groups"]
+    return (H % 16 == 0 and (H // 16) % groups == 0 and groups <= 2 and params["p_stages"] == 2
+            and w_registers_fragments(P, H, groups) <= W_REGISTERS_FRAGMENTS_MAX
+            and not params["x_registers"] and params["p_slices"] <= 1)
 
 
 def _swizzle_applies(plan: Plan, limits: DeviceLimits) -> bool:
@@ -355,12 +386,15 @@ WGMMA = Strategy(
     # weight rows (p_slices of the 4H projection columns, o_slices of the P output columns; 0: the
     # fewest whose block fits in shared memory, 1 at P = H = 128): each block keeps one slice
     # resident and takes every tile for those columns, so that wide P and H fit, the rows'
-    # LayerNorm statistics then from a kernel of their own.
+    # LayerNorm statistics then from a kernel of their own; whether the projection holds Wp in
+    # registers with its products' operands swapped (w_registers: each warpgroup a share of Wp's
+    # 64-row blocks as A, every warpgroup of the block on the same x tile as B, a and b stored
+    # from the accumulators: no resident Wp, no staging).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
            "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
            "x_registers": (False, True), "z_registers": (False, True),
-           "p_slices": (0, 2, 4), "o_slices": (0, 2, 4)},
+           "p_slices": (0, 2, 4), "o_slices": (0, 2, 4), "w_registers": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -377,6 +411,9 @@ WGMMA = Strategy(
                   Restriction("column slices are whole passes of the paired kernels (a sliced projection with x in "
                               "shared memory, a sliced output with the gate on P)", _slices_apply, on_point=True),
                   Restriction("x in registers is for P up to 128", _x_fragments_fit, on_point=True),
+                  Restriction("Wp in registers: H / 16 row blocks shared evenly by at most 2 warpgroups, their "
+                              f"fragments at most {W_REGISTERS_FRAGMENTS_MAX} registers a thread, two x stages, "
+                              "not with x in registers or slices", _w_registers_fit, on_point=True),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies,
                               on_point=True),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
