@@ -65,19 +65,6 @@ class TrimulSpec(OpSpec):
         # Any P, H multiples of 16 and 8: 16-column passes.
         ("mma", {"p_tile": 64, "p_warps_m": 2, "p_warps_n": 1, "p_wn": 16, "p_resident": False,
                  "o_tile": 32, "o_warps_m": 2, "o_warps_n": 1, "o_wn": 16, "o_resident": False}),
-        # The first wgmma point with the projection's Wp in registers (its operands swapped: two
-        # warpgroups sharing each x tile). Last, so that no call runs it untuned: it is here for the
-        # tuner, which queues every default first and checks each against the reference (not yet
-        # measured on a GPU: docs/performance.md).
-        ("wgmma", {"p_groups": 2, "p_stages": 2, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
-                   "consts_smem": True, "paired_columns": True, "z_registers": True, "w_registers": True}),
-        # The same for the wide widths (P, H = 256-768): each block a slice of a kernel's weight rows,
-        # the fewest slices that fit, 2 warpgroups a kernel (up to P384 H256), 1 (P384 H384 to P768;
-        # not yet measured on a GPU either).
-        ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 32, "o_stages": 1, "swizzle": True,
-                   "consts_smem": True, "paired_columns": True, "z_registers": True}),
-        ("wgmma", {"p_groups": 1, "p_stages": 1, "p_wn": 64, "o_groups": 1, "o_wn": 32, "o_stages": 1, "swizzle": True,
-                   "consts_smem": True, "paired_columns": True, "z_registers": True}),
     )
     presets = {
         "seed": ({"B": 2, "N": 32, "P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1},),
