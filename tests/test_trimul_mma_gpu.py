@@ -166,7 +166,8 @@ def _w_registers_cases():
     from registers, the x tile shared by the block's warpgroups as B, a and b stored from the
     accumulators), in both 16-bit types: the models' form in both directions (4 row blocks a
     warpgroup), every option set at P = 64, H = 32 (one a warpgroup), one warpgroup of 4 blocks (H =
-    64), k padded and unswizzled (P = 48), the gate in hidden width."""
+    64), k padded and unswizzled (P = 48), the gate in hidden width; and the output kernel's x in
+    registers (o_x_registers) with it and alone."""
     cases = []
     for precision in ("bfloat16", "float16"):
         view = TRIMUL.at(precision)
@@ -178,6 +179,15 @@ def _w_registers_cases():
         points += [({"P": 64, "H": 32, **options}, small) for options in OPTION_SETS]
         points += [({"P": 48, "H": 32, **OPTION_SETS[5]}, small),
                    ({"P": 128, "H": 64, **OPTION_SETS[5], "gate_hidden": 1}, small)]
+        # the output kernel's x in registers too (o_x_registers), and alone: both directions, fp32 out,
+        # the gate on the raw input, k padded
+        with_x = {**next(params for s, params in view.default_points if s == "wgmma"), "o_x_registers": True}
+        points += [({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**model, "o_x_registers": True}),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0}, with_x),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-1], "out_fp32": 1}, with_x),
+                   ({"P": 64, "H": 32, **OPTION_SETS[1]}, {**PAIRED, "z_registers": True, "o_x_registers": True}),
+                   ({"P": 48, "H": 48, **OPTION_SETS[4]}, {**PAIRED, "z_registers": True, "o_x_registers": True,
+                                                           "o_wn": 16})]
         for k, (widths, params) in enumerate(points):
             plan = view.plan("wgmma", params, widths)
             assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, params, TRIMUL.infeasible(plan, DeviceLimits()))

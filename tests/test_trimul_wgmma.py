@@ -324,6 +324,33 @@ def test_weights_in_registers_swap_the_projections_operands_and_compile_without_
     assert "w_registers_epilogue" not in plain and "wgmma_rs_n64_first" not in plain
 
 
+def test_the_output_kernels_x_in_registers_compiles_without_spills_where_it_is_allowed():
+    """o_x_registers: the output kernel's x rows, like its triangle sums, as A fragments in registers
+    (the gate product's operand; the rows' statistics from them; the tile refetched at once). It
+    compiles for the models' widths (3 warpgroups, 16- and 32-bit outputs, beside Wp in registers
+    too) and small ones without spills and with its products asynchronous; it needs the sums in
+    registers, one x stage, at most 3 warpgroups and P up to 128; points without it render as
+    before."""
+    limits = DeviceLimits()
+    first = next(p for s, p in TRIMUL.default_points if s == "wgmma")
+    point = {**first, "o_x_registers": True}
+    plans = [TRIMUL.plan("wgmma", params, widths, precision)
+             for precision in ("bfloat16", "float16")
+             for params, widths in ((point, MODEL), (point, {**MODEL, "out_fp32": 1}), ({**W_REGISTERS, "o_x_registers": True}, MODEL),
+                                    ({**point, "swizzle": False, "o_wn": 16}, {**SEED, "gate_normalized": 1}))]
+    for plan in plans:
+        assert not TRIMUL.infeasible(plan, limits), (plan.label, TRIMUL.infeasible(plan, limits))
+    assert_compiled_without_spills(plans, asynchronous=plans[:1])
+    reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
+    why = "the output's x in registers goes with its sums in registers, one x stage, at most 3 warpgroups, P up to 128"
+    assert why in reasons({**point, "z_registers": False})
+    assert why in reasons({**point, "o_stages": 2})
+    assert why in reasons({**point, "o_groups": 4, "o_wn": 32})
+    assert why in reasons(point, WIDE)
+    plain = codegen.render_plan(TRIMUL.default_plan(MODEL, limits, "bfloat16")).source
+    assert "(x in registers)" not in plain and "fragment_row_stats<P>(xa, xmean" not in plain
+
+
 def test_calls_past_the_paired_offsets_run_the_same_point_unpaired():
     """Paired columns keep a warp's offset into a and b in 16-byte units in 32 bits: a call with
     B*H*N*N >= 2^34 elements there runs the same point unpaired (64-bit store offsets), one below

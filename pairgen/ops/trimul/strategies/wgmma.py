@@ -143,7 +143,7 @@ def derive(params: dict, w: dict, name: str):
                "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "off": off, "consts_smem": params["consts_smem"],
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
                "x_registers": params["x_registers"], "z_registers": params["z_registers"],
-               "w_registers": params["w_registers"],
+               "w_registers": params["w_registers"], "o_x_registers": params["o_x_registers"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
                                                               (params["o_wn"], params["z_registers"])) if rs}),
@@ -237,6 +237,16 @@ def _z_registers_paired(plan: Plan, limits: DeviceLimits) -> bool:
     pair width (the hidden gate rewrites the sums in shared memory), for whole 16-channel k-steps."""
     return not plan.params["z_registers"] or (plan.params["paired_columns"] and not plan.widths.get("gate_hidden")
                                               and plan.widths["H"] % 16 == 0)
+
+
+def _output_x_registers_with_z(plan: Plan, limits: DeviceLimits) -> bool:
+    """The output kernel's x in registers is a variant of its sums in registers (z_registers: the
+    paired kernel, gate on P), for P up to 128 and at most 3 warpgroups (x's fragments beside the
+    sums' and two products' accumulators: at 4, 128 registers a thread, it spilled), with one x
+    stage (the tile is free as soon as the warps hold their rows)."""
+    params = plan.params
+    return not params["o_x_registers"] or (params["z_registers"] and params["o_stages"] == 1
+                                           and params["o_groups"] <= 3 and k_padded(plan.widths["P"]) <= 128)
 
 
 def _early_fetch_has_one_stage(plan: Plan, limits: DeviceLimits) -> bool:
@@ -389,12 +399,13 @@ WGMMA = Strategy(
     # LayerNorm statistics then from a kernel of their own; whether the projection holds Wp in
     # registers with its products' operands swapped (w_registers: each warpgroup a share of Wp's
     # 64-row blocks as A, every warpgroup of the block on the same x tile as B, a and b stored
-    # from the accumulators: no resident Wp, no staging).
+    # from the accumulators: no resident Wp, no staging); whether the output kernel also holds its
+    # x rows in registers as the gate product's A operand (o_x_registers, with z_registers).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
            "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
            "x_registers": (False, True), "z_registers": (False, True),
-           "p_slices": (0, 2, 4), "o_slices": (0, 2, 4), "w_registers": (False, True)},
+           "p_slices": (0, 2, 4), "o_slices": (0, 2, 4), "w_registers": (False, True), "o_x_registers": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -411,6 +422,9 @@ WGMMA = Strategy(
                   Restriction("column slices are whole passes of the paired kernels (a sliced projection with x in "
                               "shared memory, a sliced output with the gate on P)", _slices_apply, on_point=True),
                   Restriction("x in registers is for P up to 128", _x_fragments_fit, on_point=True),
+                  Restriction("the output's x in registers goes with its sums in registers, one x stage, at most 3 "
+                              "warpgroups, P up to 128",
+                              _output_x_registers_with_z, on_point=True),
                   Restriction("Wp in registers: H / 16 row blocks shared evenly by at most 2 warpgroups, their "
                               f"fragments at most {W_REGISTERS_FRAGMENTS_MAX} registers a thread, two x stages, "
                               "not with x in registers or slices", _w_registers_fit, on_point=True),
