@@ -310,8 +310,9 @@ def test_weights_in_registers_swap_the_projections_operands_and_compile_without_
     assert w_registers_fragments(128, 128, 2) == 128 and w_registers_fragments(128, 64, 1) == 128
     assert_compiled_without_spills(plans, asynchronous=plans[:1])
     reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
-    why = ("Wp in registers: H / 16 row blocks shared evenly by at most 2 warpgroups, their fragments at most 128 "
-           "registers a thread, two x stages, not with x in registers or slices")
+    why = ("Wp in registers: paired columns, H / 16 row blocks shared evenly by at most 2 warpgroups, their fragments "
+           "at most 128 registers a thread, two x stages, not with x in registers or slices")
+    assert why in reasons({**W_REGISTERS, "paired_columns": False, "z_registers": False})
     assert why in reasons({**W_REGISTERS, "p_groups": 4})
     assert why in reasons({**W_REGISTERS, "p_groups": 1})                    # 256 fragment registers
     assert why in reasons({**W_REGISTERS, "p_stages": 1})
@@ -342,7 +343,9 @@ def test_the_output_kernels_x_in_registers_compiles_without_spills_where_it_is_a
         assert not TRIMUL.infeasible(plan, limits), (plan.label, TRIMUL.infeasible(plan, limits))
     assert_compiled_without_spills(plans, asynchronous=plans[:1])
     reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
-    why = "the output's x in registers goes with its sums in registers, one x stage, at most 3 warpgroups, P up to 128"
+    why = ("the output's x in registers goes with its sums in registers, one x stage, P up to 128, at most 3 warpgroups "
+           "(2 with 128-column passes)")
+    assert why in reasons({**point, "o_wn": 128})
     assert why in reasons({**point, "z_registers": False})
     assert why in reasons({**point, "o_stages": 2})
     assert why in reasons({**point, "o_groups": 4, "o_wn": 32})

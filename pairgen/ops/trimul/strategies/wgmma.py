@@ -204,12 +204,13 @@ def _w_registers_fit(plan: Plan, limits: DeviceLimits) -> bool:
     """Wp in registers: the warpgroups share Wp's 64-row blocks evenly (H a multiple of 16), its
     fragments fit beside the accumulators (at most 2 warpgroups: 4 leave 128 registers a thread),
     two x stages (the block computes one tile while the next lands), and not with the other
-    projection variants (x in registers, slices)."""
+    projection variants (x in registers, slices). A variant of the paired kernels (its epilogue
+    folds the sigmoid's halves as theirs do, with their tanh)."""
     params, P, H = plan.params, plan.widths["P"], plan.widths["H"]
     if not params["w_registers"]:
         return True
     groups = params["p_groups"]
-    return (H % 16 == 0 and (H // 16) % groups == 0 and groups <= 2 and params["p_stages"] == 2
+    return (params["paired_columns"] and H % 16 == 0 and (H // 16) % groups == 0 and groups <= 2 and params["p_stages"] == 2
             and w_registers_fragments(P, H, groups) <= W_REGISTERS_FRAGMENTS_MAX
             and not params["x_registers"] and params["p_slices"] <= 1)
 
@@ -241,12 +242,13 @@ def _z_registers_paired(plan: Plan, limits: DeviceLimits) -> bool:
 
 def _output_x_registers_with_z(plan: Plan, limits: DeviceLimits) -> bool:
     """The output kernel's x in registers is a variant of its sums in registers (z_registers: the
-    paired kernel, gate on P), for P up to 128 and at most 3 warpgroups (x's fragments beside the
-    sums' and two products' accumulators: at 4, 128 registers a thread, it spilled), with one x
-    stage (the tile is free as soon as the warps hold their rows)."""
+    paired kernel, gate on P), for P up to 128 with one x stage (the tile is free as soon as the
+    warps hold their rows). x's fragments sit beside the sums' and two products' accumulators: at
+    4 warpgroups (128 registers a thread) it spilled, and at 3 (170) with 128-column passes."""
     params = plan.params
-    return not params["o_x_registers"] or (params["z_registers"] and params["o_stages"] == 1
-                                           and params["o_groups"] <= 3 and k_padded(plan.widths["P"]) <= 128)
+    fits = params["o_groups"] <= 2 or (params["o_groups"] == 3 and params["o_wn"] <= 64)
+    return not params["o_x_registers"] or (params["z_registers"] and params["o_stages"] == 1 and fits
+                                           and k_padded(plan.widths["P"]) <= 128)
 
 
 def _early_fetch_has_one_stage(plan: Plan, limits: DeviceLimits) -> bool:
@@ -422,12 +424,12 @@ WGMMA = Strategy(
                   Restriction("column slices are whole passes of the paired kernels (a sliced projection with x in "
                               "shared memory, a sliced output with the gate on P)", _slices_apply, on_point=True),
                   Restriction("x in registers is for P up to 128", _x_fragments_fit, on_point=True),
-                  Restriction("the output's x in registers goes with its sums in registers, one x stage, at most 3 "
-                              "warpgroups, P up to 128",
+                  Restriction("the output's x in registers goes with its sums in registers, one x stage, P up to 128, "
+                              "at most 3 warpgroups (2 with 128-column passes)",
                               _output_x_registers_with_z, on_point=True),
-                  Restriction("Wp in registers: H / 16 row blocks shared evenly by at most 2 warpgroups, their "
-                              f"fragments at most {W_REGISTERS_FRAGMENTS_MAX} registers a thread, two x stages, "
-                              "not with x in registers or slices", _w_registers_fit, on_point=True),
+                  Restriction("Wp in registers: paired columns, H / 16 row blocks shared evenly by at most 2 "
+                              f"warpgroups, their fragments at most {W_REGISTERS_FRAGMENTS_MAX} registers a thread, "
+                              "two x stages, not with x in registers or slices", _w_registers_fit, on_point=True),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies,
                               on_point=True),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
