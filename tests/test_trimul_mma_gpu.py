@@ -179,6 +179,12 @@ def _w_registers_cases():
         points += [({"P": 64, "H": 32, **options}, small) for options in OPTION_SETS]
         points += [({"P": 48, "H": 32, **OPTION_SETS[5]}, small),
                    ({"P": 128, "H": 64, **OPTION_SETS[5], "gate_hidden": 1}, small)]
+        # slices of Wp's row blocks (the wide widths; named at small ones), the statistics from their kernel
+        wide = {**model, "o_groups": 2, "o_wn": 32}
+        points += [({"P": 384, "H": 128, **OPTION_SETS[-1]}, wide),
+                   ({"P": 256, "H": 256, **OPTION_SETS[-2], "outgoing": 0}, wide),
+                   ({"P": 64, "H": 64, **OPTION_SETS[2]}, {**small, "p_slices": 2}),
+                   ({"P": 48, "H": 64, **OPTION_SETS[7]}, {**small, "p_slices": 2, "o_wn": 16})]
         # the output kernel's x in registers too (o_x_registers), and alone: both directions, fp32 out,
         # the gate on the raw input, k padded
         with_x = {**next(params for s, params in view.default_points if s == "wgmma"), "o_x_registers": True}

@@ -285,10 +285,13 @@ def test_weights_in_registers_swap_the_projections_operands_and_compile_without_
     """w_registers: each of the projection's 2 warpgroups holds its half of Wp's 64-row blocks as A
     fragments in registers, and the block's warpgroups share each x tile (B): the kernel's shared
     memory is two x tiles and the pairs' statistics, its blocks take whole tiles, its arguments are
-    the projection's. It compiles for the models' widths and the small ones without spills and with
-    its products asynchronous; where the fragments do not fit beside the accumulators (4 warpgroups,
-    P = 384), or the row blocks do not share evenly, or with one x stage or the other projection
-    variants, the restriction says so; the points without it render no trace of it."""
+    the projection's. At wide widths each block holds a slice of the row blocks (the fewest whose
+    fragments fit: 2 at P = 256 or H = 256, 4 at P = 384, H = 128 and P = H = 256), with the rows'
+    statistics from their kernel. It compiles for the models' widths, the wide ones and small ones
+    without spills and with its products asynchronous; where the fragments do not fit beside the
+    accumulators (4 warpgroups, P = 768), or the row blocks do not share evenly, or with one x stage,
+    unpaired or with x in registers, the restriction says so; the points without it render no trace
+    of it."""
     from pairgen.ops.trimul.common import PROJECT_ARGS
     from pairgen.ops.trimul.strategies.wgmma import w_registers_fragments
 
@@ -307,18 +310,27 @@ def test_weights_in_registers_swap_the_projections_operands_and_compile_without_
             blocks, _ = project.grid(1, 512, 132, 1)
             assert blocks == 132 and project.grid(1, 8, 132, 1)[0] == 1   # whole tiles a block
             plans.append(plan)
+    wide_output = {"o_groups": 2, "o_wn": 32}
+    for widths, slices in ((WIDE, 4), (SQUARE_256, 4), ({**MODEL, "P": 256}, 2), ({**MODEL, "H": 256}, 2)):
+        plan = TRIMUL.plan("wgmma", {**W_REGISTERS, **wide_output}, widths, "bfloat16")
+        assert not TRIMUL.infeasible(plan, limits) and plan.context["p_slices"] == slices, (widths, plan.context)
+        assert plan.kernels[0].name.endswith("_stats") and "stats" in plan.kernels[1].names
+        assert plan.kernels[1].grid(1, 512, 132, 1)[0] == 132 // slices * slices
+        plans.append(plan)
     assert w_registers_fragments(128, 128, 2) == 128 and w_registers_fragments(128, 64, 1) == 128
+    assert w_registers_fragments(384, 128, 2, 4) == 96
     assert_compiled_without_spills(plans, asynchronous=plans[:1])
     reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
-    why = ("Wp in registers: paired columns, H / 16 row blocks shared evenly by at most 2 warpgroups, their fragments "
-           "at most 128 registers a thread, two x stages, not with x in registers or slices")
+    why = ("Wp in registers: paired columns, H / 16 row blocks shared evenly by at most 2 warpgroups and the slices, "
+           "their fragments at most 128 registers a thread, two x stages, not with x in registers")
     assert why in reasons({**W_REGISTERS, "paired_columns": False, "z_registers": False})
     assert why in reasons({**W_REGISTERS, "p_groups": 4})
-    assert why in reasons({**W_REGISTERS, "p_groups": 1})                    # 256 fragment registers
+    one_group = TRIMUL.plan("wgmma", {**W_REGISTERS, "p_groups": 1}, MODEL, "bfloat16")   # 256 fragment registers
+    assert not TRIMUL.infeasible(one_group, limits) and one_group.context["p_slices"] == 2   # ... in 2 slices
     assert why in reasons({**W_REGISTERS, "p_stages": 1})
     assert why in reasons({**W_REGISTERS, "x_registers": True})
-    assert why in reasons({**W_REGISTERS, "p_slices": 2})
-    assert why in reasons(W_REGISTERS, WIDE)                                 # P = 384: 192 a row block pair
+    assert why in reasons({**W_REGISTERS, "p_slices": 2}, {**MODEL, "H": 32})   # 2 row blocks, 2 groups x 2 slices
+    assert why in reasons(W_REGISTERS, {**WIDE, "P": 768})                  # 192 registers a row block
     assert why in reasons(W_REGISTERS, {**MODEL, "H": 24, "P": 48})          # H not a multiple of 16
     assert why in reasons({**W_REGISTERS, "p_groups": 3}, {**MODEL, "H": 32})   # 2 row blocks for 3 groups
     plain = codegen.render_plan(TRIMUL.default_plan(MODEL, limits, "bfloat16")).source

@@ -102,8 +102,11 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
     memory, a sliced output kernel gates on the pair width."""
     paired = params["paired_columns"]
     p_passes, o_passes = 4 * w["H"] // params["p_wn"], w["P"] // params["o_wn"]
-    p_sliceable = paired and not params["x_registers"] and not params["w_registers"]
-    p_slices = params["p_slices"] or _fewest_slices(p_passes, project_smem, p_sliceable)
+    if params["w_registers"]:  # slices of Wp's 64-row blocks, the fewest whose fragments fit in registers
+        p_slices = params["p_slices"] or _fewest_w_register_slices(w["P"], w["H"], params["p_groups"])
+    else:
+        p_sliceable = paired and not params["x_registers"]
+        p_slices = params["p_slices"] or _fewest_slices(p_passes, project_smem, p_sliceable)
     o_slices = params["o_slices"] or _fewest_slices(o_passes, output_smem, paired and not w["gate_hidden"])
     return p_slices, o_slices
 
@@ -173,11 +176,12 @@ def _wgmma_columns_divide(plan: Plan, limits: DeviceLimits) -> bool:
 def _slices_apply(plan: Plan, limits: DeviceLimits) -> bool:
     """A point's own slice counts (not 0, the fewest that fit) are whole passes of a kernel that
     can be sliced: the paired kernels, a sliced projection with x in shared memory, a sliced output
-    kernel with the gate on the pair width."""
+    kernel with the gate on the pair width (the projection with Wp in registers slices its row
+    blocks: its own restriction)."""
     params, w = plan.params, plan.widths
     p_slices, o_slices = params["p_slices"], params["o_slices"]
-    p_ok = p_slices <= 1 or (params["paired_columns"] and not params["x_registers"]
-                             and (4 * w["H"]) % (p_slices * params["p_wn"]) == 0)
+    p_ok = p_slices <= 1 or params["w_registers"] or (params["paired_columns"] and not params["x_registers"]
+                                                      and (4 * w["H"]) % (p_slices * params["p_wn"]) == 0)
     o_ok = o_slices <= 1 or (params["paired_columns"] and not w.get("gate_hidden")
                              and w["P"] % (o_slices * params["o_wn"]) == 0)
     return p_ok and o_ok
@@ -189,10 +193,21 @@ def _x_fragments_fit(plan: Plan, limits: DeviceLimits) -> bool:
     return not plan.params["x_registers"] or k_padded(plan.widths["P"]) <= 128
 
 
-def w_registers_fragments(P: int, H: int, p_groups: int) -> int:
+def w_registers_fragments(P: int, H: int, p_groups: int, slices: int = 1) -> int:
     """The registers a thread of the projection with Wp in registers holds its fragments in: its
-    warpgroup's share of Wp's 64-row blocks (H / 16 of them), k_padded(P) / 4 each."""
-    return H // 16 // p_groups * (k_padded(P) // 4)
+    warpgroup's share of its block's slice of Wp's 64-row blocks (H / 16 of them), k_padded(P) / 4
+    each."""
+    return H // 16 // (p_groups * slices) * (k_padded(P) // 4)
+
+
+def _fewest_w_register_slices(P: int, H: int, p_groups: int) -> int:
+    """The fewest slices of Wp's row blocks (a divisor of their count per warpgroup) whose fragments
+    fit W_REGISTERS_FRAGMENTS_MAX, 1 where none does (the restriction then says so)."""
+    blocks = H // 16 // p_groups if H % 16 == 0 and (H // 16) % p_groups == 0 else 0
+    for count in range(1, blocks + 1):
+        if blocks % count == 0 and w_registers_fragments(P, H, p_groups, count) <= W_REGISTERS_FRAGMENTS_MAX:
+            return count
+    return 1
 
 
 #: What a thread of that projection may give its fragments: beside two row blocks' accumulators
@@ -201,18 +216,19 @@ W_REGISTERS_FRAGMENTS_MAX = 128
 
 
 def _w_registers_fit(plan: Plan, limits: DeviceLimits) -> bool:
-    """Wp in registers: the warpgroups share Wp's 64-row blocks evenly (H a multiple of 16), its
-    fragments fit beside the accumulators (at most 2 warpgroups: 4 leave 128 registers a thread),
-    two x stages (the block computes one tile while the next lands), and not with the other
-    projection variants (x in registers, slices). A variant of the paired kernels (its epilogue
-    folds the sigmoid's halves as theirs do, with their tanh)."""
+    """Wp in registers: the warpgroups share their block's slice of Wp's 64-row blocks evenly (H a
+    multiple of 16), its fragments fit beside the accumulators (at most 2 warpgroups: 4 leave 128
+    registers a thread; a point's slices, or the fewest that fit), two x stages (the block computes
+    one tile while the next lands), and not with x in registers. A variant of the paired kernels
+    (its epilogue folds the sigmoid's halves as theirs do, with their tanh)."""
     params, P, H = plan.params, plan.widths["P"], plan.widths["H"]
     if not params["w_registers"]:
         return True
     groups = params["p_groups"]
-    return (params["paired_columns"] and H % 16 == 0 and (H // 16) % groups == 0 and groups <= 2 and params["p_stages"] == 2
-            and w_registers_fragments(P, H, groups) <= W_REGISTERS_FRAGMENTS_MAX
-            and not params["x_registers"] and params["p_slices"] <= 1)
+    slices = params["p_slices"] or _fewest_w_register_slices(P, H, groups)
+    return (params["paired_columns"] and H % 16 == 0 and (H // 16) % (groups * slices) == 0 and groups <= 2
+            and params["p_stages"] == 2 and w_registers_fragments(P, H, groups, slices) <= W_REGISTERS_FRAGMENTS_MAX
+            and not params["x_registers"])
 
 
 def _swizzle_applies(plan: Plan, limits: DeviceLimits) -> bool:
@@ -428,8 +444,9 @@ WGMMA = Strategy(
                               "at most 3 warpgroups (2 with 128-column passes)",
                               _output_x_registers_with_z, on_point=True),
                   Restriction("Wp in registers: paired columns, H / 16 row blocks shared evenly by at most 2 "
-                              f"warpgroups, their fragments at most {W_REGISTERS_FRAGMENTS_MAX} registers a thread, "
-                              "two x stages, not with x in registers or slices", _w_registers_fit, on_point=True),
+                              f"warpgroups and the slices, their fragments at most {W_REGISTERS_FRAGMENTS_MAX} "
+                              "registers a thread, two x stages, not with x in registers", _w_registers_fit,
+                              on_point=True),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies,
                               on_point=True),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
