@@ -393,6 +393,11 @@ def test_calls_past_the_paired_offsets_run_the_same_point_unpaired():
     assert not TRIMUL.infeasible(instead, DeviceLimits())
     unpaired = TRIMUL.plan("wgmma", instead.params, MODEL, "bfloat16")
     assert for_call(TRIMUL, unpaired, 4, 16384) is None
+    # so are Wp and the output's x in registers: the projection falls back to resident weights
+    swapped = TRIMUL.plan("wgmma", {**W_REGISTERS, "o_x_registers": True}, MODEL, "bfloat16")
+    instead = for_call(TRIMUL, swapped, 1, 11586)
+    assert not instead.params["w_registers"] and not instead.params["o_x_registers"]
+    assert not TRIMUL.infeasible(instead, DeviceLimits())
 
 
 def test_restrictions_marked_on_point_read_only_the_point():

@@ -356,14 +356,14 @@ def _unpaired(plan: Plan, B: int, N: int) -> bool:
 
 def for_call(spec, plan: Plan, B: int, N: int, fp32_output: bool = False) -> Plan | None:
     """The plan (of `spec`, the op's) a call of B x N pairs runs instead of `plan`, or None where
-    `plan` runs it: unpaired past PAIRED_MAX_AB_ELEMENTS (x and the sums in registers are variants
-    of the paired kernels: they go too), and with its output kernel writing fp32 where the call
+    `plan` runs it: unpaired past PAIRED_MAX_AB_ELEMENTS (x, the sums and Wp in registers are
+    variants of the paired kernels: they go too), and with its output kernel writing fp32 where the call
     wants an fp32 output (fp32_output)."""
     unpaired = _unpaired(plan, B, N)
     if not (unpaired or fp32_output):
         return None
-    params = {**plan.params, "paired_columns": False, "x_registers": False, "z_registers": False} if unpaired \
-        else plan.params
+    params = {**plan.params, "paired_columns": False, "x_registers": False, "z_registers": False, "w_registers": False,
+              "o_x_registers": False} if unpaired else plan.params
     widths = {**plan.widths, "out_fp32": 1} if fp32_output else plan.widths
     return spec.plan(plan.strategy, params, widths, plan.precision)
 
