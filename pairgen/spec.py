@@ -344,8 +344,8 @@ class OpSpec:
         return may_hold
 
     #: Random draws per wanted point before sample_plans enumerates the whole space instead. A
-    #: draw costs microseconds and an enumeration seconds (the wgmma space holds ~900k points, one
-    #: in ~2800 feasible at P = 48, H = 24), so draws stay the cheaper way down to such fractions.
+    #: draw costs microseconds and an enumeration seconds (the trimul wgmma space holds ~1.8 M points,
+    #: one in ~5500 feasible at P = 48, H = 24), so draws stay the cheaper way down to such fractions.
     SAMPLE_DRAWS_PER_POINT = 5000
 
     def sample_plans(self, strategy: str, widths: dict, k: int, rng: random.Random,
