@@ -67,7 +67,8 @@ def test_the_feature_target_is_taken_only_where_a_source_asks_for_it():
 
 
 def test_restrictions_keep_it_on_hopper_in_16_bit_with_whole_chunks():
-    plan = TRIMUL.feasible_plans("wgmma", MODEL, DeviceLimits(), "bfloat16")[0]
+    plan = TRIMUL.plan("wgmma", next(p for s, p in TRIMUL.default_points if s == "wgmma"), MODEL, "bfloat16")
+    assert not TRIMUL.infeasible(plan, DeviceLimits())
     assert TRIMUL.infeasible(plan, DeviceLimits(arch="sm_100")) == [
         "wgmma needs sm_90 (its sm_90a features do not run on later architectures)"]
     with pytest.raises(ValueError, match="does not compute in"):
