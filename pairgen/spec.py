@@ -338,11 +338,10 @@ class OpSpec:
         point is tried first: neighbouring points tend to fail the same one (a third less time)."""
         checks = [r.holds for r in self.strategies[strategy].restrictions if r.on_point]
         w = self.widths_of(widths)
-        added = self.added_params.get(strategy)
 
         def may_hold(params: dict) -> bool:
             nonlocal checks
-            probe = PointProbe({**added, **params} if added else params, w)
+            probe = PointProbe(self.with_added_params(strategy, params), w)
             for k, holds in enumerate(checks):
                 if not holds(probe, limits):
                     if k:  # the one that rejected goes first (a new list: a caller in another thread keeps its own)

@@ -86,14 +86,10 @@ def _with_stats(args: tuple) -> tuple:
 SMEM_LIMIT = DeviceLimits().max_smem_per_block
 
 
-def _fewest_slices(passes: int, smem_of, sliceable: bool) -> int:
-    """The fewest slices (a divisor of the kernel's passes) whose block fits SMEM_LIMIT, 1 where
-    the kernel cannot be sliced or no count fits (the shared-memory restriction then says so)."""
-    if sliceable:
-        for count in range(1, passes + 1):
-            if passes % count == 0 and smem_of(count) <= SMEM_LIMIT:
-                return count
-    return 1
+def _fewest_slices(units: int, fits) -> int:
+    """The fewest slices (a divisor of `units`, the kernel's passes or row blocks) for which
+    fits(count) holds, 1 where no count does (a restriction then says so)."""
+    return next((count for count in range(1, units + 1) if units % count == 0 and fits(count)), 1)
 
 
 def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int, int]:
@@ -102,13 +98,13 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
     memory, a sliced output kernel gates on the pair width."""
     paired = params["paired_columns"]
     p_passes, o_passes = 4 * w["H"] // params["p_wn"], w["P"] // params["o_wn"]
+    in_smem = lambda smem_of: lambda count: smem_of(count) <= SMEM_LIMIT
     if params["w_registers"]:  # slices of Wp's 64-row blocks, the fewest whose fragments fit in registers
-        p_slices = params["p_slices"] or _fewest_w_register_slices(w["P"], w["H"], params["p_groups"])
+        fewest_p = _fewest_w_register_slices(w["P"], w["H"], params["p_groups"])
     else:
-        p_sliceable = paired and not params["x_registers"]
-        p_slices = params["p_slices"] or _fewest_slices(p_passes, project_smem, p_sliceable)
-    o_slices = params["o_slices"] or _fewest_slices(o_passes, output_smem, paired and not w["gate_hidden"])
-    return p_slices, o_slices
+        fewest_p = _fewest_slices(p_passes, in_smem(project_smem)) if paired and not params["x_registers"] else 1
+    fewest_o = _fewest_slices(o_passes, in_smem(output_smem)) if paired and not w["gate_hidden"] else 1
+    return params["p_slices"] or fewest_p, params["o_slices"] or fewest_o
 
 
 def derive(params: dict, w: dict, name: str):
@@ -150,6 +146,7 @@ def derive(params: dict, w: dict, name: str):
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
                                                               (params["o_wn"], params["z_registers"])) if rs}),
+               "wgmma_rs_first_widths": [WGMMA_ROWS] if params["w_registers"] else [],
                "p_groups": params["p_groups"], "p_wn": params["p_wn"], "p_slices": p_slices, "o_slices": o_slices,
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
@@ -204,10 +201,7 @@ def _fewest_w_register_slices(P: int, H: int, p_groups: int) -> int:
     """The fewest slices of Wp's row blocks (a divisor of their count per warpgroup) whose fragments
     fit W_REGISTERS_FRAGMENTS_MAX, 1 where none does (the restriction then says so)."""
     blocks = H // 16 // p_groups if H % 16 == 0 and (H // 16) % p_groups == 0 else 0
-    for count in range(1, blocks + 1):
-        if blocks % count == 0 and w_registers_fragments(P, H, p_groups, count) <= W_REGISTERS_FRAGMENTS_MAX:
-            return count
-    return 1
+    return _fewest_slices(blocks, lambda count: w_registers_fragments(P, H, p_groups, count) <= W_REGISTERS_FRAGMENTS_MAX)
 
 
 #: What a thread of that projection may give its fragments: beside two row blocks' accumulators
