@@ -129,16 +129,19 @@ def pack(module, plan, weights):
     return module._packed(mma_layout(P, H, bias, gate_columns(w), plan.precision, weights.sources), weights)
 
 
-def _row_statistics(launches: list, x, x_ptr: int) -> dict:
+def _row_statistics(launches: list, x, x_ptr: int):
     """The rows' LayerNorm statistics of x for kernels that read them rather than take them from
     their tiles (the sliced wgmma kernels): `launches` holds the statistics kernel, or nothing
-    where no kernel of the variant reads them. The `stats` argument to pass, or nothing."""
+    where no kernel of the variant reads them. Returns (the statistics tensor or None, the `stats`
+    argument to pass or nothing). The caller holds the tensor until every kernel that reads it is
+    enqueued: freed earlier, its memory could go to the triangle sums the bmm writes before the
+    output kernel reads the statistics."""
     if not launches:
-        return {}
+        return None, {}
     stats = torch.empty((2, x.shape[0] * x.shape[1] * x.shape[2]), device=x.device, dtype=torch.float32)
     fastcall.note_scratch(stats)
     launches[0].named(x=x_ptr, stats=stats.data_ptr())
-    return {"stats": stats.data_ptr()}
+    return stats, {"stats": stats.data_ptr()}
 
 
 def _taken(launch, arguments: dict) -> dict:
@@ -163,7 +166,7 @@ def run_three_steps(module, variant, x, mask, out, packed) -> None:
     if x.dtype is not ab.dtype:
         x = x.to(ab.dtype)  # an fp32 input under autocast: the kernels read x in the operand type
     x_ptr = x.data_ptr()
-    stats = _row_statistics(statistics, x, x_ptr)
+    held_stats, stats = _row_statistics(statistics, x, x_ptr)  # held until the output kernel is enqueued
     project.named(x=x_ptr, mask=mask.data_ptr(), w=w_ptr, ar=ab[0].data_ptr(), br=ab[1].data_ptr(),
                   mask_is_float=int(mask.dtype is torch.float32), **_taken(project, stats))
     shape = (B * H, N, copies * N) if module._outgoing else (B * H, copies * N, N)
@@ -178,6 +181,7 @@ def run_three_steps(module, variant, x, mask, out, packed) -> None:
         with cublas_fp32_mode(tf32=True):
             z = triangle_bmm(ar, br, module._outgoing)
     output.named(x=x_ptr, z=z.data_ptr(), w=w_ptr, out=out.data_ptr(), **_taken(output, stats))
+    del held_stats
 
 
 def run(module, variant, weights, x, mask, out) -> None:
