@@ -11,6 +11,7 @@
 // Shared memory starts filled with 0xFF bytes (NaN in every float type), so a read of what nobody
 // wrote shows. cp.async copies land when their thread waits for them, not before.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -105,7 +106,9 @@ struct Fiber {
     unsigned char* stack = nullptr;
     unsigned tid = 0;
     bool done = false;
-    const char* waiting = nullptr;  // what this thread waits for, while it does
+    const char* waiting = nullptr;  // what this thread waits for, while it does:
+    const unsigned* wait_generation = nullptr;  // until this counter leaves wait_value
+    unsigned wait_value = 0;
     std::vector<CpAsync> uncommitted;
     std::vector<std::vector<CpAsync>> groups;  // committed cp.async groups, oldest first
 };
@@ -151,7 +154,6 @@ struct Block {
     Barrier barriers[16];
     std::vector<uint16_t> in_flight;  // per 16-byte granule of shared memory: wgmma reads not yet waited for
     void* scheduler_sp = nullptr;
-    unsigned long long events = 0;    // arrivals and completions: a pass with none and every thread waiting is a deadlock
     std::function<void()> body;
     std::string error;
 };
@@ -159,11 +161,18 @@ struct Block {
 inline thread_local Block* current_block = nullptr;
 inline thread_local Fiber* current_fiber = nullptr;
 
-inline void yield_waiting(const char* what) {
+// Waits until *generation moves on from `value` (another thread completes the meeting).
+inline void wait_for(const char* what, const unsigned* generation, unsigned value) {
     Fiber* f = current_fiber;
     f->waiting = what;
+    f->wait_generation = generation, f->wait_value = value;
     pgx_switch(&f->sp, current_block->scheduler_sp);
     f->waiting = nullptr;
+    f->wait_generation = nullptr;
+}
+
+inline bool runnable(const Fiber& f) {
+    return !f.done && (f.wait_generation == nullptr || *f.wait_generation != f.wait_value);
 }
 
 // ---- shared memory addresses -------------------------------------------------------------------
@@ -182,14 +191,13 @@ inline unsigned linear_tid() { return current_fiber->tid; }
 template <class Finish>
 inline void meet(Meeting& m, int members, Finish&& finish, const char* what) {
     const unsigned generation = m.generation;
-    ++current_block->events;
     if (++m.arrived == members) {
         m.arrived = 0;
         finish();
         ++m.generation;
         return;
     }
-    while (m.generation == generation) yield_waiting(what);
+    wait_for(what, &m.generation, generation);
 }
 
 inline Meeting& warp_meeting() { return current_block->warps[linear_tid() >> 5]; }
@@ -205,14 +213,13 @@ inline void bar_sync(int id, int count, int any = 0, int* any_result = nullptr) 
              std::to_string(count) + " at once");
     const unsigned generation = bar.generation;
     bar.any |= any;
-    ++b->events;
     if (++bar.arrived == count) {
         bar.arrived = 0;
         bar.any_result = bar.any;
         bar.any = 0;
         ++bar.generation;
     } else {
-        while (bar.generation == generation) yield_waiting(id == 0 ? "__syncthreads" : "bar.sync (named)");
+        wait_for(id == 0 ? "__syncthreads" : "bar.sync (named)", &bar.generation, generation);
     }
     if (any_result) *any_result = bar.any_result;
 }
@@ -546,7 +553,6 @@ inline void wgmma_wait(int pending) {
         if (b->error.empty()) b->error = e.what + " (thread " + std::to_string(f->tid) + ")";
     }
     f->done = true;
-    ++b->events;
     pgx_switch(&f->sp, b->scheduler_sp);
     std::abort();  // a finished fiber is never resumed
 }
@@ -568,7 +574,7 @@ inline void start_fiber(Fiber& f) {
     f.sp = &top[-9];
 }
 
-// order: 0 threads in order each pass, 1 reversed, 2 alternating (exposes missing barriers either way)
+// order: 0 threads in order each pass, 1 reversed, 2 alternating; 3, 4 by priority (below)
 inline std::string run_block(const std::function<void()>& body, uint3 index, uint3 grid, unsigned threads,
                              size_t smem_bytes, int order) {
     Block b;
@@ -589,23 +595,25 @@ inline std::string run_block(const std::function<void()>& body, uint3 index, uin
             b.fibers[t].tid = t;
             start_fiber(b.fibers[t]);
         }
+        // Round robin (orders 0-2) resumes every thread that can go on once a pass; priority orders
+        // (3: the lowest thread id that can go on, 4: the highest) let some threads run as far as
+        // they can before the others start, which shows a missing barrier between warpgroups.
+        const bool priority = order >= 3;
         for (int pass = 0;; ++pass) {
-            const unsigned long long events = b.events;
-            bool alive = false, all_waiting = true;
-            const bool reverse = order == 1 || (order == 2 && pass % 2);
-            for (unsigned i = 0; i < threads; ++i) {
+            bool alive = false, ran = false;
+            const bool reverse = order == 1 || order == 4 || (order == 2 && pass % 2);
+            for (unsigned i = 0; i < threads && b.error.empty(); ++i) {
                 Fiber& f = b.fibers[reverse ? threads - 1 - i : i];
                 if (f.done) continue;
+                alive = true;
+                if (!runnable(f)) continue;
                 current_fiber = &f;
                 pgx_switch(&b.scheduler_sp, f.sp);
-                if (!f.done) {
-                    alive = true;
-                    all_waiting = all_waiting && f.waiting;
-                }
-                if (!b.error.empty()) break;
+                ran = true;
+                if (priority) break;
             }
             if (!b.error.empty() || !alive) break;
-            if (all_waiting && events == b.events) {
+            if (!ran && !std::any_of(b.fibers.begin(), b.fibers.end(), runnable)) {
                 std::string what = "deadlock: every thread waits and none can go on:";
                 for (const Fiber& f : b.fibers)
                     if (!f.done && (f.tid % 32 == 0 || f.tid < 4)) what += " t" + std::to_string(f.tid) + " at " + f.waiting + ";";

@@ -1,0 +1,122 @@
+"""The CPU kernel emulator (tests/emulator) itself: that it computes what GPU-verified kernels
+compute (the tensor-core instructions' operand layouts, the shared-memory pipelines), and that it
+stops on what would go wrong on a GPU: a barrier not every thread reaches, shared memory a wgmma
+still reads being overwritten, a missing barrier between warpgroups (under a priority order)."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+from emulator import EmulatedKernel, EmulatedVariant, EmulationError, build_library, emulated, emulated_variant
+from emulator.translate import UnknownInstruction, translate
+from helpers import generator, sampled_plans
+from pairgen import codegen
+from pairgen.ops.trimul import TRIMUL
+from pairgen.tuning.check import compare, reference64
+from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+
+MODELS = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+
+
+def _launch_raw(source: str, name: str, threads: int, *args: int, order: int = 0) -> None:
+    library, _ = build_library(source)
+    with emulated(order):
+        EmulatedKernel(library, name, threads).bind(1, threads, 0, len(args))(*args)
+
+
+def emulated_error(module, inputs: tuple, variant, order: int = 0):
+    """compare() of the variant's output, emulated, against the float64 reference."""
+    ref = reference64(module, inputs)
+    out = torch.full(tuple(ref.shape), float("nan"), dtype=inputs[0].dtype)
+    with emulated(order), torch.no_grad():
+        module._launch(*inputs, out=out, variant=variant)
+    return compare(out, ref, TRIMUL.tolerance[variant.plan.precision])
+
+
+def _case(precision: str, widths: dict, batch: int, n: int, seed: int = 0):
+    gen = generator(seed)
+    module = module_in_precision(TRIMUL, widths, gen, precision, "cpu")
+    inputs = inputs_in_precision(TRIMUL.make_inputs({"B": batch, "N": n, **widths}, gen, "normal"), precision, "cpu")
+    return module, inputs
+
+
+def test_shuffles_and_barriers_meet_every_lane():
+    source = """
+extern "C" __global__ void lanes(int* out) {
+    int v = threadIdx.x;
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    out[threadIdx.x] = v + __shfl_sync(0xffffffffu, (int)threadIdx.x, 3);
+}"""
+    out = torch.full((64,), -1, dtype=torch.int32)
+    _launch_raw(source, "lanes", 64, out.data_ptr())
+    warp_sums = torch.tensor([sum(range(32)), sum(range(32, 64))]).repeat_interleave(32)
+    lane3 = torch.tensor([3, 35]).repeat_interleave(32)
+    assert torch.equal(out, (warp_sums + lane3).int())
+
+
+def test_a_barrier_that_some_threads_skip_is_a_deadlock():
+    source = """
+extern "C" __global__ void divergent(float* out) {
+    if (threadIdx.x < 16) __syncthreads();
+    out[threadIdx.x] = 1.0f;
+}"""
+    out = torch.zeros(32)
+    with pytest.raises(EmulationError, match="deadlock.*__syncthreads"):
+        _launch_raw(source, "divergent", 32, out.data_ptr())
+
+
+def test_unknown_ptx_is_an_error_naming_it():
+    with pytest.raises(UnknownInstruction, match="mbarrier"):
+        translate('extern "C" __global__ void k() { asm volatile("mbarrier.init.shared.b64 [%0], 1;" :: "r"(0)); }')
+
+
+@pytest.mark.parametrize("strategy, precision, widths, shape", [
+    ("wgmma", "bfloat16", MODELS, (1, 37)),  # swizzled, x and the sums in registers, stmatrix staging
+    ("wgmma", "float16", {**MODELS, "outgoing": 0}, (2, 23)),
+    ("mma", "bfloat16", {"P": 64, "H": 32, "outgoing": 1, "gate_normalized": 0, "bias": 1}, (3, 7)),
+])
+def test_gpu_verified_default_points_match_float64_emulated(strategy, precision, widths, shape):
+    """Each strategy's first feasible default point, which passes on the H200, passes emulated: the emulator's
+    tensor-core operand layouts and pipelines are the hardware's where these kernels use them."""
+    plan = sampled_plans(TRIMUL.at(precision), strategy, widths, 1)[0]  # the first feasible default
+    result = emulated_error(*_case(precision, widths, *shape), emulated_variant(plan))
+    assert result.ok, result
+
+
+W_REGISTERS = {"p_groups": 2, "p_stages": 2, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
+               "consts_smem": True, "paired_columns": True, "z_registers": True, "w_registers": True}
+
+#: Broken variants of the w_registers projection and what must stop them.
+MUTATIONS = {
+    "the tile's pair order": ("16 * ((n >> 1) & 3) + 2 * (n >> 3) + (n & 1)",
+                              "16 * ((n >> 1) & 3) + 2 * (n >> 3) + ((n + 1) & 1)", 0, "result"),
+    "the x tile not waited for": ("cp_async_wait<0>();\n        fence_async_shared();\n        __syncthreads();  // this tile",
+                                  "cp_async_wait<1>();\n        fence_async_shared();\n        __syncthreads();  // this tile",
+                                  0, "overwritten before its wait"),
+    "the last product not waited for": ("} else {\n                    wgmma_wait<0>();\n                }\n"
+                                        "                w_registers_epilogue(acc1",
+                                        "} else {\n                    wgmma_wait<1>();\n                }\n"
+                                        "                w_registers_epilogue(acc1", 0, "cp.async into shared memory"),
+    "no barrier after the statistics": ("        __syncthreads();  // the statistics are in", "", 3, "result"),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_broken_kernels_fail_emulated(mutation):
+    old, new, order, caught_by = MUTATIONS[mutation]
+    plan = TRIMUL.at("bfloat16").plan("wgmma", W_REGISTERS, MODELS)
+    rendered = codegen.render_plan(plan)
+    assert rendered.source.count(old) == 1, "the mutation no longer matches the template"
+    variant = EmulatedVariant(plan, dataclasses.replace(rendered, source=rendered.source.replace(old, new)))
+    case = _case("bfloat16", MODELS, 1, 37)
+    if caught_by == "result":
+        assert not emulated_error(*case, variant, order).ok
+    else:
+        with pytest.raises(EmulationError, match=caught_by):
+            emulated_error(*case, variant, order)

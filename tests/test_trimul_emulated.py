@@ -1,0 +1,95 @@
+"""The triangle update's wgmma kernels run on the CPU emulator (tests/emulator) against the float64
+reference: the column slices (with the statistics kernel), Wp in registers (w_registers, sliced
+too) and the output's x in registers (o_x_registers), at odd shapes with NaN-prefilled outputs,
+under a round-robin and a priority thread order. The GPU tests (test_trimul_mma_gpu.py) hold the
+same kernels over more points; `--slow` runs all of their cases here."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from emulator import emulated, emulated_variant
+from helpers import generator
+from pairgen.ops.trimul import TRIMUL
+from pairgen.spec import DeviceLimits
+from pairgen.tuning.check import compare, reference64
+from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+
+SHAPES = [(1, 1), (3, 7), (1, 37)]
+MODELS = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+SMALL = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}
+PAIRED = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1, "swizzle": False,
+          "consts_smem": True, "paired_columns": True}
+W_REGISTERS = {"p_groups": 2, "p_stages": 2, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
+               "consts_smem": True, "paired_columns": True, "z_registers": True, "w_registers": True}
+
+CASES = {
+    "w_registers-models-bf16": ("bfloat16", MODELS, W_REGISTERS),
+    "w_registers-models-incoming-fp16": ("float16", {**MODELS, "outgoing": 0}, W_REGISTERS),
+    "w_registers-o_x_registers-bf16": ("bfloat16", MODELS, {**W_REGISTERS, "o_x_registers": True}),
+    "w_registers-small-k-padded-fp16": ("float16", {**SMALL, "P": 48}, {**PAIRED, "w_registers": True, "p_stages": 2}),
+    "w_registers-sliced-bf16": ("bfloat16", {**SMALL, "H": 64, "outgoing": 1},
+                                {**PAIRED, "w_registers": True, "p_stages": 2, "p_slices": 2}),
+    "sliced-both-kernels-bf16": ("bfloat16", SMALL, {**PAIRED, "p_slices": 4, "o_slices": 4}),
+    "sliced-two-stages-fp16": ("float16", {**SMALL, "gate_normalized": 1},
+                               {**PAIRED, "p_slices": 2, "p_stages": 2, "o_slices": 2, "o_stages": 2}),
+    "o_x_registers-fp32-out-bf16": ("bfloat16", {**MODELS, "out_fp32": 1},
+                                    {**W_REGISTERS, "w_registers": False, "x_registers": True, "p_groups": 4,
+                                     "p_stages": 1, "o_x_registers": True}),
+}
+
+
+def emulated_against_float64(plan, shapes, order: int) -> list[str]:
+    """The plan's kernels emulated at each (B, N) against the float64 reference: the failures."""
+    failures = []
+    variant = emulated_variant(plan)
+    out_dtype = torch.float32 if plan.widths.get("out_fp32") else None
+    for k, (batch, n) in enumerate(shapes):
+        gen = generator(k)
+        module = module_in_precision(TRIMUL, {w: v for w, v in plan.widths.items() if w != "out_fp32"}, gen,
+                                     plan.precision, "cpu")
+        inputs = TRIMUL.make_inputs({"B": batch, "N": n, **plan.widths}, gen, "cauchy" if k % 2 else "normal")
+        inputs = inputs_in_precision(inputs, plan.precision, "cpu")
+        ref = reference64(module, inputs)
+        out = torch.full(tuple(ref.shape), float("nan"), dtype=out_dtype or inputs[0].dtype)
+        with emulated(order), torch.no_grad():
+            module._launch(*inputs, out=out, variant=variant)
+        result = compare(out, ref, TRIMUL.tolerance[plan.precision])
+        if not result.ok:
+            failures.append(f"B={batch} N={n}: {result}")
+    return failures
+
+
+@pytest.mark.parametrize("order", [0, 3], ids=["round-robin", "priority"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_new_wgmma_kernels_match_float64_emulated(case, order):
+    precision, widths, params = CASES[case]
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    assert not TRIMUL.infeasible(plan, DeviceLimits()), TRIMUL.infeasible(plan, DeviceLimits())
+    failures = emulated_against_float64(plan, SHAPES, order)
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
+def _gpu_case_lists():
+    """The GPU test module's sliced and w_registers cases (built as on a GPU)."""
+    import test_trimul_mma_gpu as gpu
+
+    return [pytest.param(p.values[0], id=p.id) for p in gpu._sliced_cases() + gpu._w_registers_cases()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", [0, 3, 4])
+def test_the_gpu_tests_sliced_and_w_registers_cases_emulated(request, order):
+    """Every sliced and w_registers case of the GPU tests, at their shapes, in three thread orders
+    (about 15 minutes on two cores)."""
+    failures = []
+    for param in _gpu_case_lists():
+        plan = param.values[0]
+        failures += [f"{param.id}: {f}" for f in emulated_against_float64(plan, [(b, n) for b, n in
+                                                                            ((1, 1), (3, 1), (1, 7), (3, 7), (1, 37),
+                                                                             (3, 37), (1, 64), (3, 64))], order)]
+    assert not failures, "\n".join(failures)
