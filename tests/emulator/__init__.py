@@ -23,7 +23,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from pairgen import codegen, compiler, runtime
+from pairgen import codegen, runtime
 from pairgen.launch import BoundLaunch
 from pairgen.spec import DeviceLimits
 

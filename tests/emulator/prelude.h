@@ -408,17 +408,15 @@ inline void mma_sync(float* c[4], unsigned a0, unsigned a1, unsigned a2, unsigne
         float A[16][16], Bm[16][8];
         for (int i = 0; i < 32; ++i) {
             const int g = i / 4, t = i % 4;
-            const unsigned* dummy = nullptr;
-            (void)dummy;
-            unsigned a[4] = {(unsigned)m.in[i][0], (unsigned)m.in[i][1], (unsigned)m.in[i][2], (unsigned)m.in[i][3]};
-            unsigned b[2] = {(unsigned)m.in[i][4], (unsigned)m.in[i][5]};
+            const unsigned a[4] = {(unsigned)m.in[i][0], (unsigned)m.in[i][1], (unsigned)m.in[i][2], (unsigned)m.in[i][3]};
+            const unsigned b[2] = {(unsigned)m.in[i][4], (unsigned)m.in[i][5]};
             if (KIND == 2) {
                 A[g][t] = tf32_operand(a[0]), A[g + 8][t] = tf32_operand(a[1]);
                 A[g][t + 4] = tf32_operand(a[2]), A[g + 8][t + 4] = tf32_operand(a[3]);
                 Bm[t][g] = tf32_operand(b[0]), Bm[t + 4][g] = tf32_operand(b[1]);
             } else {
                 for (int e = 0; e < 2; ++e) {
-                    const auto h = [&](unsigned w) { return half_value<KIND == 2 ? 0 : KIND>((uint16_t)(w >> (16 * e))); };
+                    const auto h = [&](unsigned w) { return half_value<KIND % 2>((uint16_t)(w >> (16 * e))); };
                     A[g][2 * t + e] = h(a[0]), A[g + 8][2 * t + e] = h(a[1]);
                     A[g][2 * t + 8 + e] = h(a[2]), A[g + 8][2 * t + 8 + e] = h(a[3]);
                     Bm[2 * t + e][g] = h(b[0]), Bm[2 * t + 8 + e][g] = h(b[1]);

@@ -104,7 +104,7 @@ def _ptx_call(ptx: str, outputs: list, inputs: list) -> str:
         return "do {} while (0)"
     if text == "wgmma.commit_group.sync.aligned;":
         return "pgx::wgmma_commit()"
-    if m := re.fullmatch(r"wgmma\.wait_group\.sync\.aligned %0;", text):
+    if re.fullmatch(r"wgmma\.wait_group\.sync\.aligned %0;", text):
         return f"pgx::wgmma_wait({o(0)})"
     if text == "cp.async.commit_group;":
         return "pgx::cp_async_commit()"
@@ -144,11 +144,11 @@ def _ptx_call(ptx: str, outputs: list, inputs: list) -> str:
         return (f"do {{ float* pgx_c[4] = {{&{o(0)}, &{o(1)}, &{o(2)}, &{o(3)}}}; "
                 f"pgx::mma_sync<{kind}>(pgx_c, {o(4)}, {o(5)}, {o(6)}, {o(7)}, {o(8)}, {o(9)}); }} while (0)")
     if "wgmma.mma_async" in text:
-        return _wgmma_call(text, ops, o)
+        return _wgmma_call(text, o)
     raise UnknownInstruction(f"no emulation for the PTX {text!r}")
 
 
-def _wgmma_call(text: str, ops: list, o) -> str:
+def _wgmma_call(text: str, o) -> str:
     m = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)\.\2 \{ ([^}]*) \}, (.*);", text)
     if m is None:
         raise UnknownInstruction(f"no emulation for the wgmma {text!r}")
@@ -158,28 +158,25 @@ def _wgmma_call(text: str, ops: list, o) -> str:
         raise UnknownInstruction(f"wgmma accumulators not %0..%{n // 2 - 1}: {text!r}")
     rest = _split_top(m.group(4), ",")
     rest = [r.strip() for r in rest]
-    if rest[0].startswith("{"):  # A from registers
-        a = [int(r.strip().lstrip("%")) for r in rest[0].strip("{} ").split(",")]
-        a_expr = "(const unsigned[4]){" + ", ".join(f"(unsigned){o(k)}" for k in a) + "}"
-        desc_a = "0ull"
+    if rest[0].startswith("{"):  # A from registers: its four words
+        a_words = [o(int(r.strip().lstrip("%"))) for r in rest[0].strip("{} ").split(",")]
+        a_decl, a_arg, desc_a = f"const unsigned pgx_a[4] = {{{', '.join(a_words)}}}; ", "pgx_a", "0ull"
         desc_b, flags = rest[1], rest[2:]
         expected_flags = ["p", "1", "1", "0"]
     else:
-        a_expr = "nullptr"
+        a_decl, a_arg = "", "nullptr"
         desc_a, desc_b, flags = o(int(rest[0].lstrip("%"))), rest[1], rest[2:]
         expected_flags = ["p", "1", "1", "0", "0"]
     if flags != expected_flags:
         raise UnknownInstruction(f"wgmma with scale or transpose flags {flags} (emulated: {expected_flags}): {text!r}")
     desc_b = o(int(desc_b.lstrip("%")))
     if s := re.search(r"setp\.eq\.u32 p, %(\d+), 0;", text):
-        scale_d = f"((unsigned){o(int(s.group(1)))} == 0)"
+        scale_d = f"((unsigned){o(int(s.group(1)))} == 0)"  # p: accumulate unless `first`
     elif "setp.ne.u32 p, 0, 0;" in text:
         scale_d = "0"
     else:
         raise UnknownInstruction(f"wgmma whose scale-d predicate is not read: {text!r}")
     pointers = ", ".join(f"&{o(k)}" for k in accumulators)
-    a_arg = "nullptr" if a_expr == "nullptr" else "pgx_a"
-    a_decl = "" if a_expr == "nullptr" else f"const unsigned pgx_a[4] = {{{a_expr[a_expr.index('{') + 1:-1]}}}; "
     return (f"do {{ float* const pgx_d[{n // 2}] = {{{pointers}}}; {a_decl}"
             f"pgx::wgmma<{n}, {kind}>(pgx_d, {a_arg}, {desc_a}, {desc_b}, {scale_d}); }} while (0)")
 

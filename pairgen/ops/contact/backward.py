@@ -32,8 +32,9 @@ def gradients(module, x: torch.Tensor, params: dict[str, torch.Tensor], grad_out
     """d(loss)/d(x) as "input", and d(loss)/d(parameter) for every name of `params`
     ("layer_norm.weight", ..., "mlp.4.bias") but the `frozen` ones' products, given
     d(loss)/d(out) = grad_out: the intermediates recomputed from x, then the chain rule."""
-    return closed_form_gradients(lambda x32, w, g, mm: _backward(module, _forward(module, x32, w, mm), w, g, mm, frozen),
-                                 x, params, grad_out, precision)
+    return closed_form_gradients(
+        lambda x32, w, g, mm: _backward(module, _forward(module, x32, w, mm, mlp_kernel=True), w, g, mm, frozen),
+        x, params, grad_out, precision)
 
 
 def forward_saving(module, x: torch.Tensor, params: dict[str, torch.Tensor], precision: str) -> tuple:
@@ -81,8 +82,14 @@ def _relu_backward_(d: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.threshold_backward.grad_input(d, h, 0, grad_input=d)
 
 
-def _forward(module, x, w, mm) -> SimpleNamespace:
-    """The forward's intermediates the chain rule needs."""
+#: The MLP's weights as the MLP kernel takes them, in its argument order (w1, w2, b1, b2, w3, b3).
+_MLP_WEIGHTS = ("mlp.0.weight", "mlp.2.weight", "mlp.0.bias", "mlp.2.bias", "mlp.4.weight", "mlp.4.bias")
+
+
+def _forward(module, x, w, mm, mlp_kernel: bool = False) -> SimpleNamespace:
+    """The forward's intermediates the chain rule needs. mlp_kernel: where the MLP kernel applies
+    (fused_backward.mlp_applies), only the symmetrised rows; the backward then runs the MLP's
+    forward and backward in one kernel (f.mlp_kernel)."""
     B, N, _, P = x.shape
     f = SimpleNamespace(B=B, N=N, P=P, eps=module.layer_norm.eps, pairs=unique_pairs(B, N, x.device))
     f.fused_ln = fused_backward.applies(x, P)
@@ -96,6 +103,10 @@ def _forward(module, x, w, mm) -> SimpleNamespace:
         xn, f.mean, f.rstd = torch.native_layer_norm(f.rows, [P], w["layer_norm.weight"], w["layer_norm.bias"], f.eps)
         f.s = _symmetrised_unique(xn, f.pairs)
         del xn
+    f.mlp_kernel = (mlp_kernel and f.fused_ln
+                    and fused_backward.mlp_applies(f.s, [w[name] for name in _MLP_WEIGHTS], P, w["mlp.0.weight"].shape[0]))
+    if f.mlp_kernel:
+        return f
     f.h1 = mm.linear(f.s, w["mlp.0.weight"], w["mlp.0.bias"]).relu_()
     f.h2 = mm.linear(f.h1, w["mlp.2.weight"], w["mlp.2.bias"]).relu_()
     f.out_unique = torch.sigmoid(mm.linear(f.h2, w["mlp.4.weight"], w["mlp.4.bias"]))  # (pairs, 1)
@@ -104,9 +115,9 @@ def _forward(module, x, w, mm) -> SimpleNamespace:
 
 def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, torch.Tensor]:
     """The chain rule from d(loss)/d(out) back through _forward's intermediates, which it drops."""
-    B, N, P = f.B, f.N, f.P
-
     # ---- back through the MLP, once per pair i <= j ----
+    if f.mlp_kernel:
+        return _backward_from_mlp_kernel(f, w, grad_out, mm, frozen)
     g = grad_out.reshape(-1)
     g_unique = g.index_select(0, f.pairs.ij).addcmul_(g.index_select(0, f.pairs.ji), f.pairs.off)
     d_y = torch.ops.aten.sigmoid_backward(g_unique.view(-1, 1), f.out_unique)
@@ -130,7 +141,25 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     d_s = mm(d_h1, w["mlp.0.weight"])
     del d_h1
 
-    # ---- the symmetrisation and the LayerNorm ----
+    return _layer_norm_backward(f, w, d_s, grads)
+
+
+def _backward_from_mlp_kernel(f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, torch.Tensor]:
+    """_backward's chain rule with the MLP's forward and backward from one kernel
+    (fused_backward.mlp_forward_backward): the weights' products and the LayerNorm's backward."""
+    k = fused_backward.mlp_forward_backward(f.s, f.pairs, grad_out, *(w[name] for name in _MLP_WEIGHTS))
+    grads = {"mlp.4.bias": k["d_y"].sum(0), "mlp.2.bias": column_sums(k["d_h2"]), "mlp.0.bias": column_sums(k["d_h1"])}
+    for name, d_out, inputs in (("mlp.4.weight", "d_y", "h2"), ("mlp.2.weight", "d_h2", "h1"),
+                                ("mlp.0.weight", "d_h1", None)):
+        if name not in frozen:
+            grads[name] = mm(k[d_out].t(), f.s if inputs is None else k[inputs])
+    f.s = None
+    return _layer_norm_backward(f, w, k["d_s"], grads)
+
+
+def _layer_norm_backward(f: SimpleNamespace, w, d_s: torch.Tensor, grads: dict) -> dict[str, torch.Tensor]:
+    """The symmetrisation's and the LayerNorm's backward from d(loss)/d(s), into `grads`."""
+    B, N, P = f.B, f.N, f.P
     if f.fused_ln:
         d_x, grads["layer_norm.weight"], grads["layer_norm.bias"] = fused_backward.layer_norm_symmetrised_backward(
             d_s, f.rows, f.pairs, f.mean, f.rstd, w["layer_norm.weight"], f.eps, f.tuning)

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ...precision import MMA_KINDS
+from ...spec import align
+
+from ... import runtime
 from .. import layer_norm_rows
-from ..fused_kernels import THREADS, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, warp_per_item_blocks
+from .. import fused_kernels
+from ..fused_kernels import THREADS, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, storage_kind, warp_per_item_blocks
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it is used, so that these sources
     import torch  # render without it (pairgen-tune --status)
@@ -73,3 +78,64 @@ def layer_norm_symmetrised_backward(d_s: torch.Tensor, rows: torch.Tensor, pairs
                     parts[0].data_ptr(), parts[1].data_ptr(), count, cols=C, eps=repr(float(eps)))
     return (d_rows, *parts.sum(1))  # d gamma and d beta: views of one reduction
 
+
+
+# ---- the MLP's forward and backward on tensor cores (templates/contact/mlp_backward.cu.j2) ----
+
+MLP_SIGNATURES = {"": ("ptr s", "ptr ij", "ptr ji", "ptr g", "ptr w1", "ptr w2", "ptr b1", "ptr b2", "ptr w3",
+                       "ptr b3", "ptr h1", "ptr h2", "ptr d_y", "ptr d_h2", "ptr d_h1", "ptr d_s", "i64 pairs")}
+MLP_TEMPLATE = FusedTemplate("contact", "mlp_backward", lambda context: MLP_SIGNATURES)
+#: The widest P and H the kernel takes (its largest product's accumulators in one warpgroup).
+MLP_MAX_WIDTH = 128
+
+
+def mlp_smem(P: int, H: int) -> int:
+    """The kernel's shared memory: W1, W2, W2^T, W1^T and a 64-row tile of s per warpgroup, each
+    region 1024-byte aligned (mlp_backward.cu.j2's SMEM_BYTES)."""
+    w1, w2 = align(H * P * 2, 1024), align(H * H * 2, 1024)
+    return 2 * w1 + 2 * w2 + (THREADS // 128) * align(64 * P * 2, 1024)
+
+
+def mlp_context(kind: str, P: int, H: int) -> dict:
+    """The template's context (hashable: launches are bound per context)."""
+    return {"cols": P, "hidden": H, "smem_bytes": mlp_smem(P, H), "mma_kind": MMA_KINDS[kind], "wgmma_widths": (H,),
+            "wgmma_rs_widths": tuple(sorted({H, P}))}
+
+
+def render_mlp(kind: str, P: int, H: int):
+    return MLP_TEMPLATE.render(kind, **mlp_context(kind, P, H))
+
+
+def mlp_applies(s: torch.Tensor, weights: list, P: int, H: int) -> bool:
+    """Whether the MLP kernel takes this call: 16-bit rows s on a GPU with warpgroup products
+    (sm_90), the closed form's fused kernels on, P and H multiples of 16 up to MLP_MAX_WIDTH, and
+    the weights contiguous in s's dtype with 16-byte aligned rows."""
+    import torch
+
+    if s.dtype not in (torch.bfloat16, torch.float16) or not applies(s, P):
+        return False
+    if P % 16 or H % 16 or P > MLP_MAX_WIDTH or H > MLP_MAX_WIDTH:
+        return False
+    if runtime.device_info(s.device.index or 0).capability < (9, 0):
+        return False
+    return all(w.dtype is s.dtype and w.is_contiguous() and w.data_ptr() % 16 == 0 for w in weights)
+
+
+def mlp_forward_backward(s: torch.Tensor, pairs, grad_out: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                         b1: torch.Tensor, b2: torch.Tensor, w3: torch.Tensor, b3: torch.Tensor) -> dict:
+    """The MLP on the symmetrised rows s (pairs, P) and its backward from d(loss)/d(out) grad_out
+    (B*N*N values) for the pairs of `pairs` (a backward.UniquePairs): {"h1", "h2", "d_y", "d_h2",
+    "d_h1", "d_s"}, as the closed form computes them (mlp_applies must hold)."""
+    U, P = s.shape
+    H = w1.shape[0]
+    new = lambda cols: s.new_empty(U, cols)  # noqa: E731
+    out = {"h1": new(H), "h2": new(H), "d_y": new(1), "d_h2": new(H), "d_h1": new(H), "d_s": new(P)}
+    g = grad_out.reshape(-1)
+    if g.dtype is not s.dtype or not g.is_contiguous():
+        g = g.to(s.dtype).contiguous()
+    tiles = -(-U // 64)
+    blocks = max(1, min(-(-tiles // (THREADS // 128)), fused_kernels.sm_count(s.device.index)))
+    tensors = (s, pairs.ij, pairs.ji, g, w1, w2, b1, b2, w3, b3, *out.values())
+    MLP_TEMPLATE.launch(s, "", blocks, *(t.data_ptr() for t in tensors), U, smem=mlp_smem(P, H),
+                        **mlp_context(storage_kind(s.dtype), P, H))
+    return out
