@@ -3,6 +3,8 @@ autograd of the reference, on the CPU: odd sizes, heavy tails, the fp32 gradient
 (relative L2 <= 2e-5 per tensor); a 16-bit module within the 16-bit standard."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -109,3 +111,45 @@ def test_16_bit_forwards_and_training_take_the_closed_form_from_the_measured_siz
     monkeypatch.delenv("PAIRGEN_FUSED_BACKWARD")
     module.backward_mode = "closed_form"
     assert not module.trains_through_reference("bfloat16", (at,))
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+@pytest.mark.parametrize("P,H", [(16, 16), (48, 32), (64, 32), (128, 64), (128, 128)])
+def test_the_mlp_kernel_renders_and_compiles_without_spills(kind, P, H):
+    rendered = fused_backward.render_mlp(kind, P, H)
+    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
+    assert compiled.spill_bytes == 0 and compiled.stack_bytes == 0, compiled.summary()
+
+
+def _gradients_through_the_mlp_kernel(module, x, g) -> list:
+    """module.analytic_gradients (the recomputing closed form) with the closed form's kernels on
+    the CPU emulator (tests/emulator), asserting that the MLP kernel ran."""
+    from unittest import mock
+
+    from emulator import emulated
+
+    runs = []
+    real = fused_backward.mlp_forward_backward
+    with emulated(), mock.patch.object(fused_backward, "applies", lambda t, cols: True), \
+            mock.patch.object(fused_backward, "mlp_forward_backward", lambda *a: runs.append(a) or real(*a)):
+        ours = module.analytic_gradients([x], [p.detach() for p in module.parameters()], g)
+    assert runs, "the MLP kernel did not run"
+    return ours
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("dtype,widths,B,N", [(torch.bfloat16, {"P": 128, "H": 128}, 1, 37),
+                                              (torch.float16, {"P": 48, "H": 32}, 2, 13),
+                                              (torch.bfloat16, {"P": 64, "H": 16}, 3, 1)])
+def test_the_mlp_kernel_gradients_meet_the_16_bit_standard_emulated(dtype, widths, B, N):
+    """The 16-bit closed form with the MLP's forward and backward in one wgmma kernel
+    (templates/contact/mlp_backward.cu.j2), run on the CPU emulator, heavy-tailed inputs: every
+    gradient within the 16-bit standard, none aliasing another."""
+    gen = generator(70 + N)
+    module = CONTACT.make_module(widths, gen).to(dtype)
+    (x,) = CONTACT.make_inputs({"B": B, "N": N, **widths}, gen, "cauchy")
+    x, g = x.to(dtype), torch.randn((B, N, N), generator=gen).to(dtype)
+    ours = _gradients_through_the_mlp_kernel(module, x, g)
+    storages = [t.untyped_storage().data_ptr() for t in ours]
+    assert len(set(storages)) == len(storages), "gradients that alias"
+    assert_16_bit_gradients_meet_the_standard(module, (x,), g, ours)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (ODD_SHAPES, REAL_WIDTHS, SEED_WIDTHS, assert_closed_form_meets_the_standard,
+from helpers import (ODD_SHAPES, REAL_WIDTHS, SEED_WIDTHS, assert_16_bit_gradients_meet_the_standard,
+                     assert_closed_form_meets_the_standard,
                      assert_variant_matches_float64, check_tuned_entries, compiled_cases, compiled_variant, generator,
                      gpu_params, run_under_graph_capture, run_variant, sampled_cases, sampled_plans)
 from pairgen import runtime
@@ -154,3 +155,26 @@ def test_weights_updated_in_place_are_repacked():
 
 def test_tuned_entries_load_and_run():
     check_tuned_entries(CONTACT)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("widths", [{"P": 128, "H": 128}, {"P": 48, "H": 32}], ids=["P128H128", "P48H32"])
+def test_16_bit_training_through_the_mlp_kernel_meets_the_16_bit_standard(dtype, widths, monkeypatch):
+    """A 16-bit training step that recomputes (the kernel forward, then the closed form from the
+    input) runs the MLP's forward and backward in one kernel (templates/contact/mlp_backward.cu.j2)
+    where it applies: every gradient within the 16-bit standard, at an odd length with heavy tails."""
+    from pairgen.ops.contact import fused_backward
+
+    runs = []
+    real = fused_backward.mlp_forward_backward
+    monkeypatch.setattr(fused_backward, "mlp_forward_backward", lambda *a: runs.append(a) or real(*a))
+    gen = generator(17)
+    module = CONTACT.make_module(widths, gen).cuda().to(dtype)
+    module.recompute_for_backward = True
+    module.backward_mode = "closed_form"
+    (x,) = CONTACT.make_inputs({"B": 2, "N": 37, **widths}, gen, "cauchy")
+    x, g = x.cuda().to(dtype), torch.randn(2, 37, 37, generator=gen).cuda().to(dtype)
+    leaf = x.clone().requires_grad_()
+    (module(leaf) * g).sum().backward()
+    assert runs, "the MLP kernel did not run"
+    assert_16_bit_gradients_meet_the_standard(module, (x,), g, [leaf.grad] + [p.grad for p in module.parameters()])
