@@ -28,11 +28,9 @@ def storage_kind(dtype) -> str | None:
 THREADS = 256
 
 
-@functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    """The device's SMs (runtime.device_info's, read once per device)."""
+    return runtime.device_info(device_index).limits.sm_count
 
 
 #: Blocks per SM of the grid-stride kernels that give each row (or pair) a warp.

@@ -141,17 +141,14 @@ EMULATED_DEVICE = runtime.DeviceInfo(-1, "pairgen CPU emulator", "cpu-emulator",
 @contextlib.contextmanager
 def emulated(order: int = 0):
     """Every variant pairgen builds inside is emulated on the CPU (see the module's docstring)."""
-    from pairgen.ops import fused_kernels
-
-    saved = (runtime.build_variant, runtime.device_info, fused_kernels.sm_count, runtime.variant_of, ORDER[0])
+    saved = (runtime.build_variant, runtime.device_info, runtime.variant_of, ORDER[0])
     runtime.clear_caches()
     runtime.build_variant = lambda plan, arch=None: emulated_variant(plan)
     runtime.device_info = lambda index=0: EMULATED_DEVICE
-    fused_kernels.sm_count = lambda index: EMULATED_SMS
     runtime.variant_of = lambda plan, device_index: emulated_variant(plan)
     ORDER[0] = order
     try:
         yield
     finally:
-        runtime.build_variant, runtime.device_info, fused_kernels.sm_count, runtime.variant_of, ORDER[0] = saved
+        runtime.build_variant, runtime.device_info, runtime.variant_of, ORDER[0] = saved
         runtime.clear_caches()

@@ -15,8 +15,7 @@ from ...spec import align
 
 from ... import runtime
 from .. import layer_norm_rows
-from .. import fused_kernels
-from ..fused_kernels import THREADS, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, storage_kind, warp_per_item_blocks
+from ..fused_kernels import THREADS, WARP_KERNEL_BLOCKS_PER_SM, FusedTemplate, sm_count, storage_kind, warp_per_item_blocks
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it is used, so that these sources
     import torch  # render without it (pairgen-tune --status)
@@ -134,7 +133,7 @@ def mlp_forward_backward(s: torch.Tensor, pairs, grad_out: torch.Tensor, w1: tor
     if g.dtype is not s.dtype or not g.is_contiguous():
         g = g.to(s.dtype).contiguous()
     tiles = -(-U // 64)
-    blocks = max(1, min(-(-tiles // (THREADS // 128)), fused_kernels.sm_count(s.device.index)))
+    blocks = max(1, min(-(-tiles // (THREADS // 128)), sm_count(s.device.index)))
     tensors = (s, pairs.ij, pairs.ji, g, w1, w2, b1, b2, w3, b3, *out.values())
     MLP_TEMPLATE.launch(s, "", blocks, *(t.data_ptr() for t in tensors), U, smem=mlp_smem(P, H),
                         **mlp_context(storage_kind(s.dtype), P, H))

@@ -37,9 +37,12 @@ from .. import backward_tuning, closed_form, layer_norm_rows
 from ..closed_form import channel_sums, closed_form_gradients, column_sums
 from ...precision import COMPUTE_DTYPES
 from . import fused_backward
+from .strategies import wgmma
 
 #: The four input projections, in the order their rows are stacked into W4.
 _FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
+#: The 16-bit dtypes' precision names (the projection's backward kernel computes in them).
+_HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def gradients(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor],
@@ -155,11 +158,20 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
         f.proj = mm.channels_first(f.w4, f.xn_cl, f.b4).view(B, 4, H, NN)
         f.proj[:, 1].sigmoid_(), f.proj[:, 3].sigmoid_()  # in place: the pre-activations are not needed again
         f.keep = mask.reshape(B, 1, NN).to(dtype)
-    a, b = _operands(f, apply=True, store=not inference)
-    if inference:
+    # With the projection's backward kernel the backward recomputes the pre-activations from x, so
+    # they are not kept (four hidden-width tensors), A and B are (two) instead.
+    f.precision = _HALF_NAMES.get(dtype)
+    f.projection_kernel = (not inference and f.fused and f.precision is not None
+                           and wgmma.projection_backward_applies(module, x, f.precision))
+    a, b = _operands(f, apply=True, store=not (inference or f.projection_kernel))
+    if inference or f.projection_kernel:
         f.proj = None
+    if f.projection_kernel:
+        f.x_operand = x if x.dtype is dtype and x.is_contiguous() else x.to(dtype).contiguous()
+        f.mask = mask if mask.dtype in (torch.bool, torch.float32) and mask.is_contiguous() else \
+            mask.to(torch.float32).contiguous()
     f.z = mm.bmm(a, b.transpose(1, 2)) if f.outgoing else mm.bmm(a.transpose(1, 2), b)  # (B*H, N, N)
-    f.operands = (a, b) if keep_operands else None
+    f.operands = (a, b) if keep_operands or f.projection_kernel else None
     del a, b
 
     # ---- the output LayerNorm, the output projection and gate, one row per pair ----
@@ -276,6 +288,13 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
         products = ((0, lambda: mm.bmm(d_z, b)), (2, lambda: mm.bmm(d_z.transpose(1, 2), a)))
     else:           # Z = A^T B: dA = B dZ^T, dB = A dZ
         products = ((0, lambda: mm.bmm(b, d_z.transpose(1, 2))), (2, lambda: mm.bmm(a, d_z)))
+    if f.projection_kernel:  # the gates' chain rule in the kernel that recomputes the projections
+        d_a, d_b = (product() for _, product in products)
+        d_z = a = b = products = None
+        d_proj = wgmma.run_projection_backward(module, f.x_operand, f.mask, d_a, d_b, f.precision, w)
+        del d_a, d_b
+        f.x_operand = f.mask = None
+        return _input_side_backward(f, w, d_proj.view(B, 4 * H, NN), d_gate_in, grads, mm, frozen)
     proj, keep = f.proj, f.keep
     for slot, product in products:  # slot: the value's place in proj, its gate's is slot + 1
         if f.fused:
@@ -290,8 +309,15 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
         del d, p, sig
     d_z = a = b = products = None  # the products close over them: rebinding frees the tensors
     d_proj = proj.view(B, 4 * H, NN)
-    f.proj = None
+    f.proj = proj = None
+    return _input_side_backward(f, w, d_proj, d_gate_in, grads, mm, frozen)
 
+
+def _input_side_backward(f: SimpleNamespace, w, d_proj: torch.Tensor, d_gate_in: torch.Tensor, grads: dict, mm,
+                         frozen) -> dict[str, torch.Tensor]:
+    """The input projections' and the input LayerNorm's gradients from d_proj (B, 4H, N*N), into
+    `grads` (the out gate's gradient d_gate_in joins before or after the LayerNorm)."""
+    B, N, P, H = f.B, f.N, f.P, f.H
     # ---- the input projections and LayerNorm ----
     if any(f"{name}.weight" not in frozen for name in _FOUR):
         # One product for the four weights: their gradients are views of it (a custom operator's
@@ -303,7 +329,7 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
         for name, d_b in zip(_FOUR, channel_sums(d_proj).split(H)):
             grads[f"{name}.bias"] = d_b
     d_xn = mm.channels_last(d_proj, f.w4)  # (B, N*N, P)
-    del d_proj, proj
+    del d_proj
     f.xn = f.xn_cl = None
     # the out gate's gradient joins before the LayerNorm (gated on xn) or after it (gated on x)
     if f.fused_ln_in:

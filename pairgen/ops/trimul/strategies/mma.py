@@ -138,6 +138,8 @@ def _row_statistics(launches: list, x, x_ptr: int):
     output kernel reads the statistics."""
     if not launches:
         return None, {}
+    if torch is None:
+        _import_torch_half()
     stats = torch.empty((2, x.shape[0] * x.shape[1] * x.shape[2]), device=x.device, dtype=torch.float32)
     fastcall.note_scratch(stats)
     launches[0].named(x=x_ptr, stats=stats.data_ptr())

@@ -5,6 +5,7 @@ of their own (templates/trimul/pack_wgmma.cu.j2): each linear layer scaled by th
 it, with the row sums and offsets the epilogues need."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 
@@ -16,7 +17,7 @@ from ... import packing
 from ...packing import MAX_SOURCES, Sources, launch_pack, source_arguments
 from ..common import OUTPUT_ARGS, PROJECT_ARGS, gate_columns
 from ..packs import parameter_names
-from .mma import run_three_steps
+from .mma import _row_statistics, run_three_steps
 
 #: torch and what needs it, bound by _import_torch_half() on the first call a strategy runs, so that
 #: the spec half (space, restrictions, plans) loads without torch and a call pays no import.
@@ -383,6 +384,105 @@ def run(module, variant, weights, x, mask, out) -> None:
     variant = variant_for_call(module.op, variant, x.shape[0], x.shape[1], out.element_size() == 4, x.get_device())
     packed = pack(module, variant.plan, weights)  # alive until every launch is enqueued
     run_three_steps(module, variant, x, mask, out, packed)
+
+
+# ---- the projection's backward: the w_registers kernel with the gates' chain rule as its epilogue ----
+
+#: Its arguments: x, the mask and the pack as the forward's; d(loss)/d(a) and d(loss)/d(b)
+#: channel-major (B*H, N*N); d_proj, the four pre-activations' gradients (B, 4, H, N*N).
+PROJECT_BACKWARD_ARGS = ("ptr x", "ptr mask", "ptr w", "ptr d_a", "ptr d_b", "ptr d_proj", "i32 B", "i32 N",
+                         "i32 num_tiles", "i32 mask_is_float")
+
+
+def w_registers_point(spec, precision: str) -> dict:
+    """The first default point of `spec` (the op's) with the projection's Wp in registers (two
+    warpgroups, two x stages)."""
+    first = next(params for s, params in spec.at(precision).default_points if s == "wgmma")
+    return {**first, "x_registers": False, "w_registers": True, "p_groups": 2, "p_stages": 2, "o_x_registers": False}
+
+
+@functools.lru_cache(maxsize=64)
+def _projection_backward_plan(spec, precision: str, width_items: tuple) -> Plan | None:
+    # Two slices of Wp's row blocks a block where they divide: the chain rule's epilogue holds d(loss)/d(a)
+    # beside both accumulator sets, which with the forward's share of Wp spills (at P = H = 128). The
+    # swizzle where P allows it. The output kernel's parameters are the smallest that fit any P: its
+    # kernel is rendered beside the backward's but not launched.
+    view = spec.at(precision)
+    base = {**w_registers_point(spec, precision), "o_groups": 1, "o_wn": 16, "o_stages": 1, "z_registers": False}
+    plans = [view.plan("wgmma", {**base, "swizzle": swizzle, "p_slices": slices}, dict(width_items))
+             for swizzle in (True, False) for slices in (2, 0)]
+    plan = next((p for p in plans if not spec.infeasible(p, DeviceLimits())), None)
+    if plan is None:
+        return None
+    name = f"{plan.kernel_name}_backward"
+    *stats, project, _output = plan.kernels
+    kernels = (Kernel(name, project.threads, project.smem_bytes,
+                      _with_stats(PROJECT_BACKWARD_ARGS) if stats else PROJECT_BACKWARD_ARGS, project.grid),)
+    if stats:
+        kernels = (dataclasses.replace(stats[0], name=f"{name}_stats"), *kernels)
+    return dataclasses.replace(plan, context={**plan.context, "projection_backward": True}, kernels=kernels,
+                               kernel_name=name)
+
+
+def projection_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
+    """The plan (of `spec`, the op's) of the projection's backward for a module's widths (its forward plan at the
+    w_registers point, the projection kernel declared with the backward's arguments and named
+    apart), or None where that point is not feasible."""
+    return _projection_backward_plan(spec, precision, tuple(sorted({**widths, "out_fp32": 0}.items())))
+
+
+#: (precision, widths, arch) -> the backward's variant: built apart from runtime.variant_of, whose
+#: cache keys a plan by its point and widths, which the forward plan shares.
+_backward_variants: dict = {}
+
+
+def projection_backward_applies(module, x, precision: str) -> bool:
+    """Whether run_projection_backward takes a call: 16-bit, on a GPU with warpgroup products, the
+    backward's point feasible at the module's widths, a and b within the paired offsets."""
+    if precision not in HALF_PRECISIONS or runtime.device_info(x.device.index or 0).capability < (9, 0):
+        return False
+    B, N, H = x.shape[0], x.shape[1], module.widths["H"]
+    return B * H * N * N < PAIRED_MAX_AB_ELEMENTS and projection_backward_plan(module.op, precision, module.widths) is not None
+
+
+def pack_given(w: dict, widths: dict, operand: str):
+    """The fold kernel's pack of the weights `w` (parameter name -> tensor; the biases may be
+    absent) in a per-call buffer: the weights a closed form computes with, which need not be the
+    module's parameters (a compiled graph's inputs, an autocast's casts)."""
+    names = tuple(name for name in FOLD_WEIGHTS if name in w)
+    tensors = [w[name] for name in names]
+    if not packing.readable(tensors):
+        tensors = [t.detach().float().contiguous() for t in tensors]
+    return pack_wgmma(tensors, Sources.each_its_own(names), widths["P"], widths["H"], bool(widths["gate_normalized"]),
+                      bool(widths.get("gate_hidden")), operand)
+
+
+def run_projection_backward(module, x, mask, d_a, d_b, precision: str, w: dict):
+    """d(loss)/d(the four pre-activations) (B, 4, H, N*N), the closed form's d_proj, from x (in the
+    operand type, contiguous), the mask (bool or fp32, (B, N, N)), d(loss)/d(a) and d(loss)/d(b)
+    ((B*H, N, N), channel-major) and the weights `w` (pack_given): the projections and gates
+    recomputed from x as the forward's kernel computes them, the chain rule in the epilogue
+    (projection_backward_applies must hold)."""
+    if PACK_SLOTS is None:
+        _import_torch_half()
+    import torch
+
+    plan = projection_backward_plan(module.op, precision, module.widths)
+    device = x.get_device()
+    key = (precision, tuple(sorted(plan.widths.items())), runtime.device_info(device).arch)
+    variant = _backward_variants.get(key)
+    if variant is None:
+        variant = _backward_variants[key] = runtime.build_variant(plan, key[2])
+    B, N = x.shape[0], x.shape[1]
+    H = module.widths["H"]
+    packed = pack_given(w, module.widths, precision)  # alive until the launch is enqueued
+    *statistics, launch = variant.launches(device, B, N)
+    held_stats, stats = _row_statistics(statistics, x, x.data_ptr())
+    d_proj = torch.empty((B, 4, H, N * N), device=x.device, dtype=x.dtype)
+    launch.named(x=x.data_ptr(), mask=mask.data_ptr(), w=packed.data_ptr(), d_a=d_a.data_ptr(), d_b=d_b.data_ptr(),
+                 d_proj=d_proj.data_ptr(), mask_is_float=int(mask.dtype is torch.float32), **stats)
+    del held_stats
+    return d_proj
 
 
 WGMMA = Strategy(
