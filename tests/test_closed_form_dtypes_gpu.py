@@ -246,3 +246,31 @@ def test_wide_triangle_updates_run_the_closed_form_where_no_kernel_does(dtype, f
     assert "closed form" in inference and len(calls) == before + 1, inference
     result = compare(out, reference64(module, (x, mask)), SIXTEEN_BIT)
     assert result.ok, result
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
+@pytest.mark.parametrize("widths", [{"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0},
+                                    {"P": 64, "H": 48, "outgoing": 0, "gate_normalized": 1, "bias": 1}],
+                         ids=["models", "seed-options"])
+def test_16_bit_triangle_training_takes_the_projection_backward_kernel(widths, recompute, dtype, monkeypatch):
+    """On Hopper the triangle update's 16-bit closed form gets d_proj from the projection's backward
+    kernel (the pre-activations recomputed from x, the gates' chain rule in its epilogue), whether
+    the forward kept its intermediates or the backward recomputes them: gradients within the
+    16-bit standard at an odd length with heavy tails."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    runs, real = [], wgmma.run_projection_backward
+    monkeypatch.setattr(wgmma, "run_projection_backward", lambda *a: runs.append(a) or real(*a))
+    spec = get_op("trimul")
+    gen = generator(44)
+    module = spec.make_module(widths, gen).cuda().to(dtype)
+    module.backward_mode = "closed_form"
+    module.recompute_for_backward = recompute
+    x, mask = (t.cuda() for t in spec.make_inputs({"B": 2, "N": 37, **widths}, gen, "cauchy"))
+    x = x.to(dtype)
+    g = torch.randn(x.shape, generator=generator(45)).cuda().to(dtype)
+    leaf = x.clone().requires_grad_()
+    (module(leaf, mask) * g).sum().backward()
+    assert runs, "the projection's backward kernel did not run"
+    assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [leaf.grad] + [p.grad for p in module.parameters()])

@@ -5,10 +5,12 @@ standard for fp32 (relative L2 <= 2e-5 per tensor). The GPU tests check the same
 module's backward."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
-from helpers import closed_form_errors, generator, gradient_errors64
+from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_errors, generator, gradient_errors64
 from pairgen import codegen, compiler, config
 from pairgen.module.autograd import ReferenceBackward, SavedClosedForm
 from pairgen.ops import layer_norm_rows
@@ -429,3 +431,97 @@ def test_the_output_layer_norm_leaves_room_for_its_partial_sums():
             if tile != 64:
                 assert used(hidden, 64 if tile is None else 2 * tile) > fused_backward.SMEM_LIMIT, (hidden, tile)
         assert {64, 8, None} <= tiles
+
+
+MODELS_FORM = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+#: Widths of the projection's backward: the models' form both ways, the seed's options at small
+#: widths, k padded with the gate in hidden width, and a wide P (Wp's row blocks sliced).
+PROJECTION_BACKWARD_WIDTHS = [MODELS_FORM, {**MODELS_FORM, "outgoing": 0},
+                              {"P": 64, "H": 32, "outgoing": 1, "gate_normalized": 0, "bias": 1},
+                              {"P": 48, "H": 32, "outgoing": 0, "gate_normalized": 1, "bias": 1, "gate_hidden": 1},
+                              {"P": 384, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}]
+
+
+@pytest.mark.parametrize("widths", PROJECTION_BACKWARD_WIDTHS, ids=lambda w: "P{P}H{H}".format(**w))
+def test_the_projection_backward_kernel_renders_to_its_signature_and_compiles_without_spills(widths):
+    from pairgen.ops.trimul.strategies import wgmma
+
+    plan = wgmma.projection_backward_plan(TRIMUL, "bfloat16", widths)
+    assert plan is not None
+    rendered = codegen.render_plan(plan)
+    compiled = compiler.compile_source(rendered.source, plan.main.name, "sm_90")
+    for name in (k.name for k in plan.kernels):
+        assert compiled.kernels[name]["spill_bytes"] == 0, compiled.summary()
+
+
+def _d_proj64(module, x, mask, d_a, d_b) -> torch.Tensor:
+    """The closed form's d_proj (B, 4, H, N*N) in float64: the gates' chain rule on the float64
+    pre-activations of x."""
+    B, N, _, P = x.shape
+    H = module.widths["H"]
+    p = {k: v.double() for k, v in module.named_parameters()}
+    xn = torch.nn.functional.layer_norm(x.double(), (P,), p["layer_norm_in.weight"], p["layer_norm_in.bias"],
+                                        module.layer_norm_in.eps)
+
+    def pre(name):
+        v = xn @ p[f"{name}.weight"].T + (p[f"{name}.bias"] if f"{name}.bias" in p else 0.0)
+        return v.permute(0, 3, 1, 2).reshape(B, H, N * N)
+
+    keep = mask.double().reshape(B, 1, N * N)
+    slots = []
+    for d, (value, gate) in ((d_a, ("proj_a", "gate_a")), (d_b, ("proj_b", "gate_b"))):
+        d, s = d.double().view(B, H, N * N) * keep, torch.sigmoid(pre(gate))
+        slots += [d * s, d * pre(value) * s * (1 - s)]
+    return torch.stack(slots, 1)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("widths,B,N,dtype,float_mask", [(MODELS_FORM, 1, 37, torch.bfloat16, False),
+                                                         (PROJECTION_BACKWARD_WIDTHS[1], 2, 8, torch.float16, True),
+                                                         (PROJECTION_BACKWARD_WIDTHS[3], 3, 1, torch.bfloat16, False)],
+                         ids=["models-N37", "incoming-N8-float-mask", "k-padded-N1"])
+def test_the_projection_backward_kernel_matches_float64_emulated(widths, B, N, dtype, float_mask):
+    """d_proj from the kernel (run on the CPU emulator) against float64 of the same rounded inputs
+    and weights: the bf16/fp16 forward standard (relative L2 1e-2), NaN-prefilled by the emulator's
+    0xFF shared memory and every pair written (N*N % 8 == 0, odd, and 1: the kernel's three ways
+    to its pairs)."""
+    from emulator import emulated
+    from pairgen.ops.trimul.strategies import wgmma
+
+    gen = generator(80 + N)
+    module = TRIMUL.make_module(widths, gen).to(dtype)
+    H = widths["H"]
+    x = torch.randn(B, N, N, widths["P"], generator=gen).to(dtype)
+    mask = torch.rand(B, N, N, generator=gen) > 0.25
+    mask = mask.float() if float_mask else mask
+    d_a, d_b = (torch.randn(B * H, N, N, generator=gen).to(dtype) for _ in range(2))
+    with emulated():
+        d_proj = wgmma.run_projection_backward(module, x, mask, d_a, d_b, str(dtype).split(".")[1],
+                                               dict(module.named_parameters()))
+    expected = _d_proj64(module, x, mask, d_a, d_b)
+    assert torch.isfinite(d_proj).all()
+    for slot in range(4):
+        error = ((d_proj[:, slot].double() - expected[:, slot]).norm() / expected[:, slot].norm()).item()
+        assert error <= 1e-2, f"slot {slot}: {error}"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+def test_16_bit_gradients_through_the_projection_backward_kernel_meet_the_standard_emulated():
+    """The 16-bit closed form with its fused kernels and the projection's backward kernel, all on
+    the CPU emulator: every gradient within the 16-bit standard, and the kernel ran."""
+    from unittest import mock
+
+    from emulator import emulated
+    from pairgen.ops.trimul.strategies import wgmma
+
+    gen = generator(91)
+    module = TRIMUL.make_module(MODELS_FORM, gen).bfloat16()
+    x, mask = TRIMUL.make_inputs({"B": 1, "N": 23, **MODELS_FORM}, gen, "cauchy")
+    x, g = x.bfloat16(), torch.randn(x.shape, generator=gen).bfloat16()
+    runs, real = [], wgmma.run_projection_backward
+    with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
+            mock.patch.object(wgmma, "run_projection_backward", lambda *a: runs.append(a) or real(*a)):
+        ours = module.analytic_gradients([x, mask], [p.detach() for p in module.parameters()], g)
+    assert runs, "the projection's backward kernel did not run"
+    assert ours[1] is None  # a bool mask has no gradient
+    assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [ours[0], *ours[2:]])
