@@ -253,15 +253,17 @@ def test_wide_triangle_updates_run_the_closed_form_where_no_kernel_does(dtype, f
 @pytest.mark.parametrize("widths", [{"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0},
                                     {"P": 64, "H": 48, "outgoing": 0, "gate_normalized": 1, "bias": 1}],
                          ids=["models", "seed-options"])
-def test_16_bit_triangle_training_takes_the_projection_backward_kernel(widths, recompute, dtype, monkeypatch):
-    """On Hopper the triangle update's 16-bit closed form gets d_proj from the projection's backward
-    kernel (the pre-activations recomputed from x, the gates' chain rule in its epilogue), whether
-    the forward kept its intermediates or the backward recomputes them: gradients within the
-    16-bit standard at an odd length with heavy tails."""
+def test_16_bit_triangle_training_takes_the_projection_kernels(widths, recompute, dtype, monkeypatch):
+    """On Hopper the triangle update's 16-bit closed form makes A and B with the projection kernel
+    and d_proj with its backward twin (the pre-activations recomputed from x, the gates' chain rule
+    in its epilogue), whether the forward kept its intermediates or the backward recomputes them:
+    gradients within the 16-bit standard at an odd length with heavy tails."""
     from pairgen.ops.trimul.strategies import wgmma
 
-    runs, real = [], wgmma.run_projection_backward
-    monkeypatch.setattr(wgmma, "run_projection_backward", lambda *a: runs.append(a) or real(*a))
+    runs = []
+    for name in ("run_projection_forward", "run_projection_backward"):
+        real = getattr(wgmma, name)
+        monkeypatch.setattr(wgmma, name, lambda *a, _name=name, _real=real: runs.append(_name) or _real(*a))
     spec = get_op("trimul")
     gen = generator(44)
     module = spec.make_module(widths, gen).cuda().to(dtype)
@@ -272,5 +274,5 @@ def test_16_bit_triangle_training_takes_the_projection_backward_kernel(widths, r
     g = torch.randn(x.shape, generator=generator(45)).cuda().to(dtype)
     leaf = x.clone().requires_grad_()
     (module(leaf, mask) * g).sum().backward()
-    assert runs, "the projection's backward kernel did not run"
+    assert runs == ["run_projection_forward", "run_projection_backward"], runs
     assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [leaf.grad] + [p.grad for p in module.parameters()])

@@ -446,7 +446,7 @@ PROJECTION_BACKWARD_WIDTHS = [MODELS_FORM, {**MODELS_FORM, "outgoing": 0},
 def test_the_projection_backward_kernel_renders_to_its_signature_and_compiles_without_spills(widths):
     from pairgen.ops.trimul.strategies import wgmma
 
-    plan = wgmma.projection_backward_plan(TRIMUL, "bfloat16", widths)
+    plan = wgmma.training_plan(TRIMUL, "bfloat16", widths, backward=True)
     assert plan is not None
     rendered = codegen.render_plan(plan)
     compiled = compiler.compile_source(rendered.source, plan.main.name, "sm_90")

@@ -151,27 +151,32 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
     f.xn_cl = f.xn.view(B, NN, P)
     f.w4 = torch.cat([w[f"{name}.weight"] for name in _FOUR])  # (4H, P)
     f.b4 = torch.cat([w[f"{name}.bias"] for name in _FOUR]) if f.bias else None
-    if f.fused:  # bias, sigmoid and the products with the mask in one kernel (fused_backward.py)
-        f.proj = mm.channels_first(f.w4, f.xn_cl).view(B, 4, H, NN)
-        f.keep = mask.reshape(B, NN).to(dtype).contiguous()
-    else:
-        f.proj = mm.channels_first(f.w4, f.xn_cl, f.b4).view(B, 4, H, NN)
-        f.proj[:, 1].sigmoid_(), f.proj[:, 3].sigmoid_()  # in place: the pre-activations are not needed again
-        f.keep = mask.reshape(B, 1, NN).to(dtype)
-    # With the projection's backward kernel the backward recomputes the pre-activations from x, so
-    # they are not kept (four hidden-width tensors), A and B are (two) instead.
+    # A 16-bit training step on Hopper: A and B from the projection kernel (x read once, the
+    # LayerNorm folded, the gates in its epilogue), and in the backward d_proj from its twin, which
+    # recomputes the pre-activations: the four hidden-width pre-activations are never made, and A
+    # and B are kept instead (two).
     f.precision = _HALF_NAMES.get(dtype)
-    f.projection_kernel = (not inference and f.fused and f.precision is not None
-                           and wgmma.projection_backward_applies(module, x, f.precision))
-    a, b = _operands(f, apply=True, store=not (inference or f.projection_kernel))
-    if inference or f.projection_kernel:
-        f.proj = None
-    if f.projection_kernel:
+    f.projection_kernels = (not inference and f.fused and f.precision is not None
+                            and wgmma.projection_kernels_apply(module, x, f.precision))
+    if f.projection_kernels:
         f.x_operand = x if x.dtype is dtype and x.is_contiguous() else x.to(dtype).contiguous()
         f.mask = mask if mask.dtype in (torch.bool, torch.float32) and mask.is_contiguous() else \
             mask.to(torch.float32).contiguous()
+        f.proj = None
+        a, b = (t.view(B * H, N, N) for t in wgmma.run_projection_forward(module, f.x_operand, f.mask, f.precision, w))
+    else:
+        if f.fused:  # bias, sigmoid and the products with the mask in one kernel (fused_backward.py)
+            f.proj = mm.channels_first(f.w4, f.xn_cl).view(B, 4, H, NN)
+            f.keep = mask.reshape(B, NN).to(dtype).contiguous()
+        else:
+            f.proj = mm.channels_first(f.w4, f.xn_cl, f.b4).view(B, 4, H, NN)
+            f.proj[:, 1].sigmoid_(), f.proj[:, 3].sigmoid_()  # in place: the pre-activations are not needed again
+            f.keep = mask.reshape(B, 1, NN).to(dtype)
+        a, b = _operands(f, apply=True, store=not inference)
+        if inference:
+            f.proj = None
     f.z = mm.bmm(a, b.transpose(1, 2)) if f.outgoing else mm.bmm(a.transpose(1, 2), b)  # (B*H, N, N)
-    f.operands = (a, b) if keep_operands or f.projection_kernel else None
+    f.operands = (a, b) if keep_operands or f.projection_kernels else None
     del a, b
 
     # ---- the output LayerNorm, the output projection and gate, one row per pair ----
@@ -288,7 +293,7 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
         products = ((0, lambda: mm.bmm(d_z, b)), (2, lambda: mm.bmm(d_z.transpose(1, 2), a)))
     else:           # Z = A^T B: dA = B dZ^T, dB = A dZ
         products = ((0, lambda: mm.bmm(b, d_z.transpose(1, 2))), (2, lambda: mm.bmm(a, d_z)))
-    if f.projection_kernel:  # the gates' chain rule in the kernel that recomputes the projections
+    if f.projection_kernels:  # the gates' chain rule in the kernel that recomputes the projections
         d_a, d_b = (product() for _, product in products)
         d_z = a = b = products = None
         d_proj = wgmma.run_projection_backward(module, f.x_operand, f.mask, d_a, d_b, f.precision, w)

@@ -151,26 +151,44 @@ def _taken(launch, arguments: dict) -> dict:
     return {name: value for name, value in arguments.items() if name in launch.names}
 
 
+class Projected:
+    """What run_projection leaves: a and b (ab, (2, B*H, copies*N*N)), x in the operand type (its
+    pointer), the kernels' remaining launches and the row statistics (`stats`: the argument; the
+    tensor held until every kernel that reads it is enqueued)."""
+
+    def __init__(self, ab, x, launches, held_stats, stats):
+        self.ab, self.x, self.launches, self.held_stats, self.stats = ab, x, launches, held_stats, stats
+
+
+def run_projection(variant, x, mask, packed, H: int) -> Projected:
+    """The variant's projection kernel (after its statistics kernel, where it has one): a and b
+    channel-major from x, the mask and the pack, on the current stream."""
+    if torch is None:
+        _import_torch_half()
+    B, N = x.shape[0], x.shape[1]
+    precision = variant.plan.precision
+    *statistics, project, output = variant.launches(x.get_device(), B, N)
+    copies = 3 if precision == "tf32x3" else 1
+    ab = torch.empty((2, B * H, copies * N * N), device=x.device, dtype=OPERAND_DTYPES[precision])
+    fastcall.note_scratch(ab)
+    if x.dtype is not ab.dtype:
+        x = x.to(ab.dtype)  # an fp32 input under autocast: the kernels read x in the operand type
+    held_stats, stats = _row_statistics(statistics, x, x.data_ptr())
+    project.named(x=x.data_ptr(), mask=mask.data_ptr(), w=packed.data_ptr(), ar=ab[0].data_ptr(),
+                  br=ab[1].data_ptr(), mask_is_float=int(mask.dtype is torch.float32), **_taken(project, stats))
+    return Projected(ab, x, (output,), held_stats, stats)
+
+
 def run_three_steps(module, variant, x, mask, out, packed) -> None:
     """Projection kernel (tensor cores) -> cuBLAS bmm in the same precision -> output kernel, on
     the weights `packed` for the call (the mma and wgmma strategies, each with its own pack).
     tf32x3's a and b hold three blocks each along the contracted index (mma.cu.j2), so one TF32
     GEMM over 3N sums hi·hi + hi·lo + lo·hi."""
-    if torch is None:
-        _import_torch_half()
     B, N = x.shape[0], x.shape[1]
     H, precision = module.widths["H"], variant.plan.precision
-    *statistics, project, output = variant.launches(x.get_device(), B, N)
+    projected = run_projection(variant, x, mask, packed, H)  # its statistics held until the output kernel is enqueued
+    ab, (output,) = projected.ab, projected.launches
     copies = 3 if precision == "tf32x3" else 1
-    ab = torch.empty((2, B * H, copies * N * N), device=x.device, dtype=OPERAND_DTYPES[precision])
-    fastcall.note_scratch(ab)
-    w_ptr = packed.data_ptr()
-    if x.dtype is not ab.dtype:
-        x = x.to(ab.dtype)  # an fp32 input under autocast: the kernels read x in the operand type
-    x_ptr = x.data_ptr()
-    held_stats, stats = _row_statistics(statistics, x, x_ptr)  # held until the output kernel is enqueued
-    project.named(x=x_ptr, mask=mask.data_ptr(), w=w_ptr, ar=ab[0].data_ptr(), br=ab[1].data_ptr(),
-                  mask_is_float=int(mask.dtype is torch.float32), **_taken(project, stats))
     shape = (B * H, N, copies * N) if module._outgoing else (B * H, copies * N, N)
     ar, br = ab[0].view(shape), ab[1].view(shape)
     if precision in HALF_DTYPES:  # fp32 accumulation, output in the operands' dtype
@@ -182,8 +200,9 @@ def run_three_steps(module, variant, x, mask, out, packed) -> None:
     else:
         with cublas_fp32_mode(tf32=True):
             z = triangle_bmm(ar, br, module._outgoing)
-    output.named(x=x_ptr, z=z.data_ptr(), w=w_ptr, out=out.data_ptr(), **_taken(output, stats))
-    del held_stats
+    output.named(x=projected.x.data_ptr(), z=z.data_ptr(), w=packed.data_ptr(), out=out.data_ptr(),
+                 **_taken(output, projected.stats))
+    del projected
 
 
 def run(module, variant, weights, x, mask, out) -> None:

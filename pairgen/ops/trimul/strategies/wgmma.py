@@ -17,7 +17,7 @@ from ... import packing
 from ...packing import MAX_SOURCES, Sources, launch_pack, source_arguments
 from ..common import OUTPUT_ARGS, PROJECT_ARGS, gate_columns
 from ..packs import parameter_names
-from .mma import _row_statistics, run_three_steps
+from .mma import _row_statistics, run_projection, run_three_steps
 
 #: torch and what needs it, bound by _import_torch_half() on the first call a strategy runs, so that
 #: the spec half (space, restrictions, plans) loads without torch and a call pays no import.
@@ -402,18 +402,18 @@ def w_registers_point(spec, precision: str) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def _projection_backward_plan(spec, precision: str, width_items: tuple) -> Plan | None:
-    # Two slices of Wp's row blocks a block where they divide: the chain rule's epilogue holds d(loss)/d(a)
-    # beside both accumulator sets, which with the forward's share of Wp spills (at P = H = 128). The
-    # swizzle where P allows it. The output kernel's parameters are the smallest that fit any P: its
-    # kernel is rendered beside the backward's but not launched.
+def _training_plan(spec, precision: str, width_items: tuple, backward: bool) -> Plan | None:
+    # The swizzle where P allows it. The backward takes two slices of Wp's row blocks a block where
+    # they divide: its chain rule holds d(loss)/d(a) beside both accumulator sets, which with the
+    # forward's share of Wp spills (at P = H = 128). The output kernel's parameters are the smallest
+    # that fit any P: it is rendered beside the projection but not launched.
     view = spec.at(precision)
     base = {**w_registers_point(spec, precision), "o_groups": 1, "o_wn": 16, "o_stages": 1, "z_registers": False}
     plans = [view.plan("wgmma", {**base, "swizzle": swizzle, "p_slices": slices}, dict(width_items))
-             for swizzle in (True, False) for slices in (2, 0)]
+             for swizzle in (True, False) for slices in ((2, 0) if backward else (0,))]
     plan = next((p for p in plans if not spec.infeasible(p, DeviceLimits())), None)
-    if plan is None:
-        return None
+    if plan is None or not backward:
+        return plan
     name = f"{plan.kernel_name}_backward"
     *stats, project, _output = plan.kernels
     kernels = (Kernel(name, project.threads, project.smem_bytes,
@@ -424,25 +424,36 @@ def _projection_backward_plan(spec, precision: str, width_items: tuple) -> Plan 
                                kernel_name=name)
 
 
-def projection_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
-    """The plan (of `spec`, the op's) of the projection's backward for a module's widths (its forward plan at the
-    w_registers point, the projection kernel declared with the backward's arguments and named
-    apart), or None where that point is not feasible."""
-    return _projection_backward_plan(spec, precision, tuple(sorted({**widths, "out_fp32": 0}.items())))
+def training_plan(spec, precision: str, widths: dict, backward: bool) -> Plan | None:
+    """The plan (of `spec`, the op's) whose projection a 16-bit training step runs at a module's
+    widths: the w_registers point's, forward (a and b from x) or (backward) declared with the
+    backward's arguments and named apart; None where no such point is feasible."""
+    return _training_plan(spec, precision, tuple(sorted({**widths, "out_fp32": 0}.items())), backward)
 
 
-#: (precision, widths, arch) -> the backward's variant: built apart from runtime.variant_of, whose
-#: cache keys a plan by its point and widths, which the forward plan shares.
-_backward_variants: dict = {}
+#: (precision, widths, backward, arch) -> the training projections' variants: built apart from
+#: runtime.variant_of, whose cache keys a plan by its point and widths, which the two plans share.
+_training_variants: dict = {}
 
 
-def projection_backward_applies(module, x, precision: str) -> bool:
-    """Whether run_projection_backward takes a call: 16-bit, on a GPU with warpgroup products, the
-    backward's point feasible at the module's widths, a and b within the paired offsets."""
+def _training_variant(module, x, precision: str, backward: bool):
+    plan = training_plan(module.op, precision, module.widths, backward)
+    key = (precision, tuple(sorted(plan.widths.items())), backward, runtime.device_info(x.get_device()).arch)
+    variant = _training_variants.get(key)
+    if variant is None:
+        variant = _training_variants[key] = runtime.build_variant(plan, key[3])
+    return variant
+
+
+def projection_kernels_apply(module, x, precision: str) -> bool:
+    """Whether run_projection_forward and run_projection_backward take a training call: 16-bit, on
+    a GPU with warpgroup products, their points feasible at the module's widths, a and b within the
+    paired offsets."""
     if precision not in HALF_PRECISIONS or runtime.device_info(x.device.index or 0).capability < (9, 0):
         return False
     B, N, H = x.shape[0], x.shape[1], module.widths["H"]
-    return B * H * N * N < PAIRED_MAX_AB_ELEMENTS and projection_backward_plan(module.op, precision, module.widths) is not None
+    return (B * H * N * N < PAIRED_MAX_AB_ELEMENTS
+            and all(training_plan(module.op, precision, module.widths, backward) for backward in (False, True)))
 
 
 def pack_given(w: dict, widths: dict, operand: str):
@@ -457,26 +468,27 @@ def pack_given(w: dict, widths: dict, operand: str):
                       bool(widths.get("gate_hidden")), operand)
 
 
+def run_projection_forward(module, x, mask, precision: str, w: dict):
+    """a and b ((2, B*H, N*N), channel-major) from x (in the operand type, contiguous), the mask
+    (bool or fp32, (B, N, N)) and the weights `w` (pack_given): the projection kernel of the
+    training plan, as the forward's kernels compute them (projection_kernels_apply must hold)."""
+    packed = pack_given(w, module.widths, precision)  # alive until the launch is enqueued
+    projected = run_projection(_training_variant(module, x, precision, False), x, mask, packed, module.widths["H"])
+    return projected.ab
+
+
 def run_projection_backward(module, x, mask, d_a, d_b, precision: str, w: dict):
     """d(loss)/d(the four pre-activations) (B, 4, H, N*N), the closed form's d_proj, from x (in the
     operand type, contiguous), the mask (bool or fp32, (B, N, N)), d(loss)/d(a) and d(loss)/d(b)
     ((B*H, N, N), channel-major) and the weights `w` (pack_given): the projections and gates
     recomputed from x as the forward's kernel computes them, the chain rule in the epilogue
-    (projection_backward_applies must hold)."""
-    if PACK_SLOTS is None:
-        _import_torch_half()
+    (projection_kernels_apply must hold)."""
     import torch
 
-    plan = projection_backward_plan(module.op, precision, module.widths)
-    device = x.get_device()
-    key = (precision, tuple(sorted(plan.widths.items())), runtime.device_info(device).arch)
-    variant = _backward_variants.get(key)
-    if variant is None:
-        variant = _backward_variants[key] = runtime.build_variant(plan, key[2])
-    B, N = x.shape[0], x.shape[1]
-    H = module.widths["H"]
+    variant = _training_variant(module, x, precision, True)
+    B, N, H = x.shape[0], x.shape[1], module.widths["H"]
     packed = pack_given(w, module.widths, precision)  # alive until the launch is enqueued
-    *statistics, launch = variant.launches(device, B, N)
+    *statistics, launch = variant.launches(x.get_device(), B, N)
     held_stats, stats = _row_statistics(statistics, x, x.data_ptr())
     d_proj = torch.empty((B, 4, H, N * N), device=x.device, dtype=x.dtype)
     launch.named(x=x.data_ptr(), mask=mask.data_ptr(), w=packed.data_ptr(), d_a=d_a.data_ptr(), d_b=d_b.data_ptr(),
