@@ -496,8 +496,9 @@ def test_the_projection_backward_kernel_matches_float64_emulated(widths, B, N, d
     mask = mask.float() if float_mask else mask
     d_a, d_b = (torch.randn(B * H, N, N, generator=gen).to(dtype) for _ in range(2))
     with emulated():
-        d_proj = wgmma.run_projection_backward(module, x, mask, d_a, d_b, str(dtype).split(".")[1],
-                                               dict(module.named_parameters()))
+        precision = str(dtype).split(".")[1]
+        packed = wgmma.pack_given(dict(module.named_parameters()), module.widths, precision)
+        d_proj = wgmma.run_projection_backward(module, x, mask, d_a, d_b, precision, packed)
     expected = _d_proj64(module, x, mask, d_a, d_b)
     assert torch.isfinite(d_proj).all()
     for slot in range(4):

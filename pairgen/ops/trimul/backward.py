@@ -163,7 +163,9 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
         f.mask = mask if mask.dtype in (torch.bool, torch.float32) and mask.is_contiguous() else \
             mask.to(torch.float32).contiguous()
         f.proj = None
-        a, b = (t.view(B * H, N, N) for t in wgmma.run_projection_forward(module, f.x_operand, f.mask, f.precision, w))
+        f.packed = wgmma.pack_given(w, module.widths, f.precision)  # the backward's too
+        a, b = (t.view(B * H, N, N) for t in wgmma.run_projection_forward(module, f.x_operand, f.mask, f.precision,
+                                                                          f.packed))
     else:
         if f.fused:  # bias, sigmoid and the products with the mask in one kernel (fused_backward.py)
             f.proj = mm.channels_first(f.w4, f.xn_cl).view(B, 4, H, NN)
@@ -296,9 +298,9 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     if f.projection_kernels:  # the gates' chain rule in the kernel that recomputes the projections
         d_a, d_b = (product() for _, product in products)
         d_z = a = b = products = None
-        d_proj = wgmma.run_projection_backward(module, f.x_operand, f.mask, d_a, d_b, f.precision, w)
+        d_proj = wgmma.run_projection_backward(module, f.x_operand, f.mask, d_a, d_b, f.precision, f.packed)
         del d_a, d_b
-        f.x_operand = f.mask = None
+        f.x_operand = f.mask = f.packed = None
         return _input_side_backward(f, w, d_proj.view(B, 4 * H, NN), d_gate_in, grads, mm, frozen)
     proj, keep = f.proj, f.keep
     for slot, product in products:  # slot: the value's place in proj, its gate's is slot + 1

@@ -468,26 +468,23 @@ def pack_given(w: dict, widths: dict, operand: str):
                       bool(widths.get("gate_hidden")), operand)
 
 
-def run_projection_forward(module, x, mask, precision: str, w: dict):
+def run_projection_forward(module, x, mask, precision: str, packed):
     """a and b ((2, B*H, N*N), channel-major) from x (in the operand type, contiguous), the mask
-    (bool or fp32, (B, N, N)) and the weights `w` (pack_given): the projection kernel of the
+    (bool or fp32, (B, N, N)) and the weights' pack (pack_given): the projection kernel of the
     training plan, as the forward's kernels compute them (projection_kernels_apply must hold)."""
-    packed = pack_given(w, module.widths, precision)  # alive until the launch is enqueued
-    projected = run_projection(_training_variant(module, x, precision, False), x, mask, packed, module.widths["H"])
-    return projected.ab
+    return run_projection(_training_variant(module, x, precision, False), x, mask, packed, module.widths["H"]).ab
 
 
-def run_projection_backward(module, x, mask, d_a, d_b, precision: str, w: dict):
+def run_projection_backward(module, x, mask, d_a, d_b, precision: str, packed):
     """d(loss)/d(the four pre-activations) (B, 4, H, N*N), the closed form's d_proj, from x (in the
     operand type, contiguous), the mask (bool or fp32, (B, N, N)), d(loss)/d(a) and d(loss)/d(b)
-    ((B*H, N, N), channel-major) and the weights `w` (pack_given): the projections and gates
-    recomputed from x as the forward's kernel computes them, the chain rule in the epilogue
-    (projection_kernels_apply must hold)."""
+    ((B*H, N, N), channel-major) and the weights' pack (pack_given, the forward's): the projections
+    and gates recomputed from x as the forward's kernel computes them, the chain rule in the
+    epilogue (projection_kernels_apply must hold)."""
     import torch
 
     variant = _training_variant(module, x, precision, True)
     B, N, H = x.shape[0], x.shape[1], module.widths["H"]
-    packed = pack_given(w, module.widths, precision)  # alive until the launch is enqueued
     *statistics, launch = variant.launches(x.get_device(), B, N)
     held_stats, stats = _row_statistics(statistics, x, x.data_ptr())
     d_proj = torch.empty((B, 4, H, N * N), device=x.device, dtype=x.dtype)
