@@ -215,6 +215,7 @@ def translate(source: str) -> str:
     text = _replace_asm(source)
     text = _EXTERN_SHARED.sub(lambda m: f"{m.group(1)}* {m.group(2)} = reinterpret_cast<{m.group(1)}*>(pgx::dynamic_smem());",
                               text)
+    text = re.sub(r"\b__shared__\s+__align__\((\d+)\)", r"alignas(\1) static thread_local", text)
     text = re.sub(r"\b__shared__\b", "static thread_local", text)
     launchers = [
         f'extern "C" __attribute__((visibility("default"))) int pgx_launch_{name}(unsigned grid, unsigned threads, '
