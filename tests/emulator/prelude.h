@@ -178,7 +178,7 @@ inline bool runnable(const Fiber& f) {
 // ---- shared memory addresses -------------------------------------------------------------------
 // A shared-window address is the offset from the block's dynamic shared memory (wgmma descriptors
 // hold 18 bits of it); static __shared__ arrays (thread_local here) sit elsewhere, within 2 GB.
-inline unsigned smem_offset(const void* p) {
+inline unsigned smem_offset(const void* p) {  // (also cvta.to.shared's emulation)
     return (unsigned)((intptr_t)p - (intptr_t)current_block->smem);
 }
 inline unsigned char* smem_pointer(unsigned address) { return current_block->smem + (int)address; }
@@ -250,6 +250,7 @@ inline unsigned to_tf32_rna(float v) {
     if ((u & 0x7f800000u) == 0x7f800000u) return u;
     return (u + 0x1000u) & 0xffffe000u;
 }
+inline float relu_keeping_nan(float v) { return std::isnan(v) ? v : std::fmax(v, 0.0f); }
 // What a tensor core reads of an fp32 operand as TF32: its top 19 bits.
 inline float tf32_operand(unsigned u) { return u2f(u & 0xffffe000u); }
 

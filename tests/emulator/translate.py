@@ -92,6 +92,13 @@ def _normal(ptx: str) -> str:
     return re.sub(r"\s+", " ", ptx).strip()
 
 
+#: One output from one input: the instruction's text -> the function computing it (prelude.h).
+_UNARY = {"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }": "pgx::smem_offset",
+          "cvt.rn.bf16.f32 %0, %1;": "pgx::to_bf16", "cvt.rn.f16.f32 %0, %1;": "pgx::to_f16",
+          "cvt.f32.f16 %0, %1;": "pgx::from_f16", "cvt.rna.tf32.f32 %0, %1;": "pgx::to_tf32_rna",
+          "tanh.approx.f32 %0, %1;": "std::tanh", "max.NaN.f32 %0, %1, 0f00000000;": "pgx::relu_keeping_nan"}
+
+
 def _ptx_call(ptx: str, outputs: list, inputs: list) -> str:
     """The C++ statement that does what the asm statement does."""
     ops = [e for _, e in outputs] + [e for _, e in inputs]
@@ -115,23 +122,11 @@ def _ptx_call(ptx: str, outputs: list, inputs: list) -> str:
     if m := re.fullmatch(r"bar\.sync (%0|\d+), (\d+);", text):
         barrier = o(0) if m.group(1) == "%0" else m.group(1)
         return f"pgx::bar_sync((int){barrier}, {m.group(2)})"
-    if text == "{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }":
-        return f"{o(0)} = pgx::smem_offset((const void*){o(1)})"
-    if text == "cvt.rn.bf16.f32 %0, %1;":
-        return f"{o(0)} = pgx::to_bf16({o(1)})"
-    if text == "cvt.rn.f16.f32 %0, %1;":
-        return f"{o(0)} = pgx::to_f16({o(1)})"
-    if text == "cvt.f32.f16 %0, %1;":
-        return f"{o(0)} = pgx::from_f16({o(1)})"
+    if text in _UNARY:
+        return f"{o(0)} = {_UNARY[text]}({o(1)})"
     if m := re.fullmatch(r"cvt\.rn\.(bf16|f16)x2\.f32 %0, %1, %2;", text):
         convert = "pgx::to_bf16" if m.group(1) == "bf16" else "pgx::to_f16"
         return f"{o(0)} = ((unsigned){convert}({o(1)}) << 16) | (unsigned){convert}({o(2)})"
-    if text == "cvt.rna.tf32.f32 %0, %1;":
-        return f"{o(0)} = pgx::to_tf32_rna({o(1)})"
-    if text == "tanh.approx.f32 %0, %1;":
-        return f"{o(0)} = std::tanh({o(1)})"
-    if text == "max.NaN.f32 %0, %1, 0f00000000;":
-        return f"{o(0)} = std::isnan({o(1)}) ? {o(1)} : std::fmax({o(1)}, 0.0f)"
     if m := re.fullmatch(r"ldmatrix\.sync\.aligned\.m8n8\.x4(\.trans)?\.shared\.b16 \{ ?%0, %1, %2, %3\}, \[%4\];", text):
         trans = "true" if m.group(1) else "false"
         return f"pgx::ldmatrix_x4({trans}, (unsigned){o(4)}, {o(0)}, {o(1)}, {o(2)}, {o(3)})"
