@@ -79,8 +79,8 @@ class EmulatedKernel:
 
     resident_per_sm = 1
 
-    def __init__(self, library: ctypes.CDLL, name: str, threads: int):
-        self.name = name
+    def __init__(self, library: ctypes.CDLL, name: str, threads: int, device_index: int = -1):
+        self.name, self.device_index = name, device_index
         self.threads = threads
         self.function = getattr(library, f"pgx_launch_{name}")
         self.function.restype = ctypes.c_int
@@ -126,7 +126,7 @@ class EmulatedVariant(runtime.Variant):
         decl = self.plan.main if name is None else next(k for k in self.plan.kernels if k.name == name)
         kernel = self._loaded.get(decl.name)
         if kernel is None:
-            kernel = self._loaded[decl.name] = EmulatedKernel(self.library, decl.name, decl.threads)
+            kernel = self._loaded[decl.name] = EmulatedKernel(self.library, decl.name, decl.threads, device_index)
         return kernel
 
 
