@@ -88,7 +88,7 @@ def _gpu_case_lists():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("order", [0, 3, 4])
-def test_the_gpu_tests_sliced_and_w_registers_cases_emulated(request, order):
+def test_the_gpu_tests_sliced_and_w_registers_cases_emulated(order):
     """Every sliced and w_registers case of the GPU tests, at their shapes, in three thread orders
     (about 15 minutes on two cores)."""
     failures = []
