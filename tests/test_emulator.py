@@ -14,6 +14,7 @@ from emulator import EmulatedKernel, EmulatedVariant, EmulationError, build_libr
 from emulator.translate import UnknownInstruction, translate
 from helpers import generator, sampled_plans
 from pairgen import codegen
+from pairgen.ops import get_op
 from pairgen.ops.trimul import TRIMUL
 from pairgen.tuning.check import compare, reference64
 from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
@@ -76,16 +77,28 @@ def test_unknown_ptx_is_an_error_naming_it():
         translate('extern "C" __global__ void k() { asm volatile("mbarrier.init.shared.b64 [%0], 1;" :: "r"(0)); }')
 
 
-@pytest.mark.parametrize("strategy, precision, widths, shape", [
-    ("wgmma", "bfloat16", MODELS, (1, 37)),  # swizzled, x and the sums in registers, stmatrix staging
-    ("wgmma", "float16", {**MODELS, "outgoing": 0}, (2, 23)),
-    ("mma", "bfloat16", {"P": 64, "H": 32, "outgoing": 1, "gate_normalized": 0, "bias": 1}, (3, 7)),
+@pytest.mark.parametrize("op, strategy, precision, widths, shape", [
+    ("trimul", "wgmma", "bfloat16", MODELS, (1, 37)),  # swizzled, x and the sums in registers, stmatrix staging
+    ("trimul", "wgmma", "float16", {**MODELS, "outgoing": 0}, (2, 23)),
+    ("trimul", "mma", "bfloat16", {"P": 64, "H": 32, "outgoing": 1, "gate_normalized": 0, "bias": 1}, (3, 7)),
+    ("contact", "wgmma", "bfloat16", {"P": 128, "H": 64}, (1, 29)),  # layer 1's output as layer 2's A fragments
+    ("readout", "wgmma", "float16", {"D": 64, "P": 32, "H": 96}, (2, 13)),  # streamed weight chunks
 ])
-def test_gpu_verified_default_points_match_float64_emulated(strategy, precision, widths, shape):
-    """Each strategy's first feasible default point, which passes on the H200, passes emulated: the emulator's
-    tensor-core operand layouts and pipelines are the hardware's where these kernels use them."""
-    plan = sampled_plans(TRIMUL.at(precision), strategy, widths, 1)[0]  # the first feasible default
-    result = emulated_error(*_case(precision, widths, *shape), emulated_variant(plan))
+def test_gpu_verified_default_points_match_float64_emulated(op, strategy, precision, widths, shape):
+    """Each op's first feasible default point of a tensor-core strategy, which passes on the H200,
+    passes emulated: the emulator's operand layouts and pipelines are the hardware's where these
+    kernels use them. (All of the GPU tests' cases of the three ops passed emulated once: 990.)"""
+    spec = get_op(op)
+    plan = sampled_plans(spec.at(precision), strategy, spec.widths_of({**widths, "B": 1, "N": 1}), 1)[0]
+    gen = generator(shape[1])
+    module = module_in_precision(spec, plan.widths, gen, precision, "cpu")
+    inputs = inputs_in_precision(spec.make_inputs({"B": shape[0], "N": shape[1], **plan.widths}, gen, "cauchy"),
+                                 precision, "cpu")
+    ref = reference64(module, inputs)
+    out = torch.full(tuple(ref.shape), float("nan"), dtype=inputs[0].dtype)
+    with emulated(), torch.no_grad():
+        module._launch(*inputs, out=out, variant=emulated_variant(plan))
+    result = compare(out, ref, spec.tolerance[precision])
     assert result.ok, result
 
 
