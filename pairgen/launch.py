@@ -186,6 +186,7 @@ class LoadedKernel:
         self._handle = ctypes.c_void_p(int(self._function))
         # The 48 KB default counts static and dynamic shared memory together: a kernel with static
         # arrays (the node prologue inside fused) needs the opt-in below 48 KB of dynamic memory.
+        self._smem_allowed = smem_bytes
         if smem_bytes and smem_bytes + _static_smem(self._function) > 48 * 1024:
             _allow_dynamic_smem(self._function, smem_bytes)
         self._driver = _get_driver()
@@ -196,7 +197,11 @@ class LoadedKernel:
     def bind(self, grid: int, block: int, smem: int, arg_count: int, mode: str = "plain",
              tail: tuple = (), names: tuple = ()) -> "BoundLaunch":
         """This kernel at a fixed grid, block and shared memory, with its own argument block
-        (mode, names: see BoundLaunch)."""
+        (mode, names: see BoundLaunch). A launch that asks for more dynamic shared memory than the
+        kernel was loaded with (a fused template's launch gives its own) opts in to it first."""
+        if smem > self._smem_allowed and smem + _static_smem(self._function) > 48 * 1024:
+            _allow_dynamic_smem(self._function, smem)
+            self._smem_allowed = smem
         return BoundLaunch(self, grid, block, smem, arg_count, mode, tail, names)
 
     def _failed(self, code: int, grid: int, block: int, smem: int):

@@ -260,6 +260,7 @@ def test_16_bit_triangle_training_takes_the_projection_kernels(widths, recompute
     gradients within the 16-bit standard at an odd length with heavy tails."""
     from pairgen.ops.trimul.strategies import wgmma
 
+    monkeypatch.setattr(wgmma, "TRAINING_PROJECTION_KERNELS", True)  # off by default: measured slower
     runs = []
     for name in ("run_projection_forward", "run_projection_backward"):
         real = getattr(wgmma, name)

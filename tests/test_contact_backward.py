@@ -131,6 +131,7 @@ def _gradients_through_the_mlp_kernel(module, x, g) -> list:
     runs = []
     real = fused_backward.mlp_forward_backward
     with emulated(), mock.patch.object(fused_backward, "applies", lambda t, cols: True), \
+            mock.patch.object(fused_backward, "MLP_KERNEL", True), \
             mock.patch.object(fused_backward, "mlp_forward_backward", lambda *a: runs.append(a) or real(*a)):
         ours = module.analytic_gradients([x], [p.detach() for p in module.parameters()], g)
     assert runs, "the MLP kernel did not run"

@@ -165,6 +165,7 @@ def test_16_bit_training_through_the_mlp_kernel_meets_the_16_bit_standard(dtype,
     where it applies: every gradient within the 16-bit standard, at an odd length with heavy tails."""
     from pairgen.ops.contact import fused_backward
 
+    monkeypatch.setattr(fused_backward, "MLP_KERNEL", True)  # off by default (see its comment)
     runs = []
     real = fused_backward.mlp_forward_backward
     monkeypatch.setattr(fused_backward, "mlp_forward_backward", lambda *a: runs.append(a) or real(*a))

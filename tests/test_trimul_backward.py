@@ -521,6 +521,7 @@ def test_16_bit_gradients_through_the_projection_backward_kernel_meet_the_standa
     x, g = x.bfloat16(), torch.randn(x.shape, generator=gen).bfloat16()
     runs, real = [], wgmma.run_projection_backward
     with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
+            mock.patch.object(wgmma, "TRAINING_PROJECTION_KERNELS", True), \
             mock.patch.object(wgmma, "run_projection_backward", lambda *a: runs.append(a) or real(*a)):
         ours = module.analytic_gradients([x, mask], [p.detach() for p in module.parameters()], g)
     assert runs, "the projection's backward kernel did not run"

@@ -37,9 +37,6 @@ CASES = {
     "sliced-both-kernels-bf16": ("bfloat16", SMALL, {**PAIRED, "p_slices": 4, "o_slices": 4}),
     "sliced-two-stages-fp16": ("float16", {**SMALL, "gate_normalized": 1},
                                {**PAIRED, "p_slices": 2, "p_stages": 2, "o_slices": 2, "o_stages": 2}),
-    "o_x_registers-fp32-out-bf16": ("bfloat16", {**MODELS, "out_fp32": 1},
-                                    {**W_REGISTERS, "w_registers": False, "x_registers": True, "p_groups": 4,
-                                     "p_stages": 1, "o_x_registers": True}),
 }
 
 

@@ -185,12 +185,11 @@ def _w_registers_cases():
                    ({"P": 256, "H": 256, **OPTION_SETS[-2], "outgoing": 0}, wide),
                    ({"P": 64, "H": 64, **OPTION_SETS[2]}, {**small, "p_slices": 2}),
                    ({"P": 48, "H": 64, **OPTION_SETS[7]}, {**small, "p_slices": 2, "o_wn": 16})]
-        # the output kernel's x in registers too (o_x_registers), and alone: both directions, fp32 out,
+        # the output kernel's x in registers too (o_x_registers), and alone: both directions,
         # the gate on the raw input, k padded
         with_x = {**next(params for s, params in view.default_points if s == "wgmma"), "o_x_registers": True}
         points += [({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**model, "o_x_registers": True}),
                    ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0}, with_x),
-                   ({"P": 128, "H": 128, **OPTION_SETS[-1], "out_fp32": 1}, with_x),
                    ({"P": 64, "H": 32, **OPTION_SETS[1]}, {**PAIRED, "z_registers": True, "o_x_registers": True}),
                    ({"P": 48, "H": 48, **OPTION_SETS[4]}, {**PAIRED, "z_registers": True, "o_x_registers": True,
                                                            "o_wn": 16})]
