@@ -13,6 +13,7 @@ from helpers import (ODD_SHAPES, assert_variant_matches_float64, compiled_cases,
                      run_variant, sampled_plans, gpu_params)
 from pairgen import runtime
 from pairgen.ops.trimul import TRIMUL
+from pairgen.ops.trimul.strategies import wgmma
 from pairgen.spec import DeviceLimits
 from pairgen.spec import AUTOCAST_TOLERANCE, MMA_KINDS
 from pairgen.tuning.check import compare, reference64
@@ -157,8 +158,7 @@ def _sliced_cases():
 
 def _w_registers_point(precision: str) -> dict:
     """The first default with the projection's Wp in registers (two warpgroups, two x stages)."""
-    first = next(params for s, params in TRIMUL.at(precision).default_points if s == "wgmma")
-    return {**first, "x_registers": False, "w_registers": True, "p_groups": 2, "p_stages": 2}
+    return wgmma.w_registers_point(TRIMUL, precision)
 
 
 def _w_registers_cases():

@@ -36,14 +36,12 @@ import torch
 from .. import backward_tuning, closed_form, layer_norm_rows
 from ...module.validation import contiguous_aligned
 from ..closed_form import channel_sums, closed_form_gradients, column_sums
-from ...precision import COMPUTE_DTYPES
+from ...precision import COMPUTE_DTYPES, HALF_BY_DTYPE
 from . import fused_backward
 from .strategies import wgmma
 
 #: The four input projections, in the order their rows are stacked into W4.
 _FOUR = ("proj_a", "gate_a", "proj_b", "gate_b")
-#: The 16-bit dtypes' precision names (the projection's backward kernel computes in them).
-_HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def gradients(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor],
@@ -156,7 +154,7 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
     # LayerNorm folded, the gates in its epilogue), and in the backward d_proj from its twin, which
     # recomputes the pre-activations: the four hidden-width pre-activations are never made, and A
     # and B are kept instead (two).
-    f.precision = _HALF_NAMES.get(dtype)
+    f.precision = HALF_BY_DTYPE.get(dtype)  # the projection kernels compute in it
     f.projection_kernels = (not inference and f.fused and f.precision is not None
                             and wgmma.projection_kernels_apply(module, x, f.precision))
     if f.projection_kernels:
