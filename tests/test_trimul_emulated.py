@@ -19,7 +19,7 @@ from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 
-SHAPES = [(1, 1), (3, 7), (1, 37)]
+SHAPES = [(1, 1), (3, 7), (1, 37), (2, 12)]  # (2, 12): whole 64-pair tiles of a 16-byte-aligned N*N
 MODELS = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
 SMALL = {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}
 PAIRED = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1, "swizzle": False,

@@ -261,6 +261,35 @@ def test_the_finalists_are_timed_again_and_a_lucky_timing_does_not_win(tmp_path)
     assert ev.evaluated.count(lucky) == 1 + 5, "timed once by the search, five times as a finalist"
 
 
+class UnluckyFirstEvaluator(FakeEvaluator):
+    """`best` (a point) is the fastest of the space by 0.5 µs, and the first point timed is measured
+    100 µs slower than it is, once (timed while every core compiled the next points)."""
+
+    def __init__(self, best):
+        super().__init__()
+        self.best = _point_key(*best)
+
+    def evaluate(self, plan):
+        value = super().evaluate(plan) - (0.5 if self.evaluated[-1] == self.best else 0.0)
+        return value + 100.0 if len(self.evaluated) == 1 else value
+
+
+def test_a_retune_times_the_incumbent_again_however_its_one_timing_went(tmp_path):
+    from pairgen.tuning.tuner import feasible_points
+
+    cheapest = min(feasible_points(CONTACT.at("float32"), WIDTHS, DeviceLimits()),
+                   key=lambda point: FakeEvaluator.cost(CONTACT.plan(*point, WIDTHS)))
+    ev = UnluckyFirstEvaluator(cheapest)
+    result = tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(8, finalists=2), extra_points=[cheapest],
+                        storage_dir=tmp_path)
+    incumbent = _point_key(*cheapest)
+    assert ev.evaluated[0] == incumbent, "the incumbent is the first point timed"
+    study = open_study(study_name("fake-gpu", "contact", "float32", WIDTHS, 64), 0, tmp_path)
+    assert len(study.user_attrs["retimed"]) == 3 and incumbent in study.user_attrs["retimed"]
+    assert [result.best["strategy"], result.best["params"]] == json.loads(incumbent)
+    assert result.best["us"] == FakeEvaluator.cost(CONTACT.plan(*cheapest, WIDTHS)) - 0.5
+
+
 def test_a_run_without_finalists_forgets_an_earlier_runs_retiming(tmp_path):
     tune_shape(CONTACT, SHAPE, LuckyFirstEvaluator(), "fake-gpu", _settings(6, finalists=3), storage_dir=tmp_path)
     study = open_study(study_name("fake-gpu", "contact", "float32", WIDTHS, 64), 0, tmp_path)

@@ -204,16 +204,20 @@ def _enqueue(study, strategy: str, params: dict) -> None:
 
 
 def enqueue_first(study, spec: OpSpec, widths: dict, limits: DeviceLimits, extra: list[tuple[str, dict]]) -> None:
-    """Default params (and the current tuned entry) are the first trials of a new study."""
+    """Default params (and the current tuned entry) are the first trials of a new study. The first
+    of `extra` (the entry in use, tune_cli.starting_points) is the study's incumbent, which
+    retime_finalists always times again."""
     if study.trials:
         return
-    queued = set()
+    queued = []
     for strategy, params in [*extra, *spec.default_points]:
         key = _point_key(strategy, params)
         if key in queued or spec.infeasible(spec.plan(strategy, params, widths), limits):
             continue
-        queued.add(key)
+        queued.append(key)
         _enqueue(study, strategy, params)
+    if extra and queued and queued[0] == _point_key(*extra[0]):
+        study.set_user_attr("incumbent", queued[0])
 
 
 def suggest(trial, spec: OpSpec) -> tuple[str, dict]:
@@ -405,6 +409,12 @@ def retime_finalists(study, spec: OpSpec, widths: dict, evaluator: Evaluator, se
         if point is not None and not t.user_attrs.get("repeat"):
             once[point] = min(once.get(point, float("inf")), t.value)
     finalists = sorted(once, key=once.get)[:settings.finalists]
+    # The incumbent too, wherever its one timing placed it: the search times points while the next
+    # ones compile on every core, and a host-bound call timed then can lose to points timed once
+    # the compiles are done; a re-tune must not replace the old winner on such a timing.
+    incumbent = study.user_attrs.get("incumbent")
+    if settings.finalists and incumbent in once and incumbent not in finalists:
+        finalists.append(incumbent)
     if len(finalists) < 2:
         if study.user_attrs.get("retimed"):  # an earlier run's: it would hide this run's new points
             study.set_user_attr("retimed", {})
