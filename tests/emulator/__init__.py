@@ -110,8 +110,10 @@ class EmulatedLaunch(BoundLaunch):
                                  f"{error.value.decode()}")
 
 
-#: The order threads run between meetings (prelude.h's run_block: 0 in order, 1 reversed, 2 alternating).
+#: The order threads run between meetings (prelude.h's run_block: 0 in order, 1 reversed, 2 alternating,
+#: 3 and 4 by priority), plus EARLY_LANDING for cp.async copies that land at their issue, not at their wait.
 ORDER = [0]
+EARLY_LANDING = 8
 
 
 class EmulatedVariant(runtime.Variant):

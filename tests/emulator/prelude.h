@@ -9,7 +9,9 @@
 // across a warpgroup, and shared memory that a wgmma still reads being overwritten before its
 // wait: by a cp.async (at once) or by any store (found when the wait compares the operands).
 // Shared memory starts filled with 0xFF bytes (NaN in every float type), so a read of what nobody
-// wrote shows. cp.async copies land when their thread waits for them, not before.
+// wrote shows. cp.async copies land when their thread waits for them, or (EARLY_LANDING) at their
+// issue: the two ends of when a GPU may land them; shared memory written while a copy into it is in
+// flight is found when the copy lands.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -99,6 +101,7 @@ struct CpAsync {
     unsigned dst;
     const unsigned char* src;
     int bytes, fill;
+    unsigned char before[16];  // the destination's bytes at the issue (land checks nobody wrote them since)
 };
 
 struct Fiber {
@@ -153,6 +156,7 @@ struct Block {
     std::vector<Warpgroup> groups;
     Barrier barriers[16];
     std::vector<uint16_t> in_flight;  // per 16-byte granule of shared memory: wgmma reads not yet waited for
+    bool land_early = false;  // cp.async copies land at their issue (else when their thread waits)
     void* scheduler_sp = nullptr;
     std::function<void()> body;
     std::string error;
@@ -261,19 +265,26 @@ inline float half_value(uint16_t bits) { return KIND == 0 ? from_bf16(bits) : fr
 // ---- cp.async ----------------------------------------------------------------------------------
 inline void land(const CpAsync& c) {
     unsigned char* dst = smem_pointer(c.dst);
+    if (std::memcmp(dst, c.before, (size_t)c.bytes))
+        fail("shared memory written while a cp.async into it was in flight (byte " + std::to_string(c.dst) + ")");
     if (c.fill > c.bytes || c.fill < 0) fail("cp.async: source size larger than the copy");
     if (c.fill) std::memcpy(dst, c.src, (size_t)c.fill);
     if (c.fill < c.bytes) std::memset(dst + c.fill, 0, (size_t)(c.bytes - c.fill));
 }
 
+// A copy lands when its thread waits for it (or, in the early orders, at once): between the two a
+// GPU may land it at any moment, so a kernel whose result depends on which is racing.
 inline void cp_async(unsigned dst, const void* src, int bytes, int fill) {
     Block* b = current_block;
-    if (dst % (unsigned)bytes) fail("cp.async: shared address not aligned to the copy");
+    if (bytes > 16 || dst % (unsigned)bytes) fail("cp.async: shared address not aligned to the copy");
     if ((size_t)dst + (size_t)bytes > b->smem_bytes) fail("cp.async: past the block's shared memory");
     for (unsigned g = dst / 16; g <= (dst + bytes - 1) / 16; ++g)
         if (b->in_flight[g])
             fail("cp.async into shared memory that a wgmma not yet waited for reads (byte " + std::to_string(dst) + ")");
-    me().uncommitted.push_back({dst, (const unsigned char*)src, bytes, fill});
+    CpAsync c{dst, (const unsigned char*)src, bytes, fill, {}};
+    std::memcpy(c.before, smem_pointer(dst), (size_t)bytes);
+    if (b->land_early) land(c);
+    else me().uncommitted.push_back(c);
 }
 inline void cp_async_commit() {
     Fiber& f = me();
@@ -573,10 +584,14 @@ inline void start_fiber(Fiber& f) {
     f.sp = &top[-9];
 }
 
-// order: 0 threads in order each pass, 1 reversed, 2 alternating; 3, 4 by priority (below)
+// order: 0 threads in order each pass, 1 reversed, 2 alternating; 3, 4 by priority (below); plus
+// EARLY_LANDING: cp.async copies land at their issue
+constexpr int EARLY_LANDING = 8;
 inline std::string run_block(const std::function<void()>& body, uint3 index, uint3 grid, unsigned threads,
                              size_t smem_bytes, int order) {
     Block b;
+    b.land_early = order & EARLY_LANDING;
+    order &= EARLY_LANDING - 1;
     b.index = index, b.grid = grid, b.dim = {threads, 1, 1};
     b.body = body;
     b.smem_bytes = smem_bytes;
