@@ -107,8 +107,8 @@ W_REGISTERS = {"p_groups": 2, "p_stages": 2, "p_wn": 32, "o_groups": 3, "o_wn": 
 
 #: Broken variants of the w_registers projection and what must stop them.
 MUTATIONS = {
-    "the tile's pair order": ("16 * ((n >> 1) & 3) + 2 * (n >> 3) + (n & 1)",
-                              "16 * ((n >> 1) & 3) + 2 * (n >> 3) + ((n + 1) & 1)", 0, "result"),
+    "the tile's pair order": ("lane_pair((n >> 1) & 3, 2 * (n >> 3) + (n & 1))",
+                              "lane_pair((n >> 1) & 3, 2 * (n >> 3) + ((n + 1) & 1))", 0, "result"),
     "the x tile not waited for": ("cp_async_wait<0>();\n        fence_async_shared();\n        __syncthreads();  // this tile",
                                   "cp_async_wait<1>();\n        fence_async_shared();\n        __syncthreads();  // this tile",
                                   0, "overwritten before its wait"),
