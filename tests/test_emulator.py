@@ -1,7 +1,8 @@
 """The CPU kernel emulator (tests/emulator) itself: that it computes what GPU-verified kernels
 compute (the tensor-core instructions' operand layouts, the shared-memory pipelines), and that it
 stops on what would go wrong on a GPU: a barrier not every thread reaches, shared memory a wgmma
-still reads being overwritten, a missing barrier between warpgroups (under a priority order)."""
+still reads being overwritten, a write over a cp.async copy in flight, a missing barrier between
+warpgroups (under a priority order)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from emulator import EmulatedKernel, EmulatedVariant, EmulationError, build_library, emulated, emulated_variant
+from emulator import (EARLY_LANDING, EmulatedKernel, EmulatedVariant, EmulationError, build_library, emulated,
+                      emulated_variant)
 from emulator.translate import UnknownInstruction, translate
 from helpers import generator, sampled_plans
 from pairgen import codegen
@@ -24,10 +26,10 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulato
 MODELS = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
 
 
-def _launch_raw(source: str, name: str, threads: int, *args: int, order: int = 0) -> None:
+def _launch_raw(source: str, name: str, threads: int, *args: int, order: int = 0, smem: int = 0) -> None:
     library, _ = build_library(source)
     with emulated(order):
-        EmulatedKernel(library, name, threads).bind(1, threads, 0, len(args))(*args)
+        EmulatedKernel(library, name, threads).bind(1, threads, smem, len(args))(*args)
 
 
 def emulated_error(module, inputs: tuple, variant, order: int = 0):
@@ -100,6 +102,40 @@ def test_gpu_verified_default_points_match_float64_emulated(op, strategy, precis
         module._launch(*inputs, out=out, variant=emulated_variant(plan))
     result = compare(out, ref, spec.tolerance[precision])
     assert result.ok, result
+
+
+STAGED = """
+extern "C" __global__ void staged(const float* src, float* out, int write_in_flight) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* buf = reinterpret_cast<float*>(smem);
+    if (threadIdx.x < 4) buf[threadIdx.x] = -1.0f;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        cp_async16(buf, src, true);
+        cp_async_commit();
+        if (write_in_flight) buf[1] = 5.0f;
+        out[0] = buf[0];  // read before the wait: the old bytes or the copy's, as the copy lands
+        cp_async_wait<0>();
+        out[1] = buf[0];
+    }
+}"""
+
+
+def _staged(order: int, write_in_flight: int) -> torch.Tensor:
+    common = (codegen.TEMPLATES_DIR / "common" / "cp_async.cuh").read_text()
+    src, out = torch.tensor([7.0, 8.0, 9.0, 10.0]), torch.full((2,), float("nan"))
+    _launch_raw(common + STAGED, "staged", 32, src.data_ptr(), out.data_ptr(), write_in_flight, order=order, smem=16)
+    return out
+
+
+def test_cp_async_copies_land_at_either_end_and_writes_over_them_in_flight_are_races():
+    """A GPU may land a copy at any moment between its issue and its wait: the default order lands
+    it at the wait, EARLY_LANDING at the issue, so a read that depends on which differs between
+    them; a store into its destination while it is in flight is reported."""
+    assert _staged(0, 0).tolist() == [-1.0, 7.0]
+    assert _staged(EARLY_LANDING, 0).tolist() == [7.0, 7.0]
+    with pytest.raises(EmulationError, match="written while a cp.async into it was in flight"):
+        _staged(0, 1)
 
 
 W_REGISTERS = {"p_groups": 2, "p_stages": 2, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
