@@ -26,6 +26,7 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <unordered_map>
 #include <vector>
 #include <sys/mman.h>
 
@@ -147,6 +148,13 @@ struct Warpgroup {
     std::vector<std::vector<WgmmaOp>> groups;
 };
 
+// An mbarrier's state (the 8 bytes it occupies in shared memory hold a marker, checked at every use,
+// so that a store over a live barrier shows).
+struct MBarrier {
+    int expected = 0, pending = 0;
+    unsigned phase = 0, generation = 0;
+};
+
 struct Block {
     uint3 index{0, 0, 0}, dim{1, 1, 1}, grid{1, 1, 1};
     unsigned char* smem = nullptr;
@@ -157,6 +165,7 @@ struct Block {
     Barrier barriers[16];
     std::vector<uint16_t> in_flight;  // per 16-byte granule of shared memory: wgmma reads not yet waited for
     bool land_early = false;  // cp.async copies land at their issue (else when their thread waits)
+    std::unordered_map<unsigned, struct MBarrier> mbarriers;  // by shared-memory address
     void* scheduler_sp = nullptr;
     std::function<void()> body;
     std::string error;
@@ -301,6 +310,53 @@ inline void cp_async_wait(int pending) {
 inline void cp_async_flush() {
     cp_async_commit();
     cp_async_wait(0);
+}
+
+// ---- mbarriers (arrive / wait by phase parity) -------------------------------------------------
+constexpr uint64_t MBARRIER_MARKER = 0x6d62617272696572ull;  // "mbarrier"
+
+inline MBarrier& mbarrier_at(unsigned address, const char* what) {
+    Block* b = current_block;
+    auto it = b->mbarriers.find(address);
+    if (it == b->mbarriers.end()) fail(std::string(what) + ": no mbarrier initialised at byte " + std::to_string(address));
+    if (std::memcmp(smem_pointer(address), &MBARRIER_MARKER, 8))
+        fail(std::string(what) + ": the mbarrier's shared memory was overwritten (byte " + std::to_string(address) + ")");
+    return it->second;
+}
+inline void mbarrier_init(unsigned address, int count) {
+    if (address % 8 || (size_t)address + 8 > current_block->smem_bytes) fail("mbarrier.init: address " + std::to_string(address));
+    if (count < 1) fail("mbarrier.init: count " + std::to_string(count));
+    MBarrier& m = current_block->mbarriers[address];
+    m.expected = m.pending = count;
+    m.phase = 0;
+    std::memcpy(smem_pointer(address), &MBARRIER_MARKER, 8);
+}
+inline void mbarrier_arrive(unsigned address) {
+    MBarrier& m = mbarrier_at(address, "mbarrier.arrive");
+    if (--m.pending == 0) {
+        m.pending = m.expected;
+        m.phase ^= 1u;
+        ++m.generation;
+    }
+}
+// Whether the phase of parity `parity` has completed (the barrier is in the other phase now); if
+// not, the thread yields until the barrier moves on, and the caller's loop asks again.
+inline unsigned mbarrier_try_wait_parity(unsigned address, unsigned parity) {
+    MBarrier& m = mbarrier_at(address, "mbarrier.try_wait");
+    if (m.phase != (parity & 1u)) return 1u;
+    wait_for("mbarrier.try_wait", &m.generation, m.generation);
+    return 0u;
+}
+// cp.async.mbarrier.arrive.noinc: an arrival once every cp.async this thread issued has landed.
+// They land here (at once in the early-landing orders): the latest a consumer can see them is
+// when the barrier's phase completes.
+inline void cp_async_mbarrier_arrive_noinc(unsigned address) {
+    Fiber& f = me();
+    cp_async_commit();
+    for (const auto& group : f.groups)
+        for (const CpAsync& c : group) land(c);
+    f.groups.clear();
+    mbarrier_arrive(address);
 }
 
 // ---- warp instructions -------------------------------------------------------------------------

@@ -119,6 +119,14 @@ def _ptx_call(ptx: str, outputs: list, inputs: list) -> str:
         return f"pgx::cp_async_wait({o(0)})"
     if m := re.fullmatch(r"cp\.async\.(?:cg|ca)\.shared\.global \[%0\], \[%1\], (\d+), %2;", text):
         return f"pgx::cp_async((unsigned){o(0)}, {o(1)}, {m.group(1)}, (int){o(2)})"
+    if text == "mbarrier.init.shared::cta.b64 [%0], %1;":
+        return f"pgx::mbarrier_init((unsigned){o(0)}, (int){o(1)})"
+    if text == "mbarrier.arrive.shared::cta.b64 _, [%0];":
+        return f"pgx::mbarrier_arrive((unsigned){o(0)})"
+    if text == ("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"):
+        return f"{o(0)} = pgx::mbarrier_try_wait_parity((unsigned){o(1)}, (unsigned){o(2)})"
+    if text == "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];":
+        return f"pgx::cp_async_mbarrier_arrive_noinc((unsigned){o(0)})"
     if m := re.fullmatch(r"bar\.sync (%0|\d+), (\d+);", text):
         barrier = o(0) if m.group(1) == "%0" else m.group(1)
         return f"pgx::bar_sync((int){barrier}, {m.group(2)})"
