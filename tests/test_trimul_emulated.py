@@ -1,6 +1,7 @@
 """The triangle update's wgmma kernels run on the CPU emulator (tests/emulator) against the float64
 reference: the column slices (with the statistics kernel), Wp in registers (w_registers, sliced
-too) and the output's x in registers (o_x_registers), at odd shapes with NaN-prefilled outputs,
+too), the output's x in registers (o_x_registers) and the projection's constants loaded early
+(p_consts_early), at odd shapes with NaN-prefilled outputs,
 under a round-robin and a priority thread order. The GPU tests (test_trimul_mma_gpu.py) hold the
 same kernels over more points; `--slow` runs all of their cases here, in three thread orders."""
 from __future__ import annotations
@@ -34,6 +35,12 @@ CASES = {
     "w_registers-small-k-padded-fp16": ("float16", {**SMALL, "P": 48}, {**PAIRED, "w_registers": True, "p_stages": 2}),
     "w_registers-sliced-bf16": ("bfloat16", {**SMALL, "H": 64, "outgoing": 1},
                                 {**PAIRED, "w_registers": True, "p_stages": 2, "p_slices": 2}),
+    "consts-early-models-bf16": ("bfloat16", MODELS, {"p_groups": 4, "p_stages": 1, "p_wn": 32, "o_groups": 3, "o_wn": 64,
+                                                      "o_stages": 1, "swizzle": True, "consts_smem": True,
+                                                      "paired_columns": True, "x_registers": True, "z_registers": True,
+                                                      "o_x_registers": True, "p_consts_early": True}),
+    "consts-early-sliced-fp16": ("float16", {**SMALL, "H": 64, "gate_normalized": 1},
+                                 {**PAIRED, "p_wn": 64, "p_slices": 2, "p_consts_early": True}),
     "sliced-both-kernels-bf16": ("bfloat16", SMALL, {**PAIRED, "p_slices": 4, "o_slices": 4}),
     "sliced-two-stages-fp16": ("float16", {**SMALL, "gate_normalized": 1},
                                {**PAIRED, "p_slices": 2, "p_stages": 2, "o_slices": 2, "o_stages": 2}),

@@ -85,7 +85,8 @@ def _paired_cases():
     both directions (swizzled, 4 warpgroups, x in registers) and with two stages, and the gate in
     hidden width; the early x fetch with and without pairing (8 and 3 passes of the projection); x in
     registers at 3 warpgroups and at k padded; the triangle sums in registers at the models' form
-    (3 and 4 warpgroups) and at H = 16, 32, 48 (one to three k-steps)."""
+    (3 and 4 warpgroups) and at H = 16, 32, 48 (one to three k-steps); the projection's epilogue
+    constants loaded before the wait for its products."""
     cases = []
     for precision in ("bfloat16", "float16"):
         view = TRIMUL.at(precision)
@@ -117,7 +118,13 @@ def _paired_cases():
                     {**first_default, "z_registers": True, "o_groups": 4, "o_wn": 32}),
                    ({"P": 64, "H": 32, **OPTION_SETS[2]}, {**PAIRED, "z_registers": True}),
                    ({"P": 48, "H": 48, **OPTION_SETS[4]}, {**PAIRED, "z_registers": True, "o_wn": 48 // 3}),
-                   ({"P": 48, "H": 16, **OPTION_SETS[7]}, {**PAIRED, "z_registers": True, "x_registers": True})]
+                   ({"P": 48, "H": 16, **OPTION_SETS[7]}, {**PAIRED, "z_registers": True, "x_registers": True}),
+                   # each pass's epilogue constants loaded before the wait (p_consts_early): the first
+                   # default, 3 warpgroups of 64 columns with x in shared memory, k padded
+                   ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "p_consts_early": True}),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0},
+                    {**first_default, "p_consts_early": True, "x_registers": False, "p_groups": 3, "p_wn": 64}),
+                   ({"P": 48, "H": 24, **OPTION_SETS[3]}, {**PAIRED, "p_consts_early": True})]
         for k, (widths, params) in enumerate(points):
             plan = view.plan("wgmma", params, widths)
             assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, params)
