@@ -352,9 +352,10 @@ class OpSpec:
         return may_hold
 
     #: Random draws per wanted point before sample_plans enumerates the whole space instead. A
-    #: draw costs microseconds and an enumeration seconds (the trimul wgmma space holds ~1.8 M points,
-    #: one in ~5500 feasible at P = 48, H = 24), so draws stay the cheaper way down to such fractions.
-    SAMPLE_DRAWS_PER_POINT = 5000
+    #: draw costs microseconds and an enumeration seconds (the trimul wgmma space holds ~3.5 M points,
+    #: one in ~8000 feasible at P = 48, H = 24: 100 000 draws miss one with odds of about 3e-6), so
+    #: draws stay the cheaper way down to such fractions.
+    SAMPLE_DRAWS_PER_POINT = 100_000
 
     def sample_plans(self, strategy: str, widths: dict, k: int, rng: random.Random,
                      limits: DeviceLimits = DeviceLimits(), precision: str | None = None) -> list[Plan]:
