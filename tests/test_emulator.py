@@ -104,6 +104,11 @@ def test_gpu_verified_default_points_match_float64_emulated(op, strategy, precis
     assert result.ok, result
 
 
+def _with_cp_async(source: str) -> str:
+    """A raw test kernel's source after the templates' cp.async helpers (cp_async16, commit, wait)."""
+    return (codegen.TEMPLATES_DIR / "common" / "cp_async.cuh").read_text() + source
+
+
 STAGED = """
 extern "C" __global__ void staged(const float* src, float* out, int write_in_flight) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -122,9 +127,8 @@ extern "C" __global__ void staged(const float* src, float* out, int write_in_fli
 
 
 def _staged(order: int, write_in_flight: int) -> torch.Tensor:
-    common = (codegen.TEMPLATES_DIR / "common" / "cp_async.cuh").read_text()
     src, out = torch.tensor([7.0, 8.0, 9.0, 10.0]), torch.full((2,), float("nan"))
-    _launch_raw(common + STAGED, "staged", 32, src.data_ptr(), out.data_ptr(), write_in_flight, order=order, smem=16)
+    _launch_raw(_with_cp_async(STAGED), "staged", 32, src.data_ptr(), out.data_ptr(), write_in_flight, order=order, smem=16)
     return out
 
 
@@ -188,10 +192,9 @@ extern "C" __global__ void ring(const float* src, float* out, int tiles) {
 
 
 def _ring(source: str, order: int) -> tuple[torch.Tensor, torch.Tensor]:
-    common = (codegen.TEMPLATES_DIR / "common" / "cp_async.cuh").read_text()
     tiles = 7
     src, out = torch.randn(tiles * 128, generator=generator(3)), torch.full((32,), float("nan"))
-    _launch_raw(common + source, "ring", 64, src.data_ptr(), out.data_ptr(), tiles, order=order, smem=128 + 2 * 512)
+    _launch_raw(_with_cp_async(source), "ring", 64, src.data_ptr(), out.data_ptr(), tiles, order=order, smem=128 + 2 * 512)
     return out, src.view(tiles, 32, 4).sum((0, 2))
 
 
@@ -212,8 +215,7 @@ def test_the_mbarrier_ring_s_ptx_compiles_for_hopper():
     """The instructions the emulator takes for mbarriers are the GPU's own: NVRTC accepts them."""
     from pairgen.compiler import compile_many
 
-    common = (codegen.TEMPLATES_DIR / "common" / "cp_async.cuh").read_text()
-    (result,) = compile_many([(common + MBARRIER_RING, "ring", "sm_90")])
+    (result,) = compile_many([(_with_cp_async(MBARRIER_RING), "ring", "sm_90")])
     assert not isinstance(result, Exception), result
 
 

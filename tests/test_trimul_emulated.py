@@ -28,6 +28,8 @@ PAIRED = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "
 W_REGISTERS = {"p_groups": 2, "p_stages": 2, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
                "consts_smem": True, "paired_columns": True, "z_registers": True, "w_registers": True}
 
+FIRST_DEFAULT = next(params for strategy, params in TRIMUL.default_points if strategy == "wgmma")
+
 CASES = {
     "w_registers-models-bf16": ("bfloat16", MODELS, W_REGISTERS),
     "w_registers-models-incoming-fp16": ("float16", {**MODELS, "outgoing": 0}, W_REGISTERS),
@@ -35,10 +37,7 @@ CASES = {
     "w_registers-small-k-padded-fp16": ("float16", {**SMALL, "P": 48}, {**PAIRED, "w_registers": True, "p_stages": 2}),
     "w_registers-sliced-bf16": ("bfloat16", {**SMALL, "H": 64, "outgoing": 1},
                                 {**PAIRED, "w_registers": True, "p_stages": 2, "p_slices": 2}),
-    "consts-early-models-bf16": ("bfloat16", MODELS, {"p_groups": 4, "p_stages": 1, "p_wn": 32, "o_groups": 3, "o_wn": 64,
-                                                      "o_stages": 1, "swizzle": True, "consts_smem": True,
-                                                      "paired_columns": True, "x_registers": True, "z_registers": True,
-                                                      "o_x_registers": True, "p_consts_early": True}),
+    "consts-early-models-bf16": ("bfloat16", MODELS, {**FIRST_DEFAULT, "o_x_registers": True, "p_consts_early": True}),
     "consts-early-sliced-fp16": ("float16", {**SMALL, "H": 64, "gate_normalized": 1},
                                  {**PAIRED, "p_wn": 64, "p_slices": 2, "p_consts_early": True}),
     "sliced-both-kernels-bf16": ("bfloat16", SMALL, {**PAIRED, "p_slices": 4, "o_slices": 4}),

@@ -209,15 +209,15 @@ def enqueue_first(study, spec: OpSpec, widths: dict, limits: DeviceLimits, extra
     retime_finalists always times again."""
     if study.trials:
         return
-    queued = []
+    queued = set()
     for strategy, params in [*extra, *spec.default_points]:
         key = _point_key(strategy, params)
         if key in queued or spec.infeasible(spec.plan(strategy, params, widths), limits):
             continue
-        queued.append(key)
+        queued.add(key)
         _enqueue(study, strategy, params)
-    if extra and queued and queued[0] == _point_key(*extra[0]):
-        study.set_user_attr("incumbent", queued[0])
+    if extra and _point_key(*extra[0]) in queued:
+        study.set_user_attr("incumbent", _point_key(*extra[0]))
 
 
 def suggest(trial, spec: OpSpec) -> tuple[str, dict]:

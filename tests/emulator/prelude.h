@@ -165,7 +165,7 @@ struct Block {
     Barrier barriers[16];
     std::vector<uint16_t> in_flight;  // per 16-byte granule of shared memory: wgmma reads not yet waited for
     bool land_early = false;  // cp.async copies land at their issue (else when their thread waits)
-    std::unordered_map<unsigned, struct MBarrier> mbarriers;  // by shared-memory address
+    std::unordered_map<unsigned, MBarrier> mbarriers;  // by shared-memory address
     void* scheduler_sp = nullptr;
     std::function<void()> body;
     std::string error;
