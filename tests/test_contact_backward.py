@@ -88,6 +88,28 @@ def test_unique_pairs_cover_each_unordered_pair_once():
     assert torch.equal(pairs.share, torch.where(pairs.off > 0, 0.5, 1.0))
 
 
+def test_the_16_bit_output_layer_gradient_rounds_once_from_fp32():
+    """d(loss)/d(y) of a pair i <= j is (g_ij + g_ji) * sigmoid'(y) computed in fp32 and rounded to
+    16 bits once, and the bias's gradient is its fp32 sum rounded once: a 16-bit sum of the two
+    rows' gradients, then a 16-bit product, rounded twice (the error grew past the reference's at
+    small shapes, where the bias's gradient is a sum with cancellations)."""
+    from types import SimpleNamespace
+
+    gen = generator(61)
+    B, N = 2, 9
+    pairs = backward.unique_pairs(B, N, torch.device("cpu"))
+    g = (torch.randn(B, N, N, generator=gen) * 3).bfloat16()
+    out = torch.rand(pairs.ij.numel(), 1, generator=gen).bfloat16()
+    d_y, grads = backward._output_layer_gradients(g, SimpleNamespace(pairs=pairs, out_unique=out))
+    flat = g.reshape(-1).double()
+    exact = (flat[pairs.ij] + pairs.off.double() * flat[pairs.ji]).view(-1, 1) * out.double() * (1 - out.double())
+    assert d_y.dtype is torch.bfloat16 and torch.equal(d_y, exact.float().bfloat16())
+    assert grads["mlp.4.bias"].dtype is torch.bfloat16
+    assert torch.equal(grads["mlp.4.bias"], exact.sum(0).float().bfloat16())
+    twice = torch.ops.aten.sigmoid_backward((g.reshape(-1)[pairs.ij] + pairs.off.bfloat16() * g.reshape(-1)[pairs.ji]).view(-1, 1), out)
+    assert not torch.equal(twice, d_y)  # the old way differs here: the test can tell them apart
+
+
 def test_16_bit_forwards_and_training_take_the_closed_form_from_the_measured_sizes(monkeypatch):
     """Without 16-bit kernels, a forward from Routing.closed_form_min_pairs pairs runs the closed
     form (below it, where the host's time per PyTorch operation makes the closed form slower than

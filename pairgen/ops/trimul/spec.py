@@ -50,6 +50,10 @@ class TrimulSpec(OpSpec):
                    "consts_smem": True, "paired_columns": True, "x_registers": True, "z_registers": True}),
         ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
                    "consts_smem": True, "paired_columns": True, "x_registers": True}),
+        # Wide widths (P or H above 128): each block keeps a slice of the weights' columns resident
+        # (the fewest slices that fit), 2 warpgroups in each kernel, the sums in registers.
+        ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 32, "o_stages": 1, "swizzle": True,
+                   "consts_smem": True, "paired_columns": True, "z_registers": True}),
         ("wgmma", {"p_groups": 3, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 64, "o_stages": 2, "swizzle": False,
                    "consts_smem": False}),
         ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1, "swizzle": False,
