@@ -219,6 +219,97 @@ def test_the_mbarrier_ring_s_ptx_compiles_for_hopper():
     assert not isinstance(result, Exception), result
 
 
+BULK_RING = """
+__device__ __forceinline__ void mbar_expect_bytes(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_in(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void bulk_out(void* dst, const void* src, unsigned bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(src)), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_out_wait() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(0) : "memory"); }
+
+// The ring above with bulk copies: one producer thread arms each stage's `full` barrier with the
+// tile's bytes and copies the 512-byte tile in one instruction; the consumer warp's sums leave
+// through shared memory in one bulk copy out.
+extern "C" __global__ void bulk_ring(const float* src, float* out, int tiles, int write_in_flight) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(smem);
+    unsigned long long* empty = full + 2;
+    float* buf = reinterpret_cast<float*>(smem + 128);
+    float* sums = buf + 2 * 128;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0)
+        for (int s = 0; s < 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, 32);
+    __syncthreads();
+    if (warp == 0) {
+        if (lane == 0)
+            for (int t = 0; t < tiles; ++t) {
+                const int s = t & 1;
+                if (t >= 2) mbar_wait(empty + s, ((t >> 1) - 1) & 1);
+                mbar_expect_bytes(full + s, 512);
+                bulk_in(buf + s * 128, src + t * 128, 512, full + s);
+            }
+    } else {
+        float acc = 0.0f;
+        for (int t = 0; t < tiles; ++t) {
+            const int s = t & 1;
+            mbar_wait(full + s, (t >> 1) & 1);
+            for (int k = 0; k < 4; ++k) acc += buf[s * 128 + 4 * lane + k];
+            mbar_arrive(empty + s);
+        }
+        sums[lane] = acc;
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncwarp();
+        if (lane == 0) {
+            bulk_out(out, sums, 128);
+            if (write_in_flight) sums[0] = 0.0f;
+            bulk_out_wait();
+        }
+    }
+}"""
+
+
+def _bulk_ring(order: int, write_in_flight: int = 0, source: str = MBARRIER_RING + BULK_RING):
+    tiles = 7
+    src, out = torch.randn(tiles * 128, generator=generator(4)), torch.full((32,), float("nan"))
+    _launch_raw(_with_cp_async(source), "bulk_ring", 64, src.data_ptr(), out.data_ptr(), tiles, write_in_flight,
+                order=order, smem=128 + 3 * 512)
+    return out, src.view(tiles, 32, 4).sum((0, 2))
+
+
+@pytest.mark.parametrize("order", [0, 1, 3, 4, EARLY_LANDING])
+def test_a_ring_of_bulk_copies_runs_and_its_races_are_caught(order):
+    """cp.async.bulk in (its bytes completing on an mbarrier armed by arrive.expect_tx) and out (a
+    bulk group): the ring's sums are right in every order; a consumer that skips its wait reads
+    stages not yet landed, and a store over a copy's source before its wait is reported."""
+    out, expected = _bulk_ring(order)
+    torch.testing.assert_close(out, expected)
+    if order == 0:  # copies land when their phase completes: a consumer that does not wait sees the old bytes
+        skipping = (MBARRIER_RING + BULK_RING).replace("            mbar_wait(full + s, (t >> 1) & 1);\n            for (int k",
+                                                       "            for (int k")
+        assert skipping != MBARRIER_RING + BULK_RING
+        try:
+            assert not torch.allclose(_bulk_ring(order, source=skipping)[0], expected)
+        except EmulationError as error:
+            assert "deadlock" in str(error) or "in flight" in str(error)
+        with pytest.raises(EmulationError, match="written while a bulk copy out of it was in flight"):
+            _bulk_ring(order, write_in_flight=1)
+
+
+def test_the_bulk_copies_ptx_compiles_for_hopper():
+    """The bulk-copy instructions the emulator takes are the GPU's own: NVRTC accepts them."""
+    from pairgen.compiler import compile_many
+
+    (result,) = compile_many([(_with_cp_async(MBARRIER_RING + BULK_RING), "bulk_ring", "sm_90")])
+    assert not isinstance(result, Exception), result
+
+
 W_REGISTERS = {"p_groups": 2, "p_stages": 2, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
                "consts_smem": True, "paired_columns": True, "z_registers": True, "w_registers": True}
 

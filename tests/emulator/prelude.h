@@ -11,7 +11,10 @@
 // Shared memory starts filled with 0xFF bytes (NaN in every float type), so a read of what nobody
 // wrote shows. cp.async copies land when their thread waits for them, or (EARLY_LANDING) at their
 // issue: the two ends of when a GPU may land them; shared memory written while a copy into it is in
-// flight is found when the copy lands.
+// flight is found when the copy lands. Bulk copies (cp.async.bulk, TMA's untiled form) land at the
+// same two ends: into shared memory when the mbarrier phase that counts their bytes completes, out
+// of it when their thread waits for their bulk group; a store over either's shared bytes in
+// between is found then. (Tensor-map copies, cp.async.bulk.tensor, are not emulated.)
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -105,6 +108,18 @@ struct CpAsync {
     unsigned char before[16];  // the destination's bytes at the issue (land checks nobody wrote them since)
 };
 
+// A bulk copy (cp.async.bulk) in flight: into shared memory (completing bytes on an mbarrier) or
+// out of it (in a bulk group of its thread). `before` holds the destination's bytes at the issue
+// (an inbound copy) or the source's (an outbound one): where they change before it lands, another
+// store raced it.
+struct BulkCopy {
+    unsigned char* dst;
+    const unsigned char* src;
+    int bytes;
+    std::vector<unsigned char> before;
+    bool inbound;
+};
+
 struct Fiber {
     void* sp = nullptr;
     unsigned char* stack = nullptr;
@@ -115,6 +130,8 @@ struct Fiber {
     unsigned wait_value = 0;
     std::vector<CpAsync> uncommitted;
     std::vector<std::vector<CpAsync>> groups;  // committed cp.async groups, oldest first
+    std::vector<BulkCopy> bulk_uncommitted;    // bulk copies out of shared memory, by bulk group
+    std::vector<std::vector<BulkCopy>> bulk_groups;
 };
 
 // A meeting of `members` threads: each writes its operands to in[its index] and arrives; the last
@@ -152,7 +169,9 @@ struct Warpgroup {
 // so that a store over a live barrier shows).
 struct MBarrier {
     int expected = 0, pending = 0;
+    long long tx = 0;  // transaction bytes expected and not yet completed (below 0: completed first)
     unsigned phase = 0, generation = 0;
+    std::vector<BulkCopy> copies;  // inbound bulk copies of the current phase, not yet landed
 };
 
 struct Block {
@@ -331,12 +350,78 @@ inline void mbarrier_init(unsigned address, int count) {
     m.phase = 0;
     std::memcpy(smem_pointer(address), &MBARRIER_MARKER, 8);
 }
+inline void land_bulk(const BulkCopy& c) {
+    if (std::memcmp(c.inbound ? c.dst : c.src, c.before.data(), (size_t)c.bytes))
+        fail(c.inbound ? "shared memory written while a bulk copy into it was in flight"
+                       : "shared memory written while a bulk copy out of it was in flight");
+    std::memcpy(c.dst, c.src, (size_t)c.bytes);
+}
+// A phase completes when every expected arrival has come and every expected transaction byte has
+// completed; its inbound copies land then (the latest a GPU may land them), before any waiter runs.
+inline void mbarrier_complete_if_done(MBarrier& m) {
+    if (m.pending != 0 || m.tx != 0) return;
+    for (const BulkCopy& c : m.copies) land_bulk(c);
+    m.copies.clear();
+    m.pending = m.expected;
+    m.phase ^= 1u;
+    ++m.generation;
+}
 inline void mbarrier_arrive(unsigned address) {
     MBarrier& m = mbarrier_at(address, "mbarrier.arrive");
-    if (--m.pending == 0) {
-        m.pending = m.expected;
-        m.phase ^= 1u;
-        ++m.generation;
+    if (m.pending == 0) fail("mbarrier.arrive: more arrivals than the barrier's count in one phase");
+    --m.pending;
+    mbarrier_complete_if_done(m);
+}
+// mbarrier.arrive.expect_tx: the phase also waits for `bytes` more transaction bytes, then an arrival.
+inline void mbarrier_arrive_expect_tx(unsigned address, unsigned bytes) {
+    mbarrier_at(address, "mbarrier.arrive.expect_tx").tx += bytes;
+    mbarrier_arrive(address);
+}
+inline void check_bulk(unsigned smem_address, int bytes, const char* what) {
+    Block* b = current_block;
+    if (bytes <= 0 || bytes % 16 || smem_address % 16)
+        fail(std::string(what) + ": size and shared address must be multiples of 16 (" + std::to_string(bytes) + " bytes at " +
+             std::to_string(smem_address) + ")");
+    if ((size_t)smem_address + (size_t)bytes > b->smem_bytes) fail(std::string(what) + ": past the block's shared memory");
+}
+// cp.async.bulk global -> shared, completing its bytes on the mbarrier at `barrier`: it lands when
+// that barrier's phase completes (or, in the early orders, at once).
+inline void cp_async_bulk_to_shared(unsigned dst, const void* src, unsigned bytes, unsigned barrier) {
+    Block* b = current_block;
+    check_bulk(dst, (int)bytes, "cp.async.bulk");
+    if ((uintptr_t)src % 16) fail("cp.async.bulk: global address not 16-byte aligned");
+    for (unsigned g = dst / 16; g <= (dst + bytes - 1) / 16; ++g)
+        if (b->in_flight[g])
+            fail("cp.async.bulk into shared memory that a wgmma not yet waited for reads (byte " + std::to_string(dst) + ")");
+    MBarrier& m = mbarrier_at(barrier, "cp.async.bulk");
+    unsigned char* to = smem_pointer(dst);
+    BulkCopy c{to, (const unsigned char*)src, (int)bytes, std::vector<unsigned char>(to, to + bytes), true};
+    if (b->land_early) land_bulk(c);
+    else m.copies.push_back(std::move(c));
+    m.tx -= bytes;
+    mbarrier_complete_if_done(m);
+}
+// cp.async.bulk shared -> global in the thread's bulk groups (commit_group, wait_group[.read]): the
+// global bytes are written at the wait (or at the issue in the early orders); the shared source
+// must not change in between.
+inline void cp_async_bulk_to_global(void* dst, unsigned src, unsigned bytes) {
+    check_bulk(src, (int)bytes, "cp.async.bulk (to global)");
+    if ((uintptr_t)dst % 16) fail("cp.async.bulk (to global): global address not 16-byte aligned");
+    const unsigned char* from = smem_pointer(src);
+    BulkCopy c{(unsigned char*)dst, from, (int)bytes, std::vector<unsigned char>(from, from + bytes), false};
+    if (current_block->land_early) land_bulk(c);
+    else me().bulk_uncommitted.push_back(std::move(c));
+}
+inline void cp_async_bulk_commit() {
+    Fiber& f = me();
+    f.bulk_groups.push_back(std::move(f.bulk_uncommitted));
+    f.bulk_uncommitted.clear();
+}
+inline void cp_async_bulk_wait(int pending) {
+    Fiber& f = me();
+    while ((int)f.bulk_groups.size() > pending) {
+        for (const BulkCopy& c : f.bulk_groups.front()) land_bulk(c);
+        f.bulk_groups.erase(f.bulk_groups.begin());
     }
 }
 // Whether the phase of parity `parity` has completed (the barrier is in the other phase now); if

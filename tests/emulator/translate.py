@@ -125,6 +125,16 @@ def _ptx_call(ptx: str, outputs: list, inputs: list) -> str:
         return f"pgx::mbarrier_arrive((unsigned){o(0)})"
     if text == ("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"):
         return f"{o(0)} = pgx::mbarrier_try_wait_parity((unsigned){o(1)}, (unsigned){o(2)})"
+    if text == "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;":
+        return f"pgx::mbarrier_arrive_expect_tx((unsigned){o(0)}, (unsigned){o(1)})"
+    if text == "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];":
+        return f"pgx::cp_async_bulk_to_shared((unsigned){o(0)}, {o(1)}, (unsigned){o(2)}, (unsigned){o(3)})"
+    if text == "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;":
+        return f"pgx::cp_async_bulk_to_global((void*){o(0)}, (unsigned){o(1)}, (unsigned){o(2)})"
+    if text == "cp.async.bulk.commit_group;":
+        return "pgx::cp_async_bulk_commit()"
+    if re.fullmatch(r"cp\.async\.bulk\.wait_group(?:\.read)? %0;", text):
+        return f"pgx::cp_async_bulk_wait({o(0)})"
     if text == "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];":
         return f"pgx::cp_async_mbarrier_arrive_noinc((unsigned){o(0)})"
     if m := re.fullmatch(r"bar\.sync (%0|\d+), (\d+);", text):
