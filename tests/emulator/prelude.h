@@ -314,18 +314,22 @@ inline void cp_async(unsigned dst, const void* src, int bytes, int fill) {
     if (b->land_early) land(c);
     else me().uncommitted.push_back(c);
 }
-inline void cp_async_commit() {
-    Fiber& f = me();
-    f.groups.push_back(std::move(f.uncommitted));
-    f.uncommitted.clear();
+// A thread's copies issued since its last commit become its newest group; a wait lands the oldest
+// groups until at most `pending` remain (cp.async's groups and bulk copies' alike).
+template <class Copy>
+inline void commit_group(std::vector<Copy>& uncommitted, std::vector<std::vector<Copy>>& groups) {
+    groups.push_back(std::move(uncommitted));
+    uncommitted.clear();
 }
-inline void cp_async_wait(int pending) {
-    Fiber& f = me();
-    while ((int)f.groups.size() > pending) {
-        for (const CpAsync& c : f.groups.front()) land(c);
-        f.groups.erase(f.groups.begin());
+template <class Copy, class Land>
+inline void wait_groups(std::vector<std::vector<Copy>>& groups, int pending, Land land_copy) {
+    while ((int)groups.size() > pending) {
+        for (const Copy& c : groups.front()) land_copy(c);
+        groups.erase(groups.begin());
     }
 }
+inline void cp_async_commit() { commit_group(me().uncommitted, me().groups); }
+inline void cp_async_wait(int pending) { wait_groups(me().groups, pending, land); }
 inline void cp_async_flush() {
     cp_async_commit();
     cp_async_wait(0);
@@ -412,18 +416,8 @@ inline void cp_async_bulk_to_global(void* dst, unsigned src, unsigned bytes) {
     if (current_block->land_early) land_bulk(c);
     else me().bulk_uncommitted.push_back(std::move(c));
 }
-inline void cp_async_bulk_commit() {
-    Fiber& f = me();
-    f.bulk_groups.push_back(std::move(f.bulk_uncommitted));
-    f.bulk_uncommitted.clear();
-}
-inline void cp_async_bulk_wait(int pending) {
-    Fiber& f = me();
-    while ((int)f.bulk_groups.size() > pending) {
-        for (const BulkCopy& c : f.bulk_groups.front()) land_bulk(c);
-        f.bulk_groups.erase(f.bulk_groups.begin());
-    }
-}
+inline void cp_async_bulk_commit() { commit_group(me().bulk_uncommitted, me().bulk_groups); }
+inline void cp_async_bulk_wait(int pending) { wait_groups(me().bulk_groups, pending, land_bulk); }
 // Whether the phase of parity `parity` has completed (the barrier is in the other phase now); if
 // not, the thread yields until the barrier moves on, and the caller's loop asks again.
 inline unsigned mbarrier_try_wait_parity(unsigned address, unsigned parity) {
