@@ -234,7 +234,8 @@ def assert_compiled_without_spills(plans: list, asynchronous: list) -> None:
 
 WIDE = {"P": 384, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
 SQUARE_256 = {"P": 256, "H": 256, "outgoing": 0, "gate_normalized": 1, "bias": 0}
-#: A point whose blocks fit both widths above with a quarter of each kernel's weight rows.
+#: A point whose blocks fit both widths above with a quarter of each kernel's weight rows (a
+#: default point: the first feasible one at these widths).
 SLICED = {"p_groups": 2, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 32, "o_stages": 1, "swizzle": True,
           "consts_smem": True, "paired_columns": True, "z_registers": True}
 
@@ -259,6 +260,8 @@ def test_column_slices_fit_the_wide_widths_and_compile_asynchronous_without_spil
             assert [k.names for k in plan.kernels][1:] == [
                 ("x", "mask", "w", "ar", "br", "stats", "B", "N", "num_tiles", "mask_is_float"),
                 ("x", "z", "w", "out", "stats", "B", "N", "num_tiles")]
+            default = TRIMUL.default_plan(widths, limits, precision)  # the default point for wide widths
+            assert default.strategy == "wgmma" and {k: default.params[k] for k in SLICED} == SLICED
     plans = [TRIMUL.plan("wgmma", SLICED, w, "bfloat16") for w in (WIDE, SQUARE_256)]
     assert_compiled_without_spills(plans, asynchronous=plans)
     reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
