@@ -144,9 +144,8 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
 def _output_layer_gradients(grad_out: torch.Tensor, f: SimpleNamespace) -> tuple:
     """(d(loss)/d(y) in the compute dtype, {"mlp.4.bias": ...}) for the pairs i <= j, y the last
     layer's argument. g_ij + g_ji and the sigmoid's backward are taken in fp32 and d_y rounded once:
-    rounding the sum, then d_y, gave a pair's d_y two roundings of a value twice a row's, and the
-    bias's gradient (a sum over every pair with cancellations) up to 40x the 16-bit reference's
-    error at small shapes."""
+    in 16 bits a pair's d_y would take two roundings of a value twice a row's, which the bias's
+    gradient (a sum over every pair, with cancellations) shows (docs/performance.md, session 21)."""
     g = grad_out.reshape(-1)
     g_unique = g.index_select(0, f.pairs.ij).float().addcmul_(g.index_select(0, f.pairs.ji), f.pairs.off)
     d_y = torch.ops.aten.sigmoid_backward(g_unique.view(-1, 1), f.out_unique.float())
