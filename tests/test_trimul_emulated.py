@@ -1,7 +1,7 @@
 """The triangle update's wgmma kernels run on the CPU emulator (tests/emulator) against the float64
 reference: the column slices (with the statistics kernel), Wp in registers (w_registers, sliced
-too), the output's x in registers (o_x_registers) and the projection's constants loaded early
-(p_consts_early), at odd shapes with NaN-prefilled outputs,
+too), the output's x in registers (o_x_registers) and the projection's mask loaded a tile ahead
+(p_mask_early), at odd shapes with NaN-prefilled outputs,
 under a round-robin and a priority thread order. The GPU tests (test_trimul_mma_gpu.py) hold the
 same kernels over more points; `--slow` runs all of their cases here, in three thread orders."""
 from __future__ import annotations
@@ -37,17 +37,19 @@ CASES = {
     "w_registers-small-k-padded-fp16": ("float16", {**SMALL, "P": 48}, {**PAIRED, "w_registers": True, "p_stages": 2}),
     "w_registers-sliced-bf16": ("bfloat16", {**SMALL, "H": 64, "outgoing": 1},
                                 {**PAIRED, "w_registers": True, "p_stages": 2, "p_slices": 2}),
-    "consts-early-models-bf16": ("bfloat16", MODELS, {**FIRST_DEFAULT, "o_x_registers": True, "p_consts_early": True}),
-    "consts-early-sliced-fp16": ("float16", {**SMALL, "H": 64, "gate_normalized": 1},
-                                 {**PAIRED, "p_wn": 64, "p_slices": 2, "p_consts_early": True}),
+    "mask-early-models-bf16": ("bfloat16", MODELS, {**FIRST_DEFAULT, "o_x_registers": True, "p_mask_early": True}),
+    "mask-early-sliced-fp16": ("float16", {**SMALL, "H": 64, "gate_normalized": 1},
+                               {**PAIRED, "p_wn": 64, "p_slices": 2, "p_mask_early": True}),
+    "mask-early-two-stages-fp16": ("float16", SMALL, {**PAIRED, "p_stages": 2, "p_mask_early": True}),
     "sliced-both-kernels-bf16": ("bfloat16", SMALL, {**PAIRED, "p_slices": 4, "o_slices": 4}),
     "sliced-two-stages-fp16": ("float16", {**SMALL, "gate_normalized": 1},
                                {**PAIRED, "p_slices": 2, "p_stages": 2, "o_slices": 2, "o_stages": 2}),
 }
 
 
-def emulated_against_float64(plan, shapes, order: int) -> list[str]:
-    """The plan's kernels emulated at each (B, N) against the float64 reference: the failures."""
+def emulated_against_float64(plan, shapes, order: int, soft_mask: bool = False) -> list[str]:
+    """The plan's kernels emulated at each (B, N) against the float64 reference: the failures.
+    soft_mask: the mask as floats in [0.5, 1) where kept (its masked rows stay 0)."""
     failures = []
     variant = emulated_variant(plan)
     out_dtype = torch.float32 if plan.widths.get("out_fp32") else None
@@ -56,6 +58,8 @@ def emulated_against_float64(plan, shapes, order: int) -> list[str]:
         module = module_in_precision(TRIMUL, {w: v for w, v in plan.widths.items() if w != "out_fp32"}, gen,
                                      plan.precision, "cpu")
         inputs = TRIMUL.make_inputs({"B": batch, "N": n, **plan.widths}, gen, "cauchy" if k % 2 else "normal")
+        if soft_mask:
+            inputs = (inputs[0], inputs[1].float() * (0.5 + 0.5 * torch.rand(inputs[1].shape, generator=gen)))
         inputs = inputs_in_precision(inputs, plan.precision, "cpu")
         ref = reference64(module, inputs)
         out = torch.full(tuple(ref.shape), float("nan"), dtype=out_dtype or inputs[0].dtype)
@@ -69,7 +73,8 @@ def emulated_against_float64(plan, shapes, order: int) -> list[str]:
 
 #: The cases also run under a priority order (a warpgroup runs ahead of the other where it can):
 #: those with more than one warpgroup sharing a tile or its statistics.
-PRIORITY = ("w_registers-models-bf16", "w_registers-o_x_registers-bf16", "sliced-both-kernels-bf16")
+PRIORITY = ("w_registers-models-bf16", "w_registers-o_x_registers-bf16", "sliced-both-kernels-bf16",
+            "mask-early-models-bf16")
 
 
 @pytest.mark.parametrize("case,order", [(case, 0) for case in CASES] + [(case, 3) for case in PRIORITY],
@@ -79,6 +84,15 @@ def test_new_wgmma_kernels_match_float64_emulated(case, order):
     plan = TRIMUL.at(precision).plan("wgmma", params, widths)
     assert not TRIMUL.infeasible(plan, DeviceLimits()), TRIMUL.infeasible(plan, DeviceLimits())
     failures = emulated_against_float64(plan, SHAPES, order)
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
+def test_the_mask_loaded_a_tile_ahead_takes_float_masks_emulated():
+    """p_mask_early keeps a float mask's bits and a byte mask's value in registers of their own:
+    a float mask of values other than 0 and 1 must come out as it went in."""
+    precision, widths, params = CASES["mask-early-models-bf16"]
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    failures = emulated_against_float64(plan, [(3, 7), (2, 12)], 0, soft_mask=True)
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 

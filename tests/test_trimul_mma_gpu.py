@@ -119,12 +119,12 @@ def _paired_cases():
                    ({"P": 64, "H": 32, **OPTION_SETS[2]}, {**PAIRED, "z_registers": True}),
                    ({"P": 48, "H": 48, **OPTION_SETS[4]}, {**PAIRED, "z_registers": True, "o_wn": 48 // 3}),
                    ({"P": 48, "H": 16, **OPTION_SETS[7]}, {**PAIRED, "z_registers": True, "x_registers": True}),
-                   # each pass's epilogue constants loaded before the wait (p_consts_early): the first
-                   # default, 3 warpgroups of 64 columns with x in shared memory, k padded
-                   ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "p_consts_early": True}),
+                   # the mask loaded a tile ahead (p_mask_early): the first default, 3 warpgroups of 64
+                   # columns with x in shared memory, k padded
+                   ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "p_mask_early": True}),
                    ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0},
-                    {**first_default, "p_consts_early": True, "x_registers": False, "p_groups": 3, "p_wn": 64}),
-                   ({"P": 48, "H": 24, **OPTION_SETS[3]}, {**PAIRED, "p_consts_early": True})]
+                    {**first_default, "p_mask_early": True, "x_registers": False, "p_groups": 3, "p_wn": 64}),
+                   ({"P": 48, "H": 24, **OPTION_SETS[3]}, {**PAIRED, "p_mask_early": True})]
         for k, (widths, params) in enumerate(points):
             plan = view.plan("wgmma", params, widths)
             assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, params)

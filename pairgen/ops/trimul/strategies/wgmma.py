@@ -144,7 +144,7 @@ def derive(params: dict, w: dict, name: str):
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
                "x_registers": params["x_registers"], "z_registers": params["z_registers"],
                "w_registers": params["w_registers"], "o_x_registers": params["o_x_registers"],
-               "p_consts_early": params["p_consts_early"],
+               "p_mask_early": params["p_mask_early"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
                                                               (params["o_wn"], params["z_registers"])) if rs}),
@@ -263,12 +263,9 @@ def _output_x_registers_with_z(plan: Plan, limits: DeviceLimits) -> bool:
                                            and k_padded(plan.widths["P"]) <= 128)
 
 
-def _consts_early_paired(plan: Plan, limits: DeviceLimits) -> bool:
-    """The projection's constants loaded before the wait are its paired epilogue's (Wp in registers
-    keeps its own in registers), a pass's at most 32 registers beside two accumulator sets."""
-    params = plan.params
-    return not params["p_consts_early"] or (params["paired_columns"] and not params["w_registers"]
-                                            and params["p_wn"] <= 64)
+def _mask_early_resident(plan: Plan, limits: DeviceLimits) -> bool:
+    """The mask loaded a tile ahead is the resident projection's (Wp in registers loads its own)."""
+    return not plan.params["p_mask_early"] or not plan.params["w_registers"]
 
 
 def _early_fetch_has_one_stage(plan: Plan, limits: DeviceLimits) -> bool:
@@ -541,14 +538,14 @@ WGMMA = Strategy(
     # 64-row blocks as A, every warpgroup of the block on the same x tile as B, a and b stored
     # from the accumulators: no resident Wp, no staging); whether the output kernel also holds its
     # x rows in registers as the gate product's A operand (o_x_registers, with z_registers); whether
-    # the paired projection loads a pass's epilogue constants before waiting for its products
-    # (p_consts_early: their shared-memory latency under the wait instead of before the first FFMA).
+    # the resident projection loads each tile's mask a tile ahead (p_mask_early: the global
+    # load's latency under a whole tile instead of under its first pass).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
            "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
            "x_registers": (False, True), "z_registers": (False, True),
            "p_slices": (0, 2, 4), "o_slices": (0, 2, 4), "w_registers": (False, True), "o_x_registers": (False, True),
-           "p_consts_early": (False, True)},
+           "p_mask_early": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -558,8 +555,8 @@ WGMMA = Strategy(
                               _paired_columns_staged, on_point=True),
                   Restriction("the early x fetch is for one x stage (p_stages 1)", _early_fetch_has_one_stage,
                               on_point=True),
-                  Restriction("the constants loaded early are the paired projection's (not with Wp in registers), "
-                              "passes of at most 64 columns", _consts_early_paired, on_point=True),
+                  Restriction("the mask loaded a tile ahead is the resident projection's (not with Wp in registers)",
+                              _mask_early_resident, on_point=True),
                   Restriction("x in registers is the paired, one-stage projection's", _x_registers_paired,
                               on_point=True),
                   Restriction("the sums in registers are the paired output kernel's, gate on P, H a multiple of 16",
