@@ -415,18 +415,39 @@ def test_restrictions_marked_on_point_read_only_the_point():
     on_point = [r for r in TRIMUL.strategies["wgmma"].restrictions if r.on_point]
     assert len(on_point) >= 7
     rng = random.Random(11)
-    points = list(TRIMUL.points("wgmma"))
+    space = TRIMUL.strategies["wgmma"].space
+    draw = lambda: {name: rng.choice(values) for name, values in space.items()}  # noqa: E731
     for widths in (MODEL, {"P": 48, "H": 24, "outgoing": 0, "gate_normalized": 0, "bias": 1},
                    {"P": 128, "H": 64, "outgoing": 1, "gate_normalized": 1, "bias": 0, "gate_hidden": 1}):
-        for params in rng.sample(points, 300):
+        for params in (draw() for _ in range(300)):
             plan = TRIMUL.plan("wgmma", params, widths, "bfloat16")
             probe = PointProbe(plan.params, plan.widths)
             assert [r.holds(probe, limits) for r in on_point] == [r.holds(plan, limits) for r in on_point], params
     small = {"P": 48, "H": 24, "outgoing": 1, "gate_normalized": 1, "bias": 0}
     kept = {p.kernel_name for p in TRIMUL.feasible_plans("wgmma", small, limits, "bfloat16")}
-    subset = [TRIMUL.plan("wgmma", params, small, "bfloat16") for params in points[::29]]
+    subset = [TRIMUL.plan("wgmma", draw(), small, "bfloat16") for _ in range(20000)]
     feasible = {p.kernel_name for p in subset if not TRIMUL.infeasible(p, limits)}
     assert feasible and feasible == kept & {p.kernel_name for p in subset}
+
+
+def test_the_pruned_enumeration_passes_exactly_the_points_each_on_point_restriction_passes():
+    """points_passing_on_point assigns the parameters one at a time and prunes a partial point a
+    restriction already fails: at the models' width and a wide one, a point drawn at random passes
+    every on_point restriction exactly when the enumeration yields it, and the enumeration keeps
+    points()'s order."""
+    limits = DeviceLimits()
+    rng = random.Random(5)
+    space = TRIMUL.strategies["wgmma"].space
+    order = sorted(space)
+    for widths in (MODEL, {"P": 384, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}):
+        passing = list(TRIMUL.points_passing_on_point("wgmma", widths, limits))
+        rank = lambda p: tuple(space[n].index(p[n]) for n in order)  # noqa: E731
+        assert passing and [rank(p) for p in passing] == sorted(rank(p) for p in passing)
+        keys = {tuple(p[n] for n in order) for p in passing}
+        may_hold = TRIMUL._point_filter("wgmma", widths, limits)
+        drawn = [{name: rng.choice(values) for name, values in space.items()} for _ in range(30000)]
+        assert any(may_hold(p) for p in drawn)
+        assert all(may_hold(p) == (tuple(p[n] for n in order) in keys) for p in drawn)
 
 
 def _fp32_output_plans() -> list:
