@@ -95,26 +95,6 @@ class _Unassigned(Exception):
     """An on_point restriction read a parameter that a partial point has not assigned yet."""
 
 
-class _ReadRecorder(dict):
-    """A point's params that note which of them a restriction reads."""
-
-    def __init__(self, params: dict):
-        super().__init__(params)
-        self.read: set = set()
-
-    def __getitem__(self, name):
-        self.read.add(name)
-        return super().__getitem__(name)
-
-    def get(self, name, default=None):
-        self.read.add(name)
-        return super().get(name, default)
-
-    def __contains__(self, name):
-        self.read.add(name)
-        return super().__contains__(name)
-
-
 def _most_read_first(space: dict, checks: tuple, widths: dict, limits, added: dict) -> list:
     """The space's parameters in the order the enumeration assigns them: those that more on_point
     restrictions read first (on the space's first point and a few others), so that the
@@ -124,35 +104,37 @@ def _most_read_first(space: dict, checks: tuple, widths: dict, limits, added: di
     for k in range(4):  # the first point, then points with each parameter at another of its values
         point = {**added, **{name: space[name][(k * (i + 1)) % len(space[name])] for i, name in enumerate(names)}}
         for holds in checks:
-            recorder = _ReadRecorder(point)
-            holds(PointProbe(recorder, widths), limits)
-            for name in recorder.read & reads.keys():
+            watched = _WatchedParams(point)
+            holds(PointProbe(watched, widths), limits)
+            for name in watched.read & reads.keys():
                 reads[name] += 1
     return sorted(names, key=lambda name: (-reads[name], name))
 
 
-class _PartialParams(dict):
-    """A point's params while feasible_plans enumerates it: reading a parameter of `pending` (not
-    yet assigned) raises _Unassigned, so a restriction that answers without one holds or fails for
-    every completion of the point."""
+class _WatchedParams(dict):
+    """A point's params that note each parameter a restriction reads (`read`), and raise
+    _Unassigned on reading one of `pending` (not yet assigned while feasible_plans enumerates the
+    point): a restriction that answers without one holds or fails for every completion of it."""
 
-    def __init__(self, assigned: dict, pending: frozenset):
-        super().__init__(assigned)
-        self._pending = pending
+    def __init__(self, params: dict, pending: frozenset = frozenset()):
+        super().__init__(params)
+        self.pending, self.read = pending, set()
+
+    def _reading(self, name) -> None:
+        if name in self.pending:
+            raise _Unassigned(name)
+        self.read.add(name)
 
     def __getitem__(self, name):
-        if name in self._pending:
-            raise _Unassigned(name)
+        self._reading(name)
         return super().__getitem__(name)
 
     def get(self, name, default=None):
-        if name in self._pending:
-            raise _Unassigned(name)
+        self._reading(name)
         return super().get(name, default)
 
     def __contains__(self, name):
-        if name in self._pending:
-            raise _Unassigned(name)
+        self._reading(name)
         return super().__contains__(name)
 
 
@@ -413,7 +395,7 @@ class OpSpec:
 
         def undecided_after(depth: int, open_checks: tuple):
             """The checks a partial point through names[depth] leaves open, or None if one fails."""
-            probe = PointProbe(_PartialParams(assigned, pending_after[depth]), w)
+            probe = PointProbe(_WatchedParams(assigned, pending_after[depth]), w)
             still_open = []
             for holds in open_checks:
                 try:
