@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from . import captured
+
 
 def frozen_names(names: list[str], wanted: "list[bool] | None") -> frozenset:
     """The parameter names whose gradient is not wanted (None: every one is)."""
@@ -119,10 +121,16 @@ class SavedClosedForm(torch.autograd.Function):
 
     @classmethod
     def run(cls, module, inputs: tuple) -> torch.Tensor:
-        """The module's training call on `inputs` through this function (its parameters walked
-        once: a walk costs a call tens of µs of host time)."""
+        """The module's training call on `inputs` through this function, or through its captured
+        CUDA graphs where the module captures steps (captured.py) and has a slot free for it (its
+        parameters walked once: a walk costs a call tens of µs of host time)."""
         named = list(module.named_parameters())
-        return cls.apply(module, len(inputs), tuple(name for name, _ in named), *inputs, *(p for _, p in named))
+        names, params = tuple(name for name, _ in named), tuple(p for _, p in named)
+        if captured.captures(module, inputs):
+            slot = captured.steps_of(module).slot_for(module, inputs, names, params)
+            if slot is not None:
+                return CapturedClosedForm.apply(module, slot, len(inputs), names, *inputs, *params)
+        return cls.apply(module, len(inputs), names, *inputs, *params)
 
     @staticmethod
     def forward(ctx, module, n_inputs, names, *tensors):
@@ -140,3 +148,27 @@ class SavedClosedForm(torch.autograd.Function):
         inputs = [grads[key] if key and need else None for key, need in zip(ctx.module.input_gradients, needs)]
         params = [grads.get(name) if want else None for name, want in zip(ctx.names, wanted)]
         return (None,) * skipped + tuple(graphless_gradients(grad_out, [*inputs, *params]))
+
+
+class CapturedClosedForm(torch.autograd.Function):
+    """SavedClosedForm's call replayed from a captured slot (captured.Slot): the forward's graph,
+    and the backward's from the intermediates the slot holds until then."""
+
+    @staticmethod
+    def forward(ctx, module, slot, n_inputs, names, *tensors):
+        ctx.module, ctx.n_inputs, ctx.names = module, n_inputs, names
+        ctx.lease = captured.Lease(slot)
+        return slot.forward(tensors[:n_inputs])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        skipped = 4  # module, slot, n_inputs, names
+        slot = ctx.lease.slot
+        if slot is None:
+            raise RuntimeError(captured.CONSUMED)
+        needs = ctx.needs_input_grad[skipped:]
+        keys = [key if need else None for key, need in zip(ctx.module.input_gradients, needs[:ctx.n_inputs])]
+        keys += [name if need else None for name, need in zip(ctx.names, needs[ctx.n_inputs:])]
+        grads = slot.backward(grad_out.detach(), keys)
+        ctx.lease.release()
+        return (None,) * skipped + tuple(graphless_gradients(grad_out, grads))

@@ -42,6 +42,7 @@ import torch
 
 from .. import config, first_use
 from ..precision import CLOSED_FORM_DTYPES, HALF_BY_DTYPE, HALF_DTYPES
+from . import captured
 from .autograd import saved_tensor_hooks_active
 from .modes import as_dtype, current_autocast
 
@@ -104,6 +105,11 @@ class Routing:
     #: the next field says so.
     closed_form_16_bit_training_min_pairs: "int | None" = None
     closed_form_16_bit_training_needs_fused_kernels: bool = True
+    #: Whether a closed-form training call whose signature repeats replays CUDA graphs of its
+    #: forward and backward (pairgen/module/captured.py) unless the module's
+    #: capture_training_steps says otherwise: on for ops a model holds once (heads), whose steps
+    #: wait on the host; off where a model holds many (each capture keeps its memory).
+    captured_training_steps: bool = False
 
 
 def pairs(first: torch.Tensor) -> int:
@@ -218,7 +224,9 @@ def trains_through_reference(module, precision: str, inputs: tuple) -> bool:
         least = routing.closed_form_16_bit_training_min_pairs
         if least is None or (routing.closed_form_16_bit_training_needs_fused_kernels and not config.fused_backward()):
             return True
-        return pairs(inputs[0]) < least
+        # A step replayed from CUDA graphs no longer waits on the host's issue of its operations,
+        # which is what the threshold weighs: the closed form at every size.
+        return pairs(inputs[0]) < least and not captured.captures(module, inputs)
     return mode == "reference"
 
 

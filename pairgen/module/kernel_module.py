@@ -53,6 +53,12 @@ class KernelModule:
     #: them unless this is True: then the forward is the kernel and the backward recomputes them
     #: from the inputs (the least memory, one forward more). Other ops always recompute.
     recompute_for_backward = False
+    #: Whether a closed-form training call whose signature repeats (shapes, dtypes, parameters,
+    #: autocast) replays CUDA graphs of its forward and backward captured at its second call
+    #: (pairgen/module/captured.py): True, False, or None for the op's default
+    #: (Routing.captured_training_steps). The graphs keep their buffers until
+    #: release_captured_steps().
+    capture_training_steps: "bool | None" = None
     #: The op's dispatch facts and thresholds (pairgen/module/dispatch.py); an instance may
     #: replace it (dataclasses.replace) to move a threshold.
     routing: Routing = Routing()
@@ -171,6 +177,11 @@ class KernelModule:
         buffer = (torch.zeros if zeroed else torch.empty)(count, device=device, dtype=dtype)
         self.__dict__.setdefault("_call_buffers", []).append(buffer)
         return buffer.data_ptr()
+
+    def release_captured_steps(self) -> None:
+        """Drop this module's captured training steps and the memory they hold (a later call
+        captures again where capture_training_steps says so)."""
+        self.__dict__.pop("_captured_steps", None)
 
     @property
     def backward_mode(self) -> str:
@@ -443,6 +454,12 @@ class KernelModule:
 
     def closed_form_applies(self, inputs: list) -> bool:
         """Whether closed_form covers this call's inputs (an op narrows it)."""
+        return True
+
+    def closed_form_capturable(self, inputs: tuple) -> bool:
+        """Whether the closed form's training call on these inputs can be captured as CUDA graphs
+        (capture_training_steps): no step of it synchronises or sizes a tensor by its values (an
+        op narrows it)."""
         return True
 
     def _saves_for_backward(self, inputs) -> bool:

@@ -58,6 +58,10 @@ def parse_args(argv=None):
     parser.add_argument("--recompute-for-backward", action="store_true",
                         help="with --backward: the modules' recompute_for_backward (the kernel forward, then a "
                              "backward that recomputes the intermediates instead of keeping them); kept apart too")
+    parser.add_argument("--captured-steps", default="default", choices=("default", "on", "off"),
+                        help="with --backward: the modules' capture_training_steps (default: the op's own; the "
+                             "heads replay repeated closed-form steps as CUDA graphs, the triangle update does not); "
+                             "rows that replayed captured steps say so in their mode")
     parser.add_argument("--compile-mode", default=COMPILE_MODE,
                         choices=("default", "reduce-overhead", "max-autotune", COMPILE_MODE),
                         help=f"the torch.compile peer's mode (default {COMPILE_MODE}; \"default\" builds in a "
@@ -212,8 +216,12 @@ def measure(spec, shape, peers, reps, compile_mode: str = COMPILE_MODE, autocast
 STEPS_PER_HOST_RUN = 10
 
 
+#: --captured-steps -> a module's capture_training_steps
+CAPTURED_STEPS = {"default": None, "on": True, "off": False}
+
+
 def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", recompute: bool = False,
-                     compile_mode: str = COMPILE_MODE):
+                     compile_mode: str = COMPILE_MODE, captured_steps: str = "default"):
     """One --backward row: forward + backward of the loss (out * g).sum() (g random, fixed) for
     pairgen's module and each peer, each with gradients for the input and its parameters: median
     µs (L2 flushed), the GPU's busy time in one step and the host's time to issue one (steps back
@@ -222,6 +230,7 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", reco
     the module's dtype."""
     import torch
 
+    from pairgen.module import captured
     from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision, reference_in_precision
     from pairgen.tuning.timing import gpu_us_of_one_call, host_us_runs, time_cuda
 
@@ -231,6 +240,7 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", reco
     module = module_in_precision(spec, spec.widths_of(shape), gen, precision, device)
     module.backward_mode = backward_mode
     module.recompute_for_backward = recompute
+    module.capture_training_steps = CAPTURED_STEPS[captured_steps]
     inputs = inputs_in_precision(spec.make_inputs(shape, gen), precision, device)
     x = inputs[0].detach().requires_grad_()
     train_inputs = (x, *inputs[1:])
@@ -273,14 +283,21 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", reco
             x.grad = None
             fn().backward(g)
         try:
-            step()  # builds what the first call builds (torch.compile, cuBLAS handles, kernels)
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            # The first two steps build what a first call builds (torch.compile, cuBLAS handles, kernels;
+            # pairgen's captured step at the second); the peak is the third's, over the memory before the
+            # first, so that what the steps keep allocated between them counts.
+            step()
+            step()
             torch.cuda.synchronize(device)
             row[f"{name}_grad_rel_l2"] = ((x.grad.double() - exact).norm() / exact.norm()).item()
             torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
             step()
             torch.cuda.synchronize(device)
-            row[f"{name}_peak_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+            # a captured step's graphs also hold their temporaries' memory, which memory_allocated does not count
+            spare = captured.pool_spare_bytes(module) if name == "pairgen" else 0
+            row[f"{name}_peak_mib"] = (torch.cuda.max_memory_allocated(device) - before + spare) / 2**20
             row[f"{name}_us"] = time_cuda(step, device, reps=reps).median_us
         except Exception as exc:  # a peer that does not take this shape or dtype, or has no backward
             row.setdefault("unavailable", {})[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -291,6 +308,8 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", reco
             row[f"{name}_gpu_us"] = gpu_us_of_one_call(step, device)
         except RuntimeError as exc:  # a profiler that cannot trace here (CUPTI): the row keeps its times
             row.setdefault("unavailable", {})[f"{name} GPU time"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if captured.steps_of(module).captures:
+        row["mode"] += " captured"
     return row
 
 
@@ -435,7 +454,7 @@ def main(argv=None) -> int:
     for spec, shape in work:
         if args.backward:
             rows.append(measure_training(spec, shape, peers, args.reps, args.backward_mode, args.recompute_for_backward,
-                                         args.compile_mode))
+                                         args.compile_mode, args.captured_steps))
             r = rows[-1]
             print(f"{spec.name} {shape_label(shape)} {r['precision']} {r['mode']} fwd+bwd: "
                   + ", ".join(f"{n} {r[n + '_us']:.1f} µs (GPU {_us(r, n + '_gpu_us')}, host {_us(r, n + '_host_us')}; "

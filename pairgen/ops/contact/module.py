@@ -39,7 +39,7 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
     #: 16-bit call through the closed form (with the fused backward kernels) above 2^18 pairs; up to
     #: there the step is bound by the host, and the reference's is as fast (docs/performance.md).
     routing = Routing(fp32_kernel_max_pairs=2**17 - 1, closed_form_min_pairs=2**17,
-                      closed_form_16_bit_training_min_pairs=2**18 + 1)
+                      closed_form_16_bit_training_min_pairs=2**18 + 1, captured_training_steps=True)
     input_layout = (("pair_repr", "BNNP", "float"),)
 
     def reference_forward(self, pair_repr):

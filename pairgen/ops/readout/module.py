@@ -7,6 +7,8 @@ import torch
 from ...module.buffers import HeldBuffer, grow_held
 from ...module.dispatch import Routing
 from ...module.kernel_module import KernelModule, TensorCorePrecisions
+from ...module.modes import current_autocast
+from ...precision import HALF_PRECISIONS
 from ...module.validation import check_float_tensor, check_mask, contiguous_aligned
 from ...module.parameters import CallWeights, ParameterSlots
 from . import backward, packs
@@ -67,7 +69,7 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
     #: It pays there without the fused backward kernels too (PAIRGEN_FUSED_BACKWARD=0: PyTorch's
     #: passes), so "auto" does not ask for them.
     routing = Routing(fp32_kernel_max_pairs=2**15, closed_form_16_bit_training_min_pairs=2**18,
-                      closed_form_16_bit_training_needs_fused_kernels=False)
+                      closed_form_16_bit_training_needs_fused_kernels=False, captured_training_steps=True)
     input_layout = (("nodes", "BND", "float"), ("pair_feats", "BNNP", "float"), ("edge_mask", "BNN", "mask"))
 
     def closed_form_output_dtype(self, first, autocast):
@@ -77,6 +79,12 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
     def closed_form_applies(self, inputs: list) -> bool:
         """The closed form takes a bool edge mask (the reference's own type)."""
         return inputs[2].dtype is torch.bool
+
+    def closed_form_capturable(self, inputs: tuple) -> bool:
+        """Only the 16-bit closed form is captured (capture_training_steps): the fp32 one holds the
+        max's gradient in sparse matrices whose sizes depend on the values, which a CUDA graph
+        cannot replay."""
+        return self.backward_precision(inputs[0], current_autocast()) in HALF_PRECISIONS
 
     def reference_forward(self, nodes, pair_feats, edge_mask):
         return PairReadoutReference.forward(self, nodes, pair_feats, edge_mask)
