@@ -46,9 +46,9 @@ def _module(op: str, dtype: torch.dtype, seed: int = 3):
 def _inputs(op: str, dtype: torch.dtype, seed: int) -> tuple:
     spec = get_op(op)
     inputs = [t.cuda() for t in spec.make_inputs(SHAPES[op], generator(seed), "cauchy")]
-    if op == "trimul":
-        inputs[1] = inputs[1].float()
-        inputs[1][0, SHAPES[op]["N"] // 2, :] = 0.0
+    if op == "trimul":  # a bool mask: a floating one would want its own gradient, which the closed form leaves out
+        inputs[1] = inputs[1].bool()
+        inputs[1][0, SHAPES[op]["N"] // 2, :] = False
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
 
 
@@ -74,6 +74,8 @@ def _nan_fill_slots(module) -> None:
 def test_captured_steps_meet_the_standard(op, dtype):
     module = _module(op, dtype)
     steps = captured.steps_of(module)
+    # the fp32 readout's sparse max gradient is sized by its values: never captured
+    capturable = not (op == "readout" and dtype is torch.float32)
     with torch.no_grad():
         out_shape = module(*_inputs(op, dtype, 9)).shape
     for step in range(4):
@@ -83,7 +85,8 @@ def test_captured_steps_meet_the_standard(op, dtype):
             _nan_fill_slots(module)
         out, grads = _step(module, inputs, g)
         held = sum(len(slots) for slots in steps.slots.values())
-        assert (steps.captures, held) == ((0, 0) if step == 0 else (1, 1)), f"step {step}: {steps.captures}, {held}"
+        expected = (1, 1) if step > 0 and capturable else (0, 0)
+        assert (steps.captures, held) == expected, f"step {step}: {steps.captures}, {held}"
         tolerance = SIXTEEN_BIT_TOLERANCE if dtype is torch.bfloat16 else module.op.tolerance["float32"]
         result = compare(out, reference64(module, inputs), tolerance)
         assert result.ok, f"step {step}: {result}"

@@ -282,7 +282,7 @@ def test_column_slices_fit_the_wide_widths_and_compile_asynchronous_without_spil
 #: The projection with Wp in registers (its products' operands swapped), beside the first
 #: default's output kernel.
 W_REGISTERS = {**next(p for s, p in TRIMUL.default_points if s == "wgmma"), "x_registers": False,
-               "w_registers": True, "p_groups": 2, "p_stages": 2}
+               "w_registers": True, "p_groups": 2, "p_stages": 2, "p_mask_early": False}
 
 
 def test_weights_in_registers_swap_the_projections_operands_and_compile_without_spills():

@@ -195,7 +195,8 @@ class KernelModule:
         "auto" (the default): the closed form for fp32 calls, where it is the faster of the two
         for every op; for 16-bit calls and autocast, the closed form where the op computes it in
         16 bits with fused kernels and the call is large enough for that to pay (the triangle
-        update: its Routing.closed_form_16_bit_training_min_pairs), else the reference
+        update: its Routing.closed_form_16_bit_training_min_pairs; at every size where the module
+        captures its training steps, capture_training_steps), else the reference
         (docs/performance.md has the measurements)."""
         return self._backward_mode
 

@@ -407,7 +407,8 @@ def w_registers_point(spec, precision: str) -> dict:
     """The first default point of `spec` (the op's) with the projection's Wp in registers (two
     warpgroups, two x stages)."""
     first = next(params for s, params in spec.at(precision).default_points if s == "wgmma")
-    return {**first, "x_registers": False, "w_registers": True, "p_groups": 2, "p_stages": 2, "o_x_registers": False}
+    return {**first, "x_registers": False, "w_registers": True, "p_groups": 2, "p_stages": 2, "o_x_registers": False,
+            "p_mask_early": False}
 
 
 @functools.lru_cache(maxsize=64)
