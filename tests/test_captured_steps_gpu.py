@@ -183,3 +183,15 @@ def test_an_autocast_call_matches_its_uncaptured_twin():
             assert mine.dtype is theirs.dtype
             assert ((mine.double() - theirs.double()).norm() / theirs.double().norm()).item() <= 1e-2
     assert captured.steps_of(module).captures == 1 and "_captured_steps" not in twin.__dict__
+
+
+def test_calls_past_the_ops_captured_size_run_uncaptured():
+    """Above Routing.captured_training_max_pairs (B*N*N) a step is bound by the GPU, where the
+    captured step's copies would cost more than the host's time they save."""
+    module = _module("contact", torch.float32)
+    module.capture_training_steps = None  # the op's default: on
+    largest = module.routing.captured_training_max_pairs
+    side = int(largest ** 0.5)
+    at = torch.zeros(1, 1, 1, 48, device="cuda").expand(1, side, side, 48)
+    past = torch.zeros(1, 1, 1, 48, device="cuda").expand(1, side + 1, side + 1, 48)
+    assert side * side == largest and captured.captures(module, (at,)) and not captured.captures(module, (past,))

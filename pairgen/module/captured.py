@@ -169,13 +169,14 @@ def signature(module, inputs: tuple, params: tuple) -> tuple:
 
 def captures(module, inputs: tuple) -> bool:
     """Whether this closed-form training call may run captured: the module says so
-    (capture_training_steps), on CUDA, the op can (closed_form_capturable), and not inside a
-    capture of the caller's own."""
+    (capture_training_steps), on CUDA, at most Routing.captured_training_max_pairs pairs (B*N*N),
+    the op can (closed_form_capturable), and not inside a capture of the caller's own."""
     wanted = module.capture_training_steps
     if wanted is None:
         wanted = module.routing.captured_training_steps
-    return (bool(wanted) and inputs[0].is_cuda and not torch.cuda.is_current_stream_capturing()
-            and module.closed_form_capturable(inputs))
+    first = inputs[0]
+    return (bool(wanted) and first.is_cuda and first.shape[0] * first.shape[1] * first.shape[1] <= module.routing.captured_training_max_pairs
+            and not torch.cuda.is_current_stream_capturing() and module.closed_form_capturable(inputs))
 
 
 def steps_of(module) -> CapturedSteps:

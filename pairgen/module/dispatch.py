@@ -110,6 +110,9 @@ class Routing:
     #: capture_training_steps says otherwise: on for ops a model holds once (heads), whose steps
     #: wait on the host; off where a model holds many (each capture keeps its memory).
     captured_training_steps: bool = False
+    #: Up to this many pairs: above, a step is bound by the GPU, and the captured step's copies
+    #: (the inputs in, the gradients out) cost more than the host's time it saves.
+    captured_training_max_pairs: int = 2**18
 
 
 def pairs(first: torch.Tensor) -> int:
