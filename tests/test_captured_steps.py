@@ -108,3 +108,10 @@ def test_release_captured_steps_drops_them(fake_slots):
     assert captured.steps_of(module) is steps and steps.slots
     module.release_captured_steps()
     assert captured.steps_of(module) is not steps and not captured.steps_of(module).slots
+
+
+def test_the_fused_kernels_setting_is_part_of_the_signature(fake_slots, monkeypatch):
+    module, steps = ContactHead(8, 4), captured.CapturedSteps()
+    _call(steps, module), _call(steps, module)
+    monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", "0")  # the closed form's PyTorch passes: other graphs
+    assert _call(steps, module) is None and FakeSlot.made == 1

@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from .. import config
 from .modes import current_autocast
 
 #: Signatures a module keeps captured slots for; past this the least recently used is dropped.
@@ -164,7 +165,7 @@ def signature(module, inputs: tuple, params: tuple) -> tuple:
     return (tuple(None if t is None else (tuple(t.shape), t.dtype, t.device, t.is_contiguous(), t.requires_grad)
                   for t in inputs),
             tuple((p.data_ptr(), p.dtype, tuple(p.shape), p.requires_grad) for p in params),
-            current_autocast(), module.backward_precision(inputs[0], current_autocast()))
+            current_autocast(), module.backward_precision(inputs[0], current_autocast()), config.fused_backward())
 
 
 def captures(module, inputs: tuple) -> bool:
