@@ -38,12 +38,12 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
     #: (below, the closed form is bound by the host's time per PyTorch operation). "auto" trains a
     #: 16-bit call through the closed form (with the fused backward kernels) above 2^18 pairs; up to
     #: there the step is bound by the host, and the reference's is as fast (docs/performance.md).
-    #: Training calls up to 2^20 pairs replay captured CUDA graphs from their second call
-    #: (pairgen/module/captured.py), which takes the host's time away: there "auto" takes the
-    #: closed form at every size.
+    #: Training calls up to 3 * 2^18 pairs (N768 won, N1024 lost) replay captured CUDA graphs from
+    #: their second call (pairgen/module/captured.py), which takes the host's time away: there
+    #: "auto" takes the closed form at every size.
     routing = Routing(fp32_kernel_max_pairs=2**17 - 1, closed_form_min_pairs=2**17,
                       closed_form_16_bit_training_min_pairs=2**18 + 1, captured_training_steps=True,
-                      captured_training_max_pairs=2**20)
+                      captured_training_max_pairs=3 * 2**18)
     input_layout = (("pair_repr", "BNNP", "float"),)
 
     def reference_forward(self, pair_repr):
