@@ -14,7 +14,8 @@ Set by the test, in the environment:
                           victim says it is stalled (stalled.json)
   PAIRGEN_STANDIN_VICTIM  (on one host) the GPU whose worker stalls in the first point it times,
                           holding it, until the test kills it; the other workers attempt nothing
-                          before it has stalled, so the victim is sure to hold a point
+                          more before it has been killed and its heartbeat has lapsed, so the
+                          victim is sure to hold a point and the search to still run when it is free
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ from pairgen.spec import DeviceLimits  # noqa: E402
 from pairgen.tuning.tuner import _point_key  # noqa: E402
 
 STALLED = "stalled.json"
+#: Written by the test once it has killed the victim: the time it did (time.time()).
+KILLED = "killed"
 
 
 def fake_gpu(index: int = 0):
@@ -74,11 +77,18 @@ class StandInGpu(FakeEvaluator):
         raise RuntimeError("the test was to kill this worker")
 
     def _wait_for_the_victim(self, timeout_s: float = 120.0) -> None:
+        """Until the victim has been killed and its heartbeat has lapsed: the search is then sure to
+        be running when its point becomes free (workers that finished their trials first would
+        leave it unattempted)."""
+        from pairgen.tuning import storage
+
         deadline = time.monotonic() + timeout_s
-        while not (self.log_dir / STALLED).exists():
+        while not (self.log_dir / KILLED).exists():
             if time.monotonic() > deadline:
-                raise RuntimeError("the victim never stalled")
+                raise RuntimeError("the victim never stalled, or was never killed")
             time.sleep(0.05)
+        lapsed = float((self.log_dir / KILLED).read_text()) + storage.GRACE_PERIOD_S + storage.HEARTBEAT_INTERVAL_S
+        time.sleep(max(0.0, lapsed - time.time()))
 
 
 def _retime_points_untracked(real):

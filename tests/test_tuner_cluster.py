@@ -177,6 +177,8 @@ def _kill_the_stalled_worker(marker: Path, running: dict, timeout_s: float = 90)
         time.sleep(0.05)
     stalled = json.loads(marker.read_text())
     os.kill(stalled["pid"], signal.SIGKILL)
+    (marker.parent / f"{standin_host.KILLED}.tmp").write_text(repr(time.time()))
+    os.replace(marker.parent / f"{standin_host.KILLED}.tmp", marker.parent / standin_host.KILLED)
     return stalled["point"]
 
 
