@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pairgen import ContactHead, TriangleMultiplication
-from pairgen.module import captured
+from pairgen.module import captured, dispatch
 
 
 class FakeSlot:
@@ -95,9 +95,9 @@ def test_which_calls_may_capture():
     module = ContactHead(8, 4)
     x = torch.zeros(1, 5, 5, 8)
     assert module.routing.captured_training_steps and module.capture_training_steps is None
-    assert not captured.captures(module, (x,))  # CPU tensors
+    assert not dispatch.captures_training_step(module, (x,))  # CPU tensors
     module.capture_training_steps = False
-    assert not captured.captures(module, (x,))
+    assert not dispatch.captures_training_step(module, (x,))
     assert not TriangleMultiplication(8, 4).routing.captured_training_steps  # many a model: off by default
 
 
@@ -115,3 +115,11 @@ def test_the_fused_kernels_setting_is_part_of_the_signature(fake_slots, monkeypa
     _call(steps, module), _call(steps, module)
     monkeypatch.setenv("PAIRGEN_FUSED_BACKWARD", "0")  # the closed form's PyTorch passes: other graphs
     assert _call(steps, module) is None and FakeSlot.made == 1
+
+
+def test_the_uncaptured_count_stays_bounded(fake_slots, monkeypatch):
+    monkeypatch.setattr(captured, "MAX_SEEN", 4)
+    module, steps = ContactHead(8, 4), captured.CapturedSteps()
+    for n in range(3, 13):  # ten lengths, each seen once
+        _call(steps, module, n)
+    assert len(steps.seen) <= 4 and FakeSlot.made == 0

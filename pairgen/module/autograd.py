@@ -120,13 +120,14 @@ class SavedClosedForm(torch.autograd.Function):
     recomputation, at the memory of the saved intermediates."""
 
     @classmethod
-    def run(cls, module, inputs: tuple) -> torch.Tensor:
-        """The module's training call on `inputs` through this function, or through its captured
-        CUDA graphs where the module captures steps (captured.py) and has a slot free for it (its
-        parameters walked once: a walk costs a call tens of µs of host time)."""
+    def run(cls, module, inputs: tuple, capture: bool = False) -> torch.Tensor:
+        """The module's training call on `inputs` through this function, or, with `capture`
+        (dispatch.captures_training_step), through its captured CUDA graphs where a slot is free
+        for it (captured.py) (its parameters walked once: a walk costs a call tens of µs of host
+        time)."""
         named = list(module.named_parameters())
         names, params = tuple(name for name, _ in named), tuple(p for _, p in named)
-        if captured.captures(module, inputs):
+        if capture:
             slot = captured.steps_of(module).slot_for(module, inputs, names, params)
             if slot is not None:
                 return CapturedClosedForm.apply(module, slot, len(inputs), names, *inputs, *params)

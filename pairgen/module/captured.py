@@ -11,8 +11,9 @@ backward and copies the gradients out. The copies keep a caller's tensors its ow
 returns is overwritten by the next.
 
 A slot holds its forward's intermediates from one call's forward to its backward, so a signature
-keeps up to MAX_SLOTS slots for forwards whose backward has not run yet; a call past them, and a
-call inside someone else's capture, runs the closed form as it is. The graphs read the parameters
+keeps up to MAX_SLOTS slots for forwards whose backward has not run yet; a call past them runs
+the closed form as it is. Which calls may capture at all is dispatch's decision
+(dispatch.captures_training_step). The graphs read the parameters
 where they are (an optimizer's in-place update is seen; a parameter moved or replaced changes the
 signature). A slot's memory stays allocated while its module keeps it (release_captured_steps()
 frees it); a module keeps at most MAX_SIGNATURES signatures, the least recently used dropped.
@@ -39,6 +40,9 @@ UNCAPTURED_CALLS = 1
 #: Captures one module makes at most: a module that meets ever new signatures (a new length every
 #: call) stops capturing rather than pay a capture per call.
 MAX_CAPTURES = 16
+#: Signatures counted uncaptured at most; past this the count starts again (a module meeting a
+#: new length every call keeps no growing record).
+MAX_SEEN = 256
 
 CONSUMED = ("this call's saved intermediates were consumed by an earlier backward (a second backward through "
             "the same call, retain_graph=True, needs module.recompute_for_backward = True)")
@@ -135,12 +139,18 @@ class CapturedSteps:
             free = next((s for s in slots if not s.busy), None)
             if free is not None or len(slots) >= MAX_SLOTS:
                 return free
-        elif self.seen[key] < UNCAPTURED_CALLS:
-            self.seen[key] += 1
-            return None
         if self.captures >= MAX_CAPTURES:
             return None
+        if slots is None and self.seen[key] < UNCAPTURED_CALLS:
+            if len(self.seen) >= MAX_SEEN:
+                self.seen.clear()
+            self.seen[key] += 1
+            return None
         return self._capture(key, module, inputs, names, params)
+
+    def held(self) -> int:
+        """The slots captured and kept."""
+        return sum(len(slots) for slots in self.slots.values())
 
     def _capture(self, key, module, inputs, names, params) -> "Slot | None":
         self.captures += 1
@@ -162,22 +172,11 @@ class CapturedSteps:
 
 def signature(module, inputs: tuple, params: tuple) -> tuple:
     """What a captured call depends on beyond the values of its inputs and parameters."""
+    autocast = current_autocast()
     return (tuple(None if t is None else (tuple(t.shape), t.dtype, t.device, t.is_contiguous(), t.requires_grad)
                   for t in inputs),
             tuple((p.data_ptr(), p.dtype, tuple(p.shape), p.requires_grad) for p in params),
-            current_autocast(), module.backward_precision(inputs[0], current_autocast()), config.fused_backward())
-
-
-def captures(module, inputs: tuple) -> bool:
-    """Whether this closed-form training call may run captured: the module says so
-    (capture_training_steps), on CUDA, at most Routing.captured_training_max_pairs pairs (B*N*N),
-    the op can (closed_form_capturable), and not inside a capture of the caller's own."""
-    wanted = module.capture_training_steps
-    if wanted is None:
-        wanted = module.routing.captured_training_steps
-    first = inputs[0]
-    return (bool(wanted) and first.is_cuda and first.shape[0] * first.shape[1] * first.shape[1] <= module.routing.captured_training_max_pairs
-            and not torch.cuda.is_current_stream_capturing() and module.closed_form_capturable(inputs))
+            autocast, module.backward_precision(inputs[0], autocast), config.fused_backward())
 
 
 def steps_of(module) -> CapturedSteps:

@@ -42,7 +42,6 @@ import torch
 
 from .. import config, first_use
 from ..precision import CLOSED_FORM_DTYPES, HALF_BY_DTYPE, HALF_DTYPES
-from . import captured
 from .autograd import saved_tensor_hooks_active
 from .modes import as_dtype, current_autocast
 
@@ -229,8 +228,21 @@ def trains_through_reference(module, precision: str, inputs: tuple) -> bool:
             return True
         # A step replayed from CUDA graphs no longer waits on the host's issue of its operations,
         # which is what the threshold weighs: the closed form at every size.
-        return pairs(inputs[0]) < least and not captured.captures(module, inputs)
+        return pairs(inputs[0]) < least and not captures_training_step(module, inputs)
     return mode == "reference"
+
+
+def captures_training_step(module, inputs: tuple) -> bool:
+    """Whether a closed-form training call (SavedClosedForm) may replay captured CUDA graphs
+    (pairgen/module/captured.py): the module says so (capture_training_steps, else its Routing),
+    on CUDA, at most Routing.captured_training_max_pairs pairs, the op can
+    (closed_form_capturable), and not inside a capture of the caller's own."""
+    wanted = module.capture_training_steps
+    if wanted is None:
+        wanted = module.routing.captured_training_steps
+    first = inputs[0]
+    return (bool(wanted) and first.is_cuda and pairs(first) <= module.routing.captured_training_max_pairs
+            and not torch.cuda.is_current_stream_capturing() and module.closed_form_capturable(inputs))
 
 
 def saves_for_backward(module, inputs) -> bool:

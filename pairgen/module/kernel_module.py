@@ -353,7 +353,7 @@ class KernelModule:
         if path == KERNEL_TRAINING:
             return ReferenceBackward.apply(self, len(inputs), r.variant, *inputs, *self.parameters())
         if path == SAVED_CLOSED_FORM:
-            return SavedClosedForm.run(self, inputs)
+            return SavedClosedForm.run(self, inputs, dispatch.captures_training_step(self, inputs))
         if path == FP32_KERNEL:
             with autocast_off():  # a strategy's own PyTorch products stay fp32
                 out = self._launch(*r.inputs, variant=r.variant)

@@ -308,7 +308,7 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", reco
             row[f"{name}_gpu_us"] = gpu_us_of_one_call(step, device)
         except RuntimeError as exc:  # a profiler that cannot trace here (CUPTI): the row keeps its times
             row.setdefault("unavailable", {})[f"{name} GPU time"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    if captured.steps_of(module).captures:
+    if captured.steps_of(module).held():
         row["mode"] += " captured"
     return row
 
