@@ -253,14 +253,17 @@ def test_wide_triangle_updates_run_the_closed_form_where_no_kernel_does(dtype, f
 @pytest.mark.parametrize("widths", [{"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0},
                                     {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 1, "bias": 1}],
                          ids=["models", "seed-options"])
-def test_16_bit_triangle_training_takes_the_projection_kernels(widths, recompute, dtype, monkeypatch):
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "without"])
+def test_16_bit_triangle_training_takes_the_projection_kernels(widths, recompute, dtype, kernels, monkeypatch):
     """On Hopper the triangle update's 16-bit closed form makes A and B with the projection kernel
     and d_proj with its backward twin (the pre-activations recomputed from x, the gates' chain rule
     in its epilogue), whether the forward kept its intermediates or the backward recomputes them:
-    gradients within the 16-bit standard at an odd length with heavy tails."""
+    gradients within the 16-bit standard at an odd length with heavy tails. Without them (turned
+    off) the projections are cuBLAS's and the gates the fused kernels', to the same standard."""
     from pairgen.ops.trimul.strategies import wgmma
 
-    monkeypatch.setattr(wgmma, "TRAINING_PROJECTION_KERNELS", True)  # off by default: measured slower
+    if not kernels:
+        monkeypatch.setattr(wgmma, "TRAINING_PROJECTION_KERNELS", False)
     runs = []
     for name in ("run_projection_forward", "run_projection_backward"):
         real = getattr(wgmma, name)
@@ -275,5 +278,5 @@ def test_16_bit_triangle_training_takes_the_projection_kernels(widths, recompute
     g = torch.randn(x.shape, generator=generator(45)).cuda().to(dtype)
     leaf = x.clone().requires_grad_()
     (module(leaf, mask) * g).sum().backward()
-    assert runs == ["run_projection_forward", "run_projection_backward"], runs
+    assert runs == (["run_projection_forward", "run_projection_backward"] if kernels else []), runs
     assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [leaf.grad] + [p.grad for p in module.parameters()])

@@ -527,3 +527,37 @@ def test_16_bit_gradients_through_the_projection_backward_kernel_meet_the_standa
     assert runs, "the projection's backward kernel did not run"
     assert ours[1] is None  # a bool mask has no gradient
     assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [ours[0], *ours[2:]])
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("dtype,ln_tile,hidden,L", [(torch.float32, 64, 48, 37 * 37), (torch.bfloat16, 64, 128, 23 * 23),
+                                                     (torch.float16, 16, 40, 9 * 9), (torch.bfloat16, 32, 24, 7)],
+                         ids=["fp32", "bf16", "fp16-tile16", "bf16-short-plane"])
+def test_the_output_layer_norm_backward_kernel_matches_float64_emulated(dtype, ln_tile, hidden, L):
+    """The channels-first LayerNorm's backward kernel (run on the CPU emulator, 0xFF-filled shared
+    memory) against float64 autograd of the same rounded inputs: d z within the dtype's rounding
+    (relative L2 1e-5 in fp32, 1e-2 in 16 bits), d gamma and d beta to fp32 sums, at planes that
+    end mid-tile and hidden widths that are and are not multiples of 16 bytes' values."""
+    from emulator import emulated
+
+    gen = generator(70 + hidden)
+    B = 2
+    z = (torch.randn(B, hidden, L, generator=gen) * 3 + 1).to(dtype)
+    gamma = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    d_zn = torch.randn(B * L, hidden, generator=gen).to(dtype)
+    rows = z.double().transpose(1, 2).reshape(B * L, hidden)
+    mean = rows.mean(1)
+    rstd = (rows.var(1, unbiased=False) + 1e-5).rsqrt()
+    tuning = {**fused_backward.TUNING_DEFAULT, "ln_tile": ln_tile}
+    with emulated():
+        d_z, d_gamma, d_beta = fused_backward.layer_norm_channels_first_backward(
+            d_zn, z, mean.float(), rstd.float(), gamma, 1e-5, tuning)
+    rows64 = rows.clone().requires_grad_()
+    gamma64, beta64 = gamma.double().requires_grad_(), torch.zeros(hidden, dtype=torch.float64, requires_grad=True)
+    torch.nn.functional.layer_norm(rows64, [hidden], gamma64, beta64, 1e-5).backward(d_zn.double())
+    expected = rows64.grad.view(B, L, hidden).transpose(1, 2)
+    bound = 1e-5 if dtype is torch.float32 else 1e-2
+    for name, ours, exact in (("d z", d_z, expected), ("d gamma", d_gamma, gamma64.grad), ("d beta", d_beta, beta64.grad)):
+        assert torch.isfinite(ours).all(), name
+        error = ((ours.double() - exact).norm() / exact.norm()).item()
+        assert error <= (bound if name == "d z" else 1e-5), f"{name}: {error}"

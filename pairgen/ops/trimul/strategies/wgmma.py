@@ -455,10 +455,11 @@ def _training_variant(module, x, precision: str, backward: bool):
     return variant
 
 
-#: Whether 16-bit training steps take the projection kernels. Off: measured on the H200 (session 18,
-#: bf16 models' form) they made the step slower (N768 3733 against 3479 µs, N1024 6782 against 6325;
-#: N512 even) though its peak fell (N1024 3163 against 4181 MiB). Tests turn it on.
-TRAINING_PROJECTION_KERNELS = False
+#: Whether 16-bit training steps take the projection kernels: the forward's a and b from the
+#: projection kernel the module's inference runs, d_proj from the w_registers backward. The four
+#: hidden-width pre-activations are never made, so the step's peak falls by a third
+#: (docs/performance.md, session 24).
+TRAINING_PROJECTION_KERNELS = True
 
 
 def projection_kernels_apply(module, x, precision: str) -> bool:
@@ -470,7 +471,8 @@ def projection_kernels_apply(module, x, precision: str) -> bool:
         return False
     B, N, H = x.shape[0], x.shape[1], module.widths["H"]
     return (B * H * N * N < PAIRED_MAX_AB_ELEMENTS
-            and all(training_plan(module.op, precision, module.widths, backward) for backward in (False, True)))
+            and training_plan(module.op, precision, module.widths, backward=True) is not None
+            and _first_feasible_default(module.op, precision, tuple(sorted(module.widths.items()))) is not None)
 
 
 def pack_given(w: dict, widths: dict, operand: str):
@@ -485,11 +487,34 @@ def pack_given(w: dict, widths: dict, operand: str):
                       bool(widths.get("gate_hidden")), operand)
 
 
+def forward_projection_variant(module, x, precision: str):
+    """The variant whose projection kernel a training step's forward runs: the one the module's
+    inference runs for this length where that is a wgmma variant of its own (tuned, or a default
+    already built), else the first default point feasible at its widths. Its a and b are what the
+    backward's w_registers kernel recomputes: every wgmma projection computes the same values."""
+    chosen = module.variant_for(x.shape[1], x.device, precision)
+    chosen = getattr(chosen, "variant", chosen)  # a first_use.Pending: its default variant
+    if chosen is not None and chosen.plan.strategy == "wgmma" and not chosen.plan.params.get("w_registers"):
+        return chosen
+    return runtime.variant_of(_first_feasible_default(module.op, precision, tuple(sorted(module.widths.items()))),
+                              x.get_device())
+
+
+@functools.lru_cache(maxsize=64)
+def _first_feasible_default(spec, precision: str, width_items: tuple) -> Plan | None:
+    view = spec.at(precision)
+    widths = {**dict(width_items), "out_fp32": 0}
+    plans = (view.plan("wgmma", params, widths) for strategy, params in view.default_points if strategy == "wgmma")
+    return next((plan for plan in plans if not spec.infeasible(plan, DeviceLimits())), None)
+
+
 def run_projection_forward(module, x, mask, precision: str, packed):
     """a and b ((2, B*H, N*N), channel-major) from x (in the operand type, contiguous), the mask
-    (bool or fp32, (B, N, N)) and the weights' pack (pack_given): the projection kernel of the
-    training plan, as the forward's kernels compute them (projection_kernels_apply must hold)."""
-    return run_projection(_training_variant(module, x, precision, False), x, mask, packed, module.widths["H"]).ab
+    (bool or fp32, (B, N, N)) and the weights' pack (pack_given): the projection kernel of
+    forward_projection_variant, as the forward's kernels compute them (projection_kernels_apply
+    must hold)."""
+    variant = forward_projection_variant(module, x, precision)
+    return run_projection(variant, x, mask, packed, module.widths["H"]).ab
 
 
 def run_projection_backward(module, x, mask, d_a, d_b, precision: str, packed):
