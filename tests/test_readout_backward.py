@@ -5,8 +5,6 @@ tails; the fp32 gradient standard (relative L2 <= 2e-5 per tensor), and ties in 
 as the reference shares them."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -156,15 +154,12 @@ def test_auto_trains_16_bit_readouts_through_the_closed_form_from_the_measured_s
 
 @pytest.mark.parametrize("kind,D,P", [("bfloat16", 256, 64), ("float16", 10, 6), ("bfloat16", 7, 3), ("float16", 96, 40)])
 def test_the_16_bit_closed_form_kernels_render_to_their_signatures_and_compile(kind, D, P):
-    """The first layer's rows, the max over partners and the SiLU's backward with its sums
-    (fused_backward.py), in both 16-bit types,
+    """The first layer's rows and the max over partners (fused_backward.py), in both 16-bit types,
     at widths that take 16-byte accesses and at odd ones that take 2- and 1-element ones: their
     signatures are the launches', and NVRTC compiles them for sm_90 without spills."""
     rendered = fused_backward.render(kind, D, P)
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
-    whole_vectors = fused_backward.vector_width(2, D, P) == 8  # the SiLU's kernel takes 16-byte vectors only
-    assert set(compiled.kernels) >= {f"{rendered.kernel_name}_{s}" for s in ("rows", "max", "max_grad")
-                                     + ("silu_grad",) * whole_vectors}
+    assert set(compiled.kernels) >= {f"{rendered.kernel_name}_{s}" for s in ("rows", "max", "max_grad")}
     assert not compiled.spill_bytes
 
 
@@ -178,39 +173,3 @@ def test_the_rows_kernel_takes_only_inputs_that_start_on_a_vector():
     whole = torch.zeros(3, 16, dtype=torch.bfloat16)
     assert fused_backward.starts_aligned(whole, 8) and fused_backward.starts_aligned(whole[1:], 8)
     assert not fused_backward.starts_aligned(whole.view(-1)[1:], 8) and fused_backward.starts_aligned(whole.view(-1)[1:], 1)
-
-
-@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
-@pytest.mark.parametrize("kind,B,N,D,P,H", [("bfloat16", 2, 37, 40, 16, 56), ("float16", 1, 5, 96, 40, 8),
-                                            ("bfloat16", 1, 33, 256, 64, 520)],
-                         ids=["bf16-N37", "fp16-one-group-N5", "bf16-wide-N33"])
-def test_the_silu_backward_kernel_and_its_sums_match_float64_emulated(kind, B, N, D, P, H):
-    """silu_grad (run on the CPU emulator) against float64 of the same rounded inputs: d pre within
-    the dtype's rounding, its sums over j and over i to fp32 sums, at lengths that end mid-block
-    (both block sides), one channel group, and more channel groups than a block's lanes take."""
-    from emulator import emulated
-
-    dtype = getattr(torch, kind)
-    gen = generator(N + H)
-    pre = (torch.randn(B * N * N, H, generator=gen) * 3).to(dtype)
-    d_act = torch.randn(B * N * N, H, generator=gen).to(dtype)
-    s = torch.sigmoid(pre.double())
-    exact = (d_act.double() * s * (1 + pre.double() * (1 - s))).view(B, N, N, H)
-    with emulated():
-        d_pre, d_u, d_v = fused_backward.silu_backward_sums(d_act.clone(), pre, B, N, D, P)
-    checks = (("d pre", d_pre.view(B, N, N, H), exact, 1e-2), ("d u", d_u, exact.sum(2), 1e-5),
-              ("d v", d_v, exact.sum(1), 1e-5))
-    for name, ours, want, bound in checks:
-        assert torch.isfinite(ours).all(), name
-        error = ((ours.double() - want).norm() / want.norm()).item()
-        assert error <= bound, f"{name}: {error}"
-    assert d_u.dtype is torch.float32 and d_u.shape == (B, N, H)
-
-
-def test_the_silu_backward_kernel_declines_widths_its_vector_does_not_divide():
-    """H not a multiple of the rendering's vector, or a rendering of narrower vectors: None, and d_act
-    untouched (the caller's passes run)."""
-    for H, D, P in ((12, 8, 8), (16, 10, 6)):
-        d_act = torch.ones(4, H, dtype=torch.bfloat16)
-        assert fused_backward.silu_backward_sums(d_act, torch.zeros_like(d_act), 1, 2, D, P) is None
-        assert (d_act == 1).all()

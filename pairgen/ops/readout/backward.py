@@ -142,41 +142,27 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     d_act = d_m.times(w["fuse.2.weight"], mm)
     del d_m, act_rows
     f.act = None
-    # d_act * silu'(pre) in d_act's storage, with node i's sums over its partners j (d_u) and node
-    # j's over the i that read it (d_v), (B, N, H) each: one kernel's pass (fused_backward.py), or
-    # PyTorch's fused SiLU backward and two sums
-    d_pre, d_u, d_v = _silu_backward_sums(f, d_act)
+    # d_act * silu'(pre), in d_act's storage: PyTorch's fused SiLU backward, one pass
+    d_pre = torch.ops.aten.silu_backward.grad_input(d_act, f.pre.view(-1, H), grad_input=d_act)
     del d_act
     f.pre = None
-    grads["fuse.0.bias"] = d_u.sum((0, 1)).to(d_pre.dtype)  # every pair once: node i's sums, summed
-    d_u, d_v = d_u.to(d_pre.dtype), d_v.to(d_pre.dtype)
 
-    # ---- the first layer: pair rows, then each node's terms ----
+    # ---- the first layer: pair rows, then each node's sums over its partners ----
     first_layer = "fuse.0.weight" not in frozen
     pair_rows = f.pair.reshape(-1, P)
     d_wp = mm(d_pre.t(), pair_rows) if first_layer else None
     grads["pair_feats"] = mm(d_pre, wp).view(B, N, N, P).to(f.pair_dtype)
-    del d_pre
+    d_pre4 = d_pre.view(B, N, N, H)
+    d_u = d_pre4.sum(dim=2)                  # (B, N, H): node i over its partners j
+    d_v = d_pre4.sum(dim=1)                  # (B, N, H): node j over the i that read it
+    grads["fuse.0.bias"] = d_u.sum((0, 1))   # every pair once: node i's sums, summed
+    del d_pre, d_pre4
     if first_layer:
         node_rows = f.nodes.reshape(-1, D)
         grads["fuse.0.weight"] = torch.cat([mm(d_u.reshape(-1, H).t(), node_rows),
                                             mm(d_v.reshape(-1, H).t(), node_rows), d_wp], dim=1)
     grads["input"] = g + mm(d_u, wi) + mm(d_v, wj)
     return grads
-
-
-def _silu_backward_sums(f: SimpleNamespace, d_act: torch.Tensor) -> tuple:
-    """(d(loss)/d(pre) (B*N*N, H) in d_act's storage, its sums over j and over i (B, N, H)): the
-    sums in fp32 from the kernel, in d_act's dtype from PyTorch's passes."""
-    B, N, H = f.B, f.N, f.H
-    pre = f.pre.view(-1, H)
-    if f.fused_max:
-        done = fused_backward.silu_backward_sums(d_act, pre, B, N, f.D, f.P)
-        if done is not None:
-            return done
-    d_pre = torch.ops.aten.silu_backward.grad_input(d_act, pre, grad_input=d_act)
-    d_pre4 = d_pre.view(B, N, N, H)
-    return d_pre, d_pre4.sum(dim=2), d_pre4.sum(dim=1)
 
 
 class _SparseMaxGradient:

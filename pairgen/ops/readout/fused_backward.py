@@ -25,20 +25,14 @@ if TYPE_CHECKING:  # annotations only: these sources render without torch (pairg
 SIGNATURES = {"rows": ("ptr nodes", "ptr pair", "ptr rows", "i64 n", "i64 total_rows"),
               "max": ("ptr m", "ptr edge", "ptr pooled", "i64 nodes", "i64 n", "i64 channels"),
               "max_grad": ("ptr m", "ptr edge", "ptr pooled", "ptr d_pooled", "ptr d_m", "ptr taken", "i64 nodes",
-                           "i64 n", "i64 channels"),
-              "silu_grad": ("ptr d", "ptr pre", "ptr d_u_parts", "ptr d_v_parts", "i64 nodes", "i64 n", "i64 channels",
-                            "i64 row_blocks", "i64 col_blocks")}
-TEMPLATE = FusedTemplate("readout", "closed_form", lambda context: {
-    suffix: args for suffix, args in SIGNATURES.items() if suffix != "silu_grad" or _whole_vectors(context)})
+                           "i64 n", "i64 channels")}
+TEMPLATE = FusedTemplate("readout", "closed_form", lambda context: SIGNATURES)
 #: Bytes a thread copies or reads of a row at a time.
 ACCESS_BYTES = 16
 #: Resident blocks per SM the grid-stride loops are sized for.
 BLOCKS_PER_SM = 8
 #: The rows kernel works out a row's (b, i, j) in 32-bit arithmetic.
 MAX_ROWS = 2**31 - 1
-#: The pairs (i, j) of one silu_grad block: SG_ROWS rows i by SG_COLS partners j. SG_COLS bounds
-#: its registers: each thread keeps running sums of SG_COLS / 4 partners' VEC channels.
-SG_ROWS, SG_COLS = 32, 16
 
 
 def applies(nodes: torch.Tensor) -> bool:
@@ -57,25 +51,15 @@ def vector_width(itemsize: int, D: int, P: int) -> int:
     return vec
 
 
-def _whole_vectors(context: dict) -> bool:
-    """Whether a rendering's vector is 16 bytes: the SiLU's backward kernel is rendered only there
-    (at narrower vectors its sums' registers spill, and a 2-byte walk would not beat PyTorch's)."""
-    return context["vec"] * (4 if context["kind"] == "float32" else 2) == ACCESS_BYTES
-
-
-def _context(vec: int, D: int, P: int) -> dict:
-    return {"vec": vec, "d": D, "p": P, "sg_rows": SG_ROWS, "sg_cols": SG_COLS}
-
-
 def render(kind: str, D: int, P: int):
-    return TEMPLATE.render(kind, **_context(vector_width(2 if kind != "float32" else 4, D, P), D, P))
+    return TEMPLATE.render(kind, vec=vector_width(2 if kind != "float32" else 4, D, P), d=D, p=P)
 
 
 def _launch(like: torch.Tensor, suffix: str, vec: int, work: int, D: int, P: int, *args: int) -> None:
     """Launch `suffix` of the rendering for (vec, D, P) for `work` thread-items (grid-stride,
     BLOCKS_PER_SM blocks per SM at most)."""
     blocks = max(1, min(-(-work // THREADS), sm_count(like.device.index) * BLOCKS_PER_SM))
-    TEMPLATE.launch(like, suffix, blocks, *args, **_context(vec, D, P))
+    TEMPLATE.launch(like, suffix, blocks, *args, vec=vec, d=D, p=P)
 
 
 def starts_aligned(t: torch.Tensor, vec: int) -> bool:
@@ -128,27 +112,3 @@ def max_pool_backward(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor,
     _launch(m, "max_grad", vec, B * N * (D // vec), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
             d_pooled.data_ptr(), d_m.data_ptr(), taken.data_ptr(), B * N, N, D)
     return d_m.view(-1, D), taken.sum((0, 1))
-
-
-def silu_backward_sums(d_act: torch.Tensor, pre: torch.Tensor, B: int, N: int, D: int, P: int) -> tuple | None:
-    """d_act (B*N*N, H) contiguous becomes d(loss)/d(pre) = d_act * silu'(pre) in place (pre of its
-    shape and dtype); returns (it, d_u, d_v): its sums over each node's partners, d_u (B, N, H) over
-    j for each (b, i) and d_v over i for each (b, j), in fp32 (each block's partial sums, added
-    here: deterministic). None where the kernel does not take these tensors (a rendering whose
-    vector is not 16 bytes, H not a multiple of it, or a tensor that starts mid-vector): the caller
-    runs PyTorch's passes.
-    D and P: the rendering's widths (its vector is theirs)."""
-    import torch
-
-    H = d_act.shape[-1]
-    vec = vector_width(d_act.element_size(), D, P)
-    if vec * d_act.element_size() != ACCESS_BYTES or H % vec or not (d_act.is_contiguous() and pre.is_contiguous() and starts_aligned(d_act, vec)
-                       and starts_aligned(pre, vec)):
-        return None
-    row_blocks, col_blocks = -(-N // SG_ROWS), -(-N // SG_COLS)
-    d_u_parts = torch.empty(col_blocks, B * N, H, device=d_act.device, dtype=torch.float32)
-    d_v_parts = torch.empty(row_blocks, B * N, H, device=d_act.device, dtype=torch.float32)
-    TEMPLATE.launch(d_act, "silu_grad", B * row_blocks * col_blocks, d_act.data_ptr(), pre.data_ptr(),
-                    d_u_parts.data_ptr(), d_v_parts.data_ptr(), B * N, N, H, row_blocks, col_blocks,
-                    **_context(vec, D, P))
-    return d_act, d_u_parts.sum(0).view(B, N, H), d_v_parts.sum(0).view(B, N, H)
