@@ -442,12 +442,21 @@ PROJECTION_BACKWARD_WIDTHS = [MODELS_FORM, {**MODELS_FORM, "outgoing": 0},
                               {"P": 384, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}]
 
 
+#: The kernels a training step's backward can recompute the projections on (wgmma.BACKWARD_PROJECTION).
+BACKWARD_LAYOUTS = ("w_registers", "resident")
+
+
+@pytest.mark.parametrize("layout", BACKWARD_LAYOUTS)
 @pytest.mark.parametrize("widths", PROJECTION_BACKWARD_WIDTHS, ids=lambda w: "P{P}H{H}".format(**w))
-def test_the_projection_backward_kernel_renders_to_its_signature_and_compiles_without_spills(widths):
+def test_the_projection_backward_kernel_renders_to_its_signature_and_compiles_without_spills(widths, layout,
+                                                                                             monkeypatch):
     from pairgen.ops.trimul.strategies import wgmma
 
+    monkeypatch.setattr(wgmma, "BACKWARD_PROJECTION", layout)
     plan = wgmma.training_plan(TRIMUL, "bfloat16", widths, backward=True)
     assert plan is not None
+    if layout == "resident" and widths["P"] == widths["H"] == 128:
+        assert not plan.params["w_registers"], "the resident backward's point is feasible at P = H = 128"
     rendered = codegen.render_plan(plan)
     compiled = compiler.compile_source(rendered.source, plan.main.name, "sm_90")
     for name in (k.name for k in plan.kernels):
@@ -480,14 +489,18 @@ def _d_proj64(module, x, mask, d_a, d_b) -> torch.Tensor:
                                                          (PROJECTION_BACKWARD_WIDTHS[1], 2, 8, torch.float16, True),
                                                          (PROJECTION_BACKWARD_WIDTHS[3], 3, 1, torch.bfloat16, False)],
                          ids=["models-N37", "incoming-N8-float-mask", "k-padded-N1"])
-def test_the_projection_backward_kernel_matches_float64_emulated(widths, B, N, dtype, float_mask):
+@pytest.mark.parametrize("layout", BACKWARD_LAYOUTS)
+def test_the_projection_backward_kernel_matches_float64_emulated(widths, B, N, dtype, float_mask, layout,
+                                                                 monkeypatch):
     """d_proj from the kernel (run on the CPU emulator) against float64 of the same rounded inputs
     and weights: the bf16/fp16 forward standard (relative L2 1e-2), NaN-prefilled by the emulator's
     0xFF shared memory and every pair written (N*N % 8 == 0, odd, and 1: the kernel's three ways
-    to its pairs)."""
+    to its pairs), on each kernel the backward can take (the resident one where its point is
+    feasible: P = H = 128 here)."""
     from emulator import emulated
     from pairgen.ops.trimul.strategies import wgmma
 
+    monkeypatch.setattr(wgmma, "BACKWARD_PROJECTION", layout)
     gen = generator(80 + N)
     module = TRIMUL.make_module(widths, gen).to(dtype)
     H = widths["H"]
@@ -507,7 +520,8 @@ def test_the_projection_backward_kernel_matches_float64_emulated(widths, B, N, d
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
-def test_16_bit_gradients_through_the_projection_backward_kernel_meet_the_standard_emulated():
+@pytest.mark.parametrize("layout", BACKWARD_LAYOUTS)
+def test_16_bit_gradients_through_the_projection_backward_kernel_meet_the_standard_emulated(layout):
     """The 16-bit closed form with its fused kernels and the projection's backward kernel, all on
     the CPU emulator: every gradient within the 16-bit standard, and the kernel ran."""
     from unittest import mock
@@ -522,6 +536,7 @@ def test_16_bit_gradients_through_the_projection_backward_kernel_meet_the_standa
     runs, real = [], wgmma.run_projection_backward
     with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
             mock.patch.object(wgmma, "TRAINING_PROJECTION_KERNELS", True), \
+            mock.patch.object(wgmma, "BACKWARD_PROJECTION", layout), \
             mock.patch.object(wgmma, "run_projection_backward", lambda *a: runs.append(a) or real(*a)):
         ours = module.analytic_gradients([x, mask], [p.detach() for p in module.parameters()], g)
     assert runs, "the projection's backward kernel did not run"

@@ -411,17 +411,45 @@ def w_registers_point(spec, precision: str) -> dict:
             "p_mask_early": False}
 
 
+#: Which projection kernel a 16-bit training step's backward recomputes the pre-activations on:
+#: "w_registers", or "resident" (the forward's kernel with Wp resident in shared memory, paired
+#: columns and x in registers, its epilogue the gates' chain rule, d(loss)/d(a) and d(loss)/d(b)
+#: read through the warp's staging) where its point is feasible and unsliced, else w_registers.
+#: w_registers: measured on an H100 (session 24), the resident one took 432 µs against 398 at
+#: N512 and 1591 against 1538 at N1024, before its loads of d(loss)/d(a) were made a pass ahead
+#: (that form checked on the emulator, not yet timed). The tests run both.
+BACKWARD_PROJECTION = "w_registers"
+#: The resident backward's warpgroups a block: its chain rule's registers beside x's fragments
+#: take more than the 128 a thread that four warpgroups leave.
+RESIDENT_BACKWARD_GROUPS = 3
+
+
+def _resident_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
+    """The first default point (x in registers, paired columns) with RESIDENT_BACKWARD_GROUPS
+    warpgroups, where it is feasible at these widths and keeps all of Wp in one block."""
+    first = next(params for s, params in spec.at(precision).default_points if s == "wgmma")
+    point = {**first, "p_groups": RESIDENT_BACKWARD_GROUPS, "o_groups": 1, "o_wn": 16, "o_stages": 1,
+             "z_registers": False, "o_x_registers": False}
+    plan = spec.at(precision).plan("wgmma", point, widths)
+    if spec.infeasible(plan, DeviceLimits()) or not plan.params["paired_columns"] or plan.context["p_slices"] > 1:
+        return None
+    return plan
+
+
 @functools.lru_cache(maxsize=64)
-def _training_plan(spec, precision: str, width_items: tuple, backward: bool) -> Plan | None:
-    # The swizzle where P allows it. The backward takes two slices of Wp's row blocks a block where
-    # they divide: its chain rule holds d(loss)/d(a) beside both accumulator sets, which with the
-    # forward's share of Wp spills (at P = H = 128). The output kernel's parameters are the smallest
-    # that fit any P: it is rendered beside the projection but not launched.
+def _training_plan(spec, precision: str, width_items: tuple, backward: bool, layout: str) -> Plan | None:
+    # The swizzle where P allows it. The w_registers backward takes two slices of Wp's row blocks a
+    # block where they divide: its chain rule holds d(loss)/d(a) beside both accumulator sets, which
+    # with the forward's share of Wp spills (at P = H = 128). The output kernel's parameters are the
+    # smallest that fit any P: it is rendered beside the projection but not launched.
     view = spec.at(precision)
-    base = {**w_registers_point(spec, precision), "o_groups": 1, "o_wn": 16, "o_stages": 1, "z_registers": False}
-    plans = [view.plan("wgmma", {**base, "swizzle": swizzle, "p_slices": slices}, dict(width_items))
-             for swizzle in (True, False) for slices in ((2, 0) if backward else (0,))]
-    plan = next((p for p in plans if not spec.infeasible(p, DeviceLimits())), None)
+    plan = (_resident_backward_plan(spec, precision, dict(width_items))
+            if backward and layout == "resident" else None)
+    if plan is None:
+        base = {**w_registers_point(spec, precision), "o_groups": 1, "o_wn": 16, "o_stages": 1, "z_registers": False}
+        plans = [view.plan("wgmma", {**base, "swizzle": swizzle, "p_slices": slices}, dict(width_items))
+                 for swizzle in (True, False) for slices in ((2, 0) if backward else (0,))]
+        plan = next((p for p in plans if not spec.infeasible(p, DeviceLimits())), None)
     if plan is None or not backward:
         return plan
     name = f"{plan.kernel_name}_backward"
@@ -436,22 +464,26 @@ def _training_plan(spec, precision: str, width_items: tuple, backward: bool) -> 
 
 def training_plan(spec, precision: str, widths: dict, backward: bool) -> Plan | None:
     """The plan (of `spec`, the op's) whose projection a 16-bit training step runs at a module's
-    widths: the w_registers point's, forward (a and b from x) or (backward) declared with the
-    backward's arguments and named apart; None where no such point is feasible."""
-    return _training_plan(spec, precision, tuple(sorted({**widths, "out_fp32": 0}.items())), backward)
+    widths: the w_registers point's, forward (a and b from x) or (backward, on the kernel
+    BACKWARD_PROJECTION names) declared with the backward's arguments and named apart; None where
+    no such point is feasible."""
+    return _training_plan(spec, precision, tuple(sorted({**widths, "out_fp32": 0}.items())), backward,
+                          BACKWARD_PROJECTION)
 
 
-#: (precision, widths, backward, arch) -> the training projections' variants: built apart from
-#: runtime.variant_of, whose cache keys a plan by its point and widths, which the two plans share.
+#: (precision, widths, backward, point, arch) -> the training projections' variants: built apart
+#: from runtime.variant_of, whose cache keys a plan by its point and widths, which a forward and a
+#: backward plan share.
 _training_variants: dict = {}
 
 
 def _training_variant(module, x, precision: str, backward: bool):
     plan = training_plan(module.op, precision, module.widths, backward)
-    key = (precision, tuple(sorted(plan.widths.items())), backward, runtime.device_info(x.get_device()).arch)
+    arch = runtime.device_info(x.get_device()).arch
+    key = (precision, tuple(sorted(plan.widths.items())), backward, tuple(sorted(plan.params.items())), arch)
     variant = _training_variants.get(key)
     if variant is None:
-        variant = _training_variants[key] = runtime.build_variant(plan, key[3])
+        variant = _training_variants[key] = runtime.build_variant(plan, arch)
     return variant
 
 
