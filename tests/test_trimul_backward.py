@@ -576,3 +576,34 @@ def test_the_output_layer_norm_backward_kernel_matches_float64_emulated(dtype, l
         assert torch.isfinite(ours).all(), name
         error = ((ours.double() - exact).norm() / exact.norm()).item()
         assert error <= (bound if name == "d z" else 1e-5), f"{name}: {error}"
+
+
+def test_a_training_forward_runs_the_modules_own_wgmma_projection_else_the_first_feasible_default(monkeypatch):
+    """wgmma.forward_projection_variant: the variant the module's inference runs for the length
+    where it is a wgmma one without Wp in registers (a first-use Pending's default too); for a
+    w_registers, mma or reference choice, the first default point feasible at the widths (built
+    through runtime.variant_of)."""
+    from types import SimpleNamespace
+
+    from pairgen import runtime
+    from pairgen.ops.trimul.strategies import wgmma
+
+    module = TRIMUL.make_module(MODELS_FORM, generator(3)).bfloat16()
+    x = torch.zeros(1, 8, 8, MODELS_FORM["P"], dtype=torch.bfloat16)
+    built = []
+    monkeypatch.setattr(runtime, "variant_of", lambda plan, device_index: built.append(plan) or ("built", plan))
+    first = next(p for s, p in TRIMUL.at("bfloat16").default_points if s == "wgmma")
+
+    def chosen(plan_params, strategy="wgmma"):
+        return SimpleNamespace(plan=SimpleNamespace(strategy=strategy, params=plan_params))
+
+    own = chosen({**first, "p_groups": 2})
+    for choice in (own, SimpleNamespace(variant=own)):  # a variant, and a first_use.Pending holding it
+        monkeypatch.setattr(type(module), "variant_for", lambda self, n, device, precision="float32", c=choice: c)
+        assert wgmma.forward_projection_variant(module, x, "bfloat16") is own
+    assert not built
+    for choice in (chosen({**first, "w_registers": True}), chosen({}, strategy="mma"), None):
+        monkeypatch.setattr(type(module), "variant_for", lambda self, n, device, precision="float32", c=choice: c)
+        tag, plan = wgmma.forward_projection_variant(module, x, "bfloat16")
+        assert tag == "built" and plan.strategy == "wgmma" and plan.params == {**plan.params, **first}
+        assert not plan.params["w_registers"]
