@@ -453,7 +453,7 @@ def test_the_projection_backward_kernel_renders_to_its_signature_and_compiles_wi
     from pairgen.ops.trimul.strategies import wgmma
 
     monkeypatch.setattr(wgmma, "BACKWARD_PROJECTION", layout)
-    plan = wgmma.training_plan(TRIMUL, "bfloat16", widths, backward=True)
+    plan = wgmma.backward_plan(TRIMUL, "bfloat16", widths)
     assert plan is not None
     if layout == "resident" and widths["P"] == widths["H"] == 128:
         assert not plan.params["w_registers"], "the resident backward's point is feasible at P = H = 128"

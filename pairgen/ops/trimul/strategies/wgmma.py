@@ -395,7 +395,7 @@ def run(module, variant, weights, x, mask, out) -> None:
     run_three_steps(module, variant, x, mask, out, packed)
 
 
-# ---- the projection's backward: the w_registers kernel with the gates' chain rule as its epilogue ----
+# ---- the projection's backward: a projection kernel with the gates' chain rule as its epilogue ----
 
 #: Its arguments: x, the mask and the pack as the forward's; d(loss)/d(a) and d(loss)/d(b)
 #: channel-major (B*H, N*N); d_proj, the four pre-activations' gradients (B, 4, H, N*N).
@@ -403,11 +403,15 @@ PROJECT_BACKWARD_ARGS = ("ptr x", "ptr mask", "ptr w", "ptr d_a", "ptr d_b", "pt
                          "i32 num_tiles", "i32 mask_is_float")
 
 
+def _first_default_point(spec, precision: str) -> dict:
+    """The first wgmma default point of `spec` (the op's) in `precision`."""
+    return next(params for s, params in spec.at(precision).default_points if s == "wgmma")
+
+
 def w_registers_point(spec, precision: str) -> dict:
     """The first default point of `spec` (the op's) with the projection's Wp in registers (two
     warpgroups, two x stages)."""
-    first = next(params for s, params in spec.at(precision).default_points if s == "wgmma")
-    return {**first, "x_registers": False, "w_registers": True, "p_groups": 2, "p_stages": 2, "o_x_registers": False,
+    return {**_first_default_point(spec, precision), "x_registers": False, "w_registers": True, "p_groups": 2, "p_stages": 2, "o_x_registers": False,
             "p_mask_early": False}
 
 
@@ -427,8 +431,7 @@ RESIDENT_BACKWARD_GROUPS = 3
 def _resident_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
     """The first default point (x in registers, paired columns) with RESIDENT_BACKWARD_GROUPS
     warpgroups, where it is feasible at these widths and keeps all of Wp in one block."""
-    first = next(params for s, params in spec.at(precision).default_points if s == "wgmma")
-    point = {**first, "p_groups": RESIDENT_BACKWARD_GROUPS, "o_groups": 1, "o_wn": 16, "o_stages": 1,
+    point = {**_first_default_point(spec, precision), "p_groups": RESIDENT_BACKWARD_GROUPS, "o_groups": 1, "o_wn": 16, "o_stages": 1,
              "z_registers": False, "o_x_registers": False}
     plan = spec.at(precision).plan("wgmma", point, widths)
     if spec.infeasible(plan, DeviceLimits()) or not plan.params["paired_columns"] or plan.context["p_slices"] > 1:
@@ -437,21 +440,20 @@ def _resident_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _training_plan(spec, precision: str, width_items: tuple, backward: bool, layout: str) -> Plan | None:
+def _backward_plan(spec, precision: str, width_items: tuple, layout: str) -> Plan | None:
     # The swizzle where P allows it. The w_registers backward takes two slices of Wp's row blocks a
     # block where they divide: its chain rule holds d(loss)/d(a) beside both accumulator sets, which
     # with the forward's share of Wp spills (at P = H = 128). The output kernel's parameters are the
     # smallest that fit any P: it is rendered beside the projection but not launched.
     view = spec.at(precision)
-    plan = (_resident_backward_plan(spec, precision, dict(width_items))
-            if backward and layout == "resident" else None)
+    plan = _resident_backward_plan(spec, precision, dict(width_items)) if layout == "resident" else None
     if plan is None:
         base = {**w_registers_point(spec, precision), "o_groups": 1, "o_wn": 16, "o_stages": 1, "z_registers": False}
         plans = [view.plan("wgmma", {**base, "swizzle": swizzle, "p_slices": slices}, dict(width_items))
-                 for swizzle in (True, False) for slices in ((2, 0) if backward else (0,))]
+                 for swizzle in (True, False) for slices in (2, 0)]
         plan = next((p for p in plans if not spec.infeasible(p, DeviceLimits())), None)
-    if plan is None or not backward:
-        return plan
+    if plan is None:
+        return None
     name = f"{plan.kernel_name}_backward"
     *stats, project, _output = plan.kernels
     kernels = (Kernel(name, project.threads, project.smem_bytes,
@@ -462,28 +464,26 @@ def _training_plan(spec, precision: str, width_items: tuple, backward: bool, lay
                                kernel_name=name)
 
 
-def training_plan(spec, precision: str, widths: dict, backward: bool) -> Plan | None:
-    """The plan (of `spec`, the op's) whose projection a 16-bit training step runs at a module's
-    widths: the w_registers point's, forward (a and b from x) or (backward, on the kernel
-    BACKWARD_PROJECTION names) declared with the backward's arguments and named apart; None where
-    no such point is feasible."""
-    return _training_plan(spec, precision, tuple(sorted({**widths, "out_fp32": 0}.items())), backward,
-                          BACKWARD_PROJECTION)
+def backward_plan(spec, precision: str, widths: dict) -> Plan | None:
+    """The plan (of `spec`, the op's) whose projection kernel a 16-bit training step's backward
+    runs at a module's widths (on the kernel BACKWARD_PROJECTION names), declared with the
+    backward's arguments and named apart; None where no such point is feasible."""
+    return _backward_plan(spec, precision, tuple(sorted({**widths, "out_fp32": 0}.items())), BACKWARD_PROJECTION)
 
 
-#: (precision, widths, backward, point, arch) -> the training projections' variants: built apart
-#: from runtime.variant_of, whose cache keys a plan by its point and widths, which a forward and a
-#: backward plan share.
-_training_variants: dict = {}
+#: (precision, widths, point, arch) -> the backward projections' variants: built apart from
+#: runtime.variant_of, whose cache keys a plan by its point and widths, which an inference plan of
+#: the same point shares.
+_backward_variants: dict = {}
 
 
-def _training_variant(module, x, precision: str, backward: bool):
-    plan = training_plan(module.op, precision, module.widths, backward)
+def _backward_variant(module, x, precision: str):
+    plan = backward_plan(module.op, precision, module.widths)
     arch = runtime.device_info(x.get_device()).arch
-    key = (precision, tuple(sorted(plan.widths.items())), backward, tuple(sorted(plan.params.items())), arch)
-    variant = _training_variants.get(key)
+    key = (precision, tuple(sorted(plan.widths.items())), tuple(sorted(plan.params.items())), arch)
+    variant = _backward_variants.get(key)
     if variant is None:
-        variant = _training_variants[key] = runtime.build_variant(plan, arch)
+        variant = _backward_variants[key] = runtime.build_variant(plan, arch)
     return variant
 
 
@@ -503,7 +503,7 @@ def projection_kernels_apply(module, x, precision: str) -> bool:
         return False
     B, N, H = x.shape[0], x.shape[1], module.widths["H"]
     return (B * H * N * N < PAIRED_MAX_AB_ELEMENTS
-            and training_plan(module.op, precision, module.widths, backward=True) is not None
+            and backward_plan(module.op, precision, module.widths) is not None
             and _first_feasible_default(module.op, precision, tuple(sorted(module.widths.items()))) is not None)
 
 
@@ -534,6 +534,7 @@ def forward_projection_variant(module, x, precision: str):
 
 @functools.lru_cache(maxsize=64)
 def _first_feasible_default(spec, precision: str, width_items: tuple) -> Plan | None:
+    """The first wgmma default point feasible at these widths, as a plan (None: none is)."""
     view = spec.at(precision)
     widths = {**dict(width_items), "out_fp32": 0}
     plans = (view.plan("wgmma", params, widths) for strategy, params in view.default_points if strategy == "wgmma")
@@ -557,7 +558,7 @@ def run_projection_backward(module, x, mask, d_a, d_b, precision: str, packed):
     epilogue (projection_kernels_apply must hold)."""
     import torch
 
-    variant = _training_variant(module, x, precision, True)
+    variant = _backward_variant(module, x, precision)
     B, N, H = x.shape[0], x.shape[1], module.widths["H"]
     *statistics, launch = variant.launches(x.get_device(), B, N)
     held_stats, stats = _row_statistics(statistics, x, x.data_ptr())
