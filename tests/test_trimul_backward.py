@@ -546,13 +546,15 @@ def test_16_bit_gradients_through_the_projection_backward_kernel_meet_the_standa
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 @pytest.mark.parametrize("dtype,ln_tile,hidden,L", [(torch.float32, 64, 48, 37 * 37), (torch.bfloat16, 64, 128, 23 * 23),
-                                                     (torch.float16, 16, 40, 9 * 9), (torch.bfloat16, 32, 24, 7)],
-                         ids=["fp32", "bf16", "fp16-tile16", "bf16-short-plane"])
+                                                     (torch.float16, 16, 40, 9 * 9), (torch.bfloat16, 32, 24, 7),
+                                                     (torch.bfloat16, 64, 128, 12 * 12), (torch.float16, 32, 96, 80)],
+                         ids=["fp32", "bf16", "fp16-tile16", "bf16-short-plane", "bf16-vectors", "fp16-vectors-tile32"])
 def test_the_output_layer_norm_backward_kernel_matches_float64_emulated(dtype, ln_tile, hidden, L):
     """The channels-first LayerNorm's backward kernel (run on the CPU emulator, 0xFF-filled shared
     memory) against float64 autograd of the same rounded inputs: d z within the dtype's rounding
     (relative L2 1e-5 in fp32, 1e-2 in 16 bits), d gamma and d beta to fp32 sums, at planes that
-    end mid-tile and hidden widths that are and are not multiples of 16 bytes' values."""
+    end mid-tile and hidden widths that are and are not multiples of 16 bytes' values (the last two
+    cases: 16-byte accesses, d zn staged two pairs a word, several threads a channel's d gamma)."""
     from emulator import emulated
 
     gen = generator(70 + hidden)
