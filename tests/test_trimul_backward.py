@@ -609,3 +609,83 @@ def test_a_training_forward_runs_the_modules_own_wgmma_projection_else_the_first
         tag, plan = wgmma.forward_projection_variant(module, x, "bfloat16")
         assert tag == "built" and plan.strategy == "wgmma" and plan.params == {**plan.params, **first}
         assert not plan.params["w_registers"]
+
+
+#: Widths of the output gate's backward kernel: the models' form, biases with the gate on x and P
+#: apart from H, and the narrowest H.
+OUTPUT_BACKWARD_WIDTHS = [MODELS_FORM, {"P": 48, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1},
+                          {"P": 64, "H": 16, "outgoing": 1, "gate_normalized": 1, "bias": 0}]
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+@pytest.mark.parametrize("widths", OUTPUT_BACKWARD_WIDTHS, ids=lambda w: "P{P}H{H}".format(**w))
+def test_the_output_backward_kernel_renders_and_compiles_without_spills(kind, widths):
+    from pairgen.ops.trimul import output_backward
+
+    rendered = output_backward.render(kind, widths["P"], widths["H"], bool(widths["bias"]))
+    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
+    assert compiled.spill_bytes == 0 and compiled.stack_bytes == 0, compiled.summary()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("dtype,P,H,M,bias", [(torch.bfloat16, 128, 128, 37 * 37, False), (torch.float16, 48, 32, 150, True),
+                                              (torch.bfloat16, 64, 16, 1, False)], ids=["models", "bias-fp16", "one-row"])
+def test_the_output_backward_kernel_matches_float64_emulated(dtype, P, H, M, bias):
+    """d_o, d_u, d_zn and d_gate_in from the kernel (CPU emulator, 0xFF-filled shared memory)
+    against float64 of the same rounded inputs and weights, at row counts that end mid-tile: the
+    16-bit forward standard (relative L2 1e-2), every row written."""
+    from emulator import emulated
+    from pairgen.ops.trimul import output_backward
+
+    gen = generator(100 + P + M)
+    zn, gate_in, g = (torch.randn(M, width, generator=gen).to(dtype) for width in (H, P, P))
+    wo, wg = (torch.randn(P, k, generator=gen) / k ** 0.5 for k in (H, P))
+    wo, wg = wo.to(dtype), wg.to(dtype)
+    bo, bg = (torch.randn(P, generator=gen).to(dtype) for _ in range(2)) if bias else (None, None)
+    with emulated():
+        ours = output_backward.output_gate_backward(zn, gate_in, g, wo, wg, bo, bg)
+    o = zn.double() @ wo.double().t() + (bo.double() if bias else 0)
+    s = torch.sigmoid(gate_in.double() @ wg.double().t() + (bg.double() if bias else 0))
+    d_o, d_u = g.double() * s, g.double() * o * s * (1 - s)
+    for name, mine, exact in zip(("d_o", "d_u", "d_zn", "d_gate_in"), ours, (d_o, d_u, d_o @ wo.double(), d_u @ wg.double())):
+        assert mine.shape == exact.shape and torch.isfinite(mine).all(), name
+        error = ((mine.double() - exact).norm() / exact.norm()).item()
+        assert error <= 1e-2, f"{name}: {error}"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("widths,B,N,dtype", [(MODELS_FORM, 1, 23, torch.bfloat16), (OUTPUT_BACKWARD_WIDTHS[1], 2, 9, torch.float16)],
+                         ids=["models-N23", "bias-gate-on-x-fp16"])
+@pytest.mark.parametrize("path", ["recomputed", "saved"])
+def test_16_bit_gradients_through_the_output_backward_kernel_meet_the_standard_emulated(widths, B, N, dtype, path):
+    """The 16-bit closed form with its fused kernels and the output gate's backward kernel, on the
+    CPU emulator: every gradient within the 16-bit standard, the kernel ran, and a saving forward
+    (the training call's) keeps neither o nor u for it and gives the reference's output."""
+    from unittest import mock
+
+    from emulator import emulated
+    from pairgen.ops.trimul import backward, output_backward
+
+    gen = generator(110 + N)
+    module = TRIMUL.make_module(widths, gen).to(dtype)
+    x, mask = TRIMUL.make_inputs({"B": B, "N": N, **widths}, gen, "cauchy")
+    x, g = x.to(dtype), torch.randn(x.shape, generator=gen).to(dtype)
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    precision = str(dtype).split(".")[1]
+    runs, real = [], output_backward.output_gate_backward
+    with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
+            mock.patch.object(output_backward, "OUTPUT_BACKWARD_KERNEL", True), \
+            mock.patch.object(output_backward, "output_gate_backward", lambda *a: runs.append(a) or real(*a)):
+        if path == "recomputed":
+            ours = module.analytic_gradients([x, mask], list(params.values()), g)
+            ours = [ours[0], *ours[2:]]
+        else:
+            out, saved = backward.forward_saving(module, x, mask, params, precision)
+            assert saved.state.o is None and saved.state.u is None
+            with torch.no_grad():
+                expected = TRIMUL.make_reference(module).double()(x.double(), mask)
+            assert ((out.double() - expected).norm() / expected.norm()).item() <= 1e-2
+            grads = backward.gradients_from(module, saved, g)
+            ours = [grads["input"], *(grads[name] for name in params)]
+    assert runs, "the output gate's backward kernel did not run"
+    assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, ours)

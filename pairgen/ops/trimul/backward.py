@@ -37,7 +37,7 @@ from .. import backward_tuning, closed_form, layer_norm_rows
 from ...module.validation import contiguous_aligned
 from ..closed_form import channel_sums, closed_form_gradients, column_sums
 from ...precision import COMPUTE_DTYPES, HALF_BY_DTYPE
-from . import fused_backward
+from . import fused_backward, output_backward
 from .strategies import wgmma
 
 #: The four input projections, in the order their rows are stacked into W4.
@@ -63,6 +63,9 @@ def forward_saving(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str
         state = _forward(module, x_in, mask, w, mm, keep_operands=True)
         if state.hidden:  # o is the output: the backward does not need it
             out, state.o = state.o, None
+            return out.view(x_in.shape), state
+        if state.output_kernel:  # the backward's kernel recomputes o and u: the output takes o's storage
+            out, state.o, state.u = _gated_output(state, state.o), None, None
             return out.view(x_in.shape), state
         return _gated_output(state, state.o.new_empty(state.o.shape)).view(x_in.shape), state
     return closed_form.forward_saving(forward, x, params, precision)
@@ -192,6 +195,13 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
     if inference:
         f.z = None
     f.gate_in = f.xn if f.gate_normalized else f.rows
+    # The output gate's backward in one kernel where it applies (output_backward.py): it recomputes
+    # o and u, so a forward whose backward follows at once (the recomputing closed form) makes neither.
+    f.output_kernel = (not inference and not f.hidden and f.fused
+                       and output_backward.applies(f.zn, f.gate_in, [w["out_proj.weight"], w["out_gate.weight"]]))
+    if f.output_kernel and not keep_operands:
+        f.o = f.u = None
+        return f
     f.u = mm.linear(f.gate_in, w["out_gate.weight"], w.get("out_gate.bias"))  # the out gate's pre-activation
     if f.hidden:  # the gate on LN_out(z), in hidden width, before the output projection
         f.s = torch.sigmoid(f.u)
@@ -218,8 +228,13 @@ def _operands(f: SimpleNamespace, apply: bool = False, store: bool = True) -> tu
 def _output_gate_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> tuple:
     """out = o * sigmoid(u): the output projection's and gate's gradients into `grads`; returns
     (d(loss)/d(LN_out(z)), d(loss)/d(gate_in)). d_gate = d(loss)/d(u) and d_o = d(loss)/d(o) are
-    made in o's and u's storage."""
-    if f.fused:
+    made in o's and u's storage, or by the output kernel with the products after them."""
+    d_zn = d_gate_in = None
+    if f.output_kernel:
+        d_o, d_gate, d_zn, d_gate_in = output_backward.output_gate_backward(
+            f.zn, f.gate_in, g, w["out_proj.weight"], w["out_gate.weight"], w.get("out_proj.bias"),
+            w.get("out_gate.bias"))
+    elif f.fused:
         fused_backward.out_gate(f.o, f.u, g.contiguous(), f.tuning)
         d_gate, d_o = f.o, f.u
     else:
@@ -234,10 +249,11 @@ def _output_gate_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> 
         grads["out_proj.weight"] = mm(d_o.t(), f.zn)
     if f.bias:
         grads["out_proj.bias"], grads["out_gate.bias"] = column_sums(d_o), column_sums(d_gate)
-    d_gate_in = mm(d_gate, w["out_gate.weight"])  # (B*N*N, P)
+    if d_gate_in is None:
+        d_gate_in = mm(d_gate, w["out_gate.weight"])  # (B*N*N, P)
     del d_gate
     f.zn = f.gate_in = None
-    return mm(d_o, w["out_proj.weight"]), d_gate_in
+    return (mm(d_o, w["out_proj.weight"]) if d_zn is None else d_zn), d_gate_in
 
 
 def _hidden_gate_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> tuple:
