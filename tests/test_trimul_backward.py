@@ -657,14 +657,20 @@ def test_the_output_backward_kernel_matches_float64_emulated(dtype, P, H, M, bia
 @pytest.mark.parametrize("widths,B,N,dtype", [(MODELS_FORM, 1, 23, torch.bfloat16), (OUTPUT_BACKWARD_WIDTHS[1], 2, 9, torch.float16)],
                          ids=["models-N23", "bias-gate-on-x-fp16"])
 @pytest.mark.parametrize("path", ["recomputed", "saved"])
-def test_16_bit_gradients_through_the_output_backward_kernel_meet_the_standard_emulated(widths, B, N, dtype, path):
+@pytest.mark.parametrize("projections", ["kernels", "cuBLAS"])
+def test_16_bit_gradients_through_the_output_backward_kernel_meet_the_standard_emulated(widths, B, N, dtype, path,
+                                                                                        projections):
     """The 16-bit closed form with its fused kernels and the output gate's backward kernel, on the
     CPU emulator: every gradient within the 16-bit standard, the kernel ran, and a saving forward
-    (the training call's) keeps neither o nor u for it and gives the reference's output."""
+    (the training call's) keeps neither o nor u for it and gives the reference's output. At the
+    projection kernels' forward takes its output from the projection's own output kernel (zn made
+    by the backward); with cuBLAS's projections (wgmma.TRAINING_PROJECTION_KERNELS off) it makes o
+    and u, gates them into o's storage and drops them."""
     from unittest import mock
 
     from emulator import emulated
     from pairgen.ops.trimul import backward, output_backward
+    from pairgen.ops.trimul.strategies import wgmma
 
     gen = generator(110 + N)
     module = TRIMUL.make_module(widths, gen).to(dtype)
@@ -673,19 +679,23 @@ def test_16_bit_gradients_through_the_output_backward_kernel_meet_the_standard_e
     params = {name: p.detach() for name, p in module.named_parameters()}
     precision = str(dtype).split(".")[1]
     runs, real = [], output_backward.output_gate_backward
+    forwards, real_forward = [], wgmma.run_output_forward
     with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
             mock.patch.object(output_backward, "OUTPUT_BACKWARD_KERNEL", True), \
-            mock.patch.object(output_backward, "output_gate_backward", lambda *a: runs.append(a) or real(*a)):
+            mock.patch.object(output_backward, "output_gate_backward", lambda *a: runs.append(a) or real(*a)), \
+            mock.patch.object(wgmma, "run_output_forward", lambda *a: forwards.append(a) or real_forward(*a)), \
+            mock.patch.object(wgmma, "TRAINING_PROJECTION_KERNELS", projections == "kernels"):
         if path == "recomputed":
             ours = module.analytic_gradients([x, mask], list(params.values()), g)
             ours = [ours[0], *ours[2:]]
         else:
             out, saved = backward.forward_saving(module, x, mask, params, precision)
             assert saved.state.o is None and saved.state.u is None
+            assert (saved.state.zn is None) == bool(forwards) == (projections == "kernels"), len(forwards)
             with torch.no_grad():
                 expected = TRIMUL.make_reference(module).double()(x.double(), mask)
             assert ((out.double() - expected).norm() / expected.norm()).item() <= 1e-2
             grads = backward.gradients_from(module, saved, g)
             ours = [grads["input"], *(grads[name] for name in params)]
-    assert runs, "the output gate's backward kernel did not run"
+    assert len(runs) == 1, "the output gate's backward kernel did not run once"
     assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, ours)

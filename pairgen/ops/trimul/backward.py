@@ -64,6 +64,9 @@ def forward_saving(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str
         if state.hidden:  # o is the output: the backward does not need it
             out, state.o = state.o, None
             return out.view(x_in.shape), state
+        if state.out is not None:  # the projection's own output kernel's
+            out, state.out = state.out, None
+            return out.view(x_in.shape), state
         if state.output_kernel:  # the backward's kernel recomputes o and u: the output takes o's storage
             out, state.o, state.u = _gated_output(state, state.o), None, None
             return out.view(x_in.shape), state
@@ -165,9 +168,10 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
         f.mask = contiguous_aligned(mask if mask.dtype in (torch.bool, torch.float32) else mask.to(torch.float32))
         f.proj = None
         f.packed = wgmma.pack_given(w, module.widths, f.precision)  # the backward's too
-        a, b = (t.view(B * H, N, N) for t in wgmma.run_projection_forward(module, f.x_operand, f.mask, f.precision,
-                                                                          f.packed))
+        f.projected = wgmma.run_projection_forward(module, f.x_operand, f.mask, f.precision, f.packed)
+        a, b = (t.view(B * H, N, N) for t in f.projected.ab)
     else:
+        f.projected = None
         if f.fused:  # bias, sigmoid and the products with the mask in one kernel (fused_backward.py)
             f.proj = mm.channels_first(f.w4, f.xn_cl).view(B, 4, H, NN)
             f.keep = mask.reshape(B, NN).to(dtype).contiguous()
@@ -186,21 +190,22 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
     f.ln_out = (w["layer_norm_out.weight"], w["layer_norm_out.bias"], module.layer_norm_out.eps)
     # the kernel where it fits (and, where a backward follows, where its backward's fits too)
     f.fused_ln = f.fused and fused_backward.layer_norm_fits(H, dtype.itemsize, f.tuning, backward=not inference)
-    if f.fused_ln:  # read channels first, written one row per pair: no transposing copy
-        f.zn, f.mean_out, f.rstd_out = fused_backward.layer_norm_channels_first(f.z.view(B, H, NN), *f.ln_out,
-                                                                                 f.tuning)
-    else:
-        f.z = _channels_last(f.z, B, N)
-        f.zn, f.mean_out, f.rstd_out = torch.native_layer_norm(f.z, [H], *f.ln_out)
-    if inference:
-        f.z = None
     f.gate_in = f.xn if f.gate_normalized else f.rows
     # The output gate's backward in one kernel where it applies (output_backward.py): it recomputes
-    # o and u, so a forward whose backward follows at once (the recomputing closed form) makes neither.
-    f.output_kernel = (not inference and not f.hidden and f.fused
-                       and output_backward.applies(f.zn, f.gate_in, [w["out_proj.weight"], w["out_gate.weight"]]))
-    if f.output_kernel and not keep_operands:
-        f.o = f.u = None
+    # o and u, so no forward with a backward to follow keeps them.
+    f.output_kernel = (not inference and not f.hidden and f.fused_ln
+                       and output_backward.applies(dtype, P, H, [f.gate_in, w["out_proj.weight"], w["out_gate.weight"]]))
+    f.out = f.zn = f.o = f.u = None
+    projected, f.projected = f.projected, None
+    if f.output_kernel and projected is not None:
+        # The output from the projection's own output kernel (the LayerNorm, both products and the
+        # gate in one pass over z and x); the backward makes zn and its statistics (output_layer_norm).
+        if keep_operands:
+            f.out = wgmma.run_output_forward(projected, f.z, f.packed)
+        return f
+    del projected
+    _output_layer_norm(f, inference)
+    if f.output_kernel and not keep_operands:  # the backward follows at once
         return f
     f.u = mm.linear(f.gate_in, w["out_gate.weight"], w.get("out_gate.bias"))  # the out gate's pre-activation
     if f.hidden:  # the gate on LN_out(z), in hidden width, before the output projection
@@ -211,6 +216,20 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
         return f
     f.o = mm.linear(f.zn, w["out_proj.weight"], w.get("out_proj.bias"))
     return f
+
+
+def _output_layer_norm(f: SimpleNamespace, inference: bool = False) -> None:
+    """zn = LN_out(z) one row per pair and its statistics, from the triangle sums f.z (B*H, N, N)
+    channels first (inference: z is dropped once read)."""
+    B, N, H, NN = f.B, f.N, f.H, f.NN
+    if f.fused_ln:  # read channels first, written one row per pair: no transposing copy
+        f.zn, f.mean_out, f.rstd_out = fused_backward.layer_norm_channels_first(f.z.view(B, H, NN), *f.ln_out,
+                                                                                 f.tuning)
+    else:
+        f.z = _channels_last(f.z, B, N)
+        f.zn, f.mean_out, f.rstd_out = torch.native_layer_norm(f.z, [H], *f.ln_out)
+    if inference:
+        f.z = None
 
 
 def _operands(f: SimpleNamespace, apply: bool = False, store: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,6 +249,8 @@ def _output_gate_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> 
     (d(loss)/d(LN_out(z)), d(loss)/d(gate_in)). d_gate = d(loss)/d(u) and d_o = d(loss)/d(o) are
     made in o's and u's storage, or by the output kernel with the products after them."""
     d_zn = d_gate_in = None
+    if f.zn is None:  # a forward on the projection's output kernel leaves the LayerNorm to here
+        _output_layer_norm(f)
     if f.output_kernel:
         d_o, d_gate, d_zn, d_gate_in = output_backward.output_gate_backward(
             f.zn, f.gate_in, g, w["out_proj.weight"], w["out_gate.weight"], w.get("out_proj.bias"),

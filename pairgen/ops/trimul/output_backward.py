@@ -45,21 +45,21 @@ def render(kind: str, P: int, H: int, bias: bool = False):
     return TEMPLATE.render(kind, **context(kind, P, H, bias))
 
 
-def applies(zn: torch.Tensor, gate_in: torch.Tensor, weights: list) -> bool:
-    """Whether the kernel takes this step, whose tensors the closed form's fused kernels take (a
-    GPU's: fused_backward.enabled): on (OUTPUT_BACKWARD_KERNEL), 16-bit rows on a GPU with warpgroup
-    products (sm_90), P and H multiples of 16 up to MAX_WIDTH, and zn, the gate's input and the
-    weights contiguous in one dtype with 16-byte aligned starts."""
+def applies(dtype, P: int, H: int, tensors: list) -> bool:
+    """Whether the kernel takes a step in `dtype` at widths P and H whose tensors the closed form's
+    fused kernels take (a GPU's: fused_backward.enabled): on (OUTPUT_BACKWARD_KERNEL), 16-bit, a GPU
+    with warpgroup products (sm_90), P and H multiples of 16 up to MAX_WIDTH, and `tensors` (the
+    gate's input and the weights) contiguous in that dtype with 16-byte aligned starts (zn, which
+    the LayerNorm kernel makes, always is)."""
     import torch
 
-    if not OUTPUT_BACKWARD_KERNEL or zn.dtype not in (torch.bfloat16, torch.float16):
+    if not OUTPUT_BACKWARD_KERNEL or dtype not in (torch.bfloat16, torch.float16):
         return False
-    P, H = gate_in.shape[-1], zn.shape[-1]
     if P % 16 or H % 16 or P > MAX_WIDTH or H > MAX_WIDTH:
         return False
-    if runtime.device_info(zn.device.index or 0).capability < (9, 0):
+    if runtime.device_info(tensors[0].device.index or 0).capability < (9, 0):
         return False
-    return all(t.dtype is zn.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (zn, gate_in, *weights))
+    return all(t.dtype is dtype and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def output_gate_backward(zn: torch.Tensor, gate_in: torch.Tensor, g: torch.Tensor, wo: torch.Tensor, wg: torch.Tensor,

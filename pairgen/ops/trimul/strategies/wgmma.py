@@ -17,7 +17,7 @@ from ... import packing
 from ...packing import MAX_SOURCES, Sources, launch_pack, source_arguments
 from ..common import OUTPUT_ARGS, PROJECT_ARGS, gate_columns
 from ..packs import parameter_names
-from .mma import _row_statistics, run_projection, run_three_steps
+from .mma import Projected, _row_statistics, _taken, run_projection, run_three_steps
 
 #: torch and what needs it, bound by _import_torch_half() on the first call a strategy runs, so that
 #: the spec half (space, restrictions, plans) loads without torch and a call pays no import.
@@ -541,13 +541,28 @@ def _first_feasible_default(spec, precision: str, width_items: tuple) -> Plan | 
     return next((plan for plan in plans if not spec.infeasible(plan, DeviceLimits())), None)
 
 
-def run_projection_forward(module, x, mask, precision: str, packed):
-    """a and b ((2, B*H, N*N), channel-major) from x (in the operand type, contiguous), the mask
-    (bool or fp32, (B, N, N)) and the weights' pack (pack_given): the projection kernel of
-    forward_projection_variant, as the forward's kernels compute them (projection_kernels_apply
-    must hold)."""
+def run_projection_forward(module, x, mask, precision: str, packed) -> Projected:
+    """a and b ((2, B*H, N*N), channel-major: the result's `ab`) from x (in the operand type,
+    contiguous), the mask (bool or fp32, (B, N, N)) and the weights' pack (pack_given): the
+    projection kernel of forward_projection_variant, as the forward's kernels compute them
+    (projection_kernels_apply must hold). The result holds the variant's output launch too
+    (run_output_forward)."""
     variant = forward_projection_variant(module, x, precision)
-    return run_projection(variant, x, mask, packed, module.widths["H"]).ab
+    return run_projection(variant, x, mask, packed, module.widths["H"])
+
+
+def run_output_forward(projected: Projected, z, packed):
+    """The output (B*N*N, P) of the variant whose projection made `projected`, from the triangle
+    sums z ((B*H, N, N) from its a and b) and x: its output kernel (the output LayerNorm, both
+    products and the gate in one pass), as a module's inference computes it."""
+    import torch
+
+    (output,) = projected.launches
+    x = projected.x
+    out = torch.empty((x.shape[0] * x.shape[1] * x.shape[2], x.shape[3]), device=x.device, dtype=x.dtype)
+    output.named(x=x.data_ptr(), z=z.data_ptr(), w=packed.data_ptr(), out=out.data_ptr(),
+                 **_taken(output, projected.stats))
+    return out
 
 
 def run_projection_backward(module, x, mask, d_a, d_b, precision: str, packed):
