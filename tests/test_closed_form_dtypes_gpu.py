@@ -271,18 +271,29 @@ def test_16_bit_triangle_training_takes_the_projection_kernels(widths, recompute
     for name in ("run_projection_forward", "run_projection_backward"):
         real = getattr(wgmma, name)
         monkeypatch.setattr(wgmma, name, lambda *a, _name=name, _real=real: runs.append(_name) or _real(*a))
+    step = _triangle_training_step(widths, dtype, recompute, seed=44)
+    assert runs == (["run_projection_forward", "run_projection_backward"] if kernels else []), runs
+    assert_16_bit_gradients_meet_the_standard(step.module, step.inputs, step.g, step.gradients)
+
+
+def _triangle_training_step(widths: dict, dtype, recompute: bool, seed: int):
+    """One closed-form training step of a 16-bit triangle update (B2 N37, heavy tails, on the GPU):
+    its module, inputs, d(loss)/d(out) g, output and gradients (the input's, then every parameter's)."""
+    from types import SimpleNamespace
+
     spec = get_op("trimul")
-    gen = generator(44)
+    gen = generator(seed)
     module = spec.make_module(widths, gen).cuda().to(dtype)
     module.backward_mode = "closed_form"
     module.recompute_for_backward = recompute
     x, mask = (t.cuda() for t in spec.make_inputs({"B": 2, "N": 37, **widths}, gen, "cauchy"))
     x = x.to(dtype)
-    g = torch.randn(x.shape, generator=generator(45)).cuda().to(dtype)
+    g = torch.randn(x.shape, generator=generator(seed + 1)).cuda().to(dtype)
     leaf = x.clone().requires_grad_()
-    (module(leaf, mask) * g).sum().backward()
-    assert runs == (["run_projection_forward", "run_projection_backward"] if kernels else []), runs
-    assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [leaf.grad] + [p.grad for p in module.parameters()])
+    out = module(leaf, mask)
+    (out * g).sum().backward()
+    return SimpleNamespace(module=module, inputs=(x, mask), g=g, out=out.detach(),
+                           gradients=[leaf.grad] + [p.grad for p in module.parameters()])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -291,27 +302,18 @@ def test_16_bit_triangle_training_takes_the_projection_kernels(widths, recompute
                                     {"P": 48, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}],
                          ids=["models", "bias-gate-on-x"])
 def test_16_bit_triangle_training_takes_the_output_backward_kernel(widths, recompute, dtype, monkeypatch):
-    """With the output gate's backward kernel on (output_backward.OUTPUT_BACKWARD_KERNEL, off by
-    default), a 16-bit training step runs it, whether the forward kept its intermediates (then
-    without o and u) or the backward recomputes them: gradients within the 16-bit standard at an
-    odd length with heavy tails, and the output the reference's to the 16-bit standard."""
+    """With the output side's backward kernel on (output_backward.OUTPUT_BACKWARD_KERNEL, off by
+    default), a 16-bit training step runs it once, whether the forward kept its intermediates
+    (then without zn, o and u) or the backward recomputes them: gradients within the 16-bit
+    standard at an odd length with heavy tails, and the output the reference's to the 16-bit
+    standard (on the models' widths, from the projection's own output kernel)."""
     from pairgen.ops.trimul import output_backward
 
     monkeypatch.setattr(output_backward, "OUTPUT_BACKWARD_KERNEL", True)
-    runs, real = [], output_backward.output_gate_backward
-    monkeypatch.setattr(output_backward, "output_gate_backward", lambda *a: runs.append(a) or real(*a))
-    spec = get_op("trimul")
-    gen = generator(46)
-    module = spec.make_module(widths, gen).cuda().to(dtype)
-    module.backward_mode = "closed_form"
-    module.recompute_for_backward = recompute
-    x, mask = (t.cuda() for t in spec.make_inputs({"B": 2, "N": 37, **widths}, gen, "cauchy"))
-    x = x.to(dtype)
-    g = torch.randn(x.shape, generator=generator(47)).cuda().to(dtype)
-    leaf = x.clone().requires_grad_()
-    out = module(leaf, mask)
-    (out * g).sum().backward()
+    runs, real = [], output_backward.output_side_backward
+    monkeypatch.setattr(output_backward, "output_side_backward", lambda *a: runs.append(a) or real(*a))
+    step = _triangle_training_step(widths, dtype, recompute, seed=46)
     assert len(runs) == 1, len(runs)
-    result = compare(out.detach(), reference64(module, (x, mask)), SIXTEEN_BIT)
+    result = compare(step.out, reference64(step.module, step.inputs), SIXTEEN_BIT)
     assert result.ok, result
-    assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [leaf.grad] + [p.grad for p in module.parameters()])
+    assert_16_bit_gradients_meet_the_standard(step.module, step.inputs, step.g, step.gradients)

@@ -628,28 +628,45 @@ def test_the_output_backward_kernel_renders_and_compiles_without_spills(kind, wi
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
-@pytest.mark.parametrize("dtype,P,H,M,bias", [(torch.bfloat16, 128, 128, 37 * 37, False), (torch.float16, 48, 32, 150, True),
-                                              (torch.bfloat16, 64, 16, 1, False)], ids=["models", "bias-fp16", "one-row"])
-def test_the_output_backward_kernel_matches_float64_emulated(dtype, P, H, M, bias):
-    """d_o, d_u, d_zn and d_gate_in from the kernel (CPU emulator, 0xFF-filled shared memory)
-    against float64 of the same rounded inputs and weights, at row counts that end mid-tile: the
-    16-bit forward standard (relative L2 1e-2), every row written."""
+@pytest.mark.parametrize("dtype,P,H,B,L,bias", [(torch.bfloat16, 128, 128, 1, 37 * 37, False),
+                                                (torch.float16, 48, 32, 2, 75, True),
+                                                (torch.bfloat16, 64, 16, 2, 40, False),
+                                                (torch.bfloat16, 32, 16, 1, 1, False)],
+                         ids=["models", "bias-fp16-two-batches", "chunked-planes", "one-pair"])
+def test_the_output_side_backward_kernel_matches_float64_emulated(dtype, P, H, B, L, bias):
+    """zn, d_o, d_u, d_gate_in, d_z and the LayerNorm's d gamma and d beta from the kernel (CPU
+    emulator, 0xFF-filled shared memory) against float64 autograd of the same rounded inputs and
+    weights: the 16-bit forward standard (relative L2 1e-2) for the 16-bit values, fp32 sums for
+    d gamma and d beta within 1e-2 as well (they add 16-bit products), at pair counts that end
+    mid-tile, tiles across two batches' planes, planes of whole 16-byte chunks (40) and of single
+    values, and one pair."""
     from emulator import emulated
     from pairgen.ops.trimul import output_backward
 
-    gen = generator(100 + P + M)
-    zn, gate_in, g = (torch.randn(M, width, generator=gen).to(dtype) for width in (H, P, P))
+    gen = generator(100 + P + L)
+    M = B * L
+    z = (torch.randn(B, H, L, generator=gen) * 2 + 0.5).to(dtype)
+    gate_in, g = (torch.randn(M, P, generator=gen).to(dtype) for _ in range(2))
+    gamma, beta = (torch.rand(H, generator=gen) + 0.5).to(dtype), torch.randn(H, generator=gen).to(dtype)
     wo, wg = (torch.randn(P, k, generator=gen) / k ** 0.5 for k in (H, P))
     wo, wg = wo.to(dtype), wg.to(dtype)
     bo, bg = (torch.randn(P, generator=gen).to(dtype) for _ in range(2)) if bias else (None, None)
     with emulated():
-        ours = output_backward.output_gate_backward(zn, gate_in, g, wo, wg, bo, bg)
-    o = zn.double() @ wo.double().t() + (bo.double() if bias else 0)
-    s = torch.sigmoid(gate_in.double() @ wg.double().t() + (bg.double() if bias else 0))
-    d_o, d_u = g.double() * s, g.double() * o * s * (1 - s)
-    for name, mine, exact in zip(("d_o", "d_u", "d_zn", "d_gate_in"), ours, (d_o, d_u, d_o @ wo.double(), d_u @ wg.double())):
-        assert mine.shape == exact.shape and torch.isfinite(mine).all(), name
-        error = ((mine.double() - exact).norm() / exact.norm()).item()
+        ours = output_backward.output_side_backward(z, gate_in, g, (gamma, beta, 1e-5), wo, wg, bo, bg)
+    rows = z.double().transpose(1, 2).reshape(M, H).requires_grad_()
+    gamma64, beta64 = gamma.double().requires_grad_(), beta.double().requires_grad_()
+    zn = torch.nn.functional.layer_norm(rows, [H], gamma64, beta64, 1e-5)
+    o = zn @ wo.double().t() + (bo.double() if bias else 0)
+    u = (gate_in.double() @ wg.double().t() + (bg.double() if bias else 0)).requires_grad_()
+    o.retain_grad()
+    ((o * torch.sigmoid(u)) * g.double()).sum().backward()
+    d_gate_in = u.grad @ wg.double()
+    exact = {"zn": zn.detach(), "d_o": o.grad, "d_u": u.grad, "d_gate_in": d_gate_in,
+             "d_z": rows.grad.view(B, L, H).transpose(1, 2), "d_gamma": gamma64.grad, "d_beta": beta64.grad}
+    for name, expected in exact.items():
+        mine = ours[name]
+        assert mine.shape == expected.shape and torch.isfinite(mine).all(), name
+        error = ((mine.double() - expected).norm() / expected.norm()).item()
         assert error <= 1e-2, f"{name}: {error}"
 
 
@@ -662,10 +679,10 @@ def test_16_bit_gradients_through_the_output_backward_kernel_meet_the_standard_e
                                                                                         projections):
     """The 16-bit closed form with its fused kernels and the output gate's backward kernel, on the
     CPU emulator: every gradient within the 16-bit standard, the kernel ran, and a saving forward
-    (the training call's) keeps neither o nor u for it and gives the reference's output. At the
-    projection kernels' forward takes its output from the projection's own output kernel (zn made
-    by the backward); with cuBLAS's projections (wgmma.TRAINING_PROJECTION_KERNELS off) it makes o
-    and u, gates them into o's storage and drops them."""
+    (the training call's) keeps none of zn, o and u for it and gives the reference's output. The
+    projection kernels' forward takes its output from the projection's own output kernel; with
+    cuBLAS's projections (wgmma.TRAINING_PROJECTION_KERNELS off) it makes zn, o and u, gates into
+    o's storage and drops them."""
     from unittest import mock
 
     from emulator import emulated
@@ -678,11 +695,11 @@ def test_16_bit_gradients_through_the_output_backward_kernel_meet_the_standard_e
     x, g = x.to(dtype), torch.randn(x.shape, generator=gen).to(dtype)
     params = {name: p.detach() for name, p in module.named_parameters()}
     precision = str(dtype).split(".")[1]
-    runs, real = [], output_backward.output_gate_backward
+    runs, real = [], output_backward.output_side_backward
     forwards, real_forward = [], wgmma.run_output_forward
     with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
             mock.patch.object(output_backward, "OUTPUT_BACKWARD_KERNEL", True), \
-            mock.patch.object(output_backward, "output_gate_backward", lambda *a: runs.append(a) or real(*a)), \
+            mock.patch.object(output_backward, "output_side_backward", lambda *a: runs.append(a) or real(*a)), \
             mock.patch.object(wgmma, "run_output_forward", lambda *a: forwards.append(a) or real_forward(*a)), \
             mock.patch.object(wgmma, "TRAINING_PROJECTION_KERNELS", projections == "kernels"):
         if path == "recomputed":
@@ -691,7 +708,7 @@ def test_16_bit_gradients_through_the_output_backward_kernel_meet_the_standard_e
         else:
             out, saved = backward.forward_saving(module, x, mask, params, precision)
             assert saved.state.o is None and saved.state.u is None
-            assert (saved.state.zn is None) == bool(forwards) == (projections == "kernels"), len(forwards)
+            assert saved.state.zn is None and bool(forwards) == (projections == "kernels"), len(forwards)
             with torch.no_grad():
                 expected = TRIMUL.make_reference(module).double()(x.double(), mask)
             assert ((out.double() - expected).norm() / expected.norm()).item() <= 1e-2

@@ -67,8 +67,9 @@ def forward_saving(module, x: torch.Tensor, mask: torch.Tensor, params: dict[str
         if state.out is not None:  # the projection's own output kernel's
             out, state.out = state.out, None
             return out.view(x_in.shape), state
-        if state.output_kernel:  # the backward's kernel recomputes o and u: the output takes o's storage
-            out, state.o, state.u = _gated_output(state, state.o), None, None
+        if state.output_kernel:  # the backward's kernel remakes zn, o and u: the output takes o's storage
+            out = _gated_output(state, state.o)
+            state.o = state.u = state.zn = state.mean_out = state.rstd_out = None
             return out.view(x_in.shape), state
         return _gated_output(state, state.o.new_empty(state.o.shape)).view(x_in.shape), state
     return closed_form.forward_saving(forward, x, params, precision)
@@ -191,22 +192,19 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
     # the kernel where it fits (and, where a backward follows, where its backward's fits too)
     f.fused_ln = f.fused and fused_backward.layer_norm_fits(H, dtype.itemsize, f.tuning, backward=not inference)
     f.gate_in = f.xn if f.gate_normalized else f.rows
-    # The output gate's backward in one kernel where it applies (output_backward.py): it recomputes
-    # o and u, so no forward with a backward to follow keeps them.
-    f.output_kernel = (not inference and not f.hidden and f.fused_ln
+    # The output side's backward in one kernel where it applies (output_backward.py): it makes zn
+    # from z and recomputes o and u, so no forward with a backward to follow keeps them, and where
+    # the backward follows at once (the recomputing closed form) the forward stops at z.
+    f.output_kernel = (not inference and not f.hidden and f.fused
                        and output_backward.applies(dtype, P, H, [f.gate_in, w["out_proj.weight"], w["out_gate.weight"]]))
     f.out = f.zn = f.o = f.u = None
     projected, f.projected = f.projected, None
-    if f.output_kernel and projected is not None:
-        # The output from the projection's own output kernel (the LayerNorm, both products and the
-        # gate in one pass over z and x); the backward makes zn and its statistics (output_layer_norm).
-        if keep_operands:
+    if f.output_kernel and (projected is not None or not keep_operands):
+        if keep_operands:  # the projection's own output kernel: the LayerNorm, both products and the gate in one pass
             f.out = wgmma.run_output_forward(projected, f.z, f.packed)
         return f
     del projected
     _output_layer_norm(f, inference)
-    if f.output_kernel and not keep_operands:  # the backward follows at once
-        return f
     f.u = mm.linear(f.gate_in, w["out_gate.weight"], w.get("out_gate.bias"))  # the out gate's pre-activation
     if f.hidden:  # the gate on LN_out(z), in hidden width, before the output projection
         f.s = torch.sigmoid(f.u)
@@ -247,15 +245,8 @@ def _operands(f: SimpleNamespace, apply: bool = False, store: bool = True) -> tu
 def _output_gate_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> tuple:
     """out = o * sigmoid(u): the output projection's and gate's gradients into `grads`; returns
     (d(loss)/d(LN_out(z)), d(loss)/d(gate_in)). d_gate = d(loss)/d(u) and d_o = d(loss)/d(o) are
-    made in o's and u's storage, or by the output kernel with the products after them."""
-    d_zn = d_gate_in = None
-    if f.zn is None:  # a forward on the projection's output kernel leaves the LayerNorm to here
-        _output_layer_norm(f)
-    if f.output_kernel:
-        d_o, d_gate, d_zn, d_gate_in = output_backward.output_gate_backward(
-            f.zn, f.gate_in, g, w["out_proj.weight"], w["out_gate.weight"], w.get("out_proj.bias"),
-            w.get("out_gate.bias"))
-    elif f.fused:
+    made in o's and u's storage."""
+    if f.fused:
         fused_backward.out_gate(f.o, f.u, g.contiguous(), f.tuning)
         d_gate, d_o = f.o, f.u
     else:
@@ -270,11 +261,29 @@ def _output_gate_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> 
         grads["out_proj.weight"] = mm(d_o.t(), f.zn)
     if f.bias:
         grads["out_proj.bias"], grads["out_gate.bias"] = column_sums(d_o), column_sums(d_gate)
-    if d_gate_in is None:
-        d_gate_in = mm(d_gate, w["out_gate.weight"])  # (B*N*N, P)
+    d_gate_in = mm(d_gate, w["out_gate.weight"])  # (B*N*N, P)
     del d_gate
     f.zn = f.gate_in = None
-    return (mm(d_o, w["out_proj.weight"]) if d_zn is None else d_zn), d_gate_in
+    return mm(d_o, w["out_proj.weight"]), d_gate_in
+
+
+def _output_side_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> tuple:
+    """The output LayerNorm's, projection's and gate's gradients into `grads` from the one kernel
+    (output_backward.py) that makes zn, recomputes o and u and applies their chain rule; returns
+    (d(loss)/d(z) (B*H, N, N) channels first, d(loss)/d(gate_in))."""
+    B, N, H, NN = f.B, f.N, f.H, f.NN
+    out = output_backward.output_side_backward(f.z.view(B, H, NN), f.gate_in, g, f.ln_out, w["out_proj.weight"],
+                                               w["out_gate.weight"], w.get("out_proj.bias"), w.get("out_gate.bias"))
+    f.z = None
+    if "out_gate.weight" not in frozen:
+        grads["out_gate.weight"] = mm(out["d_u"].t(), f.gate_in)
+    if "out_proj.weight" not in frozen:
+        grads["out_proj.weight"] = mm(out["d_o"].t(), out["zn"])
+    if f.bias:
+        grads["out_proj.bias"], grads["out_gate.bias"] = column_sums(out["d_o"]), column_sums(out["d_u"])
+    grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = out["d_gamma"], out["d_beta"]
+    f.gate_in = None
+    return out["d_z"].view(B * H, N, N), out["d_gate_in"]
 
 
 def _hidden_gate_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> tuple:
@@ -297,13 +306,10 @@ def _hidden_gate_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> 
     return d_zn, mm(d_u, w["out_gate.weight"])
 
 
-def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, torch.Tensor]:
-    """The chain rule from d(loss)/d(out) back through _forward's intermediates, which it
-    overwrites (the gradients take their storage)."""
-    B, N, P, H, NN = f.B, f.N, f.P, f.H, f.NN
-    grads = {}
-    g = grad_out.reshape(-1, P)
-
+def _output_side_backward_in_passes(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> tuple:
+    """_output_side_backward as the output gate's backward, products and the LayerNorm's backward in
+    passes of their own."""
+    B, N, H, NN = f.B, f.N, f.H, f.NN
     if f.hidden:
         d_zn, d_gate_in = _hidden_gate_backward(f, w, g, grads, mm, frozen)
     else:
@@ -318,8 +324,21 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
         d_z, grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = torch.ops.aten.native_layer_norm_backward(
             d_zn, f.z, [H], f.mean_out, f.rstd_out, *ln_out[:2], [True, True, True])
         d_z = _channels_first(d_z, B, N)
-    del d_zn
     f.z = None
+    return d_z, d_gate_in
+
+
+def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, torch.Tensor]:
+    """The chain rule from d(loss)/d(out) back through _forward's intermediates, which it
+    overwrites (the gradients take their storage)."""
+    B, P, H, NN = f.B, f.P, f.H, f.NN
+    grads = {}
+    g = grad_out.reshape(-1, P)
+
+    if f.output_kernel:
+        d_z, d_gate_in = _output_side_backward(f, w, g, grads, mm, frozen)
+    else:
+        d_z, d_gate_in = _output_side_backward_in_passes(f, w, g, grads, mm, frozen)
 
     # ---- the triangle sums (dA_h, dB_h from dZ_h), then the gates, into proj's own storage ----
     # proj = [pa | sa | pb | sb] becomes d_proj = [d pa | d ga | d pb | d gb] in place, one of a

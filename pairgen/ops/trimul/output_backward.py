@@ -1,8 +1,10 @@
-"""The output gate's backward of a 16-bit training step in one tensor-core kernel
-(templates/trimul/output_backward.cu.j2): from zn = LN_out(z), the gate's input and d(loss)/d(out),
-the kernel recomputes o and u and writes d(loss)/d(o), d(loss)/d(u), d(loss)/d(zn) and
-d(loss)/d(gate input). The closed form otherwise keeps o and u from the forward (two pair-sized
-tensors held through the step), runs the elementwise gate over them and two cuBLAS products.
+"""The output side of a 16-bit training step's backward in one tensor-core kernel
+(templates/trimul/output_backward.cu.j2): from the triangle sums z (channels first), the gate's
+input and d(loss)/d(out), the kernel makes zn = LN_out(z), recomputes o and u, and writes zn,
+d(loss)/d(o), d(loss)/d(u), d(loss)/d(gate input), d(loss)/d(z) (channels first) and the output
+LayerNorm's affine gradients. The closed form otherwise makes zn in the forward, keeps o and u from
+it (three pair-sized tensors held through the step), and runs the elementwise gate, two cuBLAS
+products and the LayerNorm's backward over them.
 
 Off by default (OUTPUT_BACKWARD_KERNEL): checked on the CPU emulator, not yet run on a GPU.
 """
@@ -18,31 +20,38 @@ from ..fused_kernels import THREADS, FusedTemplate, sm_count, storage_kind
 if TYPE_CHECKING:  # annotations only: torch is imported where it is used
     import torch
 
-SIGNATURES = {"": ("ptr zn", "ptr gi", "ptr g", "ptr wo", "ptr wg", "ptr bo", "ptr bg", "ptr d_o", "ptr d_u",
-                   "ptr d_zn", "ptr d_gi", "i64 pairs")}
+SIGNATURES = {"": ("ptr z", "ptr gi", "ptr g", "ptr gamma", "ptr beta", "ptr wo", "ptr wg", "ptr bo", "ptr bg",
+                   "ptr zn", "ptr d_o", "ptr d_u", "ptr d_gi", "ptr d_z", "ptr affine_parts", "i64 pairs",
+                   "i64 plane", "i32 chunks")}
 TEMPLATE = FusedTemplate("trimul", "output_backward", lambda context: SIGNATURES)
 #: The widest P and H the kernel takes (each product's accumulators in one warpgroup's registers).
 MAX_WIDTH = 128
-#: Whether 16-bit training steps take the kernel (where output_backward_applies). Off until timed on
-#: a GPU against the passes it replaces (docs/performance.md, session 25).
+#: Whether 16-bit training steps take the kernel (where `applies`). Off until timed on a GPU against
+#: the passes it replaces (docs/performance.md, session 25).
 OUTPUT_BACKWARD_KERNEL = False
+_GROUPS = THREADS // 128
+_TILE_ROWS = 64
 
 
 def smem_bytes(P: int, H: int) -> int:
-    """Wo, Wg, Wo^T, Wg^T and a 64-row tile of zn and of the gate's input per warpgroup, each region
-    1024-byte aligned (the template's SMEM_BYTES)."""
+    """Wo, Wg, Wo^T, Wg^T, a 64-row tile of the gate's input and a channel-major tile of z per
+    warpgroup (each region 1024-byte aligned), then gamma, beta, each warp's affine sums and the
+    output's and the gate's biases in fp32 (the template's SMEM_BYTES)."""
     wo, wg = align(P * H * 2, 1024), align(P * P * 2, 1024)
-    return 2 * wo + 2 * wg + (THREADS // 128) * (align(64 * H * 2, 1024) + align(64 * P * 2, 1024))
+    tiles = align(_TILE_ROWS * P * 2, 1024) + align(H * (_TILE_ROWS + 8) * 2, 1024)
+    return 2 * wo + 2 * wg + _GROUPS * tiles + (2 * H + _GROUPS * 4 * 2 * H + 2 * P) * 4
 
 
-def context(kind: str, P: int, H: int, bias: bool) -> dict:
+def context(kind: str, P: int, H: int, bias: bool, eps: float) -> dict:
     """The template's context (hashable: launches are bound per context)."""
-    return {"cols": P, "hidden": H, "bias": bias, "smem_bytes": smem_bytes(P, H), "mma_kind": MMA_KINDS[kind],
-            "wgmma_widths": (P,), "wgmma_rs_widths": tuple(sorted({P, H}))}
+    pass_cols = P // 2 if P % 32 == 0 and P > 64 else P  # o's and u's columns a pass (the template's PH)
+    return {"cols": P, "hidden": H, "bias": bias, "eps": repr(float(eps)), "smem_bytes": smem_bytes(P, H),
+            "pass_cols": pass_cols, "mma_kind": MMA_KINDS[kind], "wgmma_widths": (pass_cols,),
+            "wgmma_rs_widths": tuple(sorted({pass_cols, P, H}))}
 
 
-def render(kind: str, P: int, H: int, bias: bool = False):
-    return TEMPLATE.render(kind, **context(kind, P, H, bias))
+def render(kind: str, P: int, H: int, bias: bool = False, eps: float = 1e-5):
+    return TEMPLATE.render(kind, **context(kind, P, H, bias, eps))
 
 
 def applies(dtype, P: int, H: int, tensors: list) -> bool:
@@ -62,22 +71,32 @@ def applies(dtype, P: int, H: int, tensors: list) -> bool:
     return all(t.dtype is dtype and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def output_gate_backward(zn: torch.Tensor, gate_in: torch.Tensor, g: torch.Tensor, wo: torch.Tensor, wg: torch.Tensor,
-                         bo: torch.Tensor | None, bg: torch.Tensor | None) -> tuple:
-    """(d_o, d_u, d_zn, d_gate_in) for out = (zn Wo^T + bo) * sigmoid(gate_in Wg^T + bg), one row per
-    pair, given g = d(loss)/d(out) (applies must hold; g is made contiguous in zn's dtype)."""
-    M, H = zn.shape
-    P = gate_in.shape[-1]
+def output_side_backward(z: torch.Tensor, gate_in: torch.Tensor, g: torch.Tensor, ln_out: tuple, wo: torch.Tensor,
+                         wg: torch.Tensor, bo: torch.Tensor | None, bg: torch.Tensor | None) -> dict:
+    """For out = (LN_out(z) Wo^T + bo) * sigmoid(gate_in Wg^T + bg), z (B, H, L) channels first and
+    gate_in (B*L, P) one row per pair, given g = d(loss)/d(out) and ln_out = (gamma, beta, eps):
+    {"zn", "d_o", "d_u", "d_gate_in"} one row per pair, "d_z" (B, H, L), "d_gamma" and "d_beta" in
+    fp32 (applies must hold; g is made contiguous in z's dtype)."""
+    import torch
+
+    B, H, L = z.shape
+    M, P = gate_in.shape
     g = g.reshape(M, P)
-    if g.dtype is not zn.dtype or not g.is_contiguous() or g.data_ptr() % 16:
-        g = g.to(zn.dtype).contiguous()
-    d_o, d_u, d_gi = (zn.new_empty(M, P) for _ in range(3))
-    d_zn = zn.new_empty(M, H)
+    if g.dtype is not z.dtype or not g.is_contiguous() or g.data_ptr() % 16:
+        g = g.to(z.dtype).contiguous()
+    z = z.contiguous()
+    gamma, beta, eps = ln_out
+    out = {"zn": z.new_empty(M, H), "d_o": z.new_empty(M, P), "d_u": z.new_empty(M, P), "d_gate_in": z.new_empty(M, P),
+           "d_z": torch.empty_like(z)}
     bias = bo is not None
-    tiles = -(-M // 64)
-    blocks = max(1, min(-(-tiles // (THREADS // 128)), sm_count(zn.device.index)))
-    TEMPLATE.launch(zn, "", blocks, zn.data_ptr(), gate_in.data_ptr(), g.data_ptr(), wo.data_ptr(), wg.data_ptr(),
-                    bo.data_ptr() if bias else 0, bg.data_ptr() if bias else 0, d_o.data_ptr(), d_u.data_ptr(),
-                    d_zn.data_ptr(), d_gi.data_ptr(), M, smem=smem_bytes(P, H),
-                    **context(storage_kind(zn.dtype), P, H, bias))
-    return d_o, d_u, d_zn, d_gi
+    tiles = -(-M // _TILE_ROWS)
+    blocks = max(1, min(-(-tiles // _GROUPS), sm_count(z.device.index)))
+    parts = torch.empty(blocks, 2, H, device=z.device, dtype=torch.float32)
+    chunks = L % 8 == 0 and z.data_ptr() % 16 == 0
+    TEMPLATE.launch(z, "", blocks, z.data_ptr(), gate_in.data_ptr(), g.data_ptr(), gamma.data_ptr(), beta.data_ptr(),
+                    wo.data_ptr(), wg.data_ptr(), bo.data_ptr() if bias else 0, bg.data_ptr() if bias else 0,
+                    out["zn"].data_ptr(), out["d_o"].data_ptr(), out["d_u"].data_ptr(), out["d_gate_in"].data_ptr(),
+                    out["d_z"].data_ptr(), parts.data_ptr(), M, L, int(chunks), smem=smem_bytes(P, H),
+                    **context(storage_kind(z.dtype), P, H, bias, eps))
+    out["d_gamma"], out["d_beta"] = parts.sum(0)  # views of one reduction
+    return out
