@@ -301,19 +301,23 @@ def _triangle_training_step(widths: dict, dtype, recompute: bool, seed: int):
 @pytest.mark.parametrize("widths", [{"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0},
                                     {"P": 48, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}],
                          ids=["models", "bias-gate-on-x"])
-def test_16_bit_triangle_training_takes_the_output_backward_kernel(widths, recompute, dtype, monkeypatch):
+@pytest.mark.parametrize("input_kernel", [True, False], ids=["with-input-kernel", "output-kernel-only"])
+def test_16_bit_triangle_training_takes_the_side_kernels(widths, recompute, dtype, input_kernel, monkeypatch):
     """With the output side's backward kernel on (output_backward.OUTPUT_BACKWARD_KERNEL, off by
-    default), a 16-bit training step runs it once, whether the forward kept its intermediates
+    default), and the input side's (input_backward.INPUT_BACKWARD_KERNEL, off by default) or not,
+    a 16-bit training step runs each once, whether the forward kept its intermediates
     (then without zn, o and u) or the backward recomputes them: gradients within the 16-bit
     standard at an odd length with heavy tails, and the output the reference's to the 16-bit
     standard (on the models' widths, from the projection's own output kernel)."""
-    from pairgen.ops.trimul import output_backward
+    from pairgen.ops.trimul import input_backward, output_backward
 
     monkeypatch.setattr(output_backward, "OUTPUT_BACKWARD_KERNEL", True)
-    runs, real = [], output_backward.output_side_backward
-    monkeypatch.setattr(output_backward, "output_side_backward", lambda *a: runs.append(a) or real(*a))
+    monkeypatch.setattr(input_backward, "INPUT_BACKWARD_KERNEL", input_kernel)
+    runs, real, real_input = [], output_backward.output_side_backward, input_backward.input_side_backward
+    monkeypatch.setattr(output_backward, "output_side_backward", lambda *a: runs.append("output") or real(*a))
+    monkeypatch.setattr(input_backward, "input_side_backward", lambda *a: runs.append("input") or real_input(*a))
     step = _triangle_training_step(widths, dtype, recompute, seed=46)
-    assert len(runs) == 1, len(runs)
+    assert runs == ["output", "input"] if input_kernel else ["output"], runs
     result = compare(step.out, reference64(step.module, step.inputs), SIXTEEN_BIT)
     assert result.ok, result
     assert_16_bit_gradients_meet_the_standard(step.module, step.inputs, step.g, step.gradients)

@@ -675,10 +675,12 @@ def test_the_output_side_backward_kernel_matches_float64_emulated(dtype, P, H, B
                          ids=["models-N23", "bias-gate-on-x-fp16"])
 @pytest.mark.parametrize("path", ["recomputed", "saved"])
 @pytest.mark.parametrize("projections", ["kernels", "cuBLAS"])
-def test_16_bit_gradients_through_the_output_backward_kernel_meet_the_standard_emulated(widths, B, N, dtype, path,
-                                                                                        projections):
-    """The 16-bit closed form with its fused kernels and the output gate's backward kernel, on the
-    CPU emulator: every gradient within the 16-bit standard, the kernel ran, and a saving forward
+@pytest.mark.parametrize("input_kernel", [True, False], ids=["with-input-kernel", "output-kernel-only"])
+def test_16_bit_gradients_through_the_side_kernels_meet_the_standard_emulated(widths, B, N, dtype, path, projections,
+                                                                              input_kernel):
+    """The 16-bit closed form with its fused kernels, the output side's backward kernel and (or not)
+    the input side's, on the CPU emulator: every gradient within the 16-bit standard, the kernels
+    ran, and a saving forward
     (the training call's) keeps none of zn, o and u for it and gives the reference's output. The
     projection kernels' forward takes its output from the projection's own output kernel; with
     cuBLAS's projections (wgmma.TRAINING_PROJECTION_KERNELS off) it makes zn, o and u, gates into
@@ -686,7 +688,7 @@ def test_16_bit_gradients_through_the_output_backward_kernel_meet_the_standard_e
     from unittest import mock
 
     from emulator import emulated
-    from pairgen.ops.trimul import backward, output_backward
+    from pairgen.ops.trimul import backward, input_backward, output_backward
     from pairgen.ops.trimul.strategies import wgmma
 
     gen = generator(110 + N)
@@ -697,11 +699,15 @@ def test_16_bit_gradients_through_the_output_backward_kernel_meet_the_standard_e
     precision = str(dtype).split(".")[1]
     runs, real = [], output_backward.output_side_backward
     forwards, real_forward = [], wgmma.run_output_forward
+    inputs, real_input = [], input_backward.input_side_backward
     with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
             mock.patch.object(output_backward, "OUTPUT_BACKWARD_KERNEL", True), \
             mock.patch.object(output_backward, "output_side_backward", lambda *a: runs.append(a) or real(*a)), \
             mock.patch.object(wgmma, "run_output_forward", lambda *a: forwards.append(a) or real_forward(*a)), \
-            mock.patch.object(wgmma, "TRAINING_PROJECTION_KERNELS", projections == "kernels"):
+            mock.patch.object(wgmma, "TRAINING_PROJECTION_KERNELS", projections == "kernels"), \
+            mock.patch.object(input_backward, "INPUT_BACKWARD_KERNEL", input_kernel), \
+            mock.patch.object(layer_norm_rows, "applies", lambda t, cols: True), \
+            mock.patch.object(input_backward, "input_side_backward", lambda *a: inputs.append(a) or real_input(*a)):
         if path == "recomputed":
             ours = module.analytic_gradients([x, mask], list(params.values()), g)
             ours = [ours[0], *ours[2:]]
@@ -714,5 +720,52 @@ def test_16_bit_gradients_through_the_output_backward_kernel_meet_the_standard_e
             assert ((out.double() - expected).norm() / expected.norm()).item() <= 1e-2
             grads = backward.gradients_from(module, saved, g)
             ours = [grads["input"], *(grads[name] for name in params)]
-    assert len(runs) == 1, "the output gate's backward kernel did not run once"
+    assert len(runs) == 1, "the output side's backward kernel did not run once"
+    assert len(inputs) == int(input_kernel), "the input side's backward kernel"
     assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, ours)
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+@pytest.mark.parametrize("P,channels,gate_normalized", [(128, 512, True), (48, 128, False), (64, 64, True)])
+def test_the_input_backward_kernel_renders_and_compiles_without_spills(kind, P, channels, gate_normalized):
+    from pairgen.ops.trimul import input_backward
+
+    rendered = input_backward.render(kind, P, channels, gate_normalized)
+    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
+    assert compiled.spill_bytes == 0 and compiled.stack_bytes == 0, compiled.summary()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("dtype,P,channels,B,L,gate_normalized",
+                         [(torch.bfloat16, 128, 512, 1, 37 * 37, True), (torch.float16, 48, 128, 2, 40, False),
+                          (torch.bfloat16, 64, 64, 1, 1, True)],
+                         ids=["models", "gate-on-x-fp16-chunked-planes", "one-pair"])
+def test_the_input_side_backward_kernel_matches_float64_emulated(dtype, P, channels, B, L, gate_normalized):
+    """d x, d gamma and d beta of the input LayerNorm from the kernel (CPU emulator) against float64
+    autograd of the same rounded inputs: d xn = d_proj^T W4 with the gate's gradient joining before
+    the LayerNorm (gate on xn) or after it (gate on x), relative L2 1e-2, at pair counts that end
+    mid-tile, planes of whole 16-byte pieces (40, two batches) and of single values, and one pair."""
+    from emulator import emulated
+    from pairgen.ops.trimul import input_backward
+
+    gen = generator(120 + P + L)
+    M = B * L
+    rows = (torch.randn(M, P, generator=gen) * 2 + 0.3).to(dtype)
+    d_proj = torch.randn(B, channels, L, generator=gen).to(dtype)
+    w4 = (torch.randn(channels, P, generator=gen) / channels ** 0.5).to(dtype)
+    gamma, beta = (torch.rand(P, generator=gen) + 0.5).to(dtype), torch.randn(P, generator=gen).to(dtype)
+    d_gate_in = torch.randn(M, P, generator=gen).to(dtype)
+    rows64 = rows.double().requires_grad_()
+    mean, rstd = rows64.detach().mean(1), (rows64.detach().var(1, unbiased=False) + 1e-5).rsqrt()
+    with emulated():
+        ours = input_backward.input_side_backward(d_proj, w4, rows, mean.float(), rstd.float(), gamma, d_gate_in,
+                                                  gate_normalized)
+    gamma64, beta64 = gamma.double().requires_grad_(), beta.double().requires_grad_()
+    xn = torch.nn.functional.layer_norm(rows64, [P], gamma64, beta64, 1e-5)
+    d_xn = d_proj.double().transpose(1, 2).reshape(M, channels) @ w4.double()
+    gate_grad = d_gate_in.double()
+    ((xn * (d_xn + gate_grad)).sum() if gate_normalized else (xn * d_xn).sum() + (rows64 * gate_grad).sum()).backward()
+    for name, mine, exact in zip(("d x", "d gamma", "d beta"), ours, (rows64.grad, gamma64.grad, beta64.grad)):
+        assert torch.isfinite(mine).all(), name
+        error = ((mine.double() - exact).norm() / exact.norm()).item()
+        assert error <= 1e-2, f"{name}: {error}"

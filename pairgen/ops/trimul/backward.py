@@ -37,7 +37,7 @@ from .. import backward_tuning, closed_form, layer_norm_rows
 from ...module.validation import contiguous_aligned
 from ..closed_form import channel_sums, closed_form_gradients, column_sums
 from ...precision import COMPUTE_DTYPES, HALF_BY_DTYPE
-from . import fused_backward, output_backward
+from . import fused_backward, input_backward, output_backward
 from .strategies import wgmma
 
 #: The four input projections, in the order their rows are stacked into W4.
@@ -389,10 +389,24 @@ def _input_side_backward(f: SimpleNamespace, w, d_proj: torch.Tensor, d_gate_in:
     if f.bias:
         for name, d_b in zip(_FOUR, channel_sums(d_proj).split(H)):
             grads[f"{name}.bias"] = d_b
-    d_xn = mm.channels_last(d_proj, f.w4)  # (B, N*N, P)
-    del d_proj
     f.xn = f.xn_cl = None
-    # the out gate's gradient joins before the LayerNorm (gated on xn) or after it (gated on x)
+    if f.fused_ln_in and input_backward.applies(f.rows.dtype, P, 4 * H, [f.rows, f.w4, d_gate_in]):
+        # d xn in registers, the LayerNorm's backward on it (the row kernel's fp32 statistics), in one
+        # kernel (input_backward.py)
+        d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = input_backward.input_side_backward(
+            d_proj, f.w4, f.rows, f.mean_in, f.rstd_in, w["layer_norm_in.weight"], d_gate_in, f.gate_normalized)
+    else:
+        d_x = _input_layer_norm_backward(f, w, mm.channels_last(d_proj, f.w4), d_gate_in, grads)
+    grads["input"] = d_x.view(B, N, N, P)
+    return grads
+
+
+def _input_layer_norm_backward(f: SimpleNamespace, w, d_xn: torch.Tensor, d_gate_in: torch.Tensor,
+                               grads: dict) -> torch.Tensor:
+    """d(loss)/d(x) from d xn (B, N*N, P) (and the input LayerNorm's affine gradients into
+    `grads`), the out gate's gradient joining before the LayerNorm (gated on xn) or after it (gated
+    on x)."""
+    P = f.P
     if f.fused_ln_in:
         d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = layer_norm_rows.layer_norm_backward(
             d_xn.view(-1, P), f.rows, f.mean_in, f.rstd_in, w["layer_norm_in.weight"], f.eps_in,
@@ -406,5 +420,4 @@ def _input_side_backward(f: SimpleNamespace, w, d_proj: torch.Tensor, d_gate_in:
             [True, True, True])
         if not f.gate_normalized:
             d_x += d_gate_in
-    grads["input"] = d_x.view(B, N, N, P)
-    return grads
+    return d_x

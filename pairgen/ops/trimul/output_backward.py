@@ -56,15 +56,21 @@ def render(kind: str, P: int, H: int, bias: bool = False, eps: float = 1e-5):
 
 def applies(dtype, P: int, H: int, tensors: list) -> bool:
     """Whether the kernel takes a step in `dtype` at widths P and H whose tensors the closed form's
-    fused kernels take (a GPU's: fused_backward.enabled): on (OUTPUT_BACKWARD_KERNEL), 16-bit, a GPU
-    with warpgroup products (sm_90), P and H multiples of 16 up to MAX_WIDTH, and `tensors` (the
-    gate's input and the weights) contiguous in that dtype with 16-byte aligned starts (zn, which
-    the LayerNorm kernel makes, always is)."""
+    fused kernels take (a GPU's: fused_backward.enabled): on (OUTPUT_BACKWARD_KERNEL), P and H
+    multiples of 16 up to MAX_WIDTH, and warpgroup_kernels_take(dtype, tensors) (the gate's input and
+    the weights)."""
+    if not OUTPUT_BACKWARD_KERNEL or P % 16 or H % 16 or P > MAX_WIDTH or H > MAX_WIDTH:
+        return False
+    return warpgroup_kernels_take(dtype, tensors)
+
+
+def warpgroup_kernels_take(dtype, tensors: list) -> bool:
+    """Whether the training step's warpgroup kernels (this one, input_backward's) take a step in
+    `dtype` with these tensors: 16-bit, on a GPU with warpgroup products (sm_90), each tensor
+    contiguous in that dtype with a 16-byte aligned start."""
     import torch
 
-    if not OUTPUT_BACKWARD_KERNEL or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if P % 16 or H % 16 or P > MAX_WIDTH or H > MAX_WIDTH:
+    if dtype not in (torch.bfloat16, torch.float16):
         return False
     if runtime.device_info(tensors[0].device.index or 0).capability < (9, 0):
         return False
