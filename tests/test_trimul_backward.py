@@ -769,3 +769,31 @@ def test_the_input_side_backward_kernel_matches_float64_emulated(dtype, P, chann
         assert torch.isfinite(mine).all(), name
         error = ((mine.double() - exact).norm() / exact.norm()).item()
         assert error <= 1e-2, f"{name}: {error}"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+def test_the_projection_backward_reads_the_forward_row_statistics_emulated():
+    """With the input LayerNorm's row kernel (the GPU's path), the projection's sliced backward
+    kernel reads that kernel's mean and 1/std of x instead of running its own statistics kernel,
+    and the gradients meet the 16-bit standard (CPU emulator)."""
+    from unittest import mock
+
+    from emulator import emulated
+    from pairgen.ops.trimul.strategies import wgmma
+
+    gen = generator(93)
+    module = TRIMUL.make_module(MODELS_FORM, gen).bfloat16()
+    x, mask = TRIMUL.make_inputs({"B": 1, "N": 21, **MODELS_FORM}, gen, "cauchy")
+    x, g = x.bfloat16(), torch.randn(x.shape, generator=gen).bfloat16()
+    own_statistics, given = [], []
+    real_statistics, real_backward = wgmma._row_statistics, wgmma.run_projection_backward
+    with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
+            mock.patch.object(layer_norm_rows, "applies", lambda t, cols: True), \
+            mock.patch.object(wgmma, "TRAINING_PROJECTION_KERNELS", True), \
+            mock.patch.object(wgmma, "_row_statistics", lambda *a: own_statistics.append(a) or real_statistics(*a)), \
+            mock.patch.object(wgmma, "run_projection_backward", lambda *a: given.append(a[-1]) or real_backward(*a)):
+        assert wgmma.backward_plan(TRIMUL, "bfloat16", module.widths).kernels[0].name.endswith("_stats")
+        ours = module.analytic_gradients([x, mask], [p.detach() for p in module.parameters()], g)
+    assert len(given) == 1 and given[0] is not None and given[0].shape == (2, 21 * 21)
+    assert not own_statistics, "the backward ran its own statistics kernel"
+    assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [ours[0], *ours[2:]])

@@ -37,16 +37,25 @@ def layer_norm(rows: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps:
     """LayerNorm over the last dim of rows (M, C) contiguous: (xn (M, C), mean and 1/std (M,) in
     fp32), as torch.native_layer_norm returns them. xn in gamma's dtype: rows in that dtype, or
     fp32 rows with 16-bit weights (an fp32 input under autocast, normalised as it is read instead
-    of cast first: reads_fp32)."""
+    of cast first: reads_fp32). mean and 1/std are the two rows of one (2, M) tensor (`statistics`
+    gives it back), the layout the triangle update's projection kernels read them in."""
     import torch
 
     M, C = rows.shape
     xn = torch.empty(rows.shape, device=rows.device, dtype=gamma.dtype)
-    mean = torch.empty(M, device=rows.device, dtype=torch.float32)
-    rstd = torch.empty_like(mean)
+    mean, rstd = torch.empty(2, M, device=rows.device, dtype=torch.float32)
     TEMPLATE.launch(xn, "", warp_per_item_blocks(rows, M, blocks_per_sm), rows.data_ptr(), gamma.data_ptr(), beta.data_ptr(), xn.data_ptr(),
                     mean.data_ptr(), rstd.data_ptr(), M, cols=C, eps=repr(float(eps)), x_kind=storage_kind(rows.dtype))
     return xn, mean, rstd
+
+
+def statistics(mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor | None:
+    """The (2, M) tensor whose rows are layer_norm's mean and 1/std, where they are its rows
+    (None otherwise)."""
+    base = mean._base
+    if base is None or base.shape != (2, mean.numel()) or rstd._base is not base:
+        return None
+    return base if mean.data_ptr() == base.data_ptr() and rstd.data_ptr() == base[1].data_ptr() else None
 
 
 def reads_fp32(rows: torch.Tensor, dtype) -> bool:

@@ -352,7 +352,8 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     if f.projection_kernels:  # the gates' chain rule in the kernel that recomputes the projections
         d_a, d_b = (product() for _, product in products)
         d_z = a = b = products = None
-        d_proj = wgmma.run_projection_backward(module, f.x_operand, f.mask, d_a, d_b, f.precision, f.packed)
+        stats = layer_norm_rows.statistics(f.mean_in, f.rstd_in) if f.fused_ln_in else None  # the forward's, for x
+        d_proj = wgmma.run_projection_backward(module, f.x_operand, f.mask, d_a, d_b, f.precision, f.packed, stats)
         del d_a, d_b
         f.x_operand = f.mask = f.packed = None
         return _input_side_backward(f, w, d_proj.view(B, 4 * H, NN), d_gate_in, grads, mm, frozen)

@@ -565,18 +565,23 @@ def run_output_forward(projected: Projected, z, packed):
     return out
 
 
-def run_projection_backward(module, x, mask, d_a, d_b, precision: str, packed):
+def run_projection_backward(module, x, mask, d_a, d_b, precision: str, packed, row_statistics=None):
     """d(loss)/d(the four pre-activations) (B, 4, H, N*N), the closed form's d_proj, from x (in the
     operand type, contiguous), the mask (bool or fp32, (B, N, N)), d(loss)/d(a) and d(loss)/d(b)
     ((B*H, N, N), channel-major) and the weights' pack (pack_given, the forward's): the projections
     and gates recomputed from x as the forward's kernel computes them, the chain rule in the
-    epilogue (projection_kernels_apply must hold)."""
+    epilogue (projection_kernels_apply must hold). row_statistics: x's rows' LayerNorm mean and
+    1/std as a (2, B*N*N) fp32 tensor (layer_norm_rows.statistics), which a sliced kernel then
+    reads instead of running its statistics kernel."""
     import torch
 
     variant = _backward_variant(module, x, precision)
     B, N, H = x.shape[0], x.shape[1], module.widths["H"]
     *statistics, launch = variant.launches(x.get_device(), B, N)
-    held_stats, stats = _row_statistics(statistics, x, x.data_ptr())
+    if statistics and row_statistics is not None:
+        held_stats, stats = row_statistics, {"stats": row_statistics.data_ptr()}
+    else:
+        held_stats, stats = _row_statistics(statistics, x, x.data_ptr())
     d_proj = torch.empty((B, 4, H, N * N), device=x.device, dtype=x.dtype)
     launch.named(x=x.data_ptr(), mask=mask.data_ptr(), w=packed.data_ptr(), d_a=d_a.data_ptr(), d_b=d_b.data_ptr(),
                  d_proj=d_proj.data_ptr(), mask_is_float=int(mask.dtype is torch.float32), **stats)
