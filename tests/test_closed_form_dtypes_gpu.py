@@ -276,9 +276,10 @@ def test_16_bit_triangle_training_takes_the_projection_kernels(widths, recompute
     assert_16_bit_gradients_meet_the_standard(step.module, step.inputs, step.g, step.gradients)
 
 
-def _triangle_training_step(widths: dict, dtype, recompute: bool, seed: int):
-    """One closed-form training step of a 16-bit triangle update (B2 N37, heavy tails, on the GPU):
-    its module, inputs, d(loss)/d(out) g, output and gradients (the input's, then every parameter's)."""
+def _triangle_training_step(widths: dict, dtype, recompute: bool, seed: int, N: int = 37):
+    """One closed-form training step of a 16-bit triangle update (B2, length N, heavy tails, on the
+    GPU): its module, inputs, d(loss)/d(out) g, output and gradients (the input's, then every
+    parameter's)."""
     from types import SimpleNamespace
 
     spec = get_op("trimul")
@@ -286,7 +287,7 @@ def _triangle_training_step(widths: dict, dtype, recompute: bool, seed: int):
     module = spec.make_module(widths, gen).cuda().to(dtype)
     module.backward_mode = "closed_form"
     module.recompute_for_backward = recompute
-    x, mask = (t.cuda() for t in spec.make_inputs({"B": 2, "N": 37, **widths}, gen, "cauchy"))
+    x, mask = (t.cuda() for t in spec.make_inputs({"B": 2, "N": N, **widths}, gen, "cauchy"))
     x = x.to(dtype)
     g = torch.randn(x.shape, generator=generator(seed + 1)).cuda().to(dtype)
     leaf = x.clone().requires_grad_()
@@ -302,13 +303,15 @@ def _triangle_training_step(widths: dict, dtype, recompute: bool, seed: int):
                                     {"P": 48, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}],
                          ids=["models", "bias-gate-on-x"])
 @pytest.mark.parametrize("input_kernel", [True, False], ids=["with-input-kernel", "output-kernel-only"])
-def test_16_bit_triangle_training_takes_the_side_kernels(widths, recompute, dtype, input_kernel, monkeypatch):
+@pytest.mark.parametrize("N", [37, 12], ids=["N37", "N12-whole-pieces"])
+def test_16_bit_triangle_training_takes_the_side_kernels(widths, recompute, dtype, input_kernel, N, monkeypatch):
     """With the output side's backward kernel on (output_backward.OUTPUT_BACKWARD_KERNEL, off by
     default), and the input side's (input_backward.INPUT_BACKWARD_KERNEL, off by default) or not,
-    a 16-bit training step runs each once, whether the forward kept its intermediates
-    (then without zn, o and u) or the backward recomputes them: gradients within the 16-bit
-    standard at an odd length with heavy tails, and the output the reference's to the 16-bit
-    standard (on the models' widths, from the projection's own output kernel)."""
+    a 16-bit training step runs each once, whether the forward kept its intermediates (then
+    without zn, o and u) or the backward recomputes them: gradients within the 16-bit standard
+    with heavy tails, and the output the reference's to the 16-bit standard (on the models' widths,
+    from the projection's own output kernel). At an odd length (37) and at one whose planes are
+    whole 16-byte pieces with tiles across two batches (12)."""
     from pairgen.ops.trimul import input_backward, output_backward
 
     monkeypatch.setattr(output_backward, "OUTPUT_BACKWARD_KERNEL", True)
@@ -316,7 +319,7 @@ def test_16_bit_triangle_training_takes_the_side_kernels(widths, recompute, dtyp
     runs, real, real_input = [], output_backward.output_side_backward, input_backward.input_side_backward
     monkeypatch.setattr(output_backward, "output_side_backward", lambda *a: runs.append("output") or real(*a))
     monkeypatch.setattr(input_backward, "input_side_backward", lambda *a: runs.append("input") or real_input(*a))
-    step = _triangle_training_step(widths, dtype, recompute, seed=46)
+    step = _triangle_training_step(widths, dtype, recompute, seed=46, N=N)
     assert runs == ["output", "input"] if input_kernel else ["output"], runs
     result = compare(step.out, reference64(step.module, step.inputs), SIXTEEN_BIT)
     assert result.ok, result
