@@ -674,8 +674,8 @@ def test_the_output_side_backward_kernel_matches_float64_emulated(dtype, P, H, B
 @pytest.mark.parametrize("widths,B,N,dtype", [(MODELS_FORM, 1, 23, torch.bfloat16), (OUTPUT_BACKWARD_WIDTHS[1], 2, 9, torch.float16)],
                          ids=["models-N23", "bias-gate-on-x-fp16"])
 @pytest.mark.parametrize("path", ["recomputed", "saved"])
-@pytest.mark.parametrize("projections", ["kernels", "cuBLAS"])
-@pytest.mark.parametrize("input_kernel", [True, False], ids=["with-input-kernel", "output-kernel-only"])
+@pytest.mark.parametrize("projections,input_kernel", [("kernels", True), ("cuBLAS", False)],
+                         ids=["projection-kernels-both-sides", "cuBLAS-projections-output-side"])
 def test_16_bit_gradients_through_the_side_kernels_meet_the_standard_emulated(widths, B, N, dtype, path, projections,
                                                                               input_kernel):
     """The 16-bit closed form with its fused kernels, the output side's backward kernel and (or not)
