@@ -797,3 +797,25 @@ def test_the_projection_backward_reads_the_forward_row_statistics_emulated():
     assert len(given) == 1 and given[0] is not None and given[0].shape == (2, 21 * 21)
     assert not own_statistics, "the backward ran its own statistics kernel"
     assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [ours[0], *ours[2:]])
+
+
+def test_pairgen_side_kernels_turns_both_side_kernels_on_and_the_switches_win(monkeypatch):
+    """The side kernels are off by default; PAIRGEN_SIDE_KERNELS=1 turns both on where they apply,
+    and each module's switch, once set, wins over the variable."""
+    from emulator import emulated
+    from pairgen.ops.trimul import input_backward, output_backward
+
+    monkeypatch.delenv("PAIRGEN_SIDE_KERNELS", raising=False)
+    rows = torch.zeros(64, 128, dtype=torch.bfloat16)
+    with emulated():  # a device with warpgroup products
+        def taken():
+            return (output_backward.applies(torch.bfloat16, 128, 128, [rows]),
+                    input_backward.applies(torch.bfloat16, 128, 512, [rows]))
+        assert taken() == (False, False)
+        monkeypatch.setenv("PAIRGEN_SIDE_KERNELS", "1")
+        assert taken() == (True, True)
+        assert not output_backward.applies(torch.float32, 128, 128, [rows.float()]), "16-bit only"
+        assert not input_backward.applies(torch.bfloat16, 144, 512, [rows]), "P past the widest"
+        monkeypatch.setattr(output_backward, "OUTPUT_BACKWARD_KERNEL", False)
+        monkeypatch.setattr(input_backward, "INPUT_BACKWARD_KERNEL", False)
+        assert taken() == (False, False)

@@ -195,8 +195,9 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
     # The output side's backward in one kernel where it applies (output_backward.py): it makes zn
     # from z and recomputes o and u, so no forward with a backward to follow keeps them, and where
     # the backward follows at once (the recomputing closed form) the forward stops at z.
+    out_weights = [w["out_proj.weight"], w["out_gate.weight"]]
     f.output_kernel = (not inference and not f.hidden and f.fused
-                       and output_backward.applies(dtype, P, H, [f.gate_in, w["out_proj.weight"], w["out_gate.weight"]]))
+                       and output_backward.applies(dtype, P, H, [f.gate_in, *out_weights]))
     f.out = f.zn = f.o = f.u = None
     projected, f.projected = f.projected, None
     if f.output_kernel and (projected is not None or not keep_operands):

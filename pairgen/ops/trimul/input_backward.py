@@ -5,12 +5,14 @@ registers, adds the output gate's d(loss)/d(gate input), and runs the input Laye
 d(loss)/d(x) and the LayerNorm's affine gradients. The closed form otherwise writes d_xn with a
 cuBLAS product and reads it back in the row LayerNorm's backward.
 
-Off by default (INPUT_BACKWARD_KERNEL): checked on the CPU emulator, not yet run on a GPU.
+Off by default (INPUT_BACKWARD_KERNEL; PAIRGEN_SIDE_KERNELS=1 turns it on): checked on the CPU
+emulator, not yet run on a GPU.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ... import config
 from ...precision import MMA_KINDS
 from ...spec import align
 from ..fused_kernels import THREADS, FusedTemplate, sm_count, storage_kind
@@ -24,9 +26,10 @@ SIGNATURES = {"": ("ptr d_proj", "ptr w4", "ptr x", "ptr mean", "ptr rstd", "ptr
 TEMPLATE = FusedTemplate("trimul", "input_backward", lambda context: SIGNATURES)
 #: The widest P the kernel takes (the product's accumulators in one warpgroup's registers).
 MAX_WIDTH = 128
-#: Whether 16-bit training steps take the kernel (where `applies`). Off until timed on a GPU against
-#: the product and the LayerNorm backward it replaces (docs/performance.md, session 25).
-INPUT_BACKWARD_KERNEL = False
+#: Whether 16-bit training steps take the kernel (where `applies`): None follows PAIRGEN_SIDE_KERNELS
+#: (off unless set to 1) until a GPU has timed it against the product and the LayerNorm backward it
+#: replaces (docs/performance.md, session 25).
+INPUT_BACKWARD_KERNEL = None
 #: d_proj's chunks in flight per warpgroup (the template's STAGES), and the channels of one.
 STAGES = 4
 _CHUNK_CHANNELS = 64
@@ -52,11 +55,16 @@ def render(kind: str, P: int, channels: int, gate_normalized: bool = True):
     return TEMPLATE.render(kind, **context(kind, P, channels, gate_normalized))
 
 
+def _switched_on() -> bool:
+    return INPUT_BACKWARD_KERNEL if INPUT_BACKWARD_KERNEL is not None else config.side_kernels()
+
+
 def applies(dtype, P: int, channels: int, tensors: list) -> bool:
     """Whether the kernel takes a step in `dtype` at pair width P with `channels` (4H) projection
-    channels: on (INPUT_BACKWARD_KERNEL), P a multiple of 16 up to MAX_WIDTH, the channels whole
-    chunks, and warpgroup_kernels_take(dtype, tensors) (x's rows, W4, the gate's gradient)."""
-    if not INPUT_BACKWARD_KERNEL or P % 16 or P > MAX_WIDTH or channels % _CHUNK_CHANNELS:
+    channels: on (INPUT_BACKWARD_KERNEL, else PAIRGEN_SIDE_KERNELS), P a multiple of 16 up to
+    MAX_WIDTH, the channels whole chunks, and warpgroup_kernels_take(dtype, tensors) (x's rows, W4,
+    the gate's gradient)."""
+    if not _switched_on() or P % 16 or P > MAX_WIDTH or channels % _CHUNK_CHANNELS:
         return False
     return warpgroup_kernels_take(dtype, tensors)
 

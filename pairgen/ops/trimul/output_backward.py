@@ -6,13 +6,14 @@ LayerNorm's affine gradients. The closed form otherwise makes zn in the forward,
 it (three pair-sized tensors held through the step), and runs the elementwise gate, two cuBLAS
 products and the LayerNorm's backward over them.
 
-Off by default (OUTPUT_BACKWARD_KERNEL): checked on the CPU emulator, not yet run on a GPU.
+Off by default (OUTPUT_BACKWARD_KERNEL; PAIRGEN_SIDE_KERNELS=1 turns it on): checked on the CPU
+emulator, not yet run on a GPU.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ... import runtime
+from ... import config, runtime
 from ...precision import MMA_KINDS
 from ...spec import align
 from ..fused_kernels import THREADS, FusedTemplate, sm_count, storage_kind
@@ -26,9 +27,9 @@ SIGNATURES = {"": ("ptr z", "ptr gi", "ptr g", "ptr gamma", "ptr beta", "ptr wo"
 TEMPLATE = FusedTemplate("trimul", "output_backward", lambda context: SIGNATURES)
 #: The widest P and H the kernel takes (each product's accumulators in one warpgroup's registers).
 MAX_WIDTH = 128
-#: Whether 16-bit training steps take the kernel (where `applies`). Off until timed on a GPU against
-#: the passes it replaces (docs/performance.md, session 25).
-OUTPUT_BACKWARD_KERNEL = False
+#: Whether 16-bit training steps take the kernel (where `applies`): None follows PAIRGEN_SIDE_KERNELS
+#: (off unless set to 1) until a GPU has timed it against the passes it replaces (docs/performance.md, session 25).
+OUTPUT_BACKWARD_KERNEL = None
 _GROUPS = THREADS // 128
 _TILE_ROWS = 64
 
@@ -54,12 +55,16 @@ def render(kind: str, P: int, H: int, bias: bool = False, eps: float = 1e-5):
     return TEMPLATE.render(kind, **context(kind, P, H, bias, eps))
 
 
+def _switched_on() -> bool:
+    return OUTPUT_BACKWARD_KERNEL if OUTPUT_BACKWARD_KERNEL is not None else config.side_kernels()
+
+
 def applies(dtype, P: int, H: int, tensors: list) -> bool:
     """Whether the kernel takes a step in `dtype` at widths P and H whose tensors the closed form's
-    fused kernels take (a GPU's: fused_backward.enabled): on (OUTPUT_BACKWARD_KERNEL), P and H
-    multiples of 16 up to MAX_WIDTH, and warpgroup_kernels_take(dtype, tensors) (the gate's input and
-    the weights)."""
-    if not OUTPUT_BACKWARD_KERNEL or P % 16 or H % 16 or P > MAX_WIDTH or H > MAX_WIDTH:
+    fused kernels take (a GPU's: fused_backward.enabled): on (OUTPUT_BACKWARD_KERNEL, else
+    PAIRGEN_SIDE_KERNELS), P and H multiples of 16 up to MAX_WIDTH, and
+    warpgroup_kernels_take(dtype, tensors) (the gate's input and the weights)."""
+    if not _switched_on() or P % 16 or H % 16 or P > MAX_WIDTH or H > MAX_WIDTH:
         return False
     return warpgroup_kernels_take(dtype, tensors)
 
