@@ -816,6 +816,8 @@ def test_pairgen_side_kernels_turns_both_side_kernels_on_and_the_switches_win(mo
         assert taken() == (True, True)
         assert not output_backward.applies(torch.float32, 128, 128, [rows.float()]), "16-bit only"
         assert not input_backward.applies(torch.bfloat16, 144, 512, [rows]), "P past the widest"
+        assert not input_backward.applies(torch.bfloat16, 128, 1024, [rows]), "W4^T past shared memory"
+        assert input_backward.applies(torch.bfloat16, 64, 1024, [rows]), "W4^T within shared memory"
         monkeypatch.setattr(output_backward, "OUTPUT_BACKWARD_KERNEL", False)
         monkeypatch.setattr(input_backward, "INPUT_BACKWARD_KERNEL", False)
         assert taken() == (False, False)

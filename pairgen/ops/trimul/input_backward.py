@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ... import config
 from ...precision import MMA_KINDS
-from ...spec import align
+from ...spec import DeviceLimits, align
 from ..fused_kernels import THREADS, FusedTemplate, sm_count, storage_kind
 from .output_backward import warpgroup_kernels_take
 
@@ -62,11 +62,11 @@ def _switched_on() -> bool:
 def applies(dtype, P: int, channels: int, tensors: list) -> bool:
     """Whether the kernel takes a step in `dtype` at pair width P with `channels` (4H) projection
     channels: on (INPUT_BACKWARD_KERNEL, else PAIRGEN_SIDE_KERNELS), P a multiple of 16 up to
-    MAX_WIDTH, the channels whole chunks, and warpgroup_kernels_take(dtype, tensors) (x's rows, W4,
-    the gate's gradient)."""
+    MAX_WIDTH, the channels whole chunks, W4^T resident within a block's shared memory (4H up to 512
+    at P = 128), and warpgroup_kernels_take(dtype, tensors) (x's rows, W4, the gate's gradient)."""
     if not _switched_on() or P % 16 or P > MAX_WIDTH or channels % _CHUNK_CHANNELS:
         return False
-    return warpgroup_kernels_take(dtype, tensors)
+    return warpgroup_kernels_take(dtype, tensors) and smem_bytes(P, channels) <= DeviceLimits().max_smem_per_block
 
 
 def input_side_backward(d_proj: torch.Tensor, w4: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor,
