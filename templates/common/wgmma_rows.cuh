@@ -1,5 +1,6 @@
 // ---- common/wgmma_rows.cuh: a warpgroup's 64-row results as the next product's A operand, as
-// rows in global memory, and weights staged transposed as B operands ----
+// rows in global memory, weights staged transposed as B operands, and sums over the rows of its
+// accumulators (a row LayerNorm's statistics and affine gradients) ----
 // Needs elem_t, pack2 and elem_to_float (common/mma.cuh.j2), operand_offset (common/wgmma.cuh.j2)
 // and the kernel's THREADS.
 
@@ -45,5 +46,35 @@ __device__ __forceinline__ void store_rows(elem_t* __restrict__ out, const unsig
 #pragma unroll
         for (int j = 0; j < COLS / 8; ++j)
             *reinterpret_cast<unsigned*>(out + r * COLS + 8 * j + 2 * t) = f[j / 2][2 * (j % 2) + h2];
+    }
+}
+
+// Sum over the quad (the four threads that hold one accumulator row's columns).
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Adds one column's sums over this thread's two rows (d gamma, d beta of a LayerNorm's backward) to
+// the warp's sums in shared memory ([2][COLS]: d gamma, then d beta): summed over the warp's 8 row
+// groups by shuffles, then one lane a column adds them (no two lanes or warps share a slot).
+template <int COLS>
+__device__ __forceinline__ void add_column_sums(float* warp_sums, int col, float d_gamma, float d_beta, int lane) {
+#pragma unroll
+    for (int offset = 4; offset < 32; offset <<= 1) {
+        d_gamma += __shfl_xor_sync(0xffffffffu, d_gamma, offset);
+        d_beta += __shfl_xor_sync(0xffffffffu, d_beta, offset);
+    }
+    if ((lane >> 2) == 0) warp_sums[col] += d_gamma, warp_sums[COLS + col] += d_beta;
+}
+
+// The block's sums ([2][COLS] at block_sums[blockIdx.x]): every warp's, added in a fixed order (the
+// caller adds the blocks: deterministic). After a __syncthreads.
+template <int COLS>
+__device__ __forceinline__ void store_block_sums(const float* all_warp_sums, int warps, float* __restrict__ block_sums) {
+    for (int i = threadIdx.x; i < 2 * COLS; i += THREADS) {
+        float total = 0.0f;
+        for (int w = 0; w < warps; ++w) total += all_warp_sums[w * 2 * COLS + i];
+        block_sums[(i64)blockIdx.x * 2 * COLS + i] = total;
     }
 }
