@@ -1,8 +1,8 @@
 // ---- common/wgmma_rows.cuh: a warpgroup's 64-row results as the next product's A operand, as
 // rows in global memory, weights staged transposed as B operands, and sums over the rows of its
 // accumulators (a row LayerNorm's statistics and affine gradients) ----
-// Needs elem_t, pack2 and elem_to_float (common/mma.cuh.j2), operand_offset (common/wgmma.cuh.j2)
-// and the kernel's THREADS.
+// Needs elem_t, pack2 and elem_to_float (common/mma.cuh.j2), operand_offset (common/wgmma.cuh.j2),
+// cp_async16 (common/cp_async.cuh) and the kernel's THREADS and TILE_ROWS (64: a warpgroup's rows).
 
 // Shared-memory regions 1024-byte aligned (the operand layouts' alignment).
 __host__ __device__ constexpr int align1k(int bytes) { return (bytes + 1023) / 1024 * 1024; }
@@ -76,5 +76,56 @@ __device__ __forceinline__ void store_block_sums(const float* all_warp_sums, int
         float total = 0.0f;
         for (int w = 0; w < warps; ++w) total += all_warp_sums[w * 2 * COLS + i];
         block_sums[(i64)blockIdx.x * 2 * COLS + i] = total;
+    }
+}
+
+// Channel-major tiles of a channels-first (B, channels, plane) tensor (the triangle sums and their
+// gradients, the projections' gradients): COUNT channels from channel c0 of the pairs
+// [first, first + TILE_ROWS), a row of STRIDE values a channel, moved by one warpgroup (tid its
+// thread). `pieces` (plane a multiple of 8, the tensor 16-byte aligned): 8 pairs of a channel a
+// 16-byte access (a piece never straddles two batches); else value by value.
+__device__ __forceinline__ i64 channel_offset(i64 m, int c, int channels, i64 plane) {
+    const i64 b = m / plane;
+    return (b * channels + c) * plane + (m - b * plane);
+}
+
+// The tile from global memory, pieces through cp.async (the caller commits), single values
+// synchronously; pairs past `pairs` stage 0.
+template <int COUNT, int STRIDE>
+__device__ __forceinline__ void fetch_channels(elem_t* tile, const elem_t* __restrict__ src, int c0, int channels,
+                                               i64 first, i64 pairs, i64 plane, int pieces, int tid) {
+    if (pieces) {
+        for (int i = tid; i < COUNT * (TILE_ROWS / 8); i += 128) {
+            const int c = i / (TILE_ROWS / 8), piece = i - c * (TILE_ROWS / 8);
+            const i64 m = first + 8 * piece;
+            cp_async16(tile + c * STRIDE + 8 * piece, src + (m < pairs ? channel_offset(m, c0 + c, channels, plane) : 0),
+                       m < pairs);
+        }
+        return;
+    }
+    for (int i = tid; i < COUNT * TILE_ROWS; i += 128) {
+        const int c = i / TILE_ROWS, r = i - c * TILE_ROWS;
+        const i64 m = first + r;
+        tile[c * STRIDE + r] = m < pairs ? src[channel_offset(m, c0 + c, channels, plane)] : (elem_t)0;
+    }
+}
+
+// The tile back to global memory (all of the tensor's channels: c0 0), pairs past `pairs` not written.
+template <int COUNT, int STRIDE>
+__device__ __forceinline__ void store_channels(const elem_t* tile, elem_t* __restrict__ dst, i64 first, i64 pairs,
+                                               i64 plane, int pieces, int tid) {
+    if (pieces) {
+        for (int i = tid; i < COUNT * (TILE_ROWS / 8); i += 128) {
+            const int c = i / (TILE_ROWS / 8), piece = i - c * (TILE_ROWS / 8);
+            const i64 m = first + 8 * piece;
+            if (m < pairs)
+                *reinterpret_cast<uint4*>(dst + channel_offset(m, c, COUNT, plane)) =
+                    *reinterpret_cast<const uint4*>(tile + c * STRIDE + 8 * piece);
+        }
+        return;
+    }
+    for (int i = tid; i < COUNT * TILE_ROWS; i += 128) {
+        const int c = i / TILE_ROWS, r = i - c * TILE_ROWS;
+        if (first + r < pairs) dst[channel_offset(first + r, c, COUNT, plane)] = tile[c * STRIDE + r];
     }
 }
