@@ -554,7 +554,7 @@ def test_the_output_layer_norm_backward_kernel_matches_float64_emulated(dtype, l
     memory) against float64 autograd of the same rounded inputs: d z within the dtype's rounding
     (relative L2 1e-5 in fp32, 1e-2 in 16 bits), d gamma and d beta to fp32 sums, at planes that
     end mid-tile and hidden widths that are and are not multiples of 16 bytes' values (the last two
-    cases: 16-byte accesses, d zn staged two pairs a word, several threads a channel's d gamma)."""
+    cases: 16-byte accesses)."""
     from emulator import emulated
 
     gen = generator(70 + hidden)
