@@ -23,7 +23,6 @@ ENVIRONMENT = {
     "PAIRGEN_DISABLE": ("0", "1 makes every module run its PyTorch reference (for debugging). Read when a module first meets a length; after changing it in a running process call `pairgen.runtime.clear_caches()`."),
     "PAIRGEN_FIRST_USE_CHECK": ("1", "On a shape with no tuned entry, time the default kernel against the PyTorch reference at its first call and run the faster; the verdict is kept under the user's tuned folder (`<gpu>/first-use/<op>.json`). 0 turns the check off."),
     "PAIRGEN_FUSED_BACKWARD": ("1", "0 runs the closed forms' elementwise steps as PyTorch passes instead of pairgen's fused kernels (the triangle update's gates, their chain rule, the output gate, the output LayerNorm and its backward, and in 16 bits on Hopper its projections, forward and backward; the input LayerNorm of the triangle update and the contact head, forward and backward; the readout's 16-bit first-layer rows and its max over partners, forward and backward); both meet the same gradient standard, the fused kernels are faster, and \"auto\" trains 16-bit triangle updates and contact heads in PyTorch without them."),
-    "PAIRGEN_SIDE_KERNELS": ("0", "1 runs a 16-bit triangle update's training step on Hopper with its output side's backward (the output LayerNorm, projection and gate, their chain rule and the LayerNorm's backward) in one tensor-core kernel, its forward keeping none of their intermediates, and its input LayerNorm's backward with d(loss)/d(normalised input) in another: fewer passes and launches a step. Off until timed on a GPU; both meet the 16-bit gradient standard."),
     "PAIRGEN_FASTCALL": ("1", "A module call like one of its recent kernel calls (shapes, dtypes, device; no autograd, no autocast, the parameters unchanged) replays its kernels from compiled code, built on first use with the machine's C++ compiler in a background thread and cached under `PAIRGEN_CACHE_DIR`. 0 keeps every call on the Python path (the same kernels, more host time per call)."),
     "PAIRGEN_ARCH": ("the current GPU's, else sm_90", "NVRTC target, e.g. sm_90; lets a machine without a GPU compile."),
     "PAIRGEN_COMPILE_WORKERS": ("number of CPUs", "Processes compiling variants in parallel (tuner, dry runs)."),
@@ -146,10 +145,6 @@ def first_use_check() -> bool:
 
 def fused_backward() -> bool:
     return (_get("PAIRGEN_FUSED_BACKWARD") or "1") not in ("0", "false", "False")
-
-
-def side_kernels() -> bool:
-    return (_get("PAIRGEN_SIDE_KERNELS") or "0") not in ("0", "false", "False")
 
 
 @lru_cache(maxsize=1)

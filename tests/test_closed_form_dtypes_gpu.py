@@ -302,25 +302,22 @@ def _triangle_training_step(widths: dict, dtype, recompute: bool, seed: int, N: 
 @pytest.mark.parametrize("widths", [{"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0},
                                     {"P": 48, "H": 32, "outgoing": 0, "gate_normalized": 0, "bias": 1}],
                          ids=["models", "bias-gate-on-x"])
-@pytest.mark.parametrize("input_kernel", [True, False], ids=["with-input-kernel", "output-kernel-only"])
 @pytest.mark.parametrize("N", [37, 12], ids=["N37", "N12-whole-pieces"])
-def test_16_bit_triangle_training_takes_the_side_kernels(widths, recompute, dtype, input_kernel, N, monkeypatch):
-    """With the output side's backward kernel on (output_backward.OUTPUT_BACKWARD_KERNEL, off by
-    default), and the input side's (input_backward.INPUT_BACKWARD_KERNEL, off by default) or not,
-    a 16-bit training step runs each once, whether the forward kept its intermediates (then
-    without zn, o and u) or the backward recomputes them: gradients within the 16-bit standard
-    with heavy tails, and the output the reference's to the 16-bit standard (on the models' widths,
-    from the projection's own output kernel). At an odd length (37) and at one whose planes are
-    whole 16-byte pieces with tiles across two batches (12)."""
-    from pairgen.ops.trimul import input_backward, output_backward
+@pytest.mark.parametrize("kernel", [True, False], ids=["output-kernel", "without"])
+def test_16_bit_triangle_training_takes_the_output_side_kernel(widths, recompute, dtype, kernel, N, monkeypatch):
+    """A 16-bit training step runs the output side's backward kernel (output_backward.py) once, or,
+    turned off, the passes it replaces, whether the forward kept its intermediates (then without
+    zn, o and u) or the backward recomputes them: gradients within the 16-bit standard with heavy
+    tails, and the output the reference's to the 16-bit standard (on the models' widths, from the
+    projection's own output kernel). At an odd length (37) and at one whose planes are whole
+    16-byte pieces with tiles across two batches (12)."""
+    from pairgen.ops.trimul import output_backward
 
-    monkeypatch.setattr(output_backward, "OUTPUT_BACKWARD_KERNEL", True)
-    monkeypatch.setattr(input_backward, "INPUT_BACKWARD_KERNEL", input_kernel)
-    runs, real, real_input = [], output_backward.output_side_backward, input_backward.input_side_backward
+    monkeypatch.setattr(output_backward, "OUTPUT_BACKWARD_KERNEL", kernel)
+    runs, real = [], output_backward.output_side_backward
     monkeypatch.setattr(output_backward, "output_side_backward", lambda *a: runs.append("output") or real(*a))
-    monkeypatch.setattr(input_backward, "input_side_backward", lambda *a: runs.append("input") or real_input(*a))
     step = _triangle_training_step(widths, dtype, recompute, seed=46, N=N)
-    assert runs == ["output", "input"] if input_kernel else ["output"], runs
+    assert runs == (["output"] if kernel else []), runs
     result = compare(step.out, reference64(step.module, step.inputs), SIXTEEN_BIT)
     assert result.ok, result
     assert_16_bit_gradients_meet_the_standard(step.module, step.inputs, step.g, step.gradients)

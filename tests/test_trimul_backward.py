@@ -639,7 +639,7 @@ def test_the_output_side_backward_kernel_matches_float64_emulated(dtype, P, H, B
     weights: the 16-bit forward standard (relative L2 1e-2) for the 16-bit values, fp32 sums for
     d gamma and d beta within 1e-2 as well (they add 16-bit products), at pair counts that end
     mid-tile, tiles across two batches' planes, planes of whole 16-byte chunks (40) and of single
-    values, and one pair."""
+    values, and one pair. d z is written over z."""
     from emulator import emulated
     from pairgen.ops.trimul import output_backward
 
@@ -651,8 +651,10 @@ def test_the_output_side_backward_kernel_matches_float64_emulated(dtype, P, H, B
     wo, wg = (torch.randn(P, k, generator=gen) / k ** 0.5 for k in (H, P))
     wo, wg = wo.to(dtype), wg.to(dtype)
     bo, bg = (torch.randn(P, generator=gen).to(dtype) for _ in range(2)) if bias else (None, None)
+    consumed = z.clone()
     with emulated():
-        ours = output_backward.output_side_backward(z, gate_in, g, (gamma, beta, 1e-5), wo, wg, bo, bg)
+        ours = output_backward.output_side_backward(consumed, gate_in, g, (gamma, beta, 1e-5), wo, wg, bo, bg)
+    assert ours["d_z"].data_ptr() == consumed.data_ptr(), "d z in z's storage"
     rows = z.double().transpose(1, 2).reshape(M, H).requires_grad_()
     gamma64, beta64 = gamma.double().requires_grad_(), beta.double().requires_grad_()
     zn = torch.nn.functional.layer_norm(rows, [H], gamma64, beta64, 1e-5)
@@ -674,13 +676,11 @@ def test_the_output_side_backward_kernel_matches_float64_emulated(dtype, P, H, B
 @pytest.mark.parametrize("widths,B,N,dtype", [(MODELS_FORM, 1, 23, torch.bfloat16), (OUTPUT_BACKWARD_WIDTHS[1], 2, 9, torch.float16)],
                          ids=["models-N23", "bias-gate-on-x-fp16"])
 @pytest.mark.parametrize("path", ["recomputed", "saved"])
-@pytest.mark.parametrize("projections,input_kernel", [("kernels", True), ("cuBLAS", False)],
-                         ids=["projection-kernels-both-sides", "cuBLAS-projections-output-side"])
-def test_16_bit_gradients_through_the_side_kernels_meet_the_standard_emulated(widths, B, N, dtype, path, projections,
-                                                                              input_kernel):
-    """The 16-bit closed form with its fused kernels, the output side's backward kernel and (or not)
-    the input side's, on the CPU emulator: every gradient within the 16-bit standard, the kernels
-    ran, and a saving forward
+@pytest.mark.parametrize("projections", ["kernels", "cuBLAS"])
+def test_16_bit_gradients_through_the_output_side_kernel_meet_the_standard_emulated(widths, B, N, dtype, path,
+                                                                                    projections):
+    """The 16-bit closed form with its fused kernels and the output side's backward kernel, on the
+    CPU emulator: every gradient within the 16-bit standard, the kernel ran, and a saving forward
     (the training call's) keeps none of zn, o and u for it and gives the reference's output. The
     projection kernels' forward takes its output from the projection's own output kernel; with
     cuBLAS's projections (wgmma.TRAINING_PROJECTION_KERNELS off) it makes zn, o and u, gates into
@@ -688,7 +688,7 @@ def test_16_bit_gradients_through_the_side_kernels_meet_the_standard_emulated(wi
     from unittest import mock
 
     from emulator import emulated
-    from pairgen.ops.trimul import backward, input_backward, output_backward
+    from pairgen.ops.trimul import backward, output_backward
     from pairgen.ops.trimul.strategies import wgmma
 
     gen = generator(110 + N)
@@ -699,15 +699,12 @@ def test_16_bit_gradients_through_the_side_kernels_meet_the_standard_emulated(wi
     precision = str(dtype).split(".")[1]
     runs, real = [], output_backward.output_side_backward
     forwards, real_forward = [], wgmma.run_output_forward
-    inputs, real_input = [], input_backward.input_side_backward
     with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
             mock.patch.object(output_backward, "OUTPUT_BACKWARD_KERNEL", True), \
             mock.patch.object(output_backward, "output_side_backward", lambda *a: runs.append(a) or real(*a)), \
             mock.patch.object(wgmma, "run_output_forward", lambda *a: forwards.append(a) or real_forward(*a)), \
             mock.patch.object(wgmma, "TRAINING_PROJECTION_KERNELS", projections == "kernels"), \
-            mock.patch.object(input_backward, "INPUT_BACKWARD_KERNEL", input_kernel), \
-            mock.patch.object(layer_norm_rows, "applies", lambda t, cols: True), \
-            mock.patch.object(input_backward, "input_side_backward", lambda *a: inputs.append(a) or real_input(*a)):
+            mock.patch.object(layer_norm_rows, "applies", lambda t, cols: True):
         if path == "recomputed":
             ours = module.analytic_gradients([x, mask], list(params.values()), g)
             ours = [ours[0], *ours[2:]]
@@ -721,60 +718,13 @@ def test_16_bit_gradients_through_the_side_kernels_meet_the_standard_emulated(wi
             grads = backward.gradients_from(module, saved, g)
             ours = [grads["input"], *(grads[name] for name in params)]
     assert len(runs) == 1, "the output side's backward kernel did not run once"
-    assert len(inputs) == int(input_kernel), "the input side's backward kernel"
     assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, ours)
-
-
-@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
-@pytest.mark.parametrize("P,channels,gate_normalized", [(128, 512, True), (48, 128, False), (64, 64, True)])
-def test_the_input_backward_kernel_renders_and_compiles_without_spills(kind, P, channels, gate_normalized):
-    from pairgen.ops.trimul import input_backward
-
-    rendered = input_backward.render(kind, P, channels, gate_normalized)
-    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
-    assert compiled.spill_bytes == 0 and compiled.stack_bytes == 0, compiled.summary()
-
-
-@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
-@pytest.mark.parametrize("dtype,P,channels,B,L,gate_normalized",
-                         [(torch.bfloat16, 128, 512, 1, 37 * 37, True), (torch.float16, 48, 128, 2, 40, False),
-                          (torch.bfloat16, 64, 64, 1, 1, True)],
-                         ids=["models", "gate-on-x-fp16-chunked-planes", "one-pair"])
-def test_the_input_side_backward_kernel_matches_float64_emulated(dtype, P, channels, B, L, gate_normalized):
-    """d x, d gamma and d beta of the input LayerNorm from the kernel (CPU emulator) against float64
-    autograd of the same rounded inputs: d xn = d_proj^T W4 with the gate's gradient joining before
-    the LayerNorm (gate on xn) or after it (gate on x), relative L2 1e-2, at pair counts that end
-    mid-tile, planes of whole 16-byte pieces (40, two batches) and of single values, and one pair."""
-    from emulator import emulated
-    from pairgen.ops.trimul import input_backward
-
-    gen = generator(120 + P + L)
-    M = B * L
-    rows = (torch.randn(M, P, generator=gen) * 2 + 0.3).to(dtype)
-    d_proj = torch.randn(B, channels, L, generator=gen).to(dtype)
-    w4 = (torch.randn(channels, P, generator=gen) / channels ** 0.5).to(dtype)
-    gamma, beta = (torch.rand(P, generator=gen) + 0.5).to(dtype), torch.randn(P, generator=gen).to(dtype)
-    d_gate_in = torch.randn(M, P, generator=gen).to(dtype)
-    rows64 = rows.double().requires_grad_()
-    mean, rstd = rows64.detach().mean(1), (rows64.detach().var(1, unbiased=False) + 1e-5).rsqrt()
-    with emulated():
-        ours = input_backward.input_side_backward(d_proj, w4, rows, mean.float(), rstd.float(), gamma, d_gate_in,
-                                                  gate_normalized)
-    gamma64, beta64 = gamma.double().requires_grad_(), beta.double().requires_grad_()
-    xn = torch.nn.functional.layer_norm(rows64, [P], gamma64, beta64, 1e-5)
-    d_xn = d_proj.double().transpose(1, 2).reshape(M, channels) @ w4.double()
-    gate_grad = d_gate_in.double()
-    ((xn * (d_xn + gate_grad)).sum() if gate_normalized else (xn * d_xn).sum() + (rows64 * gate_grad).sum()).backward()
-    for name, mine, exact in zip(("d x", "d gamma", "d beta"), ours, (rows64.grad, gamma64.grad, beta64.grad)):
-        assert torch.isfinite(mine).all(), name
-        error = ((mine.double() - exact).norm() / exact.norm()).item()
-        assert error <= 1e-2, f"{name}: {error}"
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 def test_the_projection_backward_reads_the_forward_row_statistics_emulated():
     """With the input LayerNorm's row kernel (the GPU's path), the projection's sliced backward
-    kernel reads that kernel's mean and 1/std of x instead of running its own statistics kernel,
+    kernel (w_registers at P = H = 128) reads that kernel's mean and 1/std of x instead of running its own statistics kernel,
     and the gradients meet the 16-bit standard (CPU emulator)."""
     from unittest import mock
 
@@ -790,6 +740,7 @@ def test_the_projection_backward_reads_the_forward_row_statistics_emulated():
     with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
             mock.patch.object(layer_norm_rows, "applies", lambda t, cols: True), \
             mock.patch.object(wgmma, "TRAINING_PROJECTION_KERNELS", True), \
+            mock.patch.object(wgmma, "BACKWARD_PROJECTION", "w_registers"), \
             mock.patch.object(wgmma, "_row_statistics", lambda *a: own_statistics.append(a) or real_statistics(*a)), \
             mock.patch.object(wgmma, "run_projection_backward", lambda *a: given.append(a[-1]) or real_backward(*a)):
         assert wgmma.backward_plan(TRIMUL, "bfloat16", module.widths).kernels[0].name.endswith("_stats")
@@ -797,27 +748,3 @@ def test_the_projection_backward_reads_the_forward_row_statistics_emulated():
     assert len(given) == 1 and given[0] is not None and given[0].shape == (2, 21 * 21)
     assert not own_statistics, "the backward ran its own statistics kernel"
     assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [ours[0], *ours[2:]])
-
-
-def test_pairgen_side_kernels_turns_both_side_kernels_on_and_the_switches_win(monkeypatch):
-    """The side kernels are off by default; PAIRGEN_SIDE_KERNELS=1 turns both on where they apply,
-    and each module's switch, once set, wins over the variable."""
-    from emulator import emulated
-    from pairgen.ops.trimul import input_backward, output_backward
-
-    monkeypatch.delenv("PAIRGEN_SIDE_KERNELS", raising=False)
-    rows = torch.zeros(64, 128, dtype=torch.bfloat16)
-    with emulated():  # a device with warpgroup products
-        def taken():
-            return (output_backward.applies(torch.bfloat16, 128, 128, [rows]),
-                    input_backward.applies(torch.bfloat16, 128, 512, [rows]))
-        assert taken() == (False, False)
-        monkeypatch.setenv("PAIRGEN_SIDE_KERNELS", "1")
-        assert taken() == (True, True)
-        assert not output_backward.applies(torch.float32, 128, 128, [rows.float()]), "16-bit only"
-        assert not input_backward.applies(torch.bfloat16, 144, 512, [rows]), "P past the widest"
-        assert not input_backward.applies(torch.bfloat16, 128, 1024, [rows]), "W4^T past shared memory"
-        assert input_backward.applies(torch.bfloat16, 64, 1024, [rows]), "W4^T within shared memory"
-        monkeypatch.setattr(output_backward, "OUTPUT_BACKWARD_KERNEL", False)
-        monkeypatch.setattr(input_backward, "INPUT_BACKWARD_KERNEL", False)
-        assert taken() == (False, False)

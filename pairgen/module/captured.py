@@ -176,7 +176,7 @@ def signature(module, inputs: tuple, params: tuple) -> tuple:
     return (tuple(None if t is None else (tuple(t.shape), t.dtype, t.device, t.is_contiguous(), t.requires_grad)
                   for t in inputs),
             tuple((p.data_ptr(), p.dtype, tuple(p.shape), p.requires_grad) for p in params),
-            autocast, module.backward_precision(inputs[0], autocast), config.fused_backward(), config.side_kernels())
+            autocast, module.backward_precision(inputs[0], autocast), config.fused_backward())
 
 
 def steps_of(module) -> CapturedSteps:

@@ -261,8 +261,6 @@ def measure_training(spec, shape, peers, reps, backward_mode: str = "auto", reco
     mode = "train" if backward_mode == "auto" else f"train ({backward_mode})"
     if config.fused_backward():  # kept apart from the PyTorch passes' rows
         mode += " +fused"
-    if config.side_kernels() and spec.name == "trimul":  # and from the steps without them
-        mode += " +side kernels"
     if recompute:
         mode += " recompute"
     row = {"op": spec.name, "shape": shape, "precision": precision, "mode": mode, "variant": label}

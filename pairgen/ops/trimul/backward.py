@@ -37,7 +37,7 @@ from .. import backward_tuning, closed_form, layer_norm_rows
 from ...module.validation import contiguous_aligned
 from ..closed_form import channel_sums, closed_form_gradients, column_sums
 from ...precision import COMPUTE_DTYPES, HALF_BY_DTYPE
-from . import fused_backward, input_backward, output_backward
+from . import fused_backward, output_backward
 from .strategies import wgmma
 
 #: The four input projections, in the order their rows are stacked into W4.
@@ -392,13 +392,7 @@ def _input_side_backward(f: SimpleNamespace, w, d_proj: torch.Tensor, d_gate_in:
         for name, d_b in zip(_FOUR, channel_sums(d_proj).split(H)):
             grads[f"{name}.bias"] = d_b
     f.xn = f.xn_cl = None
-    if f.fused_ln_in and input_backward.applies(f.rows.dtype, P, 4 * H, [f.rows, f.w4, d_gate_in]):
-        # d xn in registers, the LayerNorm's backward on it (the row kernel's fp32 statistics), in one
-        # kernel (input_backward.py)
-        d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = input_backward.input_side_backward(
-            d_proj, f.w4, f.rows, f.mean_in, f.rstd_in, w["layer_norm_in.weight"], d_gate_in, f.gate_normalized)
-    else:
-        d_x = _input_layer_norm_backward(f, w, mm.channels_last(d_proj, f.w4), d_gate_in, grads)
+    d_x = _input_layer_norm_backward(f, w, mm.channels_last(d_proj, f.w4), d_gate_in, grads)
     grads["input"] = d_x.view(B, N, N, P)
     return grads
 

@@ -6,14 +6,15 @@ LayerNorm's affine gradients. The closed form otherwise makes zn in the forward,
 it (three pair-sized tensors held through the step), and runs the elementwise gate, two cuBLAS
 products and the LayerNorm's backward over them.
 
-Off by default (OUTPUT_BACKWARD_KERNEL; PAIRGEN_SIDE_KERNELS=1 turns it on): checked on the CPU
-emulator, not yet run on a GPU.
+On by default (OUTPUT_BACKWARD_KERNEL), where the closed form's fused kernels are
+(PAIRGEN_FUSED_BACKWARD): measured on an H100 (docs/performance.md, session 25) it makes a bf16
+step 2-4 % faster at N512-N1024.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ... import config, runtime
+from ... import runtime
 from ...precision import MMA_KINDS
 from ...spec import align
 from ..fused_kernels import THREADS, FusedTemplate, sm_count, storage_kind
@@ -27,9 +28,8 @@ SIGNATURES = {"": ("ptr z", "ptr gi", "ptr g", "ptr gamma", "ptr beta", "ptr wo"
 TEMPLATE = FusedTemplate("trimul", "output_backward", lambda context: SIGNATURES)
 #: The widest P and H the kernel takes (each product's accumulators in one warpgroup's registers).
 MAX_WIDTH = 128
-#: Whether 16-bit training steps take the kernel (where `applies`): None follows PAIRGEN_SIDE_KERNELS
-#: (off unless set to 1) until a GPU has timed it against the passes it replaces (docs/performance.md, session 25).
-OUTPUT_BACKWARD_KERNEL = None
+#: Whether 16-bit training steps take the kernel (where `applies`). The tests run both ways.
+OUTPUT_BACKWARD_KERNEL = True
 _GROUPS = THREADS // 128
 _TILE_ROWS = 64
 
@@ -55,26 +55,15 @@ def render(kind: str, P: int, H: int, bias: bool = False, eps: float = 1e-5):
     return TEMPLATE.render(kind, **context(kind, P, H, bias, eps))
 
 
-def _switched_on() -> bool:
-    return OUTPUT_BACKWARD_KERNEL if OUTPUT_BACKWARD_KERNEL is not None else config.side_kernels()
-
-
 def applies(dtype, P: int, H: int, tensors: list) -> bool:
     """Whether the kernel takes a step in `dtype` at widths P and H whose tensors the closed form's
-    fused kernels take (a GPU's: fused_backward.enabled): on (OUTPUT_BACKWARD_KERNEL, else
-    PAIRGEN_SIDE_KERNELS), P and H multiples of 16 up to MAX_WIDTH, and
-    warpgroup_kernels_take(dtype, tensors) (the gate's input and the weights)."""
-    if not _switched_on() or P % 16 or H % 16 or P > MAX_WIDTH or H > MAX_WIDTH:
-        return False
-    return warpgroup_kernels_take(dtype, tensors)
-
-
-def warpgroup_kernels_take(dtype, tensors: list) -> bool:
-    """Whether the training step's warpgroup kernels (this one, input_backward's) take a step in
-    `dtype` with these tensors: 16-bit, on a GPU with warpgroup products (sm_90), each tensor
-    contiguous in that dtype with a 16-byte aligned start."""
+    fused kernels take (a GPU's: fused_backward.enabled): on (OUTPUT_BACKWARD_KERNEL), 16-bit, on a
+    GPU with warpgroup products (sm_90), P and H multiples of 16 up to MAX_WIDTH, and `tensors` (the
+    gate's input and the weights) contiguous in that dtype with 16-byte aligned starts."""
     import torch
 
+    if not OUTPUT_BACKWARD_KERNEL or P % 16 or H % 16 or P > MAX_WIDTH or H > MAX_WIDTH:
+        return False
     if dtype not in (torch.bfloat16, torch.float16):
         return False
     if runtime.device_info(tensors[0].device.index or 0).capability < (9, 0):
@@ -86,8 +75,9 @@ def output_side_backward(z: torch.Tensor, gate_in: torch.Tensor, g: torch.Tensor
                          wg: torch.Tensor, bo: torch.Tensor | None, bg: torch.Tensor | None) -> dict:
     """For out = (LN_out(z) Wo^T + bo) * sigmoid(gate_in Wg^T + bg), z (B, H, L) channels first and
     gate_in (B*L, P) one row per pair, given g = d(loss)/d(out) and ln_out = (gamma, beta, eps):
-    {"zn", "d_o", "d_u", "d_gate_in"} one row per pair, "d_z" (B, H, L), "d_gamma" and "d_beta" in
-    fp32 (applies must hold; g is made contiguous in z's dtype)."""
+    {"zn", "d_o", "d_u", "d_gate_in"} one row per pair, "d_z" (B, H, L) in z's storage (z is
+    consumed), "d_gamma" and "d_beta" in fp32 (applies must hold; g is made contiguous in z's
+    dtype)."""
     import torch
 
     B, H, L = z.shape
@@ -97,8 +87,10 @@ def output_side_backward(z: torch.Tensor, gate_in: torch.Tensor, g: torch.Tensor
         g = g.to(z.dtype).contiguous()
     z = z.contiguous()
     gamma, beta, eps = ln_out
+    # d z in z's storage: each tile's sums are read before its gradient is written, and nothing reads
+    # z after (a pair-sized tensor less at the step's peak)
     out = {"zn": z.new_empty(M, H), "d_o": z.new_empty(M, P), "d_u": z.new_empty(M, P), "d_gate_in": z.new_empty(M, P),
-           "d_z": torch.empty_like(z)}
+           "d_z": z}
     bias = bo is not None
     tiles = -(-M // _TILE_ROWS)
     blocks = max(1, min(-(-tiles // _GROUPS), sm_count(z.device.index)))

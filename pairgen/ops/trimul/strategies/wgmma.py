@@ -416,13 +416,12 @@ def w_registers_point(spec, precision: str) -> dict:
 
 
 #: Which projection kernel a 16-bit training step's backward recomputes the pre-activations on:
-#: "w_registers", or "resident" (the forward's kernel with Wp resident in shared memory, paired
-#: columns and x in registers, its epilogue the gates' chain rule, d(loss)/d(a) and d(loss)/d(b)
-#: read through the warp's staging) where its point is feasible and unsliced, else w_registers.
-#: w_registers: measured on an H100 (session 24), the resident one took 432 µs against 398 at
-#: N512 and 1591 against 1538 at N1024, before its loads of d(loss)/d(a) were made a pass ahead
-#: (that form checked on the emulator, not yet timed). The tests run both.
-BACKWARD_PROJECTION = "w_registers"
+#: "resident" (the forward's kernel with Wp resident in shared memory, paired columns and x in
+#: registers, its epilogue the gates' chain rule, d(loss)/d(a) and d(loss)/d(b) read a pass ahead
+#: through the warp's staging) where its point is feasible and unsliced, else "w_registers".
+#: Measured on an H100 (session 25): 344.7 against 397.2 µs at N512, 1256.2 against 1526.8 at N1024.
+#: The tests run both.
+BACKWARD_PROJECTION = "resident"
 #: The resident backward's warpgroups a block: its chain rule's registers beside x's fragments
 #: take more than the 128 a thread that four warpgroups leave.
 RESIDENT_BACKWARD_GROUPS = 3
@@ -488,8 +487,8 @@ def _backward_variant(module, x, precision: str):
 
 
 #: Whether 16-bit training steps take the projection kernels: the forward's a and b from the
-#: projection kernel the module's inference runs, d_proj from the w_registers backward. The four
-#: hidden-width pre-activations are never made, so the step's peak falls by a third
+#: projection kernel the module's inference runs, d_proj from the backward's (BACKWARD_PROJECTION).
+#: The four hidden-width pre-activations are never made, so the step's peak falls by a third
 #: (docs/performance.md, session 24).
 TRAINING_PROJECTION_KERNELS = True
 
@@ -523,7 +522,7 @@ def forward_projection_variant(module, x, precision: str):
     """The variant whose projection kernel a training step's forward runs: the one the module's
     inference runs for this length where that is a wgmma variant of its own (tuned, or a default
     already built), else the first default point feasible at its widths. Its a and b are what the
-    backward's w_registers kernel recomputes: every wgmma projection computes the same values."""
+    backward's projection kernel recomputes: every wgmma projection computes the same values."""
     chosen = module.variant_for(x.shape[1], x.device, precision)
     chosen = getattr(chosen, "variant", chosen)  # a first_use.Pending: its default variant
     if chosen is not None and chosen.plan.strategy == "wgmma" and not chosen.plan.params.get("w_registers"):
