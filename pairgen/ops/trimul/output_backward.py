@@ -35,11 +35,13 @@ _TILE_ROWS = 64
 
 
 def smem_bytes(P: int, H: int) -> int:
-    """Wo, Wg, Wo^T, Wg^T, a 64-row tile of the gate's input and a channel-major tile of z per
-    warpgroup (each region 1024-byte aligned), then gamma, beta, each warp's affine sums and the
-    output's and the gate's biases in fp32 (the template's SMEM_BYTES)."""
+    """Wo, Wg, Wo^T, Wg^T, a 64-row tile of the gate's input (later a channel-major tile of d z:
+    the larger of the two) and a channel-major tile of z per warpgroup (each region 1024-byte
+    aligned), then gamma, beta, each warp's affine sums and the output's and the gate's biases in
+    fp32 (the template's SMEM_BYTES)."""
     wo, wg = align(P * H * 2, 1024), align(P * P * 2, 1024)
-    tiles = align(_TILE_ROWS * P * 2, 1024) + align(H * (_TILE_ROWS + 8) * 2, 1024)
+    z_tile = align(H * (_TILE_ROWS + 8) * 2, 1024)
+    tiles = max(align(_TILE_ROWS * P * 2, 1024), z_tile) + z_tile
     return 2 * wo + 2 * wg + _GROUPS * tiles + (2 * H + _GROUPS * 4 * 2 * H + 2 * P) * 4
 
 
