@@ -13,7 +13,7 @@ import torch
 from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_errors, generator, gradient_errors64
 from pairgen import codegen, compiler, config
 from pairgen.module.autograd import ReferenceBackward, SavedClosedForm
-from pairgen.ops import layer_norm_rows
+from pairgen.ops import layer_norm_rows, row_products
 from pairgen.ops.trimul import TRIMUL, fused_backward
 
 STANDARD = 2e-5
@@ -684,7 +684,8 @@ def test_16_bit_gradients_through_the_output_side_kernel_meet_the_standard_emula
     (the training call's) keeps none of zn, o and u for it and gives the reference's output. The
     projection kernels' forward takes its output from the projection's own output kernel; with
     cuBLAS's projections (wgmma.TRAINING_PROJECTION_KERNELS off) it makes zn, o and u, gates into
-    o's storage and drops them."""
+    o's storage and drops them. The output side's two weight gradients come from one row_products
+    kernel."""
     from unittest import mock
 
     from emulator import emulated
@@ -699,12 +700,15 @@ def test_16_bit_gradients_through_the_output_side_kernel_meet_the_standard_emula
     precision = str(dtype).split(".")[1]
     runs, real = [], output_backward.output_side_backward
     forwards, real_forward = [], wgmma.run_output_forward
+    weight_runs, real_weights = [], row_products.row_products
     with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
             mock.patch.object(output_backward, "OUTPUT_BACKWARD_KERNEL", True), \
             mock.patch.object(output_backward, "output_side_backward", lambda *a: runs.append(a) or real(*a)), \
             mock.patch.object(wgmma, "run_output_forward", lambda *a: forwards.append(a) or real_forward(*a)), \
             mock.patch.object(wgmma, "TRAINING_PROJECTION_KERNELS", projections == "kernels"), \
-            mock.patch.object(layer_norm_rows, "applies", lambda t, cols: True):
+            mock.patch.object(layer_norm_rows, "applies", lambda t, cols: True), \
+            mock.patch.object(row_products, "applies", lambda pairs: True), \
+            mock.patch.object(row_products, "row_products", lambda pairs: weight_runs.append(pairs) or real_weights(pairs)):
         if path == "recomputed":
             ours = module.analytic_gradients([x, mask], list(params.values()), g)
             ours = [ours[0], *ours[2:]]
@@ -718,6 +722,7 @@ def test_16_bit_gradients_through_the_output_side_kernel_meet_the_standard_emula
             grads = backward.gradients_from(module, saved, g)
             ours = [grads["input"], *(grads[name] for name in params)]
     assert len(runs) == 1, "the output side's backward kernel did not run once"
+    assert [len(pairs) for pairs in weight_runs] == [2], "the output side's two weight products in one kernel"
     assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, ours)
 
 

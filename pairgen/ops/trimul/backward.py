@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import backward_tuning, closed_form, layer_norm_rows
+from .. import backward_tuning, closed_form, layer_norm_rows, row_products
 from ...module.validation import contiguous_aligned
 from ..closed_form import channel_sums, closed_form_gradients, column_sums
 from ...precision import COMPUTE_DTYPES, HALF_BY_DTYPE
@@ -276,10 +276,12 @@ def _output_side_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> 
     out = output_backward.output_side_backward(f.z.view(B, H, NN), f.gate_in, g, f.ln_out, w["out_proj.weight"],
                                                w["out_gate.weight"], w.get("out_proj.bias"), w.get("out_gate.bias"))
     f.z = None
-    if "out_gate.weight" not in frozen:
-        grads["out_gate.weight"] = mm(out["d_u"].t(), f.gate_in)
-    if "out_proj.weight" not in frozen:
-        grads["out_proj.weight"] = mm(out["d_o"].t(), out["zn"])
+    weights = [(name, pair) for name, pair in (("out_gate.weight", (out["d_u"], f.gate_in)),
+                                               ("out_proj.weight", (out["d_o"], out["zn"]))) if name not in frozen]
+    if weights and row_products.applies([pair for _, pair in weights]):  # the two weight products in one pass
+        grads.update(zip((name for name, _ in weights), row_products.row_products([pair for _, pair in weights])))
+    else:
+        grads.update((name, mm(a.t(), b)) for name, (a, b) in weights)
     if f.bias:
         grads["out_proj.bias"], grads["out_gate.bias"] = column_sums(out["d_o"]), column_sums(out["d_u"])
     grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = out["d_gamma"], out["d_beta"]
