@@ -61,6 +61,24 @@ def test_the_kernel_refuses_what_it_cannot_take():
     assert not row_products.applies([(a, a)] * 3)
 
 
+def test_the_kernel_runs_only_where_its_shared_memory_fits():
+    """Two 128 x 128 products stage 204 KB: an H100's blocks take it, an A100's (163 KB) do not,
+    a narrower product fits both; no mma.sync before sm_80."""
+    from pairgen.runtime import DeviceInfo
+    from pairgen.spec import DeviceLimits
+
+    def gpu(smem_kb, capability):
+        return DeviceInfo(0, "gpu", "gpu", "sm_%d%d" % capability, DeviceLimits(max_smem_per_block=smem_kb * 1024),
+                          capability)
+
+    models, narrow = CASES["models"], CASES["one-product"]
+    assert row_products.smem_bytes(models) == 3 * 64 * (2 * (128 + 128 + 16)) * 2
+    assert row_products.device_takes(gpu(227, (9, 0)), models)
+    assert not row_products.device_takes(gpu(163, (8, 0)), models)
+    assert row_products.device_takes(gpu(163, (8, 0)), narrow)
+    assert not row_products.device_takes(gpu(227, (7, 5)), narrow)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case,rows", [("models", 123 * 123), ("one-product", 300), ("narrow-and-wide", 37)])

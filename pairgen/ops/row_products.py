@@ -3,19 +3,15 @@ A (M, KA) and B (M, KB), one or two at a time, on the GPU (templates/common/row_
 
 With M the pairs of a pair representation (N*N rows) and KA, KB its channels, cuBLAS splits the
 product's tall K into output tiles that each read their own stripes of the operands, so it reads
-every operand once per output tile across it; this kernel reads each once, the two products of a
-layer's output side together. Used where the closed forms' fused kernels are
-(PAIRGEN_FUSED_BACKWARD); the sums are fp32, rounded once to the operands' dtype."""
+an operand once per output tile across it; this kernel reads each once, the two products of a
+layer's output side in one launch (a little faster than cuBLAS's two: docs/performance.md,
+session 26). Used where the closed forms' fused kernels are (PAIRGEN_FUSED_BACKWARD); the sums are
+fp32, rounded once to the operands' dtype."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from .. import config, runtime
 from ..precision import MMA_KINDS
 from .fused_kernels import THREADS, FusedTemplate, sm_count, storage_kind
-
-if TYPE_CHECKING:  # annotations only: torch is imported where it is used
-    import torch
 
 SIGNATURES = {"": ("ptr a0", "ptr b0", "ptr a1", "ptr b1", "ptr parts", "i64 rows")}
 TEMPLATE = FusedTemplate("common", "row_products", lambda context: SIGNATURES)
@@ -43,7 +39,8 @@ def render(kind: str, products: tuple):
 def applies(pairs: list) -> bool:
     """Whether the kernel takes these (A, B) pairs: one or two, every tensor a contiguous 2-D CUDA
     tensor of the first's 16-bit dtype with 16-byte aligned start and the same rows, widths
-    multiples of 16 up to MAX_WIDTH, the fused kernels on, a GPU with mma.sync (sm_80)."""
+    multiples of 16 up to MAX_WIDTH, the fused kernels on, and a GPU that runs it
+    (device_takes)."""
     import torch
 
     if not 1 <= len(pairs) <= THREADS // 128 or not config.fused_backward():
@@ -56,7 +53,15 @@ def applies(pairs: list) -> bool:
             return False
         if t.shape[0] != first.shape[0] or t.shape[1] % 16 or t.shape[1] > MAX_WIDTH or t.device != first.device:
             return False
-    return runtime.device_info(first.device.index or 0).capability >= (8, 0)
+    products = tuple((a.shape[1], b.shape[1]) for a, b in pairs)
+    return device_takes(runtime.device_info(first.device.index or 0), products)
+
+
+def device_takes(info: runtime.DeviceInfo, products: tuple) -> bool:
+    """Whether a GPU runs the kernel for these (KA, KB) widths: mma.sync (sm_80 on), and blocks that
+    may take the stages' shared memory (204 KB for two 128 x 128 products: Hopper's, not an
+    A100's 163 KB)."""
+    return info.capability >= (8, 0) and smem_bytes(products) <= info.limits.max_smem_per_block
 
 
 def row_products(pairs: list) -> list:
