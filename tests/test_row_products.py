@@ -53,8 +53,8 @@ def test_the_row_products_kernel_matches_float64_emulated(case, rows, dtype):
 
 
 def test_the_kernel_refuses_what_it_cannot_take():
-    """CPU tensors, fp32, widths past 128 or not of 16, rows that differ, and three pairs go to
-    cuBLAS."""
+    """Off a GPU, and with no pairs or three, the kernel is not taken (the widths it refuses are
+    checked on the GPU)."""
     a = torch.zeros(64, 128, dtype=torch.bfloat16)
     assert not row_products.applies([(a, a)])  # not on a GPU
     assert not row_products.applies([])

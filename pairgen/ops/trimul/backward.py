@@ -276,12 +276,13 @@ def _output_side_backward(f: SimpleNamespace, w, g, grads: dict, mm, frozen) -> 
     out = output_backward.output_side_backward(f.z.view(B, H, NN), f.gate_in, g, f.ln_out, w["out_proj.weight"],
                                                w["out_gate.weight"], w.get("out_proj.bias"), w.get("out_gate.bias"))
     f.z = None
-    weights = [(name, pair) for name, pair in (("out_gate.weight", (out["d_u"], f.gate_in)),
-                                               ("out_proj.weight", (out["d_o"], out["zn"]))) if name not in frozen]
-    if weights and row_products.applies([pair for _, pair in weights]):  # the two weight products in one pass
-        grads.update(zip((name for name, _ in weights), row_products.row_products([pair for _, pair in weights])))
+    # each weight's gradient as (d out)^T in: both in one pass where the kernel takes them
+    pairs = {name: pair for name, pair in (("out_gate.weight", (out["d_u"], f.gate_in)),
+                                           ("out_proj.weight", (out["d_o"], out["zn"]))) if name not in frozen}
+    if pairs and row_products.applies(list(pairs.values())):
+        grads.update(zip(pairs, row_products.row_products(list(pairs.values()))))
     else:
-        grads.update((name, mm(a.t(), b)) for name, (a, b) in weights)
+        grads.update((name, mm(a.t(), b)) for name, (a, b) in pairs.items())
     if f.bias:
         grads["out_proj.bias"], grads["out_gate.bias"] = column_sums(out["d_o"]), column_sums(out["d_u"])
     grads["layer_norm_out.weight"], grads["layer_norm_out.bias"] = out["d_gamma"], out["d_beta"]
