@@ -5,6 +5,8 @@ tails; the fp32 gradient standard (relative L2 <= 2e-5 per tensor), and ties in 
 as the reference shares them."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -47,6 +49,26 @@ def test_a_16_bit_module_meets_the_16_bit_standard(dtype, widths, B, N, seed, di
     module, inputs, g = _16_bit_case(dtype, widths, B, N, seed, distribution)
     ours = module.analytic_gradients(list(inputs), [p.detach() for p in module.parameters()], g)
     assert module.backward_precision(inputs[0], None) == str(dtype).removeprefix("torch.")
+    assert_16_bit_gradients_meet_the_standard(module, inputs, g, [t for t in ours if t is not None])
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("dtype,widths,B,N", [(torch.bfloat16, {"D": 24, "P": 8, "H": 64}, 2, 11),
+                                              (torch.float16, {"D": 16, "P": 12, "H": 128}, 1, 9)])
+def test_16_bit_gradients_through_the_fused_kernels_meet_the_standard_emulated(dtype, widths, B, N):
+    """The 16-bit closed form with its GPU kernels (the rows, the max and its gradient, act_grad) run
+    on the CPU emulator: every gradient within the 16-bit standard, isolated nodes included, and
+    act_grad ran once."""
+    from unittest import mock
+
+    from emulator import emulated
+
+    module, inputs, g = _16_bit_case(dtype, widths, B, N, 63, "cauchy")
+    runs, real = [], fused_backward.act_gradient
+    with emulated(), mock.patch.object(fused_backward, "applies", lambda nodes: True), \
+            mock.patch.object(fused_backward, "act_gradient", lambda *a: runs.append(1) or real(*a)):
+        ours = module.analytic_gradients(list(inputs), [p.detach() for p in module.parameters()], g)
+    assert runs == [1]
     assert_16_bit_gradients_meet_the_standard(module, inputs, g, [t for t in ours if t is not None])
 
 
@@ -152,15 +174,62 @@ def test_auto_trains_16_bit_readouts_through_the_closed_form_from_the_measured_s
     assert module.trains_through_reference("bfloat16", (at,))
 
 
-@pytest.mark.parametrize("kind,D,P", [("bfloat16", 256, 64), ("float16", 10, 6), ("bfloat16", 7, 3), ("float16", 96, 40)])
-def test_the_16_bit_closed_form_kernels_render_to_their_signatures_and_compile(kind, D, P):
+@pytest.mark.parametrize("kind,D,P,H", [("bfloat16", 256, 64, 512), ("float16", 10, 6, 0), ("bfloat16", 7, 3, 0),
+                                         ("float16", 96, 40, 192)])
+def test_the_16_bit_closed_form_kernels_render_to_their_signatures_and_compile(kind, D, P, H):
     """The first layer's rows and the max over partners (fused_backward.py), in both 16-bit types,
-    at widths that take 16-byte accesses and at odd ones that take 2- and 1-element ones: their
-    signatures are the launches', and NVRTC compiles them for sm_90 without spills."""
-    rendered = fused_backward.render(kind, D, P)
+    at widths that take 16-byte accesses and at odd ones that take 2- and 1-element ones, and with
+    the hidden width the act_grad kernel: their signatures are the launches', and NVRTC compiles
+    them for sm_90 without spills."""
+    rendered = fused_backward.render(kind, D, P, H)
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
-    assert set(compiled.kernels) >= {f"{rendered.kernel_name}_{s}" for s in ("rows", "max", "max_grad")}
+    kernels = {f"{rendered.kernel_name}_{s}" for s in ("rows", "max", "max_grad")}
+    assert set(compiled.kernels) >= kernels | ({f"{rendered.kernel_name}_act_grad"} if H else set())
     assert not compiled.spill_bytes
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("dtype,B,N,D,H", [(torch.bfloat16, 2, 7, 24, 128), (torch.float16, 1, 5, 96, 64),
+                                           (torch.bfloat16, 3, 3, 70, 192)])
+def test_the_act_grad_kernel_matches_float64_emulated(dtype, B, N, D, H):
+    """d_pre = (d_m W2) silu'(pre) and d_u (each node's rows of d_pre summed) from the act_grad kernel
+    on the CPU emulator, against float64 of the same 16-bit d_m, W2 and pre: the 16-bit standard
+    (relative L2 1e-2), with rows that have no winner, one, several and a tie (two channels' shares
+    in one word, a channel past the last whole warp of words at D = 70), a NaN in pre that must
+    reach only its own element, and heavy-tailed pre. d_u sums d_pre as stored (16-bit values in
+    fp32)."""
+    from emulator import emulated
+
+    gen = generator(900 + D + H)
+    rows = B * N * N
+    d_m = torch.zeros(rows, D)
+    for r in range(rows):  # 0 to 3 winning channels a row, random shares
+        k = int(torch.randint(0, 4, (), generator=gen))
+        d_m[r, torch.randperm(D, generator=gen)[:k]] = torch.randn(k, generator=gen)
+    d_m[0, :2] = torch.tensor([0.75, -1.5])  # both channels of one word
+    d_m[1, D - 1] = 2.0                       # the last channel
+    d_m = d_m.to(dtype)
+    w2 = (torch.randn(D, H, generator=gen) / D ** 0.5).to(dtype)
+    pre = (torch.randn(B, N, N, H, generator=gen) * 3).clamp(-12, 12).to(dtype)
+    pre.view(-1)[5] = float("nan")
+    pre64 = pre.double()
+    sig = torch.sigmoid(pre64)
+    exact = (d_m.double() @ w2.double()).view(B, N, N, H) * sig * (1 + pre64 * (1 - sig))
+    with emulated():
+        d_pre, d_u = fused_backward.act_gradient(d_m, w2, pre.clone(), P=8)
+    d_pre = d_pre.view(B, N, N, H)
+    assert torch.isnan(d_pre.view(-1)[5]) and torch.isnan(d_u[0, 0, 5]), "NaN reaches its element and its node's sum"
+    finite = torch.isfinite(exact)
+    assert int(finite.logical_not().sum()) == 1 and torch.isfinite(d_pre[finite]).all()
+    error = ((d_pre.double()[finite] - exact[finite]).norm() / exact[finite].norm()).item()
+    assert error <= 1e-2, f"d_pre: {error}"
+    ours, stored_sums, exact_sums = d_u.double(), d_pre.double().sum(2), exact.sum(2)
+    for t in (ours, stored_sums, exact_sums):
+        t[0, 0, 5] = 0  # the NaN's node and channel, checked above
+    assert torch.isfinite(ours).all()
+    error = ((ours - exact_sums).norm() / exact_sums.norm()).item()
+    assert error <= 1e-2, f"d_u: {error}"
+    assert torch.allclose(ours, stored_sums, rtol=1e-2, atol=1e-3 * stored_sums.abs().max().item()), "d_pre's sums"
 
 
 def test_vector_width_takes_the_widest_access_both_widths_divide_into():

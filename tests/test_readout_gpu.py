@@ -559,3 +559,32 @@ def test_the_16_bit_closed_form_kernels_match_pytorch_with_ties_isolated_nodes_a
     edge[0, 1, 2] = True
     nan_pooled = fused_backward.max_pool(m, edge, P)
     assert nan_pooled[0, 1, 0].isnan() and nan_pooled.isnan().sum() == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("B,N,D,H", [(2, 13, 24, 64), (1, 37, 70, 192), (2, 128, 256, 512)])
+def test_the_act_grad_kernel_matches_float64(dtype, B, N, D, H):
+    """fused_backward.act_gradient on the GPU: d_pre = (d_m W2) silu'(pre) against float64 of the same
+    16-bit d_m (from the max's gradient kernel: a winner or a tie a node and channel, isolated nodes),
+    W2 and pre, and d_u (each node's rows of d_pre summed) within the 16-bit standard (relative L2
+    1e-2), pre NaN-free and heavy-tailed; pre is consumed (d_pre in its storage)."""
+    from pairgen.ops.readout import fused_backward
+
+    gen = torch.Generator(device="cuda").manual_seed(B * 100 + N + D)
+    m = (torch.randint(-3, 4, (B, N, N, D), device="cuda", generator=gen) * 0.5).to(dtype)
+    edge = torch.rand(B, N, N, device="cuda", generator=gen) < 0.7
+    edge[0, 3] = False
+    pooled = fused_backward.max_pool(m, edge, 8)
+    d_m, _ = fused_backward.max_pool_backward(m, edge, pooled, torch.randn(B, N, D, device="cuda", generator=gen), 8)
+    w2 = (torch.randn(D, H, device="cuda", generator=gen) / D ** 0.5).to(dtype)
+    pre = (torch.randn(B, N, N, H, device="cuda", generator=gen) * 3).clamp(-12, 12).to(dtype)
+    pre64 = pre.double()
+    sig = torch.sigmoid(pre64)
+    exact = (d_m.double() @ w2.double()).view(B, N, N, H) * sig * (1 + pre64 * (1 - sig))
+    storage = pre.data_ptr()
+    d_pre, d_u = fused_backward.act_gradient(d_m, w2, pre, 8)
+    assert d_pre.data_ptr() == storage and d_pre.dtype is dtype and d_u.dtype is dtype
+    for name, ours, ref in (("d_pre", d_pre.view(B, N, N, H), exact), ("d_u", d_u, exact.sum(2))):
+        assert torch.isfinite(ours).all(), name
+        error = ((ours.double() - ref).norm() / ref.norm()).item()
+        assert error <= 1e-2, f"{name}: {error}"

@@ -17,7 +17,8 @@ matrix (about one entry in N is nonzero), so the second layer's two gradient pro
 the winners (cuSPARSE on the GPU) instead of multiplying a pair-sized matrix of zeros on CUDA
 cores; in 16 bits, which those sparse products do not take, it is a dense matrix for the tensor
 cores (on the GPU both the 16-bit rows and the max with its gradient are fused kernels:
-fused_backward.py). An isolated node's pooled row is the constant 0, so its gradient stops there (its
+fused_backward.py, where one more kernel takes the second layer's input gradient through the SiLU
+from the winners alone, so the dense matrix feeds only the weight gradient's product). An isolated node's pooled row is the constant 0, so its gradient stops there (its
 LayerNorm affine still gets one). d<name> is the gradient of the loss with respect to <name>.
 """
 from __future__ import annotations
@@ -139,12 +140,10 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     grads["fuse.2.bias"] = d_m.column_sums
     if "fuse.2.weight" not in frozen:
         grads["fuse.2.weight"] = d_m.transposed_times(act_rows, mm)
-    d_act = d_m.times(w["fuse.2.weight"], mm)
-    del d_m, act_rows
+    del act_rows
     f.act = None
-    # d_act * silu'(pre), in d_act's storage: PyTorch's fused SiLU backward, one pass
-    d_pre = torch.ops.aten.silu_backward.grad_input(d_act, f.pre.view(-1, H), grad_input=d_act)
-    del d_act
+    d_pre, d_u = _pre_gradient(f, d_m, w["fuse.2.weight"], mm)
+    del d_m
     f.pre = None
 
     # ---- the first layer: pair rows, then each node's sums over its partners ----
@@ -153,7 +152,8 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     d_wp = mm(d_pre.t(), pair_rows) if first_layer else None
     grads["pair_feats"] = mm(d_pre, wp).view(B, N, N, P).to(f.pair_dtype)
     d_pre4 = d_pre.view(B, N, N, H)
-    d_u = d_pre4.sum(dim=2)                  # (B, N, H): node i over its partners j
+    if d_u is None:
+        d_u = d_pre4.sum(dim=2)              # (B, N, H): node i over its partners j
     d_v = d_pre4.sum(dim=1)                  # (B, N, H): node j over the i that read it
     grads["fuse.0.bias"] = d_u.sum((0, 1))   # every pair once: node i's sums, summed
     del d_pre, d_pre4
@@ -163,6 +163,18 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
                                             mm(d_v.reshape(-1, H).t(), node_rows), d_wp], dim=1)
     grads["input"] = g + mm(d_u, wi) + mm(d_v, wj)
     return grads
+
+
+def _pre_gradient(f: SimpleNamespace, d_m, w2: torch.Tensor, mm) -> tuple:
+    """(d(loss)/d(pre) (B*N*N, H), d_u or None): through the second layer and the SiLU. With the
+    fused max's dense d_m, one kernel (fused_backward.act_gradient) adds each winner's row of W2
+    and applies the SiLU's derivative in pre's storage, and sums node i's rows (d_u) on the way;
+    otherwise the product d_m W2 and PyTorch's SiLU backward in its storage (d_u then None)."""
+    if f.fused_max and fused_backward.act_grad_applies(f.D, f.H) and d_m.d_m.dtype is f.pre.dtype:
+        d_pre, d_u = fused_backward.act_gradient(d_m.d_m, as_dtype(w2, f.pre.dtype).contiguous(), f.pre, f.P)
+        return d_pre.view(-1, f.H), d_u
+    d_act = d_m.times(w2, mm)
+    return torch.ops.aten.silu_backward.grad_input(d_act, f.pre.view(-1, f.H), grad_input=d_act), None
 
 
 class _SparseMaxGradient:

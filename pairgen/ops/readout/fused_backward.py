@@ -9,7 +9,9 @@ through broadcasting kernels that run at a fraction of the memory's rate. Here t
 16 bytes at a time, and for the max a thread takes a node and 16 bytes of channels and walks the
 node's partners: the forward reads the messages once; the backward reads them once more and
 writes the dense gradient the tensor-core products take, revisiting a node's partners only where
-a channel's max is tied. On by default with the other closed forms' fused kernels
+a channel's max is tied. From that gradient, act_grad gives the first layer's output gradient
+(d_m W2 through the SiLU's derivative) and each node's sum of it in one pass, adding W2's rows of
+each row's winners (about D / N of them) where cuBLAS would multiply the dense matrix. On by default with the other closed forms' fused kernels
 (PAIRGEN_FUSED_BACKWARD); the GPU tests check both ways against the same standard."""
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ SIGNATURES = {"rows": ("ptr nodes", "ptr pair", "ptr rows", "i64 n", "i64 total_
               "max": ("ptr m", "ptr edge", "ptr pooled", "i64 nodes", "i64 n", "i64 channels"),
               "max_grad": ("ptr m", "ptr edge", "ptr pooled", "ptr d_pooled", "ptr d_m", "ptr taken", "i64 nodes",
                            "i64 n", "i64 channels")}
-TEMPLATE = FusedTemplate("readout", "closed_form", lambda context: SIGNATURES)
+#: The kernel a rendering with the hidden width (context "h") adds.
+ACT_GRAD_SIGNATURE = {"act_grad": ("ptr d_m", "ptr w2", "ptr pre", "ptr d_u", "i64 nodes", "i64 n")}
+TEMPLATE = FusedTemplate("readout", "closed_form",
+                         lambda context: {**SIGNATURES, **(ACT_GRAD_SIGNATURE if context.get("h") else {})})
 #: Bytes a thread copies or reads of a row at a time.
 ACCESS_BYTES = 16
 #: Resident blocks per SM the grid-stride loops are sized for.
@@ -51,8 +56,10 @@ def vector_width(itemsize: int, D: int, P: int) -> int:
     return vec
 
 
-def render(kind: str, D: int, P: int):
-    return TEMPLATE.render(kind, vec=vector_width(2 if kind != "float32" else 4, D, P), d=D, p=P)
+def render(kind: str, D: int, P: int, H: int = 0):
+    """The template for (D, P); with H, the act_grad kernel too (act_grad_applies must hold)."""
+    hidden = {"h": H} if H else {}
+    return TEMPLATE.render(kind, vec=vector_width(2 if kind != "float32" else 4, D, P), d=D, p=P, **hidden)
 
 
 def _launch(like: torch.Tensor, suffix: str, vec: int, work: int, D: int, P: int, *args: int) -> None:
@@ -112,3 +119,28 @@ def max_pool_backward(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor,
     _launch(m, "max_grad", vec, B * N * (D // vec), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
             d_pooled.data_ptr(), d_m.data_ptr(), taken.data_ptr(), B * N, N, D)
     return d_m.view(-1, D), taken.sum((0, 1))
+
+
+#: Blocks per SM of act_grad (a node each; 16 KB of shared memory at H = 512).
+ACT_GRAD_BLOCKS_PER_SM = 4
+
+
+def act_grad_applies(D: int, H: int) -> bool:
+    """Whether act_gradient takes these widths: rows of whole 4-byte words, H / 64 of them a lane."""
+    return D % 2 == 0 and H % 64 == 0 and 0 < H <= 2048
+
+
+def act_gradient(d_m: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, P: int) -> tuple:
+    """From max_pool_backward's dense d_m (B*N*N, D), the second layer's weight w2 (D, H) and the
+    first layer's output pre (B, N, N, H) before the SiLU, all of one 16-bit dtype and contiguous:
+    (d_pre = (d_m w2) * silu'(pre) in pre's storage (pre is consumed), d_u (B, N, H) = d_pre summed
+    over each node's partners j). act_grad_applies(D, H) must hold; P: the pair width (the
+    rendering is per D and P)."""
+    B, N, _, H = pre.shape
+    D = d_m.shape[-1]
+    d_u = pre.new_empty(B, N, H)
+    nodes = B * N
+    blocks = max(1, min(nodes, sm_count(pre.device.index) * ACT_GRAD_BLOCKS_PER_SM))
+    TEMPLATE.launch(pre, "act_grad", blocks, d_m.data_ptr(), w2.data_ptr(), pre.data_ptr(), d_u.data_ptr(), nodes, N,
+                    vec=vector_width(pre.element_size(), D, P), d=D, p=P, h=H)
+    return pre, d_u
