@@ -115,6 +115,6 @@ def output_side_backward(z: torch.Tensor, gate_in: torch.Tensor, g: torch.Tensor
                     wo.data_ptr(), wg.data_ptr(), bo.data_ptr() if bias else 0, bg.data_ptr() if bias else 0,
                     out["zn"].data_ptr(), out["d_o"].data_ptr(), out["d_u"].data_ptr(), out["d_gate_in"].data_ptr(),
                     out["d_z"].data_ptr(), parts.data_ptr(), M, L, int(chunks), smem=smem_bytes(P, H, GROUPS),
-                    **context(storage_kind(z.dtype), P, H, bias, eps))
+                    **context(storage_kind(z.dtype), P, H, bias, eps, GROUPS, MAX_PASS_COLUMNS))
     out["d_gamma"], out["d_beta"] = parts.sum(0)  # views of one reduction
     return out
