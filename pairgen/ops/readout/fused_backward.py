@@ -121,13 +121,16 @@ def max_pool_backward(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor,
     return d_m.view(-1, D), taken.sum((0, 1))
 
 
+#: Whether 16-bit closed forms take act_grad (where act_grad_applies); the tests run both ways.
+ACT_GRAD_KERNEL = True
 #: Blocks per SM of act_grad (a node each; 16 KB of shared memory at H = 512).
 ACT_GRAD_BLOCKS_PER_SM = 4
 
 
 def act_grad_applies(D: int, H: int) -> bool:
-    """Whether act_gradient takes these widths: rows of whole 4-byte words, H / 64 of them a lane."""
-    return D % 2 == 0 and H % 64 == 0 and 0 < H <= 2048
+    """Whether act_gradient takes these widths: on (ACT_GRAD_KERNEL), rows of whole 4-byte words,
+    H / 64 of them a lane."""
+    return ACT_GRAD_KERNEL and D % 2 == 0 and H % 64 == 0 and 0 < H <= 2048
 
 
 def act_gradient(d_m: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, P: int) -> tuple:
