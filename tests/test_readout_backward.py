@@ -53,22 +53,26 @@ def test_a_16_bit_module_meets_the_16_bit_standard(dtype, widths, B, N, seed, di
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("act_grad", [True, False], ids=["act_grad", "product"])
 @pytest.mark.parametrize("dtype,widths,B,N", [(torch.bfloat16, {"D": 24, "P": 8, "H": 64}, 2, 11),
                                               (torch.float16, {"D": 16, "P": 12, "H": 128}, 1, 9)])
-def test_16_bit_gradients_through_the_fused_kernels_meet_the_standard_emulated(dtype, widths, B, N):
-    """The 16-bit closed form with its GPU kernels (the rows, the max and its gradient, act_grad) run
-    on the CPU emulator: every gradient within the 16-bit standard, isolated nodes included, and
-    act_grad ran once."""
+def test_16_bit_gradients_through_the_fused_kernels_meet_the_standard_emulated(dtype, widths, B, N, act_grad,
+                                                                               monkeypatch):
+    """The 16-bit closed form with its GPU kernels (the rows, the max and its gradient, and act_grad
+    or, with ACT_GRAD_KERNEL off, the dense product and PyTorch's SiLU backward) run on the CPU
+    emulator: every gradient within the 16-bit standard, isolated nodes included, and act_grad ran
+    once or not at all."""
     from unittest import mock
 
     from emulator import emulated
 
+    monkeypatch.setattr(fused_backward, "ACT_GRAD_KERNEL", act_grad)
     module, inputs, g = _16_bit_case(dtype, widths, B, N, 63, "cauchy")
     runs, real = [], fused_backward.act_gradient
     with emulated(), mock.patch.object(fused_backward, "applies", lambda nodes: True), \
             mock.patch.object(fused_backward, "act_gradient", lambda *a: runs.append(1) or real(*a)):
         ours = module.analytic_gradients(list(inputs), [p.detach() for p in module.parameters()], g)
-    assert runs == [1]
+    assert runs == ([1] if act_grad else [])
     assert_16_bit_gradients_meet_the_standard(module, inputs, g, [t for t in ours if t is not None])
 
 
