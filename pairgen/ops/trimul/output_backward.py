@@ -46,13 +46,13 @@ def pass_columns(P: int, max_columns: int = MAX_PASS_COLUMNS) -> int:
 
 
 def smem_bytes(P: int, H: int, groups: int = GROUPS) -> int:
-    """Wo, Wg, a 64-row tile of the gate's input (later a channel-major tile of d z: the larger of
-    the two) and a channel-major tile of z per warpgroup (each region 1024-byte aligned), then
-    gamma, beta, each warp's affine sums and the output's and the gate's biases in fp32 (the
-    template's SMEM_BYTES)."""
+    """Wo, Wg, and per warpgroup a 64-row tile of the gate's input (later a channel-major tile of
+    d z: the larger of the two), a channel-major tile of z and a 64-row tile of d_u (each region
+    1024-byte aligned), then gamma, beta, each warp's affine sums and the output's and the gate's
+    biases in fp32 (the template's SMEM_BYTES)."""
     wo, wg = align(P * H * 2, 1024), align(P * P * 2, 1024)
-    z_tile = align(H * (_TILE_ROWS + 8) * 2, 1024)
-    tiles = max(align(_TILE_ROWS * P * 2, 1024), z_tile) + z_tile
+    z_tile, rows_tile = align(H * _TILE_ROWS * 2, 1024), align(_TILE_ROWS * P * 2, 1024)
+    tiles = max(rows_tile, z_tile) + z_tile + rows_tile
     return wo + wg + groups * tiles + (2 * H + groups * 4 * 2 * H + 2 * P) * 4
 
 
@@ -62,7 +62,8 @@ def context(kind: str, P: int, H: int, bias: bool, eps: float, groups: int = GRO
     pass_cols = pass_columns(P, max_pass_columns)
     return {"cols": P, "hidden": H, "bias": bias, "eps": repr(float(eps)), "threads": 128 * groups,
             "smem_bytes": smem_bytes(P, H, groups), "pass_cols": pass_cols, "mma_kind": MMA_KINDS[kind],
-            "wgmma_widths": (pass_cols,), "wgmma_rs_widths": (pass_cols,), "wgmma_rs_tb_widths": tuple(sorted({P, H}))}
+            "wgmma_widths": (pass_cols,), "wgmma_rs_widths": (pass_cols,), "wgmma_rs_tb_widths": (H,),
+            "wgmma_tb_widths": (P,)}
 
 
 def render(kind: str, P: int, H: int, bias: bool = False, eps: float = 1e-5, **shape):
