@@ -34,9 +34,10 @@ OUTPUT_BACKWARD_KERNEL = True
 #: With the weights read both ways from one copy, three fit an SM's shared memory at P = H = 128,
 #: but a thread then has at most 168 registers, and the kernel spills at that width.
 GROUPS = 2
-#: The most of o's and u's columns one pass makes (the template's PH): fewer accumulators held
-#: beside zn's fragments and the gradients' (168 registers a thread with three warpgroups).
-MAX_PASS_COLUMNS = 32
+#: The most of o's and u's columns one pass makes (the template's PH): both products' accumulators
+#: for all of P spill at P = H = 128 beside zn's fragments and d_o's; half of P fits two
+#: warpgroups' 255 registers a thread, a quarter comes closer to three warpgroups' 168.
+MAX_PASS_COLUMNS = 64
 _TILE_ROWS = 64
 
 
