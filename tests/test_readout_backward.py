@@ -192,6 +192,19 @@ def test_the_16_bit_closed_form_kernels_render_to_their_signatures_and_compile(k
     assert not compiled.spill_bytes
 
 
+def test_act_grad_takes_even_d_and_h_in_whole_lane_words_up_to_its_shared_memory(monkeypatch):
+    """act_grad_applies: off with ACT_GRAD_KERNEL; on, D even and H a multiple of 64 up to
+    ACT_GRAD_MAX_H, whose rendering compiles (its warps' sums fit a block's static shared memory)."""
+    monkeypatch.setattr(fused_backward, "ACT_GRAD_KERNEL", True)
+    assert fused_backward.act_grad_applies(256, 512) and fused_backward.act_grad_applies(2, 64)
+    assert not any(fused_backward.act_grad_applies(D, H) for D, H in ((7, 64), (256, 96), (256, 0),
+                                                                      (256, fused_backward.ACT_GRAD_MAX_H + 64)))
+    rendered = fused_backward.render("bfloat16", 256, 64, fused_backward.ACT_GRAD_MAX_H)
+    assert not compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90").spill_bytes
+    monkeypatch.setattr(fused_backward, "ACT_GRAD_KERNEL", False)
+    assert not fused_backward.act_grad_applies(256, 512)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 @pytest.mark.parametrize("dtype,B,N,D,H", [(torch.bfloat16, 2, 7, 24, 128), (torch.float16, 1, 5, 96, 64),
                                            (torch.bfloat16, 3, 3, 70, 192)])

@@ -171,7 +171,8 @@ def _pre_gradient(f: SimpleNamespace, d_m, w2: torch.Tensor, mm) -> tuple:
     fused max's dense d_m, one kernel (fused_backward.act_gradient) adds each winner's row of W2
     and applies the SiLU's derivative in pre's storage, and sums node i's rows (d_u) on the way;
     otherwise the product d_m W2 and PyTorch's SiLU backward in its storage (d_u then None)."""
-    if f.fused_max and fused_backward.act_grad_applies(f.D, f.H) and d_m.d_m.dtype is f.pre.dtype:
+    if (f.fused_max and fused_backward.act_grad_applies(f.D, f.H) and d_m.d_m.dtype is f.pre.dtype
+            and d_m.d_m.is_contiguous() and f.pre.is_contiguous()):
         d_pre, d_u = fused_backward.act_gradient(d_m.d_m, as_dtype(w2, f.pre.dtype).contiguous(), f.pre, f.P)
         return d_pre.view(-1, f.H), d_u
     d_act = d_m.times(w2, mm)
