@@ -127,8 +127,6 @@ def max_pool_backward(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor,
 ACT_GRAD_KERNEL = False
 #: Blocks per SM of act_grad (a node each; 16 KB of shared memory at H = 512).
 ACT_GRAD_BLOCKS_PER_SM = 4
-
-
 #: The widest H act_grad takes: its warps' sums of a node's rows are static shared memory (8 warps
 #: x H fp32: 32 KB of the 48 a block may declare).
 ACT_GRAD_MAX_H = 1024
