@@ -65,9 +65,10 @@ class FusedTemplate:
         self._bound = functools.lru_cache(maxsize=256)(self._bind)
 
     def plan(self, kind: str, **context) -> Plan:
-        """The plan of one storage type and context: a Kernel per suffix, THREADS threads each."""
+        """The plan of one storage type and context: a Kernel per suffix, THREADS threads each (or
+        the context's "threads")."""
         context = {"kind": kind, "threads": THREADS, **context}
-        declared = tuple(Kernel(self.kernel_name(suffix), THREADS, 0, tuple(args), _blocks_per_call)
+        declared = tuple(Kernel(self.kernel_name(suffix), context["threads"], 0, tuple(args), _blocks_per_call)
                          for suffix, args in self.kernels(context).items())
         return Plan(self.op, self.name, {}, {}, context, declared, precision=kind)
 
@@ -81,7 +82,7 @@ class FusedTemplate:
 
     def launch(self, like: torch.Tensor, suffix: str, blocks: int, *args: int, smem: int = 0, **context) -> None:
         """Launch kernel `suffix` for tensors like `like` (its dtype and device) on the current
-        stream, with THREADS threads per block."""
+        stream, with THREADS threads per block (or the context's "threads")."""
         key = tuple(sorted(context.items()))
         self._bound(storage_kind(like.dtype), like.device.index, key, suffix, blocks, smem, len(args))(*args)
 
@@ -90,4 +91,5 @@ class FusedTemplate:
 
     def _bind(self, kind, device_index, context_items, suffix, blocks, smem, arg_count):
         variant = self._variants(kind, device_index, context_items)
-        return variant.kernel(device_index, self.kernel_name(suffix)).bind(blocks, THREADS, smem, arg_count)
+        threads = dict(context_items).get("threads", THREADS)
+        return variant.kernel(device_index, self.kernel_name(suffix)).bind(blocks, threads, smem, arg_count)

@@ -89,6 +89,16 @@ __device__ __forceinline__ i64 channel_offset(i64 m, int c, int channels, i64 pl
     return (b * channels + c) * plane + (m - b * plane);
 }
 
+// Where pair r of channel c lies in such a tile: at r of the channel's row of STRIDE values; rows of
+// exactly TILE_ROWS (64) values are swizzled instead of padded: the 8-pair piece p of channel c at
+// piece p ^ (c % 8), so that one piece of 8 consecutive channels (what a transposing ldmatrix reads)
+// falls in 8 distinct bank groups.
+template <int STRIDE>
+__device__ __forceinline__ int channel_slot(int c, int r) {
+    if (STRIDE == TILE_ROWS) return c * TILE_ROWS + ((((r >> 3) ^ c) & 7) << 3) + (r & 7);
+    return c * STRIDE + r;
+}
+
 // The tile from global memory, pieces through cp.async (the caller commits), single values
 // synchronously; pairs past `pairs` stage 0.
 template <int COUNT, int STRIDE>
@@ -98,7 +108,8 @@ __device__ __forceinline__ void fetch_channels(elem_t* tile, const elem_t* __res
         for (int i = tid; i < COUNT * (TILE_ROWS / 8); i += 128) {
             const int c = i / (TILE_ROWS / 8), piece = i - c * (TILE_ROWS / 8);
             const i64 m = first + 8 * piece;
-            cp_async16(tile + c * STRIDE + 8 * piece, src + (m < pairs ? channel_offset(m, c0 + c, channels, plane) : 0),
+            cp_async16(tile + channel_slot<STRIDE>(c, 8 * piece),
+                       src + (m < pairs ? channel_offset(m, c0 + c, channels, plane) : 0),
                        m < pairs);
         }
         return;
@@ -106,7 +117,7 @@ __device__ __forceinline__ void fetch_channels(elem_t* tile, const elem_t* __res
     for (int i = tid; i < COUNT * TILE_ROWS; i += 128) {
         const int c = i / TILE_ROWS, r = i - c * TILE_ROWS;
         const i64 m = first + r;
-        tile[c * STRIDE + r] = m < pairs ? src[channel_offset(m, c0 + c, channels, plane)] : (elem_t)0;
+        tile[channel_slot<STRIDE>(c, r)] = m < pairs ? src[channel_offset(m, c0 + c, channels, plane)] : (elem_t)0;
     }
 }
 
@@ -120,12 +131,12 @@ __device__ __forceinline__ void store_channels(const elem_t* tile, elem_t* __res
             const i64 m = first + 8 * piece;
             if (m < pairs)
                 *reinterpret_cast<uint4*>(dst + channel_offset(m, c, COUNT, plane)) =
-                    *reinterpret_cast<const uint4*>(tile + c * STRIDE + 8 * piece);
+                    *reinterpret_cast<const uint4*>(tile + channel_slot<STRIDE>(c, 8 * piece));
         }
         return;
     }
     for (int i = tid; i < COUNT * TILE_ROWS; i += 128) {
         const int c = i / TILE_ROWS, r = i - c * TILE_ROWS;
-        if (first + r < pairs) dst[channel_offset(first + r, c, COUNT, plane)] = tile[c * STRIDE + r];
+        if (first + r < pairs) dst[channel_offset(first + r, c, COUNT, plane)] = tile[channel_slot<STRIDE>(c, r)];
     }
 }

@@ -601,11 +601,22 @@ inline unsigned k_major_address(uint64_t desc, int row, int k) {
     fail("wgmma descriptor: swizzle mode " + std::to_string(mode) + " not emulated");
 }
 
+// An N-major (MN-major) operand element (row n, k) of an interleaved-layout descriptor (imm-trans-b
+// 1): core matrices of 8 k rows x 16 bytes (8 consecutive n), SBO the next 8 n, LBO the next 8 k
+// (the PTX ISA's canonical layout ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)), T = 8 16-bit elements).
+inline unsigned mn_major_address(uint64_t desc, int row, int k) {
+    const unsigned start = (unsigned)(desc & 0x3fff) << 4;
+    const unsigned lbo = (unsigned)(desc >> 16 & 0x3fff) << 4, sbo = (unsigned)(desc >> 32 & 0x3fff) << 4;
+    if (desc >> 49 & 7) fail("wgmma descriptor: base offset not emulated");
+    if (desc >> 62) fail("wgmma descriptor: N-major B emulated in the interleaved layout only");
+    return start + (row / 8) * sbo + (row % 8) * 2 + (k / 8) * lbo + (k % 8) * 16;
+}
+
 template <int KIND>
-inline void read_operand(uint64_t desc, int rows, float (*out)[16], WgmmaOp& op) {
+inline void read_operand(uint64_t desc, int rows, float (*out)[16], WgmmaOp& op, bool mn_major = false) {
     for (int r = 0; r < rows; ++r)
         for (int k = 0; k < 16; ++k) {
-            const unsigned a = k_major_address(desc, r, k);
+            const unsigned a = mn_major ? mn_major_address(desc, r, k) : k_major_address(desc, r, k);
             if ((size_t)a + 2 > current_block->smem_bytes) fail("wgmma operand past the block's shared memory");
             const uint16_t v = smem_u16(a);
             op.reads.push_back({a, v});
@@ -615,8 +626,9 @@ inline void read_operand(uint64_t desc, int rows, float (*out)[16], WgmmaOp& op)
 
 // d (scale_d: +)= A(64 x 16) . B(N x 16)^T for one warpgroup: A from a descriptor, or (a != null)
 // from the threads' registers in mma.sync's A-fragment order; d in the m16n8 accumulator order.
+// trans_b: B's descriptor N-major (mn_major_address).
 template <int N, int KIND>
-inline void wgmma(float* const* d, const unsigned* a, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+inline void wgmma(float* const* d, const unsigned* a, uint64_t desc_a, uint64_t desc_b, int scale_d, int trans_b) {
     Block* b = current_block;
     const unsigned t = linear_tid();
     Warpgroup& wg = b->groups[t >> 7];
@@ -644,7 +656,7 @@ inline void wgmma(float* const* d, const unsigned* a, uint64_t desc_a, uint64_t 
         } else {
             read_operand<KIND>(m.in[0][5], 64, A, op);
         }
-        read_operand<KIND>(m.in[0][6], N, B, op);
+        read_operand<KIND>(m.in[0][6], N, B, op, trans_b != 0);
         const bool accumulate = m.in[0][7] != 0;
         for (int i = 0; i < 128; ++i) {
             float* const* di = (float* const*)(uintptr_t)m.in[i][0];

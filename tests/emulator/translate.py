@@ -180,8 +180,11 @@ def _wgmma_call(text: str, o) -> str:
         a_decl, a_arg = "", "nullptr"
         desc_a, desc_b, flags = o(int(rest[0].lstrip("%"))), rest[1], rest[2:]
         expected_flags = ["p", "1", "1", "0", "0"]
-    if flags != expected_flags:
-        raise UnknownInstruction(f"wgmma with scale or transpose flags {flags} (emulated: {expected_flags}): {text!r}")
+    # B read N-major (imm-trans-b 1), emulated in the interleaved layout only (prelude.h)
+    trans_b = int(flags[:-1] == expected_flags[:-1] and flags[-1] == "1")
+    if flags != expected_flags and not trans_b:
+        raise UnknownInstruction(f"wgmma with scale or transpose flags {flags} (emulated: {expected_flags}, "
+                                 f"or the last 1): {text!r}")
     desc_b = o(int(desc_b.lstrip("%")))
     if s := re.search(r"setp\.eq\.u32 p, %(\d+), 0;", text):
         scale_d = f"((unsigned){o(int(s.group(1)))} == 0)"  # p: accumulate unless `first`
@@ -191,7 +194,7 @@ def _wgmma_call(text: str, o) -> str:
         raise UnknownInstruction(f"wgmma whose scale-d predicate is not read: {text!r}")
     pointers = ", ".join(f"&{o(k)}" for k in accumulators)
     return (f"do {{ float* const pgx_d[{n // 2}] = {{{pointers}}}; {a_decl}"
-            f"pgx::wgmma<{n}, {kind}>(pgx_d, {a_arg}, {desc_a}, {desc_b}, {scale_d}); }} while (0)")
+            f"pgx::wgmma<{n}, {kind}>(pgx_d, {a_arg}, {desc_a}, {desc_b}, {scale_d}, {trans_b}); }} while (0)")
 
 
 _ASM = re.compile(r"\basm\b(\s+volatile\b)?\s*\(")

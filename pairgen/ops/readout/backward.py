@@ -17,9 +17,8 @@ matrix (about one entry in N is nonzero), so the second layer's two gradient pro
 the winners (cuSPARSE on the GPU) instead of multiplying a pair-sized matrix of zeros on CUDA
 cores; in 16 bits, which those sparse products do not take, it is a dense matrix for the tensor
 cores (on the GPU both the 16-bit rows and the max with its gradient are fused kernels:
-fused_backward.py, where one more kernel, where it is on, takes the second layer's input gradient
-through the SiLU from the winners alone, so the dense matrix feeds only the weight gradient's
-product). An isolated node's pooled row is the constant 0, so its gradient stops there (its
+fused_backward.py, where one more kernel takes the second layer's input gradient through the SiLU
+from the winners alone, so the dense matrix feeds only the weight gradient's product). An isolated node's pooled row is the constant 0, so its gradient stops there (its
 LayerNorm affine still gets one). d<name> is the gradient of the loss with respect to <name>.
 """
 from __future__ import annotations

@@ -11,8 +11,7 @@ node's partners: the forward reads the messages once; the backward reads them on
 writes the dense gradient the tensor-core products take, revisiting a node's partners only where
 a channel's max is tied. From that gradient, act_grad gives the first layer's output gradient
 (d_m W2 through the SiLU's derivative) and each node's sum of it in one pass, adding W2's rows of
-each row's winners (about D / N of them) where cuBLAS would multiply the dense matrix (taken where
-ACT_GRAD_KERNEL is on). On by default with the other closed forms' fused kernels
+each row's winners (about D / N of them) where cuBLAS would multiply the dense matrix. On by default with the other closed forms' fused kernels
 (PAIRGEN_FUSED_BACKWARD); the GPU tests check both ways against the same standard."""
 from __future__ import annotations
 
@@ -122,9 +121,8 @@ def max_pool_backward(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor,
     return d_m.view(-1, D), taken.sum((0, 1))
 
 
-#: Whether 16-bit closed forms take act_grad (where act_grad_applies); the tests run both ways. Off
-#: until its GPU test has run: it is checked on the CPU emulator only (docs/performance.md).
-ACT_GRAD_KERNEL = False
+#: Whether 16-bit closed forms take act_grad (where act_grad_applies); the tests run both ways.
+ACT_GRAD_KERNEL = True
 #: Blocks per SM of act_grad (a node each; 16 KB of shared memory at H = 512).
 ACT_GRAD_BLOCKS_PER_SM = 4
 #: The widest H act_grad takes: its warps' sums of a node's rows are static shared memory (8 warps

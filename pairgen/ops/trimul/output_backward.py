@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ... import runtime
 from ...precision import MMA_KINDS
 from ...spec import align
-from ..fused_kernels import THREADS, FusedTemplate, sm_count, storage_kind
+from ..fused_kernels import FusedTemplate, sm_count, storage_kind
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it is used
     import torch
@@ -30,31 +30,46 @@ TEMPLATE = FusedTemplate("trimul", "output_backward", lambda context: SIGNATURES
 MAX_WIDTH = 128
 #: Whether 16-bit training steps take the kernel (where `applies`). The tests run both ways.
 OUTPUT_BACKWARD_KERNEL = True
-_GROUPS = THREADS // 128
+#: Warpgroups a block (each works alone on its 64-row tiles; the block shares the resident weights).
+#: With the weights read both ways from one copy, three fit an SM's shared memory at P = H = 128,
+#: but a thread then has at most 168 registers, and the kernel spills at that width.
+GROUPS = 2
+#: The most of o's and u's columns one pass makes (the template's PH): both products' accumulators
+#: for all of P spill at P = H = 128 beside zn's fragments and d_o's; half of P fits two
+#: warpgroups' 255 registers a thread, a quarter comes closer to three warpgroups' 168.
+MAX_PASS_COLUMNS = 64
 _TILE_ROWS = 64
 
 
-def smem_bytes(P: int, H: int) -> int:
-    """Wo, Wg, Wo^T, Wg^T, a 64-row tile of the gate's input (later a channel-major tile of d z:
-    the larger of the two) and a channel-major tile of z per warpgroup (each region 1024-byte
-    aligned), then gamma, beta, each warp's affine sums and the output's and the gate's biases in
-    fp32 (the template's SMEM_BYTES)."""
+def pass_columns(P: int, max_columns: int = MAX_PASS_COLUMNS) -> int:
+    """o's and u's columns a pass: the widest multiple of 16 up to max_columns that divides P."""
+    return max(c for c in range(16, min(P, max_columns) + 1, 16) if P % c == 0)
+
+
+def smem_bytes(P: int, H: int, groups: int = GROUPS) -> int:
+    """Wo, Wg, and per warpgroup a 64-row tile of the gate's input (later a channel-major tile of
+    d z: the larger of the two), a channel-major tile of z and a 64-row tile of d_u (each region
+    1024-byte aligned), then gamma, beta, each warp's affine sums and the output's and the gate's
+    biases in fp32 (the template's SMEM_BYTES)."""
     wo, wg = align(P * H * 2, 1024), align(P * P * 2, 1024)
-    z_tile = align(H * (_TILE_ROWS + 8) * 2, 1024)
-    tiles = max(align(_TILE_ROWS * P * 2, 1024), z_tile) + z_tile
-    return 2 * wo + 2 * wg + _GROUPS * tiles + (2 * H + _GROUPS * 4 * 2 * H + 2 * P) * 4
+    z_tile, rows_tile = align(H * _TILE_ROWS * 2, 1024), align(_TILE_ROWS * P * 2, 1024)
+    tiles = max(rows_tile, z_tile) + z_tile + rows_tile
+    return wo + wg + groups * tiles + (2 * H + groups * 4 * 2 * H + 2 * P) * 4
 
 
-def context(kind: str, P: int, H: int, bias: bool, eps: float) -> dict:
+def context(kind: str, P: int, H: int, bias: bool, eps: float, groups: int = GROUPS,
+            max_pass_columns: int = MAX_PASS_COLUMNS) -> dict:
     """The template's context (hashable: launches are bound per context)."""
-    pass_cols = P // 2 if P % 32 == 0 and P > 64 else P  # o's and u's columns a pass (the template's PH)
-    return {"cols": P, "hidden": H, "bias": bias, "eps": repr(float(eps)), "smem_bytes": smem_bytes(P, H),
-            "pass_cols": pass_cols, "mma_kind": MMA_KINDS[kind], "wgmma_widths": (pass_cols,),
-            "wgmma_rs_widths": tuple(sorted({pass_cols, P, H}))}
+    pass_cols = pass_columns(P, max_pass_columns)
+    return {"cols": P, "hidden": H, "bias": bias, "eps": repr(float(eps)), "threads": 128 * groups,
+            "smem_bytes": smem_bytes(P, H, groups), "pass_cols": pass_cols, "mma_kind": MMA_KINDS[kind],
+            "wgmma_widths": (pass_cols,), "wgmma_rs_widths": (pass_cols,), "wgmma_rs_tb_widths": (H,),
+            "wgmma_tb_widths": (P,)}
 
 
-def render(kind: str, P: int, H: int, bias: bool = False, eps: float = 1e-5):
-    return TEMPLATE.render(kind, **context(kind, P, H, bias, eps))
+def render(kind: str, P: int, H: int, bias: bool = False, eps: float = 1e-5, **shape):
+    """The source at these widths; shape: context's groups and max_pass_columns."""
+    return TEMPLATE.render(kind, **context(kind, P, H, bias, eps, **shape))
 
 
 def applies(dtype, P: int, H: int, tensors: list) -> bool:
@@ -95,13 +110,13 @@ def output_side_backward(z: torch.Tensor, gate_in: torch.Tensor, g: torch.Tensor
            "d_z": z}
     bias = bo is not None
     tiles = -(-M // _TILE_ROWS)
-    blocks = max(1, min(-(-tiles // _GROUPS), sm_count(z.device.index)))
+    blocks = max(1, min(-(-tiles // GROUPS), sm_count(z.device.index)))
     parts = torch.empty(blocks, 2, H, device=z.device, dtype=torch.float32)
     chunks = L % 8 == 0 and z.data_ptr() % 16 == 0
     TEMPLATE.launch(z, "", blocks, z.data_ptr(), gate_in.data_ptr(), g.data_ptr(), gamma.data_ptr(), beta.data_ptr(),
                     wo.data_ptr(), wg.data_ptr(), bo.data_ptr() if bias else 0, bg.data_ptr() if bias else 0,
                     out["zn"].data_ptr(), out["d_o"].data_ptr(), out["d_u"].data_ptr(), out["d_gate_in"].data_ptr(),
-                    out["d_z"].data_ptr(), parts.data_ptr(), M, L, int(chunks), smem=smem_bytes(P, H),
-                    **context(storage_kind(z.dtype), P, H, bias, eps))
+                    out["d_z"].data_ptr(), parts.data_ptr(), M, L, int(chunks), smem=smem_bytes(P, H, GROUPS),
+                    **context(storage_kind(z.dtype), P, H, bias, eps, GROUPS, MAX_PASS_COLUMNS))
     out["d_gamma"], out["d_beta"] = parts.sum(0)  # views of one reduction
     return out
