@@ -486,9 +486,10 @@ def _d_proj64(module, x, mask, d_a, d_b) -> torch.Tensor:
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 @pytest.mark.parametrize("widths,B,N,dtype,float_mask", [(MODELS_FORM, 1, 37, torch.bfloat16, False),
+                                                         (MODELS_FORM, 2, 36, torch.bfloat16, False),
                                                          (PROJECTION_BACKWARD_WIDTHS[1], 2, 8, torch.float16, True),
                                                          (PROJECTION_BACKWARD_WIDTHS[3], 3, 1, torch.bfloat16, False)],
-                         ids=["models-N37", "incoming-N8-float-mask", "k-padded-N1"])
+                         ids=["models-N37", "models-whole-rows-B2-N36", "incoming-N8-float-mask", "k-padded-N1"])
 @pytest.mark.parametrize("layout", BACKWARD_LAYOUTS)
 def test_the_projection_backward_kernel_matches_float64_emulated(widths, B, N, dtype, float_mask, layout,
                                                                  monkeypatch):
@@ -496,7 +497,9 @@ def test_the_projection_backward_kernel_matches_float64_emulated(widths, B, N, d
     and weights: the bf16/fp16 forward standard (relative L2 1e-2), NaN-prefilled by the emulator's
     0xFF shared memory and every pair written (N*N % 8 == 0, odd, and 1: the kernel's three ways
     to its pairs), on each kernel the backward can take (the resident one where its point is
-    feasible: P = H = 128 here)."""
+    feasible: P = H = 128 here). B2 N36 gives each warpgroup of the emulator's few blocks several
+    tiles of whole rows and a last tile half past the end: the resident kernel's gradient loads
+    run passes ahead and into the next tile."""
     from emulator import emulated
     from pairgen.ops.trimul.strategies import wgmma
 

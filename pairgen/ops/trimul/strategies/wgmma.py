@@ -425,6 +425,9 @@ BACKWARD_PROJECTION = "resident"
 #: The resident backward's warpgroups a block: its chain rule's registers beside x's fragments
 #: take more than the 128 a thread that four warpgroups leave.
 RESIDENT_BACKWARD_GROUPS = 3
+#: Passes ahead that the resident backward loads d(loss)/d(a) and d(loss)/d(b) (the largest divisor
+#: of its passes a tile up to this): their loads' latency runs under that many passes' work.
+GRADIENT_PASSES_AHEAD = 4
 
 
 def _resident_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
@@ -439,7 +442,7 @@ def _resident_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _backward_plan(spec, precision: str, width_items: tuple, layout: str) -> Plan | None:
+def _backward_plan(spec, precision: str, width_items: tuple, layout: str, passes_ahead: int) -> Plan | None:
     # The swizzle where P allows it. The w_registers backward takes two slices of Wp's row blocks a
     # block where they divide: its chain rule holds d(loss)/d(a) beside both accumulator sets, which
     # with the forward's share of Wp spills (at P = H = 128). The output kernel's parameters are the
@@ -459,15 +462,16 @@ def _backward_plan(spec, precision: str, width_items: tuple, layout: str) -> Pla
                       _with_stats(PROJECT_BACKWARD_ARGS) if stats else PROJECT_BACKWARD_ARGS, project.grid),)
     if stats:
         kernels = (dataclasses.replace(stats[0], name=f"{name}_stats"), *kernels)
-    return dataclasses.replace(plan, context={**plan.context, "projection_backward": True}, kernels=kernels,
-                               kernel_name=name)
+    context = {**plan.context, "projection_backward": True, "gradient_passes_ahead": passes_ahead}
+    return dataclasses.replace(plan, context=context, kernels=kernels, kernel_name=name)
 
 
 def backward_plan(spec, precision: str, widths: dict) -> Plan | None:
     """The plan (of `spec`, the op's) whose projection kernel a 16-bit training step's backward
     runs at a module's widths (on the kernel BACKWARD_PROJECTION names), declared with the
     backward's arguments and named apart; None where no such point is feasible."""
-    return _backward_plan(spec, precision, tuple(sorted({**widths, "out_fp32": 0}.items())), BACKWARD_PROJECTION)
+    return _backward_plan(spec, precision, tuple(sorted({**widths, "out_fp32": 0}.items())), BACKWARD_PROJECTION,
+                          GRADIENT_PASSES_AHEAD)
 
 
 #: (precision, widths, point, arch) -> the backward projections' variants: built apart from
@@ -479,7 +483,8 @@ _backward_variants: dict = {}
 def _backward_variant(module, x, precision: str):
     plan = backward_plan(module.op, precision, module.widths)
     arch = runtime.device_info(x.get_device()).arch
-    key = (precision, tuple(sorted(plan.widths.items())), tuple(sorted(plan.params.items())), arch)
+    key = (precision, tuple(sorted(plan.widths.items())), tuple(sorted(plan.params.items())), arch,
+           plan.context["gradient_passes_ahead"])
     variant = _backward_variants.get(key)
     if variant is None:
         variant = _backward_variants[key] = runtime.build_variant(plan, arch)
