@@ -408,3 +408,53 @@ def trimul_inputs_with_an_empty_row(widths: dict, B: int, N: int, seed: int, dty
     mask = mask.float()
     mask[0, N // 2, :] = 0.0
     return x.to(dtype).cuda(), mask.cuda()
+
+
+def assert_readout_max_kernels_match_pytorch(device: str, dtype, B: int, N: int, D: int, P: int, seed: int) -> None:
+    """The readout's 16-bit closed-form kernels (pairgen/ops/readout/fused_backward.py) on `device`
+    (the GPU, or the CPU under the emulator) against PyTorch's way: the first layer's rows equal
+    torch.cat's; the max equals torch.amax over the masked messages (0 for an isolated node) and its
+    winner counts the edges that reach it; its gradient equals torch.amax's backward computed in
+    fp32 and rounded once, the ties' shares within one 16-bit rounding (the kernel divides to 2 ulp:
+    one 16-bit ulp, subnormals' spacing at least); the sum of what the winners took equals the
+    gradient's column sums; a NaN message on an edge makes its channel's max NaN, with no winner."""
+    from pairgen.ops.readout import fused_backward
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    nodes = torch.randn(B, N, D, device=device, generator=gen).to(dtype)
+    pair = torch.randn(B, N, N, P, device=device, generator=gen).to(dtype)
+    rows = fused_backward.first_layer_rows(nodes, pair)
+    expected = torch.cat([nodes.unsqueeze(2).expand(B, N, N, D), nodes.unsqueeze(1).expand(B, N, N, D), pair], dim=-1)
+    assert torch.equal(rows, expected.view(-1, 2 * D + P))
+
+    # few distinct values: ties in most channels
+    m = (torch.randint(-3, 4, (B, N, N, D), device=device, generator=gen) * 0.5).to(dtype)
+    edge = torch.rand(B, N, N, device=device, generator=gen) < 0.7
+    edge[0, 3] = False                        # node 3 of batch 0: no edge
+    edge[B - 1, 5] = False
+    edge[B - 1, 5, N - 1] = True              # node 5 of the last batch: one edge
+    isolated = ~edge.any(dim=2)
+    reference = m.masked_fill(~edge.unsqueeze(-1), float("-inf")).amax(dim=2).masked_fill(isolated.unsqueeze(-1), 0)
+    pooled, winners = fused_backward.max_pool(m, edge, P)
+    assert torch.equal(pooled, reference)
+    reached = ((m == pooled.unsqueeze(2)) & edge.unsqueeze(-1)).sum(dim=2)
+    assert winners.dtype is torch.int32 and torch.equal(winners, reached.to(torch.int32))
+
+    d_pooled = torch.randn(B, N, D, device=device, generator=gen)
+    m32 = m.float().requires_grad_()
+    m32.masked_fill(~edge.unsqueeze(-1), float("-inf")).amax(dim=2).backward(d_pooled.masked_fill(isolated.unsqueeze(-1), 0))
+    exact = m32.grad.view(-1, D)
+    d_m, taken = fused_backward.max_pool_backward(m, edge, pooled, winners, d_pooled, P)
+    assert d_m.dtype is dtype and d_m.shape == exact.shape
+    tied = (reached.unsqueeze(2).expand(B, N, N, D) > 1).reshape(-1, D)
+    assert tied.any() and (~tied & (exact != 0)).any(), "the case has tied and single winners"
+    assert torch.equal(d_m[~tied], exact.to(dtype)[~tied])
+    ulp = 2.0**-7 if dtype is torch.bfloat16 else 2.0**-10  # relative, and its floor among subnormals
+    within = (d_m.float() - exact).abs() <= ulp * (exact.abs() + torch.finfo(dtype).smallest_normal)
+    assert within[tied].all()
+    torch.testing.assert_close(taken, exact.sum(0), rtol=1e-5, atol=1e-5)
+
+    m[0, 1, 2, 0] = float("nan")
+    edge[0, 1, 2] = True
+    nan_pooled, nan_winners = fused_backward.max_pool(m, edge, P)
+    assert nan_pooled[0, 1, 0].isnan() and nan_pooled.isnan().sum() == 1 and nan_winners[0, 1, 0] == 0

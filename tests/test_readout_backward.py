@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_errors, generator, gradient_errors64
+from helpers import (assert_16_bit_gradients_meet_the_standard, assert_readout_max_kernels_match_pytorch,
+                     closed_form_errors, generator, gradient_errors64)
 from pairgen.module.autograd import SavedClosedForm
 from pairgen.module.dispatch import pairs
 from pairgen import compiler
@@ -203,6 +204,18 @@ def test_act_grad_takes_even_d_and_h_in_whole_lane_words_up_to_its_shared_memory
     assert not compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90").spill_bytes
     monkeypatch.setattr(fused_backward, "ACT_GRAD_KERNEL", False)
     assert not fused_backward.act_grad_applies(256, 512)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("dtype,B,N,D,P", [(torch.bfloat16, 2, 13, 24, 8), (torch.float16, 2, 9, 7, 3)])
+def test_the_16_bit_closed_form_kernels_match_pytorch_emulated(dtype, B, N, D, P):
+    """The rows, the max with its winner counts (ties in most channels, an isolated node, a node
+    with one edge, a NaN) and the max's gradient in one walk from those counts, on the CPU
+    emulator, at 16-byte and 1-element accesses (helpers.assert_readout_max_kernels_match_pytorch)."""
+    from emulator import emulated
+
+    with emulated():
+        assert_readout_max_kernels_match_pytorch("cpu", dtype, B, N, D, P, B * 1000 + N)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import (ODD_SHAPES, assert_graph_survives_larger_calls, assert_closed_form_meets_the_standard,
-                     assert_variant_matches_float64,
+                     assert_readout_max_kernels_match_pytorch, assert_variant_matches_float64,
                      check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
                      run_under_graph_capture, run_variant, sampled_cases, sampled_plans, gpu_params)
 from pairgen import runtime
@@ -515,50 +515,9 @@ def test_widths_no_split_tile_fits_run_the_gemm_default():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("B,N,D,P", [(2, 13, 24, 8), (3, 37, 7, 3), (2, 64, 256, 64)])
 def test_the_16_bit_closed_form_kernels_match_pytorch_with_ties_isolated_nodes_and_nan(dtype, B, N, D, P):
-    """The readout's 16-bit closed-form kernels (pairgen/ops/readout/fused_backward.py) against
-    PyTorch's way: the first layer's rows equal torch.cat's; the max equals torch.amax over the
-    masked messages (NaN kept, 0 for an isolated node); its gradient equals torch.amax's backward
-    computed in fp32 and rounded once, the ties' shares within one 16-bit rounding (the kernel
-    divides to 2 ulp: one 16-bit ulp, subnormals' spacing at least), and the sum of what the winners took equals the gradient's column sums."""
-    from pairgen.ops.readout import fused_backward
-
-    gen = torch.Generator(device="cuda").manual_seed(B * 1000 + N)
-    nodes = torch.randn(B, N, D, device="cuda", generator=gen).to(dtype)
-    pair = torch.randn(B, N, N, P, device="cuda", generator=gen).to(dtype)
-    rows = fused_backward.first_layer_rows(nodes, pair)
-    expected = torch.cat([nodes.unsqueeze(2).expand(B, N, N, D), nodes.unsqueeze(1).expand(B, N, N, D), pair], dim=-1)
-    assert torch.equal(rows, expected.view(-1, 2 * D + P))
-
-    # few distinct values: ties in most channels
-    m = (torch.randint(-3, 4, (B, N, N, D), device="cuda", generator=gen) * 0.5).to(dtype)
-    edge = torch.rand(B, N, N, device="cuda", generator=gen) < 0.7
-    edge[0, 3] = False                        # node 3 of batch 0: no edge
-    edge[1, 5] = False
-    edge[1, 5, N - 1] = True                  # node 5 of batch 1: one edge
-    isolated = ~edge.any(dim=2)
-    reference = m.masked_fill(~edge.unsqueeze(-1), float("-inf")).amax(dim=2).masked_fill(isolated.unsqueeze(-1), 0)
-    pooled = fused_backward.max_pool(m, edge, P)
-    assert torch.equal(pooled, reference)
-
-    d_pooled = torch.randn(B, N, D, device="cuda", generator=gen)
-    m32 = m.float().requires_grad_()
-    m32.masked_fill(~edge.unsqueeze(-1), float("-inf")).amax(dim=2).backward(d_pooled.masked_fill(isolated.unsqueeze(-1), 0))
-    exact = m32.grad.view(-1, D)
-    d_m, taken = fused_backward.max_pool_backward(m, edge, pooled, d_pooled, P)
-    assert d_m.dtype is dtype and d_m.shape == exact.shape
-    winners = ((m == pooled.unsqueeze(2)) & edge.unsqueeze(-1)).sum(dim=2, keepdim=True).expand(B, N, N, D)
-    tied = (winners > 1).reshape(-1, D)
-    assert tied.any() and (~tied & (exact != 0)).any(), "the case has tied and single winners"
-    assert torch.equal(d_m[~tied], exact.to(dtype)[~tied])
-    ulp = 2.0**-7 if dtype is torch.bfloat16 else 2.0**-10  # relative, and its floor among subnormals
-    within = (d_m.float() - exact).abs() <= ulp * (exact.abs() + torch.finfo(dtype).smallest_normal)
-    assert within[tied].all()
-    torch.testing.assert_close(taken, exact.sum(0), rtol=1e-5, atol=1e-5)
-
-    m[0, 1, 2, 0] = float("nan")
-    edge[0, 1, 2] = True
-    nan_pooled = fused_backward.max_pool(m, edge, P)
-    assert nan_pooled[0, 1, 0].isnan() and nan_pooled.isnan().sum() == 1
+    """The rows, the max with its winner counts and the max's gradient on the GPU against PyTorch's
+    way (helpers.assert_readout_max_kernels_match_pytorch)."""
+    assert_readout_max_kernels_match_pytorch("cuda", dtype, B, N, D, P, B * 1000 + N)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -574,8 +533,9 @@ def test_the_act_grad_kernel_matches_float64(dtype, B, N, D, H):
     m = (torch.randint(-3, 4, (B, N, N, D), device="cuda", generator=gen) * 0.5).to(dtype)
     edge = torch.rand(B, N, N, device="cuda", generator=gen) < 0.7
     edge[0, 3] = False
-    pooled = fused_backward.max_pool(m, edge, 8)
-    d_m, _ = fused_backward.max_pool_backward(m, edge, pooled, torch.randn(B, N, D, device="cuda", generator=gen), 8)
+    pooled, winners = fused_backward.max_pool(m, edge, 8)
+    d_m, _ = fused_backward.max_pool_backward(m, edge, pooled, winners, torch.randn(B, N, D, device="cuda", generator=gen),
+                                              8)
     w2 = (torch.randn(D, H, device="cuda", generator=gen) / D ** 0.5).to(dtype)
     pre = (torch.randn(B, N, N, H, device="cuda", generator=gen) * 3).clamp(-12, 12).to(dtype)
     pre64 = pre.double()

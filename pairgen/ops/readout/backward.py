@@ -78,7 +78,8 @@ def _forward(module, nodes, pair_feats, edge_mask, w, mm) -> SimpleNamespace:
     f.edge = edge_mask.unsqueeze(-1)
     m = mm.linear(f.act.view(-1, H), w["fuse.2.weight"], w["fuse.2.bias"]).view(B, N, N, D)
     if f.fused_max:  # the max over the edges in one pass over m (fused_backward.py)
-        f.m, f.pooled = m, fused_backward.max_pool(m, edge_mask, P)
+        f.m = m
+        f.pooled, f.winners = fused_backward.max_pool(m, edge_mask, P)
     else:
         f.masked = m.masked_fill_(~f.edge, float("-inf"))  # masked in place: m itself is not needed again
         pooled = f.masked.amax(dim=2)            # (B, N, D)
@@ -127,7 +128,7 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
 
     # ---- the max over partners: to the winners, ties sharing ----
     if f.fused_max:  # an isolated node has no winner: its d_pooled goes nowhere
-        d_m = _DenseMaxGradient(*fused_backward.max_pool_backward(f.m, f.edge_mask, f.pooled, d_pooled, P))
+        d_m = _DenseMaxGradient(*fused_backward.max_pool_backward(f.m, f.edge_mask, f.pooled, f.winners, d_pooled, P))
         f.m = None
     else:
         d_pooled = d_pooled.masked_fill(f.isolated.unsqueeze(-1), 0.0)

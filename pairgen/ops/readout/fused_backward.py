@@ -7,9 +7,9 @@ the max; then finds the winners by comparing every message with its node's max, 
 cast of the pair-sized boolean to int64 first) and scatters the shares: pair-sized passes, most
 through broadcasting kernels that run at a fraction of the memory's rate. Here the rows are copied
 16 bytes at a time, and for the max a thread takes a node and 16 bytes of channels and walks the
-node's partners: the forward reads the messages once; the backward reads them once more and
-writes the dense gradient the tensor-core products take, revisiting a node's partners only where
-a channel's max is tied. From that gradient, act_grad gives the first layer's output gradient
+node's partners: the forward reads the messages once, counting each channel's winners as the max
+runs; the backward reads them once more and writes the dense gradient the tensor-core products
+take, each winner's share from those counts (ties share equally), in one walk. From that gradient, act_grad gives the first layer's output gradient
 (d_m W2 through the SiLU's derivative) and each node's sum of it in one pass, adding W2's rows of
 each row's winners (about D / N of them) where cuBLAS would multiply the dense matrix. On by default with the other closed forms' fused kernels
 (PAIRGEN_FUSED_BACKWARD); the GPU tests check both ways against the same standard."""
@@ -25,9 +25,9 @@ if TYPE_CHECKING:  # annotations only: these sources render without torch (pairg
     import torch
 
 SIGNATURES = {"rows": ("ptr nodes", "ptr pair", "ptr rows", "i64 n", "i64 total_rows"),
-              "max": ("ptr m", "ptr edge", "ptr pooled", "i64 nodes", "i64 n", "i64 channels"),
-              "max_grad": ("ptr m", "ptr edge", "ptr pooled", "ptr d_pooled", "ptr d_m", "ptr taken", "i64 nodes",
-                           "i64 n", "i64 channels")}
+              "max": ("ptr m", "ptr edge", "ptr pooled", "ptr winners", "i64 nodes", "i64 n", "i64 channels"),
+              "max_grad": ("ptr m", "ptr edge", "ptr pooled", "ptr winners", "ptr d_pooled", "ptr d_m", "ptr taken",
+                           "i64 nodes", "i64 n", "i64 channels")}
 #: The kernel a rendering with the hidden width (context "h") adds.
 ACT_GRAD_SIGNATURE = {"act_grad": ("ptr d_m", "ptr w2", "ptr pre", "ptr d_u", "i64 nodes", "i64 n")}
 TEMPLATE = FusedTemplate("readout", "closed_form",
@@ -38,6 +38,9 @@ ACCESS_BYTES = 16
 BLOCKS_PER_SM = 8
 #: The rows kernel works out a row's (b, i, j) in 32-bit arithmetic.
 MAX_ROWS = 2**31 - 1
+#: Partners the max's walks (forward and backward) load at once: a thread walks its node's
+#: partners in turn, so these loads in flight are what hide the memory's latency.
+WALK_UNROLL = 8
 
 
 def applies(nodes: torch.Tensor) -> bool:
@@ -59,14 +62,15 @@ def vector_width(itemsize: int, D: int, P: int) -> int:
 def render(kind: str, D: int, P: int, H: int = 0):
     """The template for (D, P); with H, the act_grad kernel too (act_grad_applies must hold)."""
     hidden = {"h": H} if H else {}
-    return TEMPLATE.render(kind, vec=vector_width(2 if kind != "float32" else 4, D, P), d=D, p=P, **hidden)
+    return TEMPLATE.render(kind, vec=vector_width(2 if kind != "float32" else 4, D, P), d=D, p=P,
+                           walk_unroll=WALK_UNROLL, **hidden)
 
 
 def _launch(like: torch.Tensor, suffix: str, vec: int, work: int, D: int, P: int, *args: int) -> None:
     """Launch `suffix` of the rendering for (vec, D, P) for `work` thread-items (grid-stride,
     BLOCKS_PER_SM blocks per SM at most)."""
     blocks = max(1, min(-(-work // THREADS), sm_count(like.device.index) * BLOCKS_PER_SM))
-    TEMPLATE.launch(like, suffix, blocks, *args, vec=vec, d=D, p=P)
+    TEMPLATE.launch(like, suffix, blocks, *args, vec=vec, d=D, p=P, walk_unroll=WALK_UNROLL)
 
 
 def starts_aligned(t: torch.Tensor, vec: int) -> bool:
@@ -93,22 +97,27 @@ def first_layer_rows(nodes: torch.Tensor, pair: torch.Tensor) -> torch.Tensor | 
     return rows
 
 
-def max_pool(m: torch.Tensor, edge: torch.Tensor, P: int) -> torch.Tensor:
-    """m (B, N, N, D) contiguous, edge (B, N, N) bool: pooled (B, N, D) in m's dtype, the max of
-    m[b, i, j] over the j with edge[b, i, j] (0 for a node with none). P: the pair width (the
-    kernels' rendering is per D and P)."""
+def max_pool(m: torch.Tensor, edge: torch.Tensor, P: int) -> tuple:
+    """m (B, N, N, D) contiguous, edge (B, N, N) bool: (pooled (B, N, D) in m's dtype, the max of
+    m[b, i, j] over the j with edge[b, i, j] (0 for a node with none); winners (B, N, D) int32, how
+    many of those j reach it (0 where pooled is NaN or the node has no edge), which
+    max_pool_backward shares the gradient among). P: the pair width (the kernels' rendering is per
+    D and P)."""
+    import torch
+
     B, N, _, D = m.shape
     pooled = m.new_empty(B, N, D)
+    winners = torch.empty(B, N, D, dtype=torch.int32, device=m.device)
     vec = vector_width(m.element_size(), D, P)
     _launch(m, "max", vec, B * N * (D // vec), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
-            B * N, N, D)
-    return pooled
+            winners.data_ptr(), B * N, N, D)
+    return pooled, winners
 
 
-def max_pool_backward(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor, d_pooled: torch.Tensor,
-                      P: int) -> tuple:
-    """The gradient through max_pool: (d m (B*N*N, D) in m's dtype, the sum over nodes of what the
-    winners took (D,) in fp32). d_pooled (B, N, D)."""
+def max_pool_backward(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor, winners: torch.Tensor,
+                      d_pooled: torch.Tensor, P: int) -> tuple:
+    """The gradient through max_pool, given its (pooled, winners): (d m (B*N*N, D) in m's dtype, the
+    sum over nodes of what the winners took (D,) in fp32). d_pooled (B, N, D)."""
     import torch
 
     B, N, _, D = m.shape
@@ -117,7 +126,7 @@ def max_pool_backward(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor,
     taken = torch.empty_like(d_pooled)
     vec = vector_width(m.element_size(), D, P)
     _launch(m, "max_grad", vec, B * N * (D // vec), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
-            d_pooled.data_ptr(), d_m.data_ptr(), taken.data_ptr(), B * N, N, D)
+            winners.contiguous().data_ptr(), d_pooled.data_ptr(), d_m.data_ptr(), taken.data_ptr(), B * N, N, D)
     return d_m.view(-1, D), taken.sum((0, 1))
 
 
