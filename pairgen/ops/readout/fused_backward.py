@@ -9,10 +9,11 @@ through broadcasting kernels that run at a fraction of the memory's rate. Here t
 16 bytes at a time, and for the max a thread takes a node and 16 bytes of channels and walks the
 node's partners: the forward reads the messages once, counting each channel's winners as the max
 runs; the backward reads them once more and writes the dense gradient the tensor-core products
-take, each winner's share from those counts (ties share equally), in one walk. From that gradient, act_grad gives the first layer's output gradient
-(d_m W2 through the SiLU's derivative) and each node's sum of it in one pass, adding W2's rows of
-each row's winners (about D / N of them) where cuBLAS would multiply the dense matrix. On by default with the other closed forms' fused kernels
-(PAIRGEN_FUSED_BACKWARD); the GPU tests check both ways against the same standard."""
+take, each winner's share from those counts (ties share equally), in one walk. From that
+gradient, act_grad gives the first layer's output gradient (d_m W2 through the SiLU's derivative)
+and each node's sum of it in one pass, adding W2's rows of each row's winners (about D / N of
+them) where cuBLAS would multiply the dense matrix. On by default with the other closed forms'
+fused kernels (PAIRGEN_FUSED_BACKWARD); the GPU tests check both ways against the same standard."""
 from __future__ import annotations
 
 import math
@@ -157,5 +158,5 @@ def act_gradient(d_m: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, P: int)
     nodes = B * N
     blocks = max(1, min(nodes, sm_count(pre.device.index) * ACT_GRAD_BLOCKS_PER_SM))
     TEMPLATE.launch(pre, "act_grad", blocks, d_m.data_ptr(), w2.data_ptr(), pre.data_ptr(), d_u.data_ptr(), nodes, N,
-                    vec=vector_width(pre.element_size(), D, P), d=D, p=P, h=H)
+                    vec=vector_width(pre.element_size(), D, P), d=D, p=P, walk_unroll=WALK_UNROLL, h=H)
     return pre, d_u
