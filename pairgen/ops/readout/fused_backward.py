@@ -40,8 +40,9 @@ BLOCKS_PER_SM = 8
 #: The rows kernel works out a row's (b, i, j) in 32-bit arithmetic.
 MAX_ROWS = 2**31 - 1
 #: Partners the max's walks (forward and backward) load at once: a thread walks its node's
-#: partners in turn, so these loads in flight are what hide the memory's latency.
-WALK_UNROLL = 8
+#: partners in turn, so these loads in flight hide the memory's latency. Of 1, 2, 4 and 8, two
+#: measured fastest for both walks (docs/performance.md).
+WALK_UNROLL = 2
 
 
 def applies(nodes: torch.Tensor) -> bool:

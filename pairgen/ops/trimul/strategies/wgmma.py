@@ -426,8 +426,9 @@ BACKWARD_PROJECTION = "resident"
 #: take more than the 128 a thread that four warpgroups leave.
 RESIDENT_BACKWARD_GROUPS = 3
 #: Passes ahead that the resident backward loads d(loss)/d(a) and d(loss)/d(b) (the largest divisor
-#: of its passes a tile up to this): their loads' latency runs under that many passes' work.
-GRADIENT_PASSES_AHEAD = 4
+#: of its passes a tile up to this; a tile's last passes load the next tile's first). One pass
+#: ahead measured fastest: rings of 2, 3 and 4 passes were slower (docs/performance.md).
+GRADIENT_PASSES_AHEAD = 1
 
 
 def _resident_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
