@@ -193,15 +193,19 @@ def test_the_16_bit_closed_form_kernels_render_to_their_signatures_and_compile(k
     assert not compiled.spill_bytes
 
 
-def test_act_grad_takes_even_d_and_h_in_whole_lane_words_up_to_its_shared_memory(monkeypatch):
-    """act_grad_applies: off with ACT_GRAD_KERNEL; on, D even and H a multiple of 64 up to
-    ACT_GRAD_MAX_H, whose rendering compiles (its warps' sums fit a block's static shared memory)."""
+def test_act_grad_takes_even_d_and_h_in_whole_lane_words_up_to_its_registers_and_shared_memory(monkeypatch):
+    """act_grad_applies: off with ACT_GRAD_KERNEL; on, D even up to ACT_GRAD_MAX_D and H a multiple
+    of 64 up to ACT_GRAD_MAX_H, whose rendering at both limits compiles without spills (its warps'
+    sums fit a block's static shared memory, its rows of d_m the registers)."""
     monkeypatch.setattr(fused_backward, "ACT_GRAD_KERNEL", True)
+    max_d, max_h = fused_backward.ACT_GRAD_MAX_D, fused_backward.ACT_GRAD_MAX_H
     assert fused_backward.act_grad_applies(256, 512) and fused_backward.act_grad_applies(2, 64)
-    assert not any(fused_backward.act_grad_applies(D, H) for D, H in ((7, 64), (256, 96), (256, 0),
-                                                                      (256, fused_backward.ACT_GRAD_MAX_H + 64)))
-    rendered = fused_backward.render("bfloat16", 256, 64, fused_backward.ACT_GRAD_MAX_H)
-    assert not compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90").spill_bytes
+    assert fused_backward.act_grad_applies(max_d, max_h)
+    assert not any(fused_backward.act_grad_applies(D, H) for D, H in ((7, 64), (256, 96), (256, 0), (0, 64),
+                                                                      (256, max_h + 64), (max_d + 2, 64)))
+    rendered = fused_backward.render("bfloat16", max_d, 64, max_h)
+    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
+    assert f"{rendered.kernel_name}_act_grad" in compiled.kernels and compiled.spill_bytes == 0, compiled.summary()
     monkeypatch.setattr(fused_backward, "ACT_GRAD_KERNEL", False)
     assert not fused_backward.act_grad_applies(256, 512)
 
@@ -220,14 +224,16 @@ def test_the_16_bit_closed_form_kernels_match_pytorch_emulated(dtype, B, N, D, P
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 @pytest.mark.parametrize("dtype,B,N,D,H", [(torch.bfloat16, 2, 7, 24, 128), (torch.float16, 1, 5, 96, 64),
-                                           (torch.bfloat16, 3, 3, 70, 192)])
+                                           (torch.bfloat16, 3, 3, 70, 192), (torch.bfloat16, 2, 19, 40, 64)])
 def test_the_act_grad_kernel_matches_float64_emulated(dtype, B, N, D, H):
     """d_pre = (d_m W2) silu'(pre) and d_u (each node's rows of d_pre summed) from the act_grad kernel
     on the CPU emulator, against float64 of the same 16-bit d_m, W2 and pre: the 16-bit standard
     (relative L2 1e-2), with rows that have no winner, one, several and a tie (two channels' shares
     in one word, a channel past the last whole warp of words at D = 70), a NaN in pre that must
     reach only its own element, and heavy-tailed pre. d_u sums d_pre as stored (16-bit values in
-    fp32)."""
+    fp32). The emulator's 12 blocks take several nodes each where B N > 12 (a warp's next row is
+    then the next node's), and at N = 19 a warp takes several rows of a node (its next row the
+    node's own)."""
     from emulator import emulated
 
     gen = generator(900 + D + H)

@@ -139,12 +139,16 @@ ACT_GRAD_BLOCKS_PER_SM = 4
 #: The widest H act_grad takes: its warps' sums of a node's rows are static shared memory (8 warps
 #: x H fp32: 32 KB of the 48 a block may declare).
 ACT_GRAD_MAX_H = 1024
+#: The widest D act_grad takes: a warp holds its next row of d_m in registers (D / 64 words a lane)
+#: beside this one's; at 2048 and H = ACT_GRAD_MAX_H that is 220 registers a thread, no spill.
+ACT_GRAD_MAX_D = 2048
 
 
 def act_grad_applies(D: int, H: int) -> bool:
     """Whether act_gradient takes these widths: on (ACT_GRAD_KERNEL), rows of whole 4-byte words,
-    H / 64 of them a lane, H up to ACT_GRAD_MAX_H."""
-    return ACT_GRAD_KERNEL and D % 2 == 0 and H % 64 == 0 and 0 < H <= ACT_GRAD_MAX_H
+    H / 64 of them a lane, H up to ACT_GRAD_MAX_H and D up to ACT_GRAD_MAX_D."""
+    return (ACT_GRAD_KERNEL and D % 2 == 0 and H % 64 == 0 and 0 < H <= ACT_GRAD_MAX_H
+            and 0 < D <= ACT_GRAD_MAX_D)
 
 
 def act_gradient(d_m: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, P: int) -> tuple:
