@@ -223,17 +223,18 @@ def test_the_16_bit_closed_form_kernels_match_pytorch_emulated(dtype, B, N, D, P
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
-@pytest.mark.parametrize("dtype,B,N,D,H", [(torch.bfloat16, 2, 7, 24, 128), (torch.float16, 1, 5, 96, 64),
-                                           (torch.bfloat16, 3, 3, 70, 192), (torch.bfloat16, 2, 19, 40, 64)])
-def test_the_act_grad_kernel_matches_float64_emulated(dtype, B, N, D, H):
+@pytest.mark.parametrize("dtype,B,N,D,H,blocks_per_sm", [(torch.bfloat16, 2, 7, 24, 128, 1), (torch.float16, 1, 5, 96, 64, 1),
+                                                         (torch.bfloat16, 3, 3, 70, 192, 1),
+                                                         (torch.bfloat16, 2, 19, 40, 64, None)])
+def test_the_act_grad_kernel_matches_float64_emulated(dtype, B, N, D, H, blocks_per_sm, monkeypatch):
     """d_pre = (d_m W2) silu'(pre) and d_u (each node's rows of d_pre summed) from the act_grad kernel
     on the CPU emulator, against float64 of the same 16-bit d_m, W2 and pre: the 16-bit standard
     (relative L2 1e-2), with rows that have no winner, one, several and a tie (two channels' shares
     in one word, a channel past the last whole warp of words at D = 70), a NaN in pre that must
     reach only its own element, and heavy-tailed pre. d_u sums d_pre as stored (16-bit values in
-    fp32). The emulator's 12 blocks take several nodes each where B N > 12 (a warp's next row is
-    then the next node's), and at N = 19 a warp takes several rows of a node (its next row the
-    node's own)."""
+    fp32). With a block an emulated SM (3) each block takes several nodes (a warp's next row is
+    then the next node's); at N = 19, with the default grid, a block a node and a warp several rows
+    of it (its next row the node's own)."""
     from emulator import emulated
 
     gen = generator(900 + D + H)
@@ -251,6 +252,8 @@ def test_the_act_grad_kernel_matches_float64_emulated(dtype, B, N, D, H):
     pre64 = pre.double()
     sig = torch.sigmoid(pre64)
     exact = (d_m.double() @ w2.double()).view(B, N, N, H) * sig * (1 + pre64 * (1 - sig))
+    if blocks_per_sm is not None:
+        monkeypatch.setattr(fused_backward, "ACT_GRAD_BLOCKS_PER_SM", blocks_per_sm)
     with emulated():
         d_pre, d_u = fused_backward.act_gradient(d_m, w2, pre.clone(), P=8)
     d_pre = d_pre.view(B, N, N, H)

@@ -134,8 +134,11 @@ def max_pool_backward(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor,
 
 #: Whether 16-bit closed forms take act_grad (where act_grad_applies); the tests run both ways.
 ACT_GRAD_KERNEL = True
-#: Blocks per SM of act_grad (a node each; 16 KB of shared memory at H = 512).
-ACT_GRAD_BLOCKS_PER_SM = 4
+#: Blocks per SM of act_grad's grid (a block takes a node at a time; 16 KB of shared memory at
+#: H = 512). Many more than fit at once (3 at H = 512, by registers), so that up to B N = 2112
+#: on 132 SMs a block takes one node and the scheduler balances them: a grid that is a wave and a
+#: part of one leaves the part's SMs a tail of whole blocks (docs/performance.md).
+ACT_GRAD_BLOCKS_PER_SM = 16
 #: The widest H act_grad takes: its warps' sums of a node's rows are static shared memory (8 warps
 #: x H fp32: 32 KB of the 48 a block may declare).
 ACT_GRAD_MAX_H = 1024
