@@ -427,7 +427,7 @@ BACKWARD_PROJECTION = "resident"
 RESIDENT_BACKWARD_GROUPS = 3
 #: Passes ahead that the resident backward loads d(loss)/d(a) and d(loss)/d(b) (the largest divisor
 #: of its passes a tile up to this; a tile's last passes load the next tile's first). One pass
-#: ahead measured fastest: rings of 2, 3 and 4 passes were slower (docs/performance.md).
+#: ahead measured fastest: rings of 2 and 4 passes were slower (docs/performance.md).
 GRADIENT_PASSES_AHEAD = 1
 
 
