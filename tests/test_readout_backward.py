@@ -15,7 +15,7 @@ from helpers import (assert_16_bit_gradients_meet_the_standard, assert_readout_m
 from pairgen.module.autograd import SavedClosedForm
 from pairgen.module.dispatch import pairs
 from pairgen import compiler
-from pairgen.ops.readout import READOUT, backward, fused_backward
+from pairgen.ops.readout import READOUT, backward, first_layer, fused_backward
 from pairgen.spec import SIXTEEN_BIT_TOLERANCE
 from pairgen.tuning.check import compare, reference64
 
@@ -59,21 +59,24 @@ def test_a_16_bit_module_meets_the_16_bit_standard(dtype, widths, B, N, seed, di
                                               (torch.float16, {"D": 16, "P": 12, "H": 128}, 1, 9)])
 def test_16_bit_gradients_through_the_fused_kernels_meet_the_standard_emulated(dtype, widths, B, N, act_grad,
                                                                                monkeypatch):
-    """The 16-bit closed form with its GPU kernels (the rows, the max and its gradient, and act_grad
-    or, with ACT_GRAD_KERNEL off, the dense product and PyTorch's SiLU backward) run on the CPU
-    emulator: every gradient within the 16-bit standard, isolated nodes included, and act_grad ran
-    once or not at all."""
+    """The 16-bit closed form with its GPU kernels (the first layer split and rounded once where P
+    takes it, else the rows; the max and its gradient; act_grad or, with ACT_GRAD_KERNEL off, the
+    dense product and PyTorch's SiLU backward) run on the CPU emulator: every gradient within the
+    16-bit standard, isolated nodes included, and each kernel ran once or not at all."""
     from unittest import mock
 
     from emulator import emulated
 
     monkeypatch.setattr(fused_backward, "ACT_GRAD_KERNEL", act_grad)
     module, inputs, g = _16_bit_case(dtype, widths, B, N, 63, "cauchy")
-    runs, real = [], fused_backward.act_gradient
+    runs, layers, real, real_layer = [], [], fused_backward.act_gradient, first_layer.first_layer
     with emulated(), mock.patch.object(fused_backward, "applies", lambda nodes: True), \
+            mock.patch.object(first_layer, "applies", first_layer.fits), \
+            mock.patch.object(first_layer, "first_layer", lambda *a: layers.append(1) or real_layer(*a)), \
             mock.patch.object(fused_backward, "act_gradient", lambda *a: runs.append(1) or real(*a)):
         ours = module.analytic_gradients(list(inputs), [p.detach() for p in module.parameters()], g)
     assert runs == ([1] if act_grad else [])
+    assert layers == ([1] if widths["P"] % 8 == 0 else [])
     assert_16_bit_gradients_meet_the_standard(module, inputs, g, [t for t in ours if t is not None])
 
 
@@ -281,3 +284,70 @@ def test_the_rows_kernel_takes_only_inputs_that_start_on_a_vector():
     whole = torch.zeros(3, 16, dtype=torch.bfloat16)
     assert fused_backward.starts_aligned(whole, 8) and fused_backward.starts_aligned(whole[1:], 8)
     assert not fused_backward.starts_aligned(whole.view(-1)[1:], 8) and fused_backward.starts_aligned(whole.view(-1)[1:], 1)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("dtype,B,N,D,P,H,blocks_per_sm", [(torch.bfloat16, 2, 23, 20, 24, 128, 1),
+                                                          (torch.float16, 1, 9, 16, 16, 64, None)])
+def test_the_first_layer_kernel_rounds_once_emulated(dtype, B, N, D, P, H, blocks_per_sm, monkeypatch):
+    """first_layer.py on the CPU emulator against float64 of the single product over the
+    concatenated rows: pre is that sum rounded once (equal to it rounded for nearly every element,
+    never a 16-bit step away), act the SiLU of the stored pre rounded, and a NaN in one pair row
+    reaches that row's pre and act only. Rows end mid-tile; P = 24 pads the k-steps; with a block an
+    emulated SM (3) a block takes three tiles through both row buffers, H = 128 two column passes."""
+    from emulator import emulated
+
+    gen = generator(1000 + N + P)
+    nodes = torch.randn(B, N, D, generator=gen).to(dtype)
+    pair = (torch.randn(B, N, N, P, generator=gen) * 2).to(dtype)
+    pair[1 if B > 1 else 0, 3, 5, 2] = float("nan")
+    w1 = (torch.randn(H, 2 * D + P, generator=gen) / (2 * D + P) ** 0.5).to(dtype)
+    b1 = torch.randn(H, generator=gen).to(dtype)
+    rows = torch.cat([nodes.unsqueeze(2).expand(B, N, N, D), nodes.unsqueeze(1).expand(B, N, N, D), pair], dim=-1)
+    exact = rows.double() @ w1.double().t() + b1.double()
+    if blocks_per_sm is not None:
+        monkeypatch.setattr(first_layer, "BLOCKS_PER_SM", blocks_per_sm)
+    with emulated():
+        assert first_layer.fits(nodes, pair, H)
+        pre, act = first_layer.first_layer(nodes, pair, w1, b1)
+    assert pre.shape == act.shape == (B, N, N, H) and pre.dtype is act.dtype is dtype
+    nan_row = torch.isnan(pair).any(-1)
+    assert torch.isnan(pre[nan_row]).all() and torch.isnan(act[nan_row]).all(), "the NaN's row is NaN"
+    ok = ~nan_row
+    assert torch.isfinite(pre[ok]).all() and torch.isfinite(act[ok]).all(), "no other row is touched"
+    step = 2.0 ** (-7 if dtype is torch.bfloat16 else -10)  # a 16-bit step, relative
+    got, want = pre[ok].double(), exact[ok]
+    assert ((got - want).abs() <= step * want.abs() + 1e-30).all(), "within a step of the exact sum"
+    assert (pre[ok] == want.to(dtype)).double().mean() >= 0.99, "rounded once: the exact sum's rounding"
+    x = pre[ok].double()
+    silu = x * torch.sigmoid(x)
+    assert ((act[ok].double() - silu).abs() <= step * silu.abs() + 1e-6).all(), "act = silu(pre), rounded"
+
+
+@pytest.mark.parametrize("kind,P,H", [("bfloat16", 64, 512), ("float16", 64, 512), ("bfloat16", 24, 128),
+                                      ("float16", 8, 64)])
+def test_the_first_layer_kernel_renders_to_its_signature_and_compiles_without_spills(kind, P, H):
+    rendered = first_layer.render(kind, P, H)
+    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
+    assert set(compiled.kernels) == {rendered.kernel_name}
+    assert compiled.spill_bytes == 0 and compiled.stack_bytes == 0, compiled.summary()
+
+
+def test_the_first_layer_kernel_takes_16_bit_pair_rows_of_whole_pieces_and_widths_its_block_holds():
+    """fits: one 16-bit dtype, P % 8 == 0, a contiguous aligned pair tensor, H a multiple of
+    COLUMNS, W_p and two tiles within a block's shared memory; applies: on a CUDA tensor only."""
+    from emulator import EMULATED_DEVICE, emulated
+
+    def case(dtype=torch.bfloat16, P=64, H=512, pair_dtype=None, transpose=False):
+        nodes = torch.zeros(1, 4, 8, dtype=dtype)
+        pair = torch.zeros(1, 4, 4, P, dtype=pair_dtype or dtype)
+        return first_layer.fits(nodes, pair.transpose(1, 2) if transpose else pair, H)
+
+    with emulated():
+        assert case() and case(torch.float16, 8, 64)
+        assert not any([case(torch.float32), case(P=12), case(H=96), case(pair_dtype=torch.float16),
+                        case(transpose=True)])
+        largest = EMULATED_DEVICE.limits.max_smem_per_block
+        assert first_layer.smem_bytes(128, 1024) > largest and not case(P=128, H=1024)
+        assert not first_layer.applies(torch.zeros(1, 4, 8, dtype=torch.bfloat16),
+                                       torch.zeros(1, 4, 4, 64, dtype=torch.bfloat16), 512), "a CPU tensor"

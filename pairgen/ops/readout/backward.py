@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .. import closed_form
 from ..closed_form import closed_form_gradients
-from . import fused_backward
+from . import first_layer, fused_backward
 from ...module.modes import as_dtype
 
 
@@ -73,8 +73,7 @@ def _forward(module, nodes, pair_feats, edge_mask, w, mm) -> SimpleNamespace:
     f = SimpleNamespace(B=B, N=N, D=D, P=P, H=H, nodes=nodes, pair=pair, pair_dtype=pair_feats.dtype,
                         edge_mask=edge_mask)
     f.fused_max = fused_backward.applies(nodes)  # the rows and the max as pairgen's kernels
-    f.pre = _first_layer(nodes, pair, w, mm, f.fused_max)
-    f.act = F.silu(f.pre)
+    f.pre, f.act = _first_layer(nodes, pair, w, mm, f.fused_max)
     f.edge = edge_mask.unsqueeze(-1)
     m = mm.linear(f.act.view(-1, H), w["fuse.2.weight"], w["fuse.2.bias"]).view(B, N, N, D)
     if f.fused_max:  # the max over the edges in one pass over m (fused_backward.py)
@@ -92,26 +91,32 @@ def _forward(module, nodes, pair_feats, edge_mask, w, mm) -> SimpleNamespace:
     return f
 
 
-def _first_layer(nodes: torch.Tensor, pair: torch.Tensor, w, mm, fused: bool) -> torch.Tensor:
-    """pre (B, N, N, H), the first layer's output before the SiLU. In fp32 split by columns: each
-    node's terms once per node, broadcast over its partners. In 16 bits the concatenated rows in
-    one product, as the reference computes them: rounded once, where the split's three roundings
-    move which partner wins the max (measured on the CPU: an input gradient 4x as far from float64
-    as the 16-bit reference's). fused: the rows built by pairgen's kernel (fused_backward.applies)."""
+def _first_layer(nodes: torch.Tensor, pair: torch.Tensor, w, mm, fused: bool) -> tuple:
+    """(pre, act): the first layer's output (B, N, N, H) before and after the SiLU. In fp32 split by
+    columns: each node's terms once per node, broadcast over its partners. In 16 bits rounded once,
+    as the reference's one product over the concatenated rows is, where a split rounded three times
+    moves which partner wins the max (measured on the CPU: an input gradient 4x as far from float64
+    as the 16-bit reference's): on the GPU (fused) the split with fp32 sums in one kernel that
+    writes act too (first_layer.py), else the concatenated rows (built by pairgen's kernel where
+    fused_backward.first_layer_rows takes them) in one product."""
     B, N, D = nodes.shape
     P = pair.shape[-1]
     w1, b1 = w["fuse.0.weight"], w["fuse.0.bias"]
     H = w1.shape[0]
     if nodes.dtype is not torch.float32:
+        if fused and first_layer.applies(nodes, pair, H):
+            return first_layer.first_layer(nodes, pair, w1, b1)
         rows = fused_backward.first_layer_rows(nodes, pair) if fused else None
         if rows is None:
             rows = torch.cat([nodes.unsqueeze(2).expand(B, N, N, D), nodes.unsqueeze(1).expand(B, N, N, D), pair],
                              dim=-1)
-        return mm.linear(rows.view(-1, 2 * D + P), w1, b1).view(B, N, N, H)
+        pre = mm.linear(rows.view(-1, 2 * D + P), w1, b1).view(B, N, N, H)
+        return pre, F.silu(pre)
     u = mm(nodes, w1[:, :D].t())             # (B, N, H): node i's term
     v = mm(nodes, w1[:, D:2 * D].t())        # (B, N, H): node j's term
     pre = mm(pair.reshape(-1, P), w1[:, 2 * D:].t()).view(B, N, N, H)
-    return pre.add_(u.add_(b1).unsqueeze(2)).add_(v.unsqueeze(1))  # in place: no pair-sized temporary
+    pre.add_(u.add_(b1).unsqueeze(2)).add_(v.unsqueeze(1))  # in place: no pair-sized temporary
+    return pre, F.silu(pre)
 
 
 def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, torch.Tensor]:
