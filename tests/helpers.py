@@ -458,3 +458,37 @@ def assert_readout_max_kernels_match_pytorch(device: str, dtype, B: int, N: int,
     edge[0, 1, 2] = True
     nan_pooled, nan_winners = fused_backward.max_pool(m, edge, P)
     assert nan_pooled[0, 1, 0].isnan() and nan_pooled.isnan().sum() == 1 and nan_winners[0, 1, 0] == 0
+
+
+def assert_the_first_layer_kernel_rounds_once(device: str, dtype, B: int, N: int, D: int, P: int, H: int,
+                                              seed: int) -> None:
+    """The readout's first layer kernel (pairgen/ops/readout/first_layer.py) on `device` (the GPU,
+    or the CPU under the emulator) against float64 of the single product over the concatenated
+    rows: pre is that sum rounded once (equal to its rounding for nearly every element, never a
+    16-bit step away), act the SiLU of the stored pre rounded, and a NaN in one pair row reaches
+    that row's pre and act only."""
+    from pairgen.ops.readout import first_layer
+
+    gen = generator(seed)
+    nodes = torch.randn(B, N, D, generator=gen).to(dtype)
+    pair = (torch.randn(B, N, N, P, generator=gen) * 2).to(dtype)
+    pair[B - 1, 3 % N, 5 % N, 2] = float("nan")
+    w1 = (torch.randn(H, 2 * D + P, generator=gen) / (2 * D + P) ** 0.5).to(dtype)
+    b1 = torch.randn(H, generator=gen).to(dtype)
+    rows = torch.cat([nodes.unsqueeze(2).expand(B, N, N, D), nodes.unsqueeze(1).expand(B, N, N, D), pair], dim=-1)
+    exact = rows.double() @ w1.double().t() + b1.double()
+    on = [t.to(device) for t in (nodes, pair, w1, b1)]
+    assert first_layer.fits(on[0], on[1], H)
+    pre, act = (t.cpu() for t in first_layer.first_layer(*on))
+    assert pre.shape == act.shape == (B, N, N, H) and pre.dtype is act.dtype is dtype
+    nan_row = torch.isnan(pair).any(-1)
+    assert torch.isnan(pre[nan_row]).all() and torch.isnan(act[nan_row]).all(), "the NaN's row is NaN"
+    ok = ~nan_row
+    assert torch.isfinite(pre[ok]).all() and torch.isfinite(act[ok]).all(), "no other row is touched"
+    step = 2.0 ** (-7 if dtype is torch.bfloat16 else -10)  # a 16-bit step, relative
+    got, want = pre[ok].double(), exact[ok]
+    assert ((got - want).abs() <= step * want.abs() + 1e-30).all(), "within a step of the exact sum"
+    assert (pre[ok] == want.to(dtype)).double().mean() >= 0.99, "rounded once: the exact sum's rounding"
+    x = pre[ok].double()
+    silu = x * torch.sigmoid(x)
+    assert ((act[ok].double() - silu).abs() <= step * silu.abs() + 1e-6).all(), "act = silu(pre), rounded"

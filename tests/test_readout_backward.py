@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import (assert_16_bit_gradients_meet_the_standard, assert_readout_max_kernels_match_pytorch,
+                     assert_the_first_layer_kernel_rounds_once,
                      closed_form_errors, generator, gradient_errors64)
 from pairgen.module.autograd import SavedClosedForm
 from pairgen.module.dispatch import pairs
@@ -290,38 +291,15 @@ def test_the_rows_kernel_takes_only_inputs_that_start_on_a_vector():
 @pytest.mark.parametrize("dtype,B,N,D,P,H,blocks_per_sm", [(torch.bfloat16, 2, 23, 20, 24, 128, 1),
                                                           (torch.float16, 1, 9, 16, 16, 64, None)])
 def test_the_first_layer_kernel_rounds_once_emulated(dtype, B, N, D, P, H, blocks_per_sm, monkeypatch):
-    """first_layer.py on the CPU emulator against float64 of the single product over the
-    concatenated rows: pre is that sum rounded once (equal to it rounded for nearly every element,
-    never a 16-bit step away), act the SiLU of the stored pre rounded, and a NaN in one pair row
-    reaches that row's pre and act only. Rows end mid-tile; P = 24 pads the k-steps; with a block an
-    emulated SM (3) a block takes three tiles through both row buffers, H = 128 two column passes."""
+    """first_layer.py on the CPU emulator (helpers.assert_the_first_layer_kernel_rounds_once). Rows
+    end mid-tile; P = 24 pads the k-steps; with a block an emulated SM (3) a block takes three tiles
+    through both row buffers, H = 128 two column passes."""
     from emulator import emulated
 
-    gen = generator(1000 + N + P)
-    nodes = torch.randn(B, N, D, generator=gen).to(dtype)
-    pair = (torch.randn(B, N, N, P, generator=gen) * 2).to(dtype)
-    pair[1 if B > 1 else 0, 3, 5, 2] = float("nan")
-    w1 = (torch.randn(H, 2 * D + P, generator=gen) / (2 * D + P) ** 0.5).to(dtype)
-    b1 = torch.randn(H, generator=gen).to(dtype)
-    rows = torch.cat([nodes.unsqueeze(2).expand(B, N, N, D), nodes.unsqueeze(1).expand(B, N, N, D), pair], dim=-1)
-    exact = rows.double() @ w1.double().t() + b1.double()
     if blocks_per_sm is not None:
         monkeypatch.setattr(first_layer, "BLOCKS_PER_SM", blocks_per_sm)
     with emulated():
-        assert first_layer.fits(nodes, pair, H)
-        pre, act = first_layer.first_layer(nodes, pair, w1, b1)
-    assert pre.shape == act.shape == (B, N, N, H) and pre.dtype is act.dtype is dtype
-    nan_row = torch.isnan(pair).any(-1)
-    assert torch.isnan(pre[nan_row]).all() and torch.isnan(act[nan_row]).all(), "the NaN's row is NaN"
-    ok = ~nan_row
-    assert torch.isfinite(pre[ok]).all() and torch.isfinite(act[ok]).all(), "no other row is touched"
-    step = 2.0 ** (-7 if dtype is torch.bfloat16 else -10)  # a 16-bit step, relative
-    got, want = pre[ok].double(), exact[ok]
-    assert ((got - want).abs() <= step * want.abs() + 1e-30).all(), "within a step of the exact sum"
-    assert (pre[ok] == want.to(dtype)).double().mean() >= 0.99, "rounded once: the exact sum's rounding"
-    x = pre[ok].double()
-    silu = x * torch.sigmoid(x)
-    assert ((act[ok].double() - silu).abs() <= step * silu.abs() + 1e-6).all(), "act = silu(pre), rounded"
+        assert_the_first_layer_kernel_rounds_once("cpu", dtype, B, N, D, P, H, 1000 + N + P)
 
 
 @pytest.mark.parametrize("kind,P,H", [("bfloat16", 64, 512), ("float16", 64, 512), ("bfloat16", 24, 128),

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from helpers import (ODD_SHAPES, assert_graph_survives_larger_calls, assert_closed_form_meets_the_standard,
-                     assert_readout_max_kernels_match_pytorch, assert_variant_matches_float64,
+                     assert_readout_max_kernels_match_pytorch, assert_the_first_layer_kernel_rounds_once,
+                     assert_variant_matches_float64,
                      check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
                      run_under_graph_capture, run_variant, sampled_cases, sampled_plans, gpu_params)
 from pairgen import runtime
@@ -548,3 +549,11 @@ def test_the_act_grad_kernel_matches_float64(dtype, B, N, D, H):
         assert torch.isfinite(ours).all(), name
         error = ((ours.double() - ref).norm() / ref.norm()).item()
         assert error <= 1e-2, f"{name}: {error}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("B,N,D,P,H", [(2, 23, 20, 24, 128), (1, 128, 256, 64, 512)])
+def test_the_first_layer_kernel_rounds_once(dtype, B, N, D, P, H):
+    """first_layer.py on the GPU (helpers.assert_the_first_layer_kernel_rounds_once): rows ending
+    mid-tile with padded k-steps, and the readout's training shape's widths."""
+    assert_the_first_layer_kernel_rounds_once("cuda", dtype, B, N, D, P, H, 2000 + N)
