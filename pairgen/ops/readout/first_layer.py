@@ -57,8 +57,8 @@ def applies(nodes: torch.Tensor, pair: torch.Tensor, H: int) -> bool:
 def fits(nodes: torch.Tensor, pair: torch.Tensor, H: int) -> bool:
     """Whether the kernel takes these tensors on their device's GPU (the emulator's in the tests): the
     fused kernels on, one 16-bit dtype, pair rows of whole 16-byte pieces (P % 8 == 0) in a
-    contiguous 16-byte aligned tensor, H a multiple of COLUMNS, fewer than MAX_ROWS pair rows, and
-    a GPU that runs it (device_takes)."""
+    contiguous 16-byte aligned tensor, H a multiple of COLUMNS, fewer than MAX_ROWS pair rows and
+    B N H < 2^31 (the kernel's row offsets), and a GPU that runs it (device_takes)."""
     import torch
 
     if not config.fused_backward() or nodes.dtype not in (torch.bfloat16, torch.float16):
@@ -66,7 +66,8 @@ def fits(nodes: torch.Tensor, pair: torch.Tensor, H: int) -> bool:
     P = pair.shape[-1]
     if pair.dtype is not nodes.dtype or not pair.is_contiguous() or pair.data_ptr() % 16 or P % 8 or H % COLUMNS:
         return False
-    return pair.numel() // P < MAX_ROWS and device_takes(runtime.device_info(nodes.device.index or 0), P, H)
+    return (pair.numel() // P < MAX_ROWS and nodes.numel() // nodes.shape[-1] * H < 2**31
+            and device_takes(runtime.device_info(nodes.device.index or 0), P, H))
 
 
 def device_takes(info: runtime.DeviceInfo, P: int, H: int) -> bool:
