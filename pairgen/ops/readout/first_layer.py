@@ -20,12 +20,15 @@ from ..fused_kernels import FusedTemplate, sm_count, storage_kind
 if TYPE_CHECKING:  # annotations only: the source renders without torch (pairgen-tune --status)
     import torch
 
-SIGNATURES = {"": ("ptr pair", "ptr wp", "ptr u", "ptr v", "ptr pre", "ptr act", "i64 rows", "i64 n")}
+SIGNATURES = {"": ("ptr pair", "ptr wp", "ptr u", "ptr v", "ptr pre", "ptr act", "i64 batches", "i64 length")}
 TEMPLATE = FusedTemplate("readout", "first_layer", lambda context: SIGNATURES)
 #: Threads a block: four warps along a tile's 128 rows by two along H (32 x 32 each).
 THREADS = 256
-#: Rows of a tile (32 a warp, four warps along them) and columns of H a pass of the block's warps.
-TILE_ROWS, COLUMNS = 128, 64
+#: A tile: TILE_I rows i by TILE_J partners j of one batch (TILE_ROWS pair rows, 32 a warp, four
+#: warps along them), so that it reads 8 + 16 rows of U and V for its 128 pair rows; COLUMNS of H
+#: a pass of the block's warps.
+TILE_I, TILE_J, COLUMNS = 8, 16, 64
+TILE_ROWS = TILE_I * TILE_J
 #: Persistent blocks an SM (W_p and two row tiles in shared memory: 108 KB at P 64, H 512).
 BLOCKS_PER_SM = 2
 #: The kernel's pair and row indices are 32-bit in its staging.
@@ -90,8 +93,8 @@ def first_layer(nodes: torch.Tensor, pair: torch.Tensor, w1: torch.Tensor, b1: t
     wp = w1[:, 2 * D:].to(nodes.dtype).contiguous()
     pre = nodes.new_empty(B, N, N, H)
     act = torch.empty_like(pre)
-    rows = B * N * N
-    blocks = max(1, min(-(-rows // TILE_ROWS), sm_count(nodes.device.index) * BLOCKS_PER_SM))
+    tiles = B * -(-N // TILE_I) * -(-N // TILE_J)
+    blocks = max(1, min(tiles, sm_count(nodes.device.index) * BLOCKS_PER_SM))
     TEMPLATE.launch(nodes, "", blocks, pair.data_ptr(), wp.data_ptr(), u.data_ptr(), v.data_ptr(), pre.data_ptr(),
-                    act.data_ptr(), rows, N, smem=smem_bytes(P, H), **context(P, H, storage_kind(nodes.dtype)))
+                    act.data_ptr(), B, N, smem=smem_bytes(P, H), **context(P, H, storage_kind(nodes.dtype)))
     return pre, act
