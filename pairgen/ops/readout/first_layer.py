@@ -44,7 +44,8 @@ def smem_bytes(P: int, H: int) -> int:
 
 
 def context(P: int, H: int, kind: str) -> dict:
-    return {"p": P, "h": H, "threads": THREADS, "smem_bytes": smem_bytes(P, H), "mma_kind": MMA_KINDS[kind]}
+    return {"p": P, "h": H, "threads": THREADS, "smem_bytes": smem_bytes(P, H), "blocks_per_sm": BLOCKS_PER_SM,
+            "mma_kind": MMA_KINDS[kind]}
 
 
 def render(kind: str, P: int, H: int):
