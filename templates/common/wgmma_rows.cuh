@@ -35,17 +35,24 @@ __device__ __forceinline__ float fragment_value(const unsigned (&f)[COLS / 16][4
 }
 
 // Rows `row` and `row` + 8 (past `pairs`: not written) of a [pairs][COLS] tensor from this thread's
-// fragments.
+// fragments. Lane pairs (t, t ^ 1) swap a word of two adjacent 8-column fragments so that a lane
+// stores 8 bytes (four adjacent columns) and a row's four lanes write whole 32-byte sectors; the
+// fragments' own layout gives 4 bytes a lane and half sectors, twice the store requests. Every
+// lane of the warp must call it (the swaps).
 template <int COLS>
 __device__ __forceinline__ void store_rows(elem_t* __restrict__ out, const unsigned (&f)[COLS / 16][4], i64 row,
                                            i64 pairs, int t) {
+    const bool odd = t & 1;
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
         const i64 r = row + 8 * h2;
-        if (r >= pairs) continue;
 #pragma unroll
-        for (int j = 0; j < COLS / 8; ++j)
-            *reinterpret_cast<unsigned*>(out + r * COLS + 8 * j + 2 * t) = f[j / 2][2 * (j % 2) + h2];
+        for (int k = 0; k < COLS / 16; ++k) {
+            const unsigned left = f[k][h2], right = f[k][2 + h2];  // columns 16 k + 2 t, and 8 past them
+            const unsigned got = __shfl_xor_sync(0xffffffffu, odd ? left : right, 1);
+            const uint2 four = odd ? make_uint2(got, right) : make_uint2(left, got);
+            if (r < pairs) *reinterpret_cast<uint2*>(out + r * COLS + 16 * k + 4 * (t >> 1) + 8 * (t & 1)) = four;
+        }
     }
 }
 
