@@ -426,9 +426,10 @@ BACKWARD_PROJECTION = "resident"
 #: take more than the 128 a thread that four warpgroups leave.
 RESIDENT_BACKWARD_GROUPS = 3
 #: Passes ahead that the resident backward loads d(loss)/d(a) and d(loss)/d(b) (the largest divisor
-#: of its passes a tile up to this; a tile's last passes load the next tile's first). One pass
-#: ahead measured fastest: rings of 2 and 4 passes were slower (docs/performance.md).
-GRADIENT_PASSES_AHEAD = 1
+#: of its passes a tile up to this; a tile's last passes load the next tile's first). Four passes
+#: ahead measured fastest once the kernel's code fit the instruction cache; 8 is within 1.5 % with
+#: twice the registers, 16 slower (docs/performance.md).
+GRADIENT_PASSES_AHEAD = 4
 
 
 def _resident_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
