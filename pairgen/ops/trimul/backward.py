@@ -148,8 +148,7 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
     if f.fused_ln_in:  # a warp per row (PyTorch's kernel reads these short rows at a fraction of the rate)
         f.rows = x.reshape(-1, P).contiguous()
         f.xn, f.mean_in, f.rstd_in = layer_norm_rows.layer_norm(f.rows, w["layer_norm_in.weight"],
-                                                                w["layer_norm_in.bias"], f.eps_in,
-                                                                f.tuning["row_blocks"])
+                                                                w["layer_norm_in.bias"], f.eps_in)
     else:
         f.rows = x.reshape(-1, P)
         f.xn, f.mean_in, f.rstd_in = torch.native_layer_norm(f.rows, [P], w["layer_norm_in.weight"],

@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # annotations only: torch is imported where it is used, so th
 #: defaults where there is none: elements per thread of the elementwise kernels where they read
 #: one value at a time ("items"), pairs per block of the output LayerNorm kernels ("ln_tile"),
 #: blocks per SM of the grid-stride output-gate kernels ("out_gate_blocks": the backward's and the
-#: forward's) and of the warp-per-row input LayerNorm ("row_blocks").
+#: forward's) and of the warp-per-row input LayerNorm's backward ("row_blocks"; its forward takes
+#: layer_norm_rows.FORWARD_BLOCKS_PER_SM).
 TUNING_SPACE = {"items": (2, 4, 8), "ln_tile": (16, 32, 64), "out_gate_blocks": (4, 8, 16), "row_blocks": (2, 4, 8)}
 TUNING_DEFAULT = {"items": 4, "ln_tile": 64, "out_gate_blocks": 8, "row_blocks": 4}
 #: The output LayerNorm kernels stay within a block's default shared memory (no opt-in).
