@@ -21,6 +21,10 @@ from . import config, files
 CACHE_FORMAT = "3"  # bumped when the cached metadata changes (2: resources per kernel, 3: cubin size and sha256)
 ELF_MAGIC = b"\x7fELF"  # every cubin is an ELF file
 NVRTC_OPTIONS = ("-std=c++17", "--ptxas-options=-v")  # -v: registers and spills in the log
+#: From NVRTC 12.9 on, a compile may be answered from the driver's compute cache, and then ptxas
+#: does not run and its -v report (registers, spills) is missing from the log. pairgen keeps its
+#: own cache of cubins with those reports, so NVRTC's is turned off where it exists.
+NVRTC_NO_CACHE_FROM = (12, 9)
 
 
 class CompileError(RuntimeError):
@@ -80,6 +84,13 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+def nvrtc_options() -> tuple[str, ...]:
+    """The options every compile passes (after the architecture): NVRTC_OPTIONS, and NVRTC's own
+    cache off where this NVRTC has one (NVRTC_NO_CACHE_FROM)."""
+    major, minor = (int(part) for part in nvrtc_version().split("."))
+    return NVRTC_OPTIONS + (("--no-cache",) if (major, minor) >= NVRTC_NO_CACHE_FROM else ())
+
+
 def _check(err, what: str) -> None:
     from cuda.bindings import nvrtc
 
@@ -107,7 +118,7 @@ def _worst(kernels: dict[str, dict], what: str) -> int | None:
 
 
 def cache_key(source: str, arch: str) -> str:
-    text = "\0".join([source, arch, nvrtc_version(), CACHE_FORMAT, *NVRTC_OPTIONS])
+    text = "\0".join([source, arch, nvrtc_version(), CACHE_FORMAT, *nvrtc_options()])
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -199,7 +210,7 @@ def _nvrtc_compile(source: str, name: str, arch: str) -> tuple[bytes, str]:
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
     try:
-        options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in NVRTC_OPTIONS)]
+        options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in nvrtc_options())]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
         # NVRTC writes into the buffers it is given: they must be fresh, writable bytearrays. A
         # bytes object such as b" " * size is immutable and, for sizes 0 and 1, one of CPython's

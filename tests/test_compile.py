@@ -177,6 +177,23 @@ def test_disk_cache_is_keyed_by_source_and_arch():
     assert compiler.cache_key(source, ARCH) != compiler.cache_key(source, "sm_80")
 
 
+def test_a_compile_that_nvrtc_has_seen_still_reports_its_resources():
+    """NVRTC 12.9 on may answer a compile from the driver's compute cache without running ptxas, and
+    then the -v report is missing: pairgen turns that cache off (nvrtc_options) where the version
+    has it, so the same source compiled again, past pairgen's own cache, reports its kernel again."""
+    source = f'// {uuid.uuid4()}\nextern "C" __global__ void seen_k(float* x) {{ x[threadIdx.x] *= 2.0f; }}\n'
+    reports = [compiler.compile_source(source, "seen_k", ARCH, use_cache=False).kernels for _ in range(2)]
+    assert all(set(report) == {"seen_k"} and report["seen_k"]["registers"] for report in reports)
+
+
+@pytest.mark.parametrize("version,no_cache", [("12.8", False), ("12.9", True), ("13.0", True), ("12.10", True)])
+def test_nvrtc_s_own_cache_is_off_from_the_version_that_has_it(monkeypatch, version, no_cache):
+    monkeypatch.setattr(compiler, "nvrtc_version", lambda: version)
+    options = compiler.nvrtc_options()
+    assert options[:len(compiler.NVRTC_OPTIONS)] == compiler.NVRTC_OPTIONS
+    assert ("--no-cache" in options) is no_cache
+
+
 def test_resources_are_reported_per_kernel_and_the_worst_overall():
     source = ('extern "C" __global__ void light(float* x) { x[threadIdx.x] += 1.0f; }\n'
               'extern "C" __global__ void heavy(float* x, int n) {\n'
