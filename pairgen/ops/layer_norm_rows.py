@@ -32,8 +32,8 @@ def render(kind: str, cols: int, eps: float = 1e-5, x_kind: str | None = None):
     return TEMPLATE.render(kind, cols=cols, eps=repr(float(eps)), x_kind=x_kind or kind)
 
 
-#: Blocks an SM of the forward's grid: at N768's rows (bf16, 128 columns) on an H100 it took 142 µs
-#: at 4 blocks an SM (the backward's best) and 123 at 8 or 16.
+#: Blocks an SM of the forward's grid: more than the backward's (row_blocks), whose rows carry three
+#: inputs to the forward's one and measured slower with more blocks (docs/performance.md).
 FORWARD_BLOCKS_PER_SM = 8
 
 

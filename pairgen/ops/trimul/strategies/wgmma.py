@@ -426,9 +426,8 @@ BACKWARD_PROJECTION = "resident"
 #: take more than the 128 a thread that four warpgroups leave.
 RESIDENT_BACKWARD_GROUPS = 3
 #: Passes ahead that the resident backward loads d(loss)/d(a) and d(loss)/d(b) (the largest divisor
-#: of its passes a tile up to this; a tile's last passes load the next tile's first). Four passes
-#: ahead measured fastest once the kernel's code fit the instruction cache; 8 is within 1.5 % with
-#: twice the registers, 16 slower (docs/performance.md).
+#: of its passes a tile up to this; a tile's last passes load the next tile's first). The measured
+#: best (docs/performance.md); deeper rings cost registers and code for little.
 GRADIENT_PASSES_AHEAD = 4
 
 
