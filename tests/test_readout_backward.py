@@ -291,9 +291,10 @@ def test_the_rows_kernel_takes_only_inputs_that_start_on_a_vector():
 @pytest.mark.parametrize("dtype,B,N,D,P,H,blocks_per_sm", [(torch.bfloat16, 2, 23, 20, 24, 128, 1),
                                                           (torch.float16, 1, 9, 16, 16, 64, None)])
 def test_the_first_layer_kernel_rounds_once_emulated(dtype, B, N, D, P, H, blocks_per_sm, monkeypatch):
-    """first_layer.py on the CPU emulator (helpers.assert_the_first_layer_kernel_rounds_once). Rows
-    end mid-tile; P = 24 pads the k-steps; with a block an emulated SM (3) a block takes three tiles
-    through both row buffers, H = 128 two column passes."""
+    """first_layer.py on the CPU emulator (helpers.assert_the_first_layer_kernel_rounds_once). A
+    batch's i and j end mid-tile (N = 23: 7 of a tile's 8 i and 16 j; N = 9: 9 of 16 j); P = 24 pads
+    the k-steps; with a block an emulated SM (3) a block takes four of the 12 tiles through both row
+    buffers, H = 128 two column passes."""
     from emulator import emulated
 
     if blocks_per_sm is not None:
