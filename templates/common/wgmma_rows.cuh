@@ -1,6 +1,7 @@
 // ---- common/wgmma_rows.cuh: a warpgroup's 64-row results as the next product's A operand, as
 // rows in global memory, weights staged transposed as B operands, and sums over the rows of its
 // accumulators (a row LayerNorm's statistics and affine gradients) ----
+{% include "common/lane_pairs.cuh" %}
 // Needs elem_t, pack2 and elem_to_float (common/mma.cuh.j2), operand_offset (common/wgmma.cuh.j2),
 // cp_async16 (common/cp_async.cuh) and the kernel's THREADS and TILE_ROWS (64: a warpgroup's rows).
 
@@ -35,23 +36,19 @@ __device__ __forceinline__ float fragment_value(const unsigned (&f)[COLS / 16][4
 }
 
 // Rows `row` and `row` + 8 (past `pairs`: not written) of a [pairs][COLS] tensor from this thread's
-// fragments. Lane pairs (t, t ^ 1) swap a word of two adjacent 8-column fragments so that a lane
-// stores 8 bytes (four adjacent columns) and a row's four lanes write whole 32-byte sectors; the
-// fragments' own layout gives 4 bytes a lane and half sectors, twice the store requests. Every
-// lane of the warp must call it (the swaps).
+// fragments, 8 bytes (four adjacent columns: swap_to_adjacent) a lane, so that a row's four lanes
+// write whole 32-byte sectors. Every lane of the warp must call it (the swaps).
 template <int COLS>
 __device__ __forceinline__ void store_rows(elem_t* __restrict__ out, const unsigned (&f)[COLS / 16][4], i64 row,
                                            i64 pairs, int t) {
-    const bool odd = t & 1;
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
         const i64 r = row + 8 * h2;
 #pragma unroll
         for (int k = 0; k < COLS / 16; ++k) {
-            const unsigned left = f[k][h2], right = f[k][2 + h2];  // columns 16 k + 2 t, and 8 past them
-            const unsigned got = __shfl_xor_sync(0xffffffffu, odd ? left : right, 1);
-            const uint2 four = odd ? make_uint2(got, right) : make_uint2(left, got);
-            if (r < pairs) *reinterpret_cast<uint2*>(out + r * COLS + 16 * k + 4 * (t >> 1) + 8 * (t & 1)) = four;
+            uint2 four;
+            swap_to_adjacent(f[k][h2], f[k][2 + h2], t, four.x, four.y);  // columns 16 k + 2 t, and 8 past them
+            if (r < pairs) *reinterpret_cast<uint2*>(out + r * COLS + 16 * k + adjacent_column(t)) = four;
         }
     }
 }

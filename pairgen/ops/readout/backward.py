@@ -9,17 +9,19 @@ modules, in the dtype of 16-bit modules and of a 16-bit autocast (LayerNorm stat
 A training call's forward computes pre, m and pooled this way and keeps them for the backward
 (forward_saving, then gradients_from); with the module's recompute_for_backward, the forward is
 the kernel and the backward recomputes them from the inputs (gradients). In fp32 node i's first
-layer term is computed once per node and broadcast over j; in 16 bits the first layer runs on the
-concatenated rows, as the reference computes it (_first_layer says why). Either way the backward
-takes the split: node i's gradient is a sum over j (node j's over i). The max passes each channel's gradient to the partners that reach
-it, shared equally among ties as torch.amax's backward does. In fp32 that gradient is a sparse
+layer term is computed once per node and broadcast over j; in 16 bits the first layer is rounded
+once, as the reference's product over the concatenated rows is (_first_layer says why and how).
+Either way the backward takes the split: node i's gradient is a sum over j (node j's over i). The
+max passes each channel's gradient to the partners that reach it, shared equally among ties as
+torch.amax's backward does. In fp32 that gradient is a sparse
 matrix (about one entry in N is nonzero), so the second layer's two gradient products read only
 the winners (cuSPARSE on the GPU) instead of multiplying a pair-sized matrix of zeros on CUDA
 cores; in 16 bits, which those sparse products do not take, it is a dense matrix for the tensor
-cores (on the GPU both the 16-bit rows and the max with its gradient are fused kernels:
-fused_backward.py, where one more kernel takes the second layer's input gradient through the SiLU
-from the winners alone, so the dense matrix feeds only the weight gradient's product). An isolated node's pooled row is the constant 0, so its gradient stops there (its
-LayerNorm affine still gets one). d<name> is the gradient of the loss with respect to <name>.
+cores (on the GPU the 16-bit first layer (first_layer.py, else the concatenated rows) and the max
+with its gradient are fused kernels: fused_backward.py, where one more kernel takes the second
+layer's input gradient through the SiLU from the winners alone, so the dense matrix feeds only the
+weight gradient's product). An isolated node's pooled row is the constant 0, so its gradient stops
+there (its LayerNorm affine still gets one). d<name> is the gradient of the loss with respect to <name>.
 """
 from __future__ import annotations
 
