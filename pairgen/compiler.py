@@ -162,8 +162,9 @@ def _read_entry(cubin_path: Path, meta_text: bytes) -> Compiled:
         raise ValueError(f"the metadata does not describe a Compiled: {exc}") from exc
 
 
-def _read_cache(key: str) -> Compiled | None:
-    """The verified cache entry for `key`, or None: not cached, or damaged (warned, then recompiled)."""
+def _read_cache(key: str, warn: bool = True) -> Compiled | None:
+    """The verified cache entry for `key`, or None: not cached, or damaged (warned where `warn`,
+    then recompiled)."""
     cubin_path, meta_path = _cache_paths(key)
     try:
         meta_text = meta_path.read_bytes()  # written last: no metadata, no entry
@@ -172,6 +173,8 @@ def _read_cache(key: str) -> Compiled | None:
     try:
         return _read_entry(cubin_path, meta_text)
     except ValueError as exc:
+        if not warn:
+            return None
         warnings.warn(f"pairgen: ignoring the damaged compile cache entry {cubin_path} ({exc}); recompiling it",
                       RuntimeWarning, stacklevel=3)
         return None
@@ -266,6 +269,17 @@ def compile_source(source: str, kernel_name: str, arch: str, use_cache: bool = T
     cached = _read_cache(key) if use_cache else None
     if cached is not None:
         return cached
+    lock = _lock_compile(key) if use_cache else None
+    try:
+        # Compiled by another process while this one waited (a damaged entry was warned of above).
+        cached = _read_cache(key, warn=False) if lock is not None else None
+        return cached if cached is not None else _compile_uncached(source, kernel_name, arch, key, use_cache)
+    finally:
+        if lock is not None:
+            _unlock_compile(lock, key)
+
+
+def _compile_uncached(source: str, kernel_name: str, arch: str, key: str, use_cache: bool) -> Compiled:
     start = time.perf_counter()
     cubin, log = _nvrtc_compile(source, f"{kernel_name}.cu", arch)
     kernels = _parse_kernels(log)
@@ -275,6 +289,43 @@ def compile_source(source: str, kernel_name: str, arch: str, use_cache: bool = T
     if use_cache:
         _write_cache(key, compiled)
     return compiled
+
+
+def _lock_path(key: str) -> Path:
+    return _cache_paths(key)[0].with_suffix(".lock")
+
+
+def _lock_compile(key: str):
+    """The open lock file of `key`, locked: processes compiling the same source at once (a tuner's
+    compile workers, test workers, ranks on one host at first use) then compile it once, the others
+    waiting for its cubin instead of compiling it again. None where files cannot be locked here (no
+    fcntl, as on Windows) or the cache folder cannot be written: then each process compiles."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    path = _lock_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "ab")
+    except OSError:
+        return None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    except OSError:  # a file system without locks
+        handle.close()
+        return None
+    return handle
+
+
+def _unlock_compile(handle, key: str) -> None:
+    """Remove the lock file, then release it. A process still waiting on the removed file finds the
+    cubin when it gets the lock; one that comes later finds the cubin before it looks for a lock."""
+    try:
+        _lock_path(key).unlink()
+    except OSError:
+        pass
+    handle.close()  # closing releases the lock
 
 
 def _compile_job(job: tuple[str, str, str]) -> Compiled | CompileError:

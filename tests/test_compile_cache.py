@@ -127,3 +127,28 @@ def test_a_read_only_cache_dir_compiles_in_memory_and_warns_once(tmp_path, monke
         assert len(caught) == 1 and str(read_only) in caught[0]
     finally:
         read_only.chmod(0o700)  # so pytest can clean tmp_path up
+
+
+def _compile_after(barrier, source: str, results) -> None:
+    barrier.wait()  # every process misses the cache: none has compiled yet
+    results.put(compiler.compile_source(source, "cache_k", ARCH).from_cache)
+
+
+def test_processes_compiling_one_source_at_once_compile_it_once(cache_dir):
+    """The others wait for the first one's cubin (compile workers of several test or training
+    processes on one host start on the same kernels together)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    source = fresh_source().replace("+= 3.0f", "= sinf(x[threadIdx.x]) * cosf(x[threadIdx.x] + 1.0f)")
+    processes = 3
+    barrier, results = context.Barrier(processes), context.Queue()
+    workers = [context.Process(target=_compile_after, args=(barrier, source, results)) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    answers = [results.get(timeout=120) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+    assert sorted(answers) == [False] + [True] * (processes - 1)
+    cubin_path, _ = entry_paths(source)
+    assert cubin_path.exists() and not cubin_path.with_suffix(".lock").exists()
