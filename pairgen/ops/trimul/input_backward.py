@@ -24,33 +24,43 @@ SIGNATURES = {"": ("ptr d_proj", "ptr w4", "ptr x", "ptr joined", "ptr mean", "p
 TEMPLATE = FusedTemplate("trimul", "input_backward", lambda context: SIGNATURES)
 #: Whether 16-bit training steps take the kernel (where `applies`). The tests run both ways.
 INPUT_BACKWARD_KERNEL = True
-#: Pairs a tile (the product's n) and d_proj's channels a ring stage holds.
+#: Pairs a tile (the product's n).
 TILE = 64
+#: d_proj's channels a ring stage holds (fewer where 4H has fewer than two such chunks: 64, which
+#: every H that is a multiple of 16 divides).
 CHUNK_K = 64
-#: Ring stages (chunks of d_proj in flight: STAGES - 1 ahead), at most a tile's chunks (so that a
-#: tile's rows, fetched with its first chunk's prefetch, land before its epilogue).
-STAGES = 4
-#: The widths the kernel takes: P in warpgroups of 64 channels; 4H in whole chunks, at least two
-#: (a ring of two), and W4^T's fragments (H registers a thread) beside the accumulators.
+#: Ring stages: chunks are fetched STAGES - 2 ahead of their product (one product stays in flight),
+#: fewer than a tile's chunks, so that a tile's rows, fetched with its first step's prefetch, land
+#: before its epilogue.
+STAGES = 6
+#: The widths the kernel takes: P in warpgroups of 64 channels; 4H in at least two chunks, and W4^T's
+#: fragments (H registers a thread) beside the accumulators.
 WIDTHS_P = (64, 128)
 MIN_H, MAX_H = 32, 128
 
 
+def chunk_k(H: int) -> int:
+    K = 4 * H
+    return CHUNK_K if K % CHUNK_K == 0 and K // CHUNK_K >= 2 else 64
+
+
 def stages(H: int) -> int:
-    return min(STAGES, 4 * H // CHUNK_K)
+    return min(STAGES, 4 * H // chunk_k(H) + 1)
 
 
 def smem_bytes(P: int, H: int) -> int:
     """The ring, x's and the joined gradient's padded rows, the tile's statistics, each warp's sums
     per pair and the block's (the template's SMEM_BYTES)."""
     warps = P // 64 * 4
-    return stages(H) * CHUNK_K * TILE * 2 + 2 * TILE * (2 * P + 16) + (2 * TILE + warps * 2 * TILE + 2 * TILE) * 4
+    return (stages(H) * chunk_k(H) * TILE * 2 + 2 * TILE * (2 * P + 16)
+            + (2 * TILE + warps * 2 * TILE + 2 * TILE) * 4)
 
 
 def context(kind: str, P: int, H: int, join_before: bool) -> dict:
     """The template's context (hashable: launches are bound per context)."""
     return {"cols": P, "hidden": H, "join_before": join_before, "threads": 2 * P, "stages": stages(H),
-            "smem_bytes": smem_bytes(P, H), "mma_kind": MMA_KINDS[kind], "wgmma_widths": (), "wgmma_rs_tb_widths": (TILE,)}
+            "chunk_k": chunk_k(H), "smem_bytes": smem_bytes(P, H), "mma_kind": MMA_KINDS[kind],
+            "wgmma_widths": (), "wgmma_rs_tb_widths": (TILE,)}
 
 
 def render(kind: str, P: int, H: int, join_before: bool = True):
