@@ -5,8 +5,11 @@ gate's gradient, and runs the input LayerNorm's backward on it: d x and the Laye
 gradients. The closed form otherwise writes d xn from cuBLAS's product and reads it back in the
 LayerNorm's backward kernel (two pair-sized passes more).
 
-On by default (INPUT_BACKWARD_KERNEL), where the closed form's fused kernels are
-(PAIRGEN_FUSED_BACKWARD) and the input LayerNorm runs on them (layer_norm_rows).
+Off by default (INPUT_BACKWARD_KERNEL): on an H100 it takes as long as cuBLAS's product and the
+LayerNorm's backward kernel together (docs/performance.md, session 32), so a step gains nothing
+yet. Its tile's LayerNorm backward runs between the tile's products with two warps a scheduler
+(W4^T takes half the registers), and the SM's memory traffic waits for it; what would let it win
+is named there.
 """
 from __future__ import annotations
 
@@ -22,8 +25,9 @@ if TYPE_CHECKING:  # annotations only: torch is imported where it is used
 SIGNATURES = {"": ("ptr d_proj", "ptr w4", "ptr x", "ptr joined", "ptr mean", "ptr rstd", "ptr gamma", "ptr d_x",
                    "ptr affine_parts", "i64 plane", "i64 tiles")}
 TEMPLATE = FusedTemplate("trimul", "input_backward", lambda context: SIGNATURES)
-#: Whether 16-bit training steps take the kernel (where `applies`). The tests run both ways.
-INPUT_BACKWARD_KERNEL = True
+#: Whether 16-bit training steps take the kernel (where `applies`); off: see the module's note. The
+#: tests turn it on.
+INPUT_BACKWARD_KERNEL = False
 #: Pairs a tile (the product's n).
 TILE = 64
 #: d_proj's channels a ring stage holds (fewer where 4H has fewer than two such chunks: 64, which
