@@ -21,8 +21,8 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator
 MODELS_FORM = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
-@pytest.mark.parametrize("P,H,join_before", [(128, 128, True), (128, 64, False), (64, 32, True)])
+@pytest.mark.parametrize("kind,P,H,join_before", [("bfloat16", 128, 128, True), ("float16", 128, 64, False),
+                                                  ("bfloat16", 64, 32, True)])
 def test_the_kernel_renders_to_its_signature_and_compiles_without_spills(kind, P, H, join_before):
     rendered = input_backward.render(kind, P, H, join_before)
     name = input_backward.TEMPLATE.kernel_name("")
