@@ -111,6 +111,37 @@ def assert_16_bit_gradients_meet_the_standard(module, inputs: tuple, g: torch.Te
         assert err <= max(2e-2, 1.5 * ref_err), f"gradient of {name}: {err} (the {g.dtype} reference: {ref_err})"
 
 
+def assert_emulated_16_bit_step_meets_the_standard(seed: int, N: int, watched: tuple, patches: tuple = ()) -> list:
+    """A bf16 triangle update in the models' form, its closed-form gradients computed with every
+    kernel on the CPU emulator (the fused kernels and the training projection kernels on, and
+    `patches`: (object, name, value) each), within the 16-bit standard (a bool mask: no gradient).
+    watched = (object, name): a function whose calls are recorded and returned, so that the caller
+    can check its kernel ran."""
+    from unittest import mock
+
+    from emulator import emulated
+    from pairgen.ops.trimul import TRIMUL, fused_backward
+    from pairgen.ops.trimul.strategies import wgmma
+
+    widths = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+    gen = generator(seed)
+    module = TRIMUL.make_module(widths, gen).bfloat16()
+    x, mask = TRIMUL.make_inputs({"B": 1, "N": N, **widths}, gen, "cauchy")
+    x, g = x.bfloat16(), torch.randn(x.shape, generator=gen).bfloat16()
+    owner, name = watched
+    calls, real = [], getattr(owner, name)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(emulated())
+        for target, attribute, value in ((fused_backward, "enabled", lambda t: True),
+                                         (wgmma, "TRAINING_PROJECTION_KERNELS", True), *patches):
+            stack.enter_context(mock.patch.object(target, attribute, value))
+        stack.enter_context(mock.patch.object(owner, name, lambda *a: calls.append(a) or real(*a)))
+        ours = module.analytic_gradients([x, mask], [p.detach() for p in module.parameters()], g)
+    assert ours[1] is None  # a bool mask has no gradient
+    assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [ours[0], *ours[2:]])
+    return calls
+
+
 def closed_form_paths(module, run) -> list[str]:
     """Which closed-form backwards run() took through the module, in order: "saved" (the forward
     kept its intermediates: SavedClosedForm) or "recomputed" (the kernel forward, then the closed

@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from helpers import assert_16_bit_gradients_meet_the_standard, closed_form_errors, generator, gradient_errors64
+from helpers import (assert_16_bit_gradients_meet_the_standard, assert_emulated_16_bit_step_meets_the_standard,
+                     closed_form_errors, generator, gradient_errors64)
 from pairgen import codegen, compiler, config
 from pairgen.module.autograd import ReferenceBackward, SavedClosedForm
 from pairgen.ops import layer_norm_rows, row_products
@@ -527,24 +528,11 @@ def test_the_projection_backward_kernel_matches_float64_emulated(widths, B, N, d
 def test_16_bit_gradients_through_the_projection_backward_kernel_meet_the_standard_emulated(layout):
     """The 16-bit closed form with its fused kernels and the projection's backward kernel, all on
     the CPU emulator: every gradient within the 16-bit standard, and the kernel ran."""
-    from unittest import mock
-
-    from emulator import emulated
     from pairgen.ops.trimul.strategies import wgmma
 
-    gen = generator(91)
-    module = TRIMUL.make_module(MODELS_FORM, gen).bfloat16()
-    x, mask = TRIMUL.make_inputs({"B": 1, "N": 23, **MODELS_FORM}, gen, "cauchy")
-    x, g = x.bfloat16(), torch.randn(x.shape, generator=gen).bfloat16()
-    runs, real = [], wgmma.run_projection_backward
-    with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
-            mock.patch.object(wgmma, "TRAINING_PROJECTION_KERNELS", True), \
-            mock.patch.object(wgmma, "BACKWARD_PROJECTION", layout), \
-            mock.patch.object(wgmma, "run_projection_backward", lambda *a: runs.append(a) or real(*a)):
-        ours = module.analytic_gradients([x, mask], [p.detach() for p in module.parameters()], g)
+    runs = assert_emulated_16_bit_step_meets_the_standard(91, 23, (wgmma, "run_projection_backward"),
+                                                          ((wgmma, "BACKWARD_PROJECTION", layout),))
     assert runs, "the projection's backward kernel did not run"
-    assert ours[1] is None  # a bool mask has no gradient
-    assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [ours[0], *ours[2:]])
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")

@@ -12,10 +12,10 @@ from unittest import mock
 import pytest
 import torch
 
-from helpers import assert_16_bit_gradients_meet_the_standard, generator
+from helpers import assert_16_bit_gradients_meet_the_standard, assert_emulated_16_bit_step_meets_the_standard, generator
 from pairgen import compiler
 from pairgen.ops import layer_norm_rows
-from pairgen.ops.trimul import TRIMUL, fused_backward, input_backward
+from pairgen.ops.trimul import TRIMUL, input_backward
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 MODELS_FORM = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
@@ -103,22 +103,10 @@ def test_a_16_bit_training_step_through_it_meets_the_gradient_standard_emulated(
     on a GPU: their statistics are fp32), the projection kernels and this one, all on the CPU
     emulator (N24: 576 pairs, whole 16-byte rows of d_proj): every gradient within the 16-bit
     standard, and the kernel ran."""
-    from emulator import emulated
-    from pairgen.ops.trimul.strategies import wgmma
-
-    gen = generator(95)
-    module = TRIMUL.make_module(MODELS_FORM, gen).bfloat16()
-    x, mask = TRIMUL.make_inputs({"B": 1, "N": 24, **MODELS_FORM}, gen, "cauchy")
-    x, g = x.bfloat16(), torch.randn(x.shape, generator=gen).bfloat16()
-    runs, real = [], input_backward.input_side_backward
-    with emulated(), mock.patch.object(fused_backward, "enabled", lambda t: True), \
-            mock.patch.object(wgmma, "TRAINING_PROJECTION_KERNELS", True), \
-            mock.patch.object(layer_norm_rows, "applies", lambda t, cols: True), \
-            mock.patch.object(input_backward, "INPUT_BACKWARD_KERNEL", True), \
-            mock.patch.object(input_backward, "input_side_backward", lambda *a: runs.append(a) or real(*a)):
-        ours = module.analytic_gradients([x, mask], [p.detach() for p in module.parameters()], g)
+    runs = assert_emulated_16_bit_step_meets_the_standard(
+        95, 24, (input_backward, "input_side_backward"),
+        ((layer_norm_rows, "applies", lambda t, cols: True), (input_backward, "INPUT_BACKWARD_KERNEL", True)))
     assert runs, "the input side's backward kernel did not run"
-    assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, [ours[0], *ours[2:]])
 
 
 @pytest.mark.gpu
