@@ -31,20 +31,29 @@ def test_the_kernel_renders_to_its_signature_and_compiles_without_spills(kind, P
 
 
 def test_it_is_off_by_default_and_applies_only_where_its_tiles_and_registers_fit(monkeypatch):
-    t = torch.zeros(16, dtype=torch.bfloat16)
+    rows = torch.zeros(16, 128, dtype=torch.bfloat16)
+    tensors = [rows] * 5  # d_proj, W4, the rows, the joined gradient, gamma (one dtype; 16 rows)
+    stats = [torch.zeros(16)] * 2
+
+    def applies(P=128, H=128, plane=576, tensors=tensors, stats=stats):
+        return input_backward.applies(P, H, plane, tensors, stats)
+
     with mock.patch.object(input_backward.runtime, "device_info", lambda i: mock.Mock(capability=(9, 0))):
-        assert not input_backward.applies(torch.bfloat16, 128, 128, 576, [t]), "off by default (not faster yet)"
+        assert not applies(), "off by default (not faster yet)"
     monkeypatch.setattr(input_backward, "INPUT_BACKWARD_KERNEL", True)
     with mock.patch.object(input_backward.runtime, "device_info", lambda i: mock.Mock(capability=(9, 0))):
-        assert input_backward.applies(torch.bfloat16, 128, 128, 576, [t])
-        assert not input_backward.applies(torch.bfloat16, 96, 128, 576, [t])    # P not whole warpgroups
-        assert not input_backward.applies(torch.bfloat16, 128, 16, 576, [t])    # a ring of one chunk
-        assert not input_backward.applies(torch.bfloat16, 128, 256, 576, [t])   # W4^T past the registers
-        assert not input_backward.applies(torch.bfloat16, 128, 128, 37 * 37, [t])  # rows of d_proj not in 16 bytes
-        assert not input_backward.applies(torch.float32, 128, 128, 576, [t])
-        assert not input_backward.applies(torch.bfloat16, 128, 128, 576, [t[1:]])  # a start mid-piece
+        assert applies()
+        assert not applies(P=96)      # P not whole warpgroups
+        assert not applies(H=16)      # a ring of one chunk
+        assert not applies(H=256)     # W4^T past the registers
+        assert not applies(plane=37 * 37)  # rows of d_proj not in 16 bytes
+        assert not applies(tensors=[rows.float()] * 5)
+        assert not applies(tensors=[rows, rows, rows, rows.half(), rows])  # dtypes mixed
+        assert not applies(stats=[torch.zeros(16, dtype=torch.bfloat16)] * 2)  # statistics not fp32
+        assert not applies(stats=[torch.zeros(15)] * 2)  # not a value a row
+        assert not applies(tensors=[rows, rows, rows, rows.view(-1)[4:].view(-1, 4), rows])  # a start mid-piece
     with mock.patch.object(input_backward.runtime, "device_info", lambda i: mock.Mock(capability=(8, 0))):
-        assert not input_backward.applies(torch.bfloat16, 128, 128, 576, [t])
+        assert not applies()
 
 
 def _expected(d_proj, w4, rows, gamma, joined, join_before, eps=1e-5):

@@ -394,26 +394,14 @@ def _input_side_backward(f: SimpleNamespace, w, d_proj: torch.Tensor, d_gate_in:
         for name, d_b in zip(_FOUR, channel_sums(d_proj).split(H)):
             grads[f"{name}.bias"] = d_b
     f.xn = f.xn_cl = None
-    if _input_kernel_applies(f, w, d_proj, d_gate_in):  # d xn never leaves the kernel
+    gamma = w["layer_norm_in.weight"]
+    if input_backward.applies(P, H, f.NN, [d_proj, f.w4, f.rows, d_gate_in, gamma], [f.mean_in, f.rstd_in]):
         d_x, grads["layer_norm_in.weight"], grads["layer_norm_in.bias"] = input_backward.input_side_backward(
-            d_proj, f.w4, f.rows, f.mean_in.view(-1), f.rstd_in.view(-1), w["layer_norm_in.weight"], d_gate_in,
-            f.gate_normalized)
-    else:
+            d_proj, f.w4, f.rows, f.mean_in.view(-1), f.rstd_in.view(-1), gamma, d_gate_in, f.gate_normalized)
+    else:  # d xn through cuBLAS, then the LayerNorm's backward
         d_x = _input_layer_norm_backward(f, w, mm.channels_last(d_proj, f.w4), d_gate_in, grads)
     grads["input"] = d_x.view(B, N, N, P)
     return grads
-
-
-def _input_kernel_applies(f: SimpleNamespace, w, d_proj: torch.Tensor, d_gate_in: torch.Tensor) -> bool:
-    """Whether the input side's backward kernel (input_backward.py) takes d xn's product and the input
-    LayerNorm's backward: every tensor in the step's 16-bit dtype, the LayerNorm's statistics fp32,
-    one a row."""
-    gamma = w["layer_norm_in.weight"]
-    tensors = [d_proj, f.w4, f.rows, d_gate_in, gamma]
-    stats = [f.mean_in, f.rstd_in]
-    return (all(t.dtype is gamma.dtype for t in tensors)
-            and all(t.dtype is torch.float32 and t.numel() == f.rows.shape[0] for t in stats)
-            and input_backward.applies(gamma.dtype, f.P, f.H, f.NN, [*tensors, *stats]))
 
 
 def _input_layer_norm_backward(f: SimpleNamespace, w, d_xn: torch.Tensor, d_gate_in: torch.Tensor,

@@ -72,20 +72,25 @@ def render(kind: str, P: int, H: int, join_before: bool = True):
     return TEMPLATE.render(kind, **context(kind, P, H, join_before))
 
 
-def applies(dtype, P: int, H: int, plane: int, tensors: list) -> bool:
-    """Whether the kernel takes a step in `dtype` at widths P and H over planes of `plane` pairs:
-    on (INPUT_BACKWARD_KERNEL), 16-bit, on a GPU with warpgroup products (sm_90), P in WIDTHS_P, H
-    a multiple of 16 in [MIN_H, MAX_H], whole 16-byte pieces of d_proj's rows (plane % 8 == 0), and
-    `tensors` contiguous with 16-byte aligned starts."""
+def applies(P: int, H: int, plane: int, tensors: list, stats: list) -> bool:
+    """Whether the kernel takes a step at widths P and H over planes of `plane` pairs: on
+    (INPUT_BACKWARD_KERNEL, checked first: a training step asks every time), `tensors` (d_proj, W4,
+    the rows, the joined gradient, gamma) of one 16-bit dtype and `stats` (mean, 1/std) fp32 with a
+    value a row, all contiguous with 16-byte aligned starts, on a GPU with warpgroup products
+    (sm_90); P in WIDTHS_P, H a multiple of 16 in [MIN_H, MAX_H], whole 16-byte pieces of d_proj's
+    rows (plane % 8 == 0)."""
     import torch
 
     if not INPUT_BACKWARD_KERNEL or P not in WIDTHS_P or H % 16 or not MIN_H <= H <= MAX_H or plane % 8:
         return False
-    if dtype not in (torch.bfloat16, torch.float16):
+    dtype, rows = tensors[0].dtype, tensors[2].shape[0]
+    if dtype not in (torch.bfloat16, torch.float16) or any(t.dtype is not dtype for t in tensors):
+        return False
+    if any(t.dtype is not torch.float32 or t.numel() != rows for t in stats):
         return False
     if runtime.device_info(tensors[0].device.index or 0).capability < (9, 0):
         return False
-    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (*tensors, *stats))
 
 
 def input_side_backward(d_proj: torch.Tensor, w4: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor,
@@ -97,7 +102,7 @@ def input_side_backward(d_proj: torch.Tensor, w4: torch.Tensor, rows: torch.Tens
     import torch
 
     B, K, L = d_proj.shape
-    M, P = rows.shape
+    P = rows.shape[1]
     tiles = B * -(-L // TILE)
     blocks = max(1, min(tiles, sm_count(rows.device.index)))
     d_rows = torch.empty_like(rows)
