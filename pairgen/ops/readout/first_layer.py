@@ -3,10 +3,11 @@ pre = [nodes_i | nodes_j | pair_ij] W1^T + b1 and act = silu(pre), both (B, N, N
 nodes' dtype, computed split by columns and rounded once.
 
 The single product over the concatenated rows takes K = 2 D + P and reads each node's row N
-times; here each node's two terms (U = nodes W_i^T + b1, V = nodes W_j^T) are fp32 products once
-per node, and the kernel multiplies only the pair rows (K = P) on tensor cores, adds U and V in
-fp32, rounds pre once (as the single product's fp32 accumulator is rounded: the same partners win
-the max), and writes act = silu(pre) beside it, which PyTorch's SiLU would read and write again.
+times; here each node's two terms (U = nodes W_i^T + b1, V = nodes W_j^T) are products
+accumulated in fp32 once per node, and the kernel multiplies only the pair rows (K = P) on tensor
+cores, adds U and V in fp32, rounds pre once (as the single product's fp32 accumulator is
+rounded: the same partners win the max), and writes act = silu(pre) beside it, which PyTorch's
+SiLU would read and write again.
 Used where the closed forms' fused kernels are (PAIRGEN_FUSED_BACKWARD)."""
 from __future__ import annotations
 
@@ -79,6 +80,24 @@ def device_takes(info: runtime.DeviceInfo, P: int, H: int) -> bool:
     return info.capability >= (8, 0) and smem_bytes(P, H) <= info.limits.max_smem_per_block
 
 
+def node_terms(node_rows: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor) -> tuple:
+    """(U, V), each (B*N, H) fp32: U = node_rows W_i^T + b1, V = node_rows W_j^T, from the 16-bit
+    node rows (B*N, D) and the first layer's 16-bit weight (H, 2 D + P) and bias, accumulated in
+    fp32 as the single 16-bit product accumulates. On the GPU a 16-bit tensor-core product that
+    writes fp32 (no fp32 copies of the rows and weights, no fp32 products); elsewhere (the CPU
+    emulator's tests) fp32 products of the same values: the products of 16-bit values are exact in
+    fp32 either way."""
+    import torch
+
+    D = node_rows.shape[-1]
+    if node_rows.is_cuda:
+        u = torch.mm(node_rows, w1[:, :D].t(), out_dtype=torch.float32).add_(b1)
+        return u, torch.mm(node_rows, w1[:, D:2 * D].t(), out_dtype=torch.float32)
+    rows32, w32 = node_rows.float(), w1.float()
+    with fp32_matmul():
+        return torch.addmm(b1.float(), rows32, w32[:, :D].t()), rows32 @ w32[:, D:2 * D].t()
+
+
 def first_layer(nodes: torch.Tensor, pair: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor) -> tuple:
     """(pre, act), each (B, N, N, H) in the nodes' dtype, for nodes (B, N, D), pair (B, N, N, P) and
     the first layer's weight (H, 2 D + P) and bias (H) (applies must hold)."""
@@ -86,11 +105,7 @@ def first_layer(nodes: torch.Tensor, pair: torch.Tensor, w1: torch.Tensor, b1: t
 
     B, N, D = nodes.shape
     P, H = pair.shape[-1], w1.shape[0]
-    node_rows = nodes.reshape(-1, D).float()
-    w32 = w1.to(nodes.dtype).float()  # the weights as the single 16-bit product takes them
-    with fp32_matmul():  # U and V in fp32, as that product accumulates
-        u = torch.addmm(b1.to(nodes.dtype).float(), node_rows, w32[:, :D].t())
-        v = node_rows @ w32[:, D:2 * D].t()
+    u, v = node_terms(nodes.reshape(-1, D), w1.to(nodes.dtype), b1.to(nodes.dtype))
     wp = w1[:, 2 * D:].to(nodes.dtype).contiguous()
     pre = nodes.new_empty(B, N, N, H)
     act = torch.empty_like(pre)
