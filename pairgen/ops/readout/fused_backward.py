@@ -6,8 +6,8 @@ broadcast node rows, which copies them element by element; masks the messages in
 the max; then finds the winners by comparing every message with its node's max, counts them (a
 cast of the pair-sized boolean to int64 first) and scatters the shares: pair-sized passes, most
 through broadcasting kernels that run at a fraction of the memory's rate. Here the rows are copied
-16 bytes at a time, and for the max two lanes take a node and 16 bytes of channels and walk half
-of the node's partners each: the forward reads the messages once, counting each channel's winners as the max
+16 bytes at a time, and for the max a thread takes a node and 16 bytes of channels and walks the
+node's partners (the forward's max: two lanes, half of them each): the forward reads the messages once, counting each channel's winners as the max
 runs; the backward reads them once more and writes the dense gradient the tensor-core products
 take, each winner's share from those counts (ties share equally), in one walk. From that
 gradient, act_grad gives the first layer's output gradient (d_m W2 through the SiLU's derivative)
@@ -46,8 +46,10 @@ WALK_UNROLL = 2
 
 
 def walk_threads(items: int) -> int:
-    """Threads the max's walks take for `items` (node, channel group) items: a warp per 16, its two
-    16-lane halves walking the two halves of the items' partners (the template's WalkItem)."""
+    """Threads the max's walk takes for `items` (node, channel group) items: a warp per 16, its two
+    16-lane halves walking the two halves of the items' partners (the template's WalkItem; the
+    gradient's walk, which writes every partner's row, measured slower split and keeps a thread an
+    item)."""
     return 32 * -(-items // 16)
 
 
@@ -133,7 +135,7 @@ def max_pool_backward(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor,
     d_m = torch.empty_like(m)
     taken = torch.empty_like(d_pooled)
     vec = vector_width(m.element_size(), D, P)
-    _launch(m, "max_grad", vec, walk_threads(B * N * (D // vec)), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
+    _launch(m, "max_grad", vec, B * N * (D // vec), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
             winners.contiguous().data_ptr(), d_pooled.data_ptr(), d_m.data_ptr(), taken.data_ptr(), B * N, N, D)
     return d_m.view(-1, D), taken.sum((0, 1))
 
