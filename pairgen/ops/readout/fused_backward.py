@@ -7,8 +7,8 @@ the max; then finds the winners by comparing every message with its node's max, 
 cast of the pair-sized boolean to int64 first) and scatters the shares: pair-sized passes, most
 through broadcasting kernels that run at a fraction of the memory's rate. Here the rows are copied
 16 bytes at a time, and for the max a thread takes a node and 16 bytes of channels and walks the
-node's partners (the forward's max: two lanes, half of them each): the forward reads the messages once, counting each channel's winners as the max
-runs; the backward reads them once more and writes the dense gradient the tensor-core products
+node's partners (the forward's max: two lanes, half of them each): the forward reads the messages
+once, counting each channel's winners as the max runs; the backward reads them once more and writes the dense gradient the tensor-core products
 take, each winner's share from those counts (ties share equally), in one walk. From that
 gradient, act_grad gives the first layer's output gradient (d_m W2 through the SiLU's derivative)
 and each node's sum of it in one pass, adding W2's rows of each row's winners (about D / N of
