@@ -8,8 +8,9 @@ cast of the pair-sized boolean to int64 first) and scatters the shares: pair-siz
 through broadcasting kernels that run at a fraction of the memory's rate. Here the rows are copied
 16 bytes at a time, and for the max a thread takes a node and 16 bytes of channels and walks the
 node's partners (the forward's max: two lanes, half of them each): the forward reads the messages
-once, counting each channel's winners as the max runs; the backward reads them once more and writes the dense gradient the tensor-core products
-take, each winner's share from those counts (ties share equally), in one walk. From that
+once, counting each channel's winners as the max runs; the backward reads them once more and
+writes the dense gradient the tensor-core products take, each winner's share from those counts
+(ties share equally), in one walk. From that
 gradient, act_grad gives the first layer's output gradient (d_m W2 through the SiLU's derivative)
 and each node's sum of it in one pass, adding W2's rows of each row's winners (about D / N of
 them) where cuBLAS would multiply the dense matrix. On by default with the other closed forms'
