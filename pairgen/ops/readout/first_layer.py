@@ -105,8 +105,9 @@ def first_layer(nodes: torch.Tensor, pair: torch.Tensor, w1: torch.Tensor, b1: t
 
     B, N, D = nodes.shape
     P, H = pair.shape[-1], w1.shape[0]
-    u, v = node_terms(nodes.reshape(-1, D), w1.to(nodes.dtype), b1.to(nodes.dtype))
-    wp = w1[:, 2 * D:].to(nodes.dtype).contiguous()
+    w16 = w1.to(nodes.dtype)  # the weights as the single 16-bit product takes them
+    u, v = node_terms(nodes.reshape(-1, D), w16, b1.to(nodes.dtype))
+    wp = w16[:, 2 * D:].contiguous()
     pre = nodes.new_empty(B, N, N, H)
     act = torch.empty_like(pre)
     tiles = B * -(-N // TILE_I) * -(-N // TILE_J)

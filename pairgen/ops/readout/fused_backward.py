@@ -10,11 +10,11 @@ through broadcasting kernels that run at a fraction of the memory's rate. Here t
 node's partners (the forward's max: two lanes, half of them each): the forward reads the messages
 once, counting each channel's winners as the max runs; the backward reads them once more and
 writes the dense gradient the tensor-core products take, each winner's share from those counts
-(ties share equally), in one walk. From that
-gradient, act_grad gives the first layer's output gradient (d_m W2 through the SiLU's derivative)
-and each node's sum of it in one pass, adding W2's rows of each row's winners (about D / N of
-them) where cuBLAS would multiply the dense matrix. On by default with the other closed forms'
-fused kernels (PAIRGEN_FUSED_BACKWARD); the GPU tests check both ways against the same standard."""
+(ties share equally), in one walk. From that gradient, act_grad gives the first layer's output
+gradient (d_m W2 through the SiLU's derivative) and each node's sum of it in one pass, adding
+W2's rows of each row's winners (about D / N of them) where cuBLAS would multiply the dense
+matrix. On by default with the other closed forms' fused kernels (PAIRGEN_FUSED_BACKWARD); the
+GPU tests check both ways against the same standard."""
 from __future__ import annotations
 
 import math
@@ -120,8 +120,8 @@ def max_pool(m: torch.Tensor, edge: torch.Tensor, P: int) -> tuple:
     pooled = m.new_empty(B, N, D)
     winners = torch.empty(B, N, D, dtype=torch.int32, device=m.device)
     vec = vector_width(m.element_size(), D, P)
-    _launch(m, "max", vec, walk_threads(B * N * (D // vec)), D, P, m.data_ptr(), edge.contiguous().data_ptr(), pooled.data_ptr(),
-            winners.data_ptr(), B * N, N, D)
+    _launch(m, "max", vec, walk_threads(B * N * (D // vec)), D, P, m.data_ptr(), edge.contiguous().data_ptr(),
+            pooled.data_ptr(), winners.data_ptr(), B * N, N, D)
     return pooled, winners
 
 
