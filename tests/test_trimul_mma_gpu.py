@@ -124,7 +124,24 @@ def _paired_cases():
                    ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "p_mask_early": True}),
                    ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0},
                     {**first_default, "p_mask_early": True, "x_registers": False, "p_groups": 3, "p_wn": 64}),
-                   ({"P": 48, "H": 24, **OPTION_SETS[3]}, {**PAIRED, "p_mask_early": True})]
+                   ({"P": 48, "H": 24, **OPTION_SETS[3]}, {**PAIRED, "p_mask_early": True}),
+                   # x normalised in registers (p_normalized_x): the first default both ways, 3 warpgroups
+                   # of 64 columns, k padded, every option set at small widths (biases, gates on the input)
+                   ({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "p_normalized_x": True}),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0},
+                    {**first_default, "p_normalized_x": True, "p_mask_early": False, "p_groups": 3, "p_wn": 64}),
+                   ({"P": 48, "H": 24, **OPTION_SETS[3]}, {**PAIRED, "x_registers": True, "p_normalized_x": True})]
+        points += [({"P": 64, "H": 32, **options}, {**PAIRED, "x_registers": True, "p_normalized_x": True})
+                   for options in OPTION_SETS]
+        # the output's sums and x normalised in registers (o_normalized): with the projection's, alone at 2
+        # warpgroups of 128 columns, and every option set at small widths (biases, the gate on the input)
+        points += [({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "o_x_registers": True,
+                                                              "o_normalized": True, "p_normalized_x": True}),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0},
+                    {**first_default, "o_x_registers": True, "o_normalized": True, "o_groups": 2, "o_wn": 128})]
+        points += [({"P": 48, "H": 16, **options}, {**PAIRED, "z_registers": True, "x_registers": True,
+                                                    "o_x_registers": True, "o_normalized": True})
+                   for options in OPTION_SETS]
         for k, (widths, params) in enumerate(points):
             plan = view.plan("wgmma", params, widths)
             assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, params)

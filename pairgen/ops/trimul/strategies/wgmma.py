@@ -118,24 +118,28 @@ def derive(params: dict, w: dict, name: str):
         # Every region 1024-byte aligned (the 128-byte swizzle's atoms). Resident Wp (its slice of
         # the 4H columns); per warpgroup p_stages x tiles and, per warp, the staging of a pass's a,
         # b (p_wn / 2 slots of 24 elements: its 16 rows, padded); the epilogues' constants of the
-        # slice, staged once per block. With Wp in registers: the block's p_stages x tiles and
-        # their pairs' statistics (three floats a pair).
+        # slice, staged once per block; with x normalised in registers, the bias tile of its c2
+        # k-step (16 k of the operand type per column). With Wp in registers: the block's p_stages
+        # x tiles and their pairs' statistics (three floats a pair).
         if params["w_registers"]:
             return align(params["p_stages"] * x_tile, 1024) + align(3 * WGMMA_ROWS * 4, 1024)
         return (align(4 * H // slices * k_padded(P) * eb, 1024)
                 + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb, 1024)
-                + (align((off["c1o"] - off["c1p"]) // slices, 1024) if params["consts_smem"] else 0))
+                + (align((off["c1o"] - off["c1p"]) // slices, 1024) if params["consts_smem"] else 0)
+                + (align(4 * H * 16 * eb, 1024) if params["p_normalized_x"] else 0))
 
     def output_smem(slices: int) -> int:
         # Resident Wout and Wgate (their slice of the P output columns; the gate in hidden width is
         # never sliced); per warpgroup o_stages x tiles, the triangle sums as they lie in memory
         # ([H][64]) and (unless they go to registers) in the operand layout with the rows' partial
-        # statistics ([4][64] fp32); the epilogues' constants of the slice.
+        # statistics ([4][64] fp32); the epilogues' constants of the slice; with the sums and x
+        # normalised in registers, the bias tiles of out's and the gate's c2 (16 k a column each).
         transposed = 0 if params["z_registers"] else z_tile + 4 * 64 * 4
         columns = P // slices
         return (align(columns * k_padded(H) * eb, 1024) + align((gate_columns(w) if hidden else columns) * k_padded(P) * eb, 1024)
                 + params["o_groups"] * align(params["o_stages"] * x_tile + align(WGMMA_ROWS * H * eb, 1024) + transposed, 1024)
-                + (align(columns * 16 if slices > 1 else off["total"] - off["c1o"], 1024) if params["consts_smem"] else 0))
+                + (align(columns * 16 if slices > 1 else off["total"] - off["c1o"], 1024) if params["consts_smem"] else 0)
+                + (2 * align(P * 16 * eb, 1024) if params["o_normalized"] else 0))
 
     p_slices, o_slices = _slice_counts(params, w, project_smem, output_smem)
     project_smem, output_smem = project_smem(p_slices), output_smem(o_slices)
@@ -144,7 +148,8 @@ def derive(params: dict, w: dict, name: str):
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
                "x_registers": params["x_registers"], "z_registers": params["z_registers"],
                "w_registers": params["w_registers"], "o_x_registers": params["o_x_registers"],
-               "p_mask_early": params["p_mask_early"],
+               "p_mask_early": params["p_mask_early"], "p_normalized_x": params["p_normalized_x"],
+               "o_normalized": params["o_normalized"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
                                                               (params["o_wn"], params["z_registers"])) if rs}),
@@ -268,6 +273,19 @@ def _mask_early_resident(plan: Plan, limits: DeviceLimits) -> bool:
     return not plan.params["p_mask_early"] or not plan.params["w_registers"]
 
 
+def _normalized_x_in_registers(plan: Plan, limits: DeviceLimits) -> bool:
+    """x normalised in registers is a variant of x in registers (the paired, unsliced projection)."""
+    return not plan.params["p_normalized_x"] or (plan.params["x_registers"] and plan.params["p_slices"] <= 1)
+
+
+def _output_normalized_in_registers(plan: Plan, limits: DeviceLimits) -> bool:
+    """The output's operands normalised in registers are a variant of its sums and x in registers
+    (o_x_registers), unsliced, with the gate on the pair width."""
+    params = plan.params
+    return not params["o_normalized"] or (params["o_x_registers"] and params["o_slices"] <= 1
+                                          and not plan.widths.get("gate_hidden"))
+
+
 def _early_fetch_has_one_stage(plan: Plan, limits: DeviceLimits) -> bool:
     """The early x fetch is the one-stage projection's (two stages already fetch a tile ahead)."""
     return not plan.params["early_x_fetch"] or plan.params["p_stages"] == 1
@@ -364,7 +382,7 @@ def for_call(spec, plan: Plan, B: int, N: int, fp32_output: bool = False) -> Pla
     if not (unpaired or fp32_output):
         return None
     params = {**plan.params, "paired_columns": False, "x_registers": False, "z_registers": False, "w_registers": False,
-              "o_x_registers": False} if unpaired else plan.params
+              "o_x_registers": False, "p_normalized_x": False, "o_normalized": False} if unpaired else plan.params
     # The fp32 output keeps every other parameter: the same arithmetic, so its values round to the
     # 16-bit output bit for bit (docs/ops.md); the LayerNorm statistics' summation order differs
     # between x in registers and x in shared memory, so that point must not change either.
@@ -412,7 +430,7 @@ def w_registers_point(spec, precision: str) -> dict:
     """The first default point of `spec` (the op's) with the projection's Wp in registers (two
     warpgroups, two x stages)."""
     return {**_first_default_point(spec, precision), "x_registers": False, "w_registers": True, "p_groups": 2, "p_stages": 2, "o_x_registers": False,
-            "p_mask_early": False}
+            "p_mask_early": False, "p_normalized_x": False, "o_normalized": False}
 
 
 #: Which projection kernel a 16-bit training step's backward recomputes the pre-activations on:
@@ -435,7 +453,7 @@ def _resident_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
     """The first default point (x in registers, paired columns) with RESIDENT_BACKWARD_GROUPS
     warpgroups, where it is feasible at these widths and keeps all of Wp in one block."""
     point = {**_first_default_point(spec, precision), "p_groups": RESIDENT_BACKWARD_GROUPS, "o_groups": 1, "o_wn": 16, "o_stages": 1,
-             "z_registers": False, "o_x_registers": False}
+             "z_registers": False, "o_x_registers": False, "p_normalized_x": False, "o_normalized": False}
     plan = spec.at(precision).plan("wgmma", point, widths)
     if spec.infeasible(plan, DeviceLimits()) or not plan.params["paired_columns"] or plan.context["p_slices"] > 1:
         return None
@@ -623,13 +641,18 @@ WGMMA = Strategy(
     # from the accumulators: no resident Wp, no staging); whether the output kernel also holds its
     # x rows in registers as the gate product's A operand (o_x_registers, with z_registers); whether
     # the resident projection loads each tile's mask a tile ahead (p_mask_early: the global
-    # load's latency under a whole tile instead of under its first pass).
+    # load's latency under a whole tile instead of under its first pass); whether a projection with
+    # x in registers normalises its rows there before the products (p_normalized_x: its epilogue
+    # then applies no LayerNorm fold, c2 coming in through one more k-step, the gates' weights
+    # halved once per block: about half the epilogue's instructions); whether the output kernel
+    # with its sums and x in registers normalises both there likewise (o_normalized).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
            "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
            "x_registers": (False, True), "z_registers": (False, True),
            "p_slices": (0, 2, 4), "o_slices": (0, 2, 4), "w_registers": (False, True), "o_x_registers": (False, True),
-           "p_mask_early": (False, True)},
+           "p_mask_early": (False, True), "p_normalized_x": (False, True),
+           "o_normalized": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -643,6 +666,10 @@ WGMMA = Strategy(
                               _mask_early_resident, on_point=True),
                   Restriction("x in registers is the paired, one-stage projection's", _x_registers_paired,
                               on_point=True),
+                  Restriction("x normalised in registers is a variant of x in registers, unsliced",
+                              _normalized_x_in_registers, on_point=True),
+                  Restriction("the output's operands normalised in registers are a variant of its x in registers, "
+                              "unsliced, gate on P", _output_normalized_in_registers, on_point=True),
                   Restriction("the sums in registers are the paired output kernel's, gate on P, H a multiple of 16",
                               _z_registers_paired, on_point=True),
                   Restriction("column slices are whole passes of the paired kernels (a sliced projection with x in "
