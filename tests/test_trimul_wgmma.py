@@ -282,7 +282,8 @@ def test_column_slices_fit_the_wide_widths_and_compile_asynchronous_without_spil
 #: The projection with Wp in registers (its products' operands swapped), beside the first
 #: default's output kernel.
 W_REGISTERS = {**next(p for s, p in TRIMUL.default_points if s == "wgmma"), "x_registers": False,
-               "w_registers": True, "p_groups": 2, "p_stages": 2, "p_mask_early": False}
+               "w_registers": True, "p_groups": 2, "p_stages": 2, "p_mask_early": False, "p_normalized_x": False,
+               "o_normalized": False, "o_x_registers": False}
 
 
 def test_weights_in_registers_swap_the_projections_operands_and_compile_without_spills():
@@ -349,7 +350,8 @@ def test_the_output_kernels_x_in_registers_compiles_without_spills_where_it_is_a
     registers, one x stage, at most 3 warpgroups and P up to 128; points without it render as
     before."""
     limits = DeviceLimits()
-    first = next(p for s, p in TRIMUL.default_points if s == "wgmma")
+    first = {**next(p for s, p in TRIMUL.default_points if s == "wgmma"), "p_normalized_x": False, "o_normalized": False,
+             "o_x_registers": False}
     point = {**first, "o_x_registers": True}
     plans = [TRIMUL.plan("wgmma", params, widths, precision)
              for precision in ("bfloat16", "float16")
@@ -367,7 +369,7 @@ def test_the_output_kernels_x_in_registers_compiles_without_spills_where_it_is_a
     assert why in reasons({**point, "o_groups": 4, "o_wn": 32})
     assert why in reasons(point, WIDE)
     assert not reasons(point, {**MODEL, "out_fp32": 1})
-    plain = codegen.render_plan(TRIMUL.default_plan(MODEL, limits, "bfloat16")).source
+    plain = codegen.render_plan(TRIMUL.plan("wgmma", first, MODEL, "bfloat16")).source
     assert "(x in registers)" not in plain and "fragment_row_stats<P>(xa, xmean" not in plain
 
 
@@ -511,3 +513,37 @@ def test_a_call_derives_its_fp32_output_variant_once(monkeypatch):
     assert [plan.widths.get("out_fp32") for plan in built] == [1]
     unpaired = wgmma.variant_for_call(TRIMUL, tuned, 1, 11586, True, 0)   # past 2^34 elements of a and b
     assert unpaired is not first and built[-1].params["paired_columns"] is False and len(built) == 2
+
+
+def test_normalized_operands_compile_without_spills_and_go_with_their_registers():
+    """p_normalized_x, o_normalized: the projection's x and the output's sums and x normalised in
+    registers before the products (c2 through a bias k-step, the weights behind a half halved once
+    per block). The first default has both: it and small points compile without spills and with
+    their products asynchronous, in both 16-bit types and with a 32-bit output; each needs its
+    kernel's operands in registers, unsliced (the output's also the gate on P); their bias tiles
+    (16 k a column) are the shared memory they add; points without them render no trace of them."""
+    limits = DeviceLimits()
+    first = next(p for s, p in TRIMUL.default_points if s == "wgmma")
+    assert first["p_normalized_x"] and first["o_normalized"]
+    small = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1, "swizzle": False,
+             "consts_smem": True, "paired_columns": True, "x_registers": True, "z_registers": True,
+             "o_x_registers": True, "p_normalized_x": True, "o_normalized": True}
+    plans = [TRIMUL.plan("wgmma", params, widths, precision)
+             for precision in ("bfloat16", "float16")
+             for params, widths in ((first, MODEL), (first, {**MODEL, "out_fp32": 1}), (small, {**ODD, "H": 16}),
+                                    (small, {**SEED, "H": 16}))]
+    for plan in plans:
+        assert not TRIMUL.infeasible(plan, limits), (plan.label, TRIMUL.infeasible(plan, limits))
+    assert_compiled_without_spills(plans, asynchronous=plans[:1])
+    without = TRIMUL.plan("wgmma", {**first, "p_normalized_x": False, "o_normalized": False}, MODEL, "bfloat16")
+    assert plans[0].context["p_smem"] - without.context["p_smem"] == 4 * 128 * 16 * 2
+    assert plans[0].context["o_smem"] - without.context["o_smem"] == 2 * 128 * 16 * 2
+    reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
+    projection = "x normalised in registers is a variant of x in registers, unsliced"
+    output = "the output's operands normalised in registers are a variant of its x in registers, unsliced, gate on P"
+    assert projection in reasons({**first, "x_registers": False, "o_normalized": False})
+    assert output in reasons({**first, "o_x_registers": False, "p_normalized_x": False})
+    assert output in reasons({**small, "o_slices": 2, "p_normalized_x": False}, SEED)
+    assert output in reasons({**first, "p_normalized_x": False}, {**MODEL, "H": 64, "gate_hidden": 1})
+    plain = codegen.render_plan(without).source
+    assert "normalize_fragments" not in plain and "BIAS_KC" not in plain and "halve_chunk" not in plain
