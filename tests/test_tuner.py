@@ -290,6 +290,21 @@ def test_a_retune_times_the_incumbent_again_however_its_one_timing_went(tmp_path
     assert result.best["us"] == FakeEvaluator.cost(CONTACT.plan(*cheapest, WIDTHS)) - 0.5
 
 
+def test_the_first_default_is_timed_again_however_its_one_timing_went(tmp_path):
+    """The op's first feasible default point is queued first and re-timed among the finalists even
+    where its one timing (taken while the next points compiled) left it out of them."""
+    first = next((s, p) for s, p in CONTACT.at("float32").default_points
+                 if not CONTACT.infeasible(CONTACT.plan(s, p, WIDTHS), DeviceLimits()))
+    ev = UnluckyFirstEvaluator(first)
+    result = tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(8, finalists=1), storage_dir=tmp_path)
+    default = _point_key(*first)
+    assert ev.evaluated[0] == default, "the first default is the first point timed"
+    study = open_study(study_name("fake-gpu", "contact", "float32", WIDTHS, 64), 0, tmp_path)
+    assert study.user_attrs["first_default"] == default and default in study.user_attrs["retimed"]
+    assert len(study.user_attrs["retimed"]) == 2
+    assert result.best["us"] <= FakeEvaluator.cost(CONTACT.plan(*first, WIDTHS)) - 0.5
+
+
 def test_a_run_without_finalists_forgets_an_earlier_runs_retiming(tmp_path):
     tune_shape(CONTACT, SHAPE, LuckyFirstEvaluator(), "fake-gpu", _settings(6, finalists=3), storage_dir=tmp_path)
     study = open_study(study_name("fake-gpu", "contact", "float32", WIDTHS, 64), 0, tmp_path)

@@ -205,19 +205,23 @@ def _enqueue(study, strategy: str, params: dict) -> None:
 
 def enqueue_first(study, spec: OpSpec, widths: dict, limits: DeviceLimits, extra: list[tuple[str, dict]]) -> None:
     """Default params (and the current tuned entry) are the first trials of a new study. The first
-    of `extra` (the entry in use, tune_cli.starting_points) is the study's incumbent, which
-    retime_finalists always times again."""
+    of `extra` (the entry in use, tune_cli.starting_points) is the study's incumbent, and the first
+    feasible default point its default; retime_finalists always times both again."""
     if study.trials:
         return
-    queued = set()
+    queued, first_default = set(), None
     for strategy, params in [*extra, *spec.default_points]:
         key = _point_key(strategy, params)
         if key in queued or spec.infeasible(spec.plan(strategy, params, widths), limits):
             continue
         queued.add(key)
         _enqueue(study, strategy, params)
+        if first_default is None and (strategy, params) in spec.default_points:
+            first_default = key
     if extra and _point_key(*extra[0]) in queued:
         study.set_user_attr("incumbent", _point_key(*extra[0]))
+    if first_default is not None:
+        study.set_user_attr("first_default", first_default)
 
 
 def suggest(trial, spec: OpSpec) -> tuple[str, dict]:
@@ -409,12 +413,13 @@ def retime_finalists(study, spec: OpSpec, widths: dict, evaluator: Evaluator, se
         if point is not None and not t.user_attrs.get("repeat"):
             once[point] = min(once.get(point, float("inf")), t.value)
     finalists = sorted(once, key=once.get)[:settings.finalists]
-    # The incumbent too, wherever its one timing placed it: the search times points while the next
-    # ones compile on every core, and a host-bound call timed then can lose to points timed once
-    # the compiles are done; a re-tune must not replace the old winner on such a timing.
-    incumbent = study.user_attrs.get("incumbent")
-    if settings.finalists and incumbent in once and incumbent not in finalists:
-        finalists.append(incumbent)
+    # The incumbent and the first default too, wherever their one timing placed them: the search
+    # times points while the next ones compile on every core, and a call timed then can lose to
+    # points timed once the compiles are done; a re-tune must not replace the old winner, nor pass
+    # over the op's best-known point (the kernels' newest variants start there), on such a timing.
+    for seeded in (study.user_attrs.get("incumbent"), study.user_attrs.get("first_default")):
+        if settings.finalists and seeded in once and seeded not in finalists:
+            finalists.append(seeded)
     if len(finalists) < 2:
         if study.user_attrs.get("retimed"):  # an earlier run's: it would hide this run's new points
             study.set_user_attr("retimed", {})
