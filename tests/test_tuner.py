@@ -363,3 +363,24 @@ def test_points_in_order_are_the_points_judged_in_the_order_asked(tmp_path):
     assert any(value is None for _, value in tried)
     numbers = {t.user_attrs.get("point"): t.number for t in study.trials if not t.user_attrs.get("repeat")}
     assert [numbers[p] for p in points] == sorted(numbers[p] for p in points)  # in the order asked
+
+
+def test_default_points_are_queued_whole():
+    """A default point names only some of today's parameters (those added since take the values that
+    reproduce its kernel); it is queued completed, not with the rest left to the sampler, and the
+    first feasible one is the study's first default."""
+    import optuna
+
+    from pairgen.ops.trimul import TRIMUL
+    from pairgen.tuning.tuner import _point_key, enqueue_first
+
+    view = TRIMUL.at("bfloat16")
+    widths = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+    study = optuna.create_study()
+    enqueue_first(study, view, widths, DeviceLimits(), [])
+    queued = [t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False)]
+    space = view.strategies["wgmma"].space
+    wgmma = [q for q in queued if q["strategy"] == "wgmma"]
+    assert wgmma and all(set(q) == {"strategy", *(f"wgmma.{k}" for k in space)} for q in wgmma)
+    first = next(p for s, p in view.default_points if s == "wgmma")
+    assert study.user_attrs["first_default"] == _point_key("wgmma", view.complete_point("wgmma", first))

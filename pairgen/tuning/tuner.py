@@ -210,13 +210,15 @@ def enqueue_first(study, spec: OpSpec, widths: dict, limits: DeviceLimits, extra
     if study.trials:
         return
     queued, first_default = set(), None
-    for strategy, params in [*extra, *spec.default_points]:
+    defaults = [(strategy, spec.complete_point(strategy, params) or params) for strategy, params in spec.default_points]
+    for strategy, params in [*extra, *defaults]:
+        # (whole points: a parameter left out of an enqueued trial is the sampler's to draw)
         key = _point_key(strategy, params)
         if key in queued or spec.infeasible(spec.plan(strategy, params, widths), limits):
             continue
         queued.add(key)
         _enqueue(study, strategy, params)
-        if first_default is None and (strategy, params) in spec.default_points:
+        if first_default is None and (strategy, params) in defaults:
             first_default = key
     if extra and _point_key(*extra[0]) in queued:
         study.set_user_attr("incumbent", _point_key(*extra[0]))
