@@ -1,7 +1,8 @@
 """The triangle update's wgmma kernels run on the CPU emulator (tests/emulator) against the float64
 reference: the column slices (with the statistics kernel), Wp in registers (w_registers, sliced
 too), the output's x in registers (o_x_registers) and the projection's mask loaded a tile ahead
-(p_mask_early) and the operands normalised in registers (p_normalized_x, o_normalized), at odd shapes with NaN-prefilled outputs,
+(p_mask_early), the operands normalised in registers (p_normalized_x, o_normalized) and the
+output's staged stores (o_staged_stores), at odd shapes with NaN-prefilled outputs,
 under a round-robin and a priority thread order. The GPU tests (test_trimul_mma_gpu.py) hold the
 same kernels over more points; `--slow` runs all of their cases here, in three thread orders."""
 from __future__ import annotations
@@ -55,6 +56,11 @@ CASES = {
     "normalized-output-gate-on-input-bf16": ("bfloat16", {**SMALL, "P": 48, "H": 16},
                                              {**PAIRED, "z_registers": True, "x_registers": True, "o_x_registers": True,
                                               "o_normalized": True}),
+    "staged-output-first-default-bf16": ("bfloat16", MODELS, {**FIRST_DEFAULT, "o_x_registers": True, "o_normalized": True,
+                                                              "p_normalized_x": True, "o_staged_stores": True}),
+    "staged-output-sliced-fp16": ("float16", {**SMALL, "P": 64, "H": 32},
+                                  {**PAIRED, "z_registers": True, "o_slices": 2, "o_staged_stores": True}),
+    "staged-output-fp32-out-bf16": ("bfloat16", {**MODELS, "out_fp32": 1}, {**FIRST_DEFAULT, "o_staged_stores": True}),
     "sliced-both-kernels-bf16": ("bfloat16", SMALL, {**PAIRED, "p_slices": 4, "o_slices": 4}),
     "sliced-two-stages-fp16": ("float16", {**SMALL, "gate_normalized": 1},
                                {**PAIRED, "p_slices": 2, "p_stages": 2, "o_slices": 2, "o_stages": 2}),

@@ -144,6 +144,15 @@ def _paired_cases():
         points += [({"P": 48, "H": 16, **options}, {**PAIRED, "z_registers": True, "x_registers": True,
                                                     "o_x_registers": True, "o_normalized": True})
                    for options in OPTION_SETS]
+        # the output's 16-bit rows through a per-warp staging (o_staged_stores): the first default both
+        # ways, the sums in registers alone at 4 warpgroups, every option set at small widths
+        points += [({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**first_default, "o_x_registers": True,
+                                                              "o_normalized": True, "p_normalized_x": True,
+                                                              "o_staged_stores": True}),
+                   ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0},
+                    {**first_default, "o_staged_stores": True, "o_groups": 4, "o_wn": 32})]
+        points += [({"P": 64, "H": 32, **options}, {**PAIRED, "z_registers": True, "o_staged_stores": True})
+                   for options in OPTION_SETS]
         for k, (widths, params) in enumerate(points):
             plan = view.plan("wgmma", params, widths)
             assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, params)

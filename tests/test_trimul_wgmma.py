@@ -426,10 +426,21 @@ def test_restrictions_marked_on_point_read_only_the_point():
             probe = PointProbe(plan.params, plan.widths)
             assert [r.holds(probe, limits) for r in on_point] == [r.holds(plan, limits) for r in on_point], params
     small = {"P": 48, "H": 24, "outgoing": 1, "gate_normalized": 1, "bias": 0}
-    kept = {p.kernel_name for p in TRIMUL.feasible_plans("wgmma", small, limits, "bfloat16")}
-    subset = [TRIMUL.plan("wgmma", draw(), small, "bfloat16") for _ in range(20000)]
+    kept_plans = TRIMUL.feasible_plans("wgmma", small, limits, "bfloat16")
+    kept = {p.kernel_name for p in kept_plans}
+
+    def flipped():  # a kept point with one parameter redrawn: feasible or not, near the boundary
+        params = dict(rng.choice(kept_plans).params)
+        name = rng.choice(sorted(space))
+        params[name] = rng.choice(space[name])
+        return params
+
+    # (a uniform draw is rarely feasible in a space of 28 M points: half the draws are kept points' neighbours)
+    subset = [TRIMUL.plan("wgmma", point, small, "bfloat16")
+              for point in [draw() for _ in range(10000)] + [flipped() for _ in range(10000)]]
     feasible = {p.kernel_name for p in subset if not TRIMUL.infeasible(p, limits)}
     assert feasible and feasible == kept & {p.kernel_name for p in subset}
+    assert any(TRIMUL.infeasible(p, limits) for p in subset[10000:])
 
 
 def test_the_pruned_enumeration_passes_exactly_the_points_each_on_point_restriction_passes():
@@ -547,3 +558,31 @@ def test_normalized_operands_compile_without_spills_and_go_with_their_registers(
     assert output in reasons({**first, "p_normalized_x": False}, {**MODEL, "H": 64, "gate_hidden": 1})
     plain = codegen.render_plan(without).source
     assert "normalize_fragments" not in plain and "BIAS_KC" not in plain and "halve_chunk" not in plain
+
+
+def test_staged_output_stores_compile_without_spills_and_go_with_the_sums_in_registers():
+    """o_staged_stores: the paired output kernel (sums in registers) writes 16-bit rows through a
+    per-warp staging of 16 rows x 24 elements, 16 bytes a lane. It compiles with the first default,
+    the sums alone at 4 warpgroups and a small sliced point without spills; it needs the sums in
+    registers; an fp32 output (whole sectors already) renders and plans without the staging."""
+    limits = DeviceLimits()
+    first = next(p for s, p in TRIMUL.default_points if s == "wgmma")
+    alone = {**first, "p_normalized_x": False, "o_normalized": False, "o_x_registers": False, "o_groups": 4, "o_wn": 32}
+    small = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1, "swizzle": False,
+             "consts_smem": True, "paired_columns": True, "z_registers": True, "o_slices": 2}
+    plans = [TRIMUL.plan("wgmma", {**params, "o_staged_stores": True}, widths, precision)
+             for precision in ("bfloat16", "float16")
+             for params, widths in ((first, MODEL), (alone, {**MODEL, "outgoing": 0}), (small, SEED))]
+    for plan in plans:
+        assert not TRIMUL.infeasible(plan, limits), (plan.label, TRIMUL.infeasible(plan, limits))
+    assert_compiled_without_spills(plans, asynchronous=plans[:1])
+    staged, plain = (TRIMUL.plan("wgmma", {**first, "o_staged_stores": on}, MODEL, "bfloat16") for on in (True, False))
+    assert staged.context["o_smem"] - plain.context["o_smem"] == first["o_groups"] * 4 * 16 * 24 * 2  # (3 KB a group)
+    assert "store_output_rows" in codegen.render_plan(staged).source
+    assert "store_output_rows" not in codegen.render_plan(plain).source
+    fp32 = TRIMUL.plan("wgmma", {**first, "o_staged_stores": True}, {**MODEL, "out_fp32": 1}, "bfloat16")
+    assert fp32.context["o_smem"] == TRIMUL.plan("wgmma", first, {**MODEL, "out_fp32": 1}, "bfloat16").context["o_smem"]
+    assert "store_output_rows" not in codegen.render_plan(fp32).source
+    why = "the output's staged stores are a variant of its sums in registers"
+    assert why in TRIMUL.infeasible(TRIMUL.plan("wgmma", {**small, "z_registers": False, "o_staged_stores": True}, SEED,
+                                                "bfloat16"), limits)

@@ -133,11 +133,14 @@ def derive(params: dict, w: dict, name: str):
         # never sliced); per warpgroup o_stages x tiles, the triangle sums as they lie in memory
         # ([H][64]) and (unless they go to registers) in the operand layout with the rows' partial
         # statistics ([4][64] fp32); the epilogues' constants of the slice; with the sums and x
-        # normalised in registers, the bias tiles of out's and the gate's c2 (16 k a column each).
+        # normalised in registers, the bias tiles of out's and the gate's c2 (16 k a column each);
+        # with a 16-bit output staged, each warp's 16 rows of a 16-column group (rows of 24).
         transposed = 0 if params["z_registers"] else z_tile + 4 * 64 * 4
+        staged_stores = params["o_staged_stores"] and not w["out_fp32"]  # (an fp32 output writes whole sectors)
         columns = P // slices
         return (align(columns * k_padded(H) * eb, 1024) + align((gate_columns(w) if hidden else columns) * k_padded(P) * eb, 1024)
-                + params["o_groups"] * align(params["o_stages"] * x_tile + align(WGMMA_ROWS * H * eb, 1024) + transposed, 1024)
+                + params["o_groups"] * align(params["o_stages"] * x_tile + align(WGMMA_ROWS * H * eb, 1024) + transposed
+                                             + (4 * 16 * 24 * eb if staged_stores else 0), 1024)
                 + (align(columns * 16 if slices > 1 else off["total"] - off["c1o"], 1024) if params["consts_smem"] else 0)
                 + (2 * align(P * 16 * eb, 1024) if params["o_normalized"] else 0))
 
@@ -150,6 +153,7 @@ def derive(params: dict, w: dict, name: str):
                "w_registers": params["w_registers"], "o_x_registers": params["o_x_registers"],
                "p_mask_early": params["p_mask_early"], "p_normalized_x": params["p_normalized_x"],
                "o_normalized": params["o_normalized"],
+               "o_staged_stores": params["o_staged_stores"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
                                                               (params["o_wn"], params["z_registers"])) if rs}),
@@ -286,6 +290,12 @@ def _output_normalized_in_registers(plan: Plan, limits: DeviceLimits) -> bool:
                                           and not plan.widths.get("gate_hidden"))
 
 
+def _output_staged_with_sums_in_registers(plan: Plan, limits: DeviceLimits) -> bool:
+    """The output's staged stores are a variant of the paired output kernel with its sums in
+    registers (z_registers: the gate on P)."""
+    return not plan.params["o_staged_stores"] or plan.params["z_registers"]
+
+
 def _early_fetch_has_one_stage(plan: Plan, limits: DeviceLimits) -> bool:
     """The early x fetch is the one-stage projection's (two stages already fetch a tile ahead)."""
     return not plan.params["early_x_fetch"] or plan.params["p_stages"] == 1
@@ -382,7 +392,7 @@ def for_call(spec, plan: Plan, B: int, N: int, fp32_output: bool = False) -> Pla
     if not (unpaired or fp32_output):
         return None
     params = {**plan.params, "paired_columns": False, "x_registers": False, "z_registers": False, "w_registers": False,
-              "o_x_registers": False, "p_normalized_x": False, "o_normalized": False} if unpaired else plan.params
+              "o_x_registers": False, "p_normalized_x": False, "o_normalized": False, "o_staged_stores": False} if unpaired else plan.params
     # The fp32 output keeps every other parameter: the same arithmetic, so its values round to the
     # 16-bit output bit for bit (docs/ops.md); the LayerNorm statistics' summation order differs
     # between x in registers and x in shared memory, so that point must not change either.
@@ -430,7 +440,7 @@ def w_registers_point(spec, precision: str) -> dict:
     """The first default point of `spec` (the op's) with the projection's Wp in registers (two
     warpgroups, two x stages)."""
     return {**_first_default_point(spec, precision), "x_registers": False, "w_registers": True, "p_groups": 2, "p_stages": 2, "o_x_registers": False,
-            "p_mask_early": False, "p_normalized_x": False, "o_normalized": False}
+            "p_mask_early": False, "p_normalized_x": False, "o_normalized": False, "o_staged_stores": False}
 
 
 #: Which projection kernel a 16-bit training step's backward recomputes the pre-activations on:
@@ -453,7 +463,7 @@ def _resident_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
     """The first default point (x in registers, paired columns) with RESIDENT_BACKWARD_GROUPS
     warpgroups, where it is feasible at these widths and keeps all of Wp in one block."""
     point = {**_first_default_point(spec, precision), "p_groups": RESIDENT_BACKWARD_GROUPS, "o_groups": 1, "o_wn": 16, "o_stages": 1,
-             "z_registers": False, "o_x_registers": False, "p_normalized_x": False, "o_normalized": False}
+             "z_registers": False, "o_x_registers": False, "p_normalized_x": False, "o_normalized": False, "o_staged_stores": False}
     plan = spec.at(precision).plan("wgmma", point, widths)
     if spec.infeasible(plan, DeviceLimits()) or not plan.params["paired_columns"] or plan.context["p_slices"] > 1:
         return None
@@ -645,14 +655,16 @@ WGMMA = Strategy(
     # x in registers normalises its rows there before the products (p_normalized_x: its epilogue
     # then applies no LayerNorm fold, c2 coming in through one more k-step, the gates' weights
     # halved once per block: about half the epilogue's instructions); whether the output kernel
-    # with its sums and x in registers normalises both there likewise (o_normalized).
+    # with its sums and x in registers normalises both there likewise (o_normalized); whether that
+    # paired output kernel writes 16-bit rows through a per-warp staging, 16 bytes a lane, whole
+    # sectors (o_staged_stores), instead of 4 bytes a lane from the accumulators.
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
            "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
            "x_registers": (False, True), "z_registers": (False, True),
            "p_slices": (0, 2, 4), "o_slices": (0, 2, 4), "w_registers": (False, True), "o_x_registers": (False, True),
            "p_mask_early": (False, True), "p_normalized_x": (False, True),
-           "o_normalized": (False, True)},
+           "o_normalized": (False, True), "o_staged_stores": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -670,6 +682,8 @@ WGMMA = Strategy(
                               _normalized_x_in_registers, on_point=True),
                   Restriction("the output's operands normalised in registers are a variant of its x in registers, "
                               "unsliced, gate on P", _output_normalized_in_registers, on_point=True),
+                  Restriction("the output's staged stores are a variant of its sums in registers",
+                              _output_staged_with_sums_in_registers, on_point=True),
                   Restriction("the sums in registers are the paired output kernel's, gate on P, H a multiple of 16",
                               _z_registers_paired, on_point=True),
                   Restriction("column slices are whole passes of the paired kernels (a sliced projection with x in "
