@@ -43,6 +43,10 @@ class DeviceLimits:
 GridFn = Callable[[int, int, int, int], "tuple[int, tuple[int, ...]]"]
 
 
+#: The (args, mode) pairs a Kernel has already found well formed.
+_CHECKED_CONTRACTS: set = set()
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One __global__ function a variant launches: its declared contract with the template."""
@@ -58,10 +62,13 @@ class Kernel:
     mode: str = "plain"
 
     def __post_init__(self):
+        if (self.args, self.mode) in _CHECKED_CONTRACTS:  # (a space's enumeration builds many alike)
+            return
         bad = [a for a in self.args if len(a.split()) != 2 or a.split()[0] not in ARG_KINDS]
         if bad or self.mode not in LAUNCH_MODES:
             raise ValueError(f"kernel {self.name}: arguments must be \"kind name\" with a kind in {ARG_KINDS}, and "
                              f"the mode in {LAUNCH_MODES}; got args {self.args}, mode {self.mode!r}")
+        _CHECKED_CONTRACTS.add((self.args, self.mode))
 
     @property
     def kinds(self) -> tuple[str, ...]:

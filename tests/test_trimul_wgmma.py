@@ -108,8 +108,8 @@ def test_paired_columns_stage_their_constants_and_keep_the_output_kernel_unspill
                                          "bfloat16"), limits)
     early = codegen.render_plan(TRIMUL.plan("wgmma", {**base, "early_x_fetch": True}, MODEL, "bfloat16")).source
     assert "fetch_next_x(" in early and "fetch_next_x(" not in unpaired
-    plans = [p for p in TRIMUL.feasible_plans("wgmma", MODEL, limits, "bfloat16") if p.params["paired_columns"]]
-    plans = random.Random(3).sample(plans, 1)  # (the first default, paired, compiles in the fast-share sweep)
+    plans = [_random_feasible_plan(random.Random(3), MODEL, lambda params: params["paired_columns"])]
+    # (the first default, paired, compiles in the fast-share sweep)
     jobs = [(r.source, r.kernel_name, "sm_90") for r in map(codegen.render_plan, plans)]
     with compiler.compile_pool(2) as pool:
         for plan, result in zip(plans, compiler.compile_many(jobs, pool)):
@@ -118,8 +118,20 @@ def test_paired_columns_stage_their_constants_and_keep_the_output_kernel_unspill
             assert result.spill_bytes == 0, f"{plan.label}: {result.summary()}"
 
 
+def _random_feasible_plan(rng, widths: dict, wanted=lambda params: True):
+    """A feasible bf16 wgmma plan at `widths` drawn uniformly from the space's points that pass
+    `wanted` (drawn until one is feasible: enumerating every feasible point takes seconds)."""
+    space = TRIMUL.strategies["wgmma"].space
+    while True:
+        params = {name: rng.choice(values) for name, values in space.items()}
+        if wanted(params):
+            plan = TRIMUL.plan("wgmma", params, widths, "bfloat16")
+            if not TRIMUL.infeasible(plan, DeviceLimits()):
+                return plan
+
+
 def test_a_plan_whose_shared_memory_disagrees_with_its_template_does_not_build():
-    plan = TRIMUL.feasible_plans("wgmma", MODEL, DeviceLimits(), "bfloat16")[0]
+    plan = _random_feasible_plan(random.Random(4), MODEL)
     plan.context = {**plan.context, "o_smem": plan.context["o_smem"] + 16}
     rendered = codegen.render_template(plan.op, plan.strategy, plan.params, plan.widths, plan.context, plan.precision)
     with pytest.raises(compiler.CompileError, match="output shared memory differs"):

@@ -45,6 +45,13 @@ def wgmma_weight_offsets(P: int, H: int, elem_bytes: int, gate_hidden: bool = Fa
     per output column, c1 = the row sum of the folded matrix and c2 = W beta + bias, in fp32. With
     the gate in hidden width Wgate has H rows, and Wout is not folded: the kernel scales
     layer_norm_out(z) itself, with its affine (gz, bz: fp32, H each; empty otherwise)."""
+    return dict(_weight_offsets(P, H, elem_bytes, bool(gate_hidden)))
+
+
+@functools.lru_cache(maxsize=256)
+def _weight_offsets(P: int, H: int, elem_bytes: int, gate_hidden: bool) -> dict[str, int]:
+    """wgmma_weight_offsets, once per widths (every plan's derive asks: an enumeration of the
+    space builds a hundred thousand plans)."""
     gate, nz = (H, 1) if gate_hidden else (P, 0)
     sizes = [("wp", 4 * H * k_padded(P) * elem_bytes), ("wo", P * k_padded(H) * elem_bytes),
              ("wg", gate * k_padded(P) * elem_bytes),
