@@ -552,9 +552,9 @@ def test_normalized_operands_compile_without_spills_and_go_with_their_registers(
              "consts_smem": True, "paired_columns": True, "x_registers": True, "z_registers": True,
              "o_x_registers": True, "p_normalized_x": True, "o_normalized": True}
     plans = [TRIMUL.plan("wgmma", params, widths, precision)
-             for precision in ("bfloat16", "float16")
-             for params, widths in ((first, MODEL), (first, {**MODEL, "out_fp32": 1}), (small, {**ODD, "H": 16}),
-                                    (small, {**SEED, "H": 16}))]
+             for params, widths, precision in ((first, MODEL, "bfloat16"), (first, MODEL, "float16"),
+                                               (first, {**MODEL, "out_fp32": 1}, "bfloat16"),
+                                               (small, {**ODD, "H": 16}, "bfloat16"), (small, {**SEED, "H": 16}, "float16"))]
     for plan in plans:
         assert not TRIMUL.infeasible(plan, limits), (plan.label, TRIMUL.infeasible(plan, limits))
     assert_compiled_without_spills(plans, asynchronous=plans[:1])
@@ -583,8 +583,8 @@ def test_staged_output_stores_compile_without_spills_and_go_with_the_sums_in_reg
     small = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "o_stages": 1, "swizzle": False,
              "consts_smem": True, "paired_columns": True, "z_registers": True, "o_slices": 2}
     plans = [TRIMUL.plan("wgmma", {**params, "o_staged_stores": True}, widths, precision)
-             for precision in ("bfloat16", "float16")
-             for params, widths in ((first, MODEL), (alone, {**MODEL, "outgoing": 0}), (small, SEED))]
+             for params, widths, precision in ((first, MODEL, "bfloat16"), (alone, {**MODEL, "outgoing": 0}, "float16"),
+                                               (small, SEED, "bfloat16"))]
     for plan in plans:
         assert not TRIMUL.infeasible(plan, limits), (plan.label, TRIMUL.infeasible(plan, limits))
     assert_compiled_without_spills(plans, asynchronous=plans[:1])
