@@ -253,18 +253,21 @@ def test_wide_triangle_updates_run_the_closed_form_where_no_kernel_does(dtype, f
 @pytest.mark.parametrize("widths", [{"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0},
                                     {"P": 64, "H": 32, "outgoing": 0, "gate_normalized": 1, "bias": 1}],
                          ids=["models", "seed-options"])
-@pytest.mark.parametrize("kernels", ["w_registers", "resident", None], ids=["kernels", "resident-backward", "without"])
+@pytest.mark.parametrize("kernels", ["w_registers", "resident", "resident-normalized", None],
+                         ids=["kernels", "resident-backward", "resident-normalized-backward", "without"])
 def test_16_bit_triangle_training_takes_the_projection_kernels(widths, recompute, dtype, kernels, monkeypatch):
     """On Hopper the triangle update's 16-bit closed form makes A and B with the projection kernel
     and d_proj with its backward twin (the pre-activations recomputed from x, the gates' chain rule
     in its epilogue), whether the forward kept its intermediates or the backward recomputes them:
     gradients within the 16-bit standard at an odd length with heavy tails. Without them (turned
     off) the projections are cuBLAS's and the gates the fused kernels', to the same standard. The
-    backward on either kernel (wgmma.BACKWARD_PROJECTION)."""
+    backward on either kernel (wgmma.BACKWARD_PROJECTION), the resident one also with x normalised
+    in registers (wgmma.BACKWARD_NORMALIZED_X)."""
     from pairgen.ops.trimul.strategies import wgmma
 
     if kernels:
-        monkeypatch.setattr(wgmma, "BACKWARD_PROJECTION", kernels)
+        monkeypatch.setattr(wgmma, "BACKWARD_PROJECTION", kernels.removesuffix("-normalized"))
+        monkeypatch.setattr(wgmma, "BACKWARD_NORMALIZED_X", kernels.endswith("-normalized"))
     else:
         monkeypatch.setattr(wgmma, "TRAINING_PROJECTION_KERNELS", False)
     runs = []

@@ -262,6 +262,20 @@ def feasible_count(spec: OpSpec, widths: dict, limits: DeviceLimits) -> int:
     return len(_keyed_feasible_points(spec, widths, limits))
 
 
+def feasible_count_up_to(spec: OpSpec, widths: dict, limits: DeviceLimits, most: int) -> int:
+    """min(most, feasible_count) without enumerating the whole space where it holds that many: a
+    search's target needs only this, and a 16-bit space takes seconds to enumerate whole."""
+    view = in_one_precision(spec)
+    count = 0
+    for name in view.strategies:
+        for params in view.op_spec.points_passing_on_point(name, widths, limits):
+            if not view.infeasible(view.plan(name, params, widths), limits):
+                count += 1
+                if count >= most:
+                    return count
+    return count
+
+
 def _enqueue_unseen(study, points: tuple, taken: set[str], rng) -> None:
     """A sampler proposes seen points again (TPE exploits hard on small categorical spaces; random
     sampling draws with replacement); each such repeat is answered from memory, and an unseen
@@ -332,11 +346,12 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     baselines = evaluator.baselines()
     if baselines:  # for whoever reads the study's result (a parent of shared workers)
         study.set_user_attr("baselines", baselines)
-    # The feasible points, enumerated once per widths in a process (seconds for the 16-bit spaces).
-    points = _keyed_feasible_points(spec, widths, limits)
+    # The feasible points, enumerated whole only where a sampler repeats itself (then once per widths
+    # in a process: seconds for the 16-bit spaces); the target counts them only up to the trials.
+    points = functools.partial(_keyed_feasible_points, spec, widths, limits)
+    target = feasible_count_up_to(spec, widths, limits, settings.trials)
     # The time budget is the search's: the baselines (torch.compile) and the enumeration are outside it.
     start = time.perf_counter()
-    target = min(settings.trials, len(points))
     progress = _Progress(target, f"{spec.name} {' '.join(f'{k}{v}' for k, v in shape.items())}",
                          settings.progress, baselines.get("eager"))
     window = settings.batch or config.compile_workers()
@@ -581,10 +596,11 @@ class _Search:
     In a shared study (other workers on it at the same time) a trial is this worker's claim on its
     point: RUNNING, its point attr written, its heartbeat kept. A worker reads the study after
     writing its claim, and keeps the point only where no earlier claim holds it (_claim_holds): no
-    point is timed twice."""
+    point is timed twice. `points()` gives the widths' feasible points (_keyed_feasible_points),
+    asked for only when the sampler repeats a point."""
 
     def __init__(self, study, spec: OpSpec, widths: dict, evaluator: Evaluator, seen: dict[str, Outcome],
-                 points: tuple, target: int, progress: _Progress, rng: random.Random,
+                 points, target: int, progress: _Progress, rng: random.Random,
                  asks_left: int, heartbeat: storage.Heartbeat, shared: bool = False):
         self.study, self.spec, self.widths, self.evaluator = study, spec, widths, evaluator
         self.heartbeat, self.shared = heartbeat, shared
@@ -621,7 +637,7 @@ class _Search:
                 trial.set_user_attr("repeat", True)
                 self._tell_outcome(trial, self.seen.get(point, Outcome(None, "repeated while in flight")))
                 self.counts["repeated"] += 1
-                _enqueue_unseen(self.study, self.points, set(self.seen) | self.in_flight, self.rng)
+                _enqueue_unseen(self.study, self.points(), set(self.seen) | self.in_flight, self.rng)
             elif not holds:
                 trial.set_user_attr("taken", True)  # another worker has it, or the target is reached: no verdict here
                 self._tell(trial, state=TrialState.PRUNED)

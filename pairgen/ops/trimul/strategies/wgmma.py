@@ -466,11 +466,19 @@ RESIDENT_BACKWARD_GROUPS = 3
 GRADIENT_PASSES_AHEAD = 4
 
 
-def _resident_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
+#: Whether the resident backward normalises x in registers as p_normalized_x does (its folds then
+#: come from the products; every row of Wp halved). Written in session 34, checked on the emulator,
+#: not yet timed on a GPU: off until it is measured faster.
+BACKWARD_NORMALIZED_X = False
+
+
+def _resident_backward_plan(spec, precision: str, widths: dict, normalized_x: bool = False) -> Plan | None:
     """The first default point (x in registers, paired columns) with RESIDENT_BACKWARD_GROUPS
-    warpgroups, where it is feasible at these widths and keeps all of Wp in one block."""
+    warpgroups, where it is feasible at these widths and keeps all of Wp in one block (x
+    normalised in registers where `normalized_x`)."""
     point = {**_first_default_point(spec, precision), "p_groups": RESIDENT_BACKWARD_GROUPS, "o_groups": 1, "o_wn": 16, "o_stages": 1,
-             "z_registers": False, "o_x_registers": False, "p_normalized_x": False, "o_normalized": False, "o_staged_stores": False}
+             "z_registers": False, "o_x_registers": False, "p_normalized_x": normalized_x, "o_normalized": False,
+             "o_staged_stores": False}
     plan = spec.at(precision).plan("wgmma", point, widths)
     if spec.infeasible(plan, DeviceLimits()) or not plan.params["paired_columns"] or plan.context["p_slices"] > 1:
         return None
@@ -478,13 +486,14 @@ def _resident_backward_plan(spec, precision: str, widths: dict) -> Plan | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _backward_plan(spec, precision: str, width_items: tuple, layout: str, passes_ahead: int) -> Plan | None:
+def _backward_plan(spec, precision: str, width_items: tuple, layout: str, passes_ahead: int,
+                   normalized_x: bool = False) -> Plan | None:
     # The swizzle where P allows it. The w_registers backward takes two slices of Wp's row blocks a
     # block where they divide: its chain rule holds d(loss)/d(a) beside both accumulator sets, which
     # with the forward's share of Wp spills (at P = H = 128). The output kernel's parameters are the
     # smallest that fit any P: it is rendered beside the projection but not launched.
     view = spec.at(precision)
-    plan = _resident_backward_plan(spec, precision, dict(width_items)) if layout == "resident" else None
+    plan = _resident_backward_plan(spec, precision, dict(width_items), normalized_x) if layout == "resident" else None
     if plan is None:
         base = {**w_registers_point(spec, precision), "o_groups": 1, "o_wn": 16, "o_stages": 1, "z_registers": False}
         plans = [view.plan("wgmma", {**base, "swizzle": swizzle, "p_slices": slices}, dict(width_items))
@@ -507,7 +516,7 @@ def backward_plan(spec, precision: str, widths: dict) -> Plan | None:
     runs at a module's widths (on the kernel BACKWARD_PROJECTION names), declared with the
     backward's arguments and named apart; None where no such point is feasible."""
     return _backward_plan(spec, precision, tuple(sorted({**widths, "out_fp32": 0}.items())), BACKWARD_PROJECTION,
-                          GRADIENT_PASSES_AHEAD)
+                          GRADIENT_PASSES_AHEAD, BACKWARD_NORMALIZED_X)
 
 
 #: (precision, widths, point, arch) -> the backward projections' variants: built apart from
