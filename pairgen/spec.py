@@ -382,9 +382,13 @@ class OpSpec:
         """Every feasible point's plan, in points()'s order. A space can hold millions of points
         and building a plan costs a strategy's derive, so the on_point restrictions prune first
         (points_passing_on_point)."""
+        return list(self.iter_feasible_plans(strategy, widths, limits, precision))
+
+    def iter_feasible_plans(self, strategy: str, widths: dict, limits: DeviceLimits, precision: str | None = None):
+        """feasible_plans one at a time (a caller that needs only the first few stops early)."""
         plans = (self.plan(strategy, params, widths, precision)
                  for params in self.points_passing_on_point(strategy, widths, limits))
-        return [plan for plan in plans if not self.infeasible(plan, limits)]
+        return (plan for plan in plans if not self.infeasible(plan, limits))
 
     def points_passing_on_point(self, strategy: str, widths: dict, limits: DeviceLimits):
         """The points that pass every on_point restriction, in points()'s order, without visiting
@@ -593,6 +597,9 @@ class PrecisionView:
 
     def feasible_plans(self, strategy: str, widths: dict, limits: DeviceLimits, precision: str | None = None):
         return self._spec.feasible_plans(strategy, widths, limits, precision or self.precision)
+
+    def iter_feasible_plans(self, strategy: str, widths: dict, limits: DeviceLimits, precision: str | None = None):
+        return self._spec.iter_feasible_plans(strategy, widths, limits, precision or self.precision)
 
     def sample_plans(self, strategy: str, widths: dict, k: int, rng: random.Random,
                      limits: DeviceLimits = DeviceLimits(), precision: str | None = None) -> list[Plan]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -266,14 +267,8 @@ def feasible_count_up_to(spec: OpSpec, widths: dict, limits: DeviceLimits, most:
     """min(most, feasible_count) without enumerating the whole space where it holds that many: a
     search's target needs only this, and a 16-bit space takes seconds to enumerate whole."""
     view = in_one_precision(spec)
-    count = 0
-    for name in view.strategies:
-        for params in view.op_spec.points_passing_on_point(name, widths, limits):
-            if not view.infeasible(view.plan(name, params, widths), limits):
-                count += 1
-                if count >= most:
-                    return count
-    return count
+    plans = itertools.chain.from_iterable(view.iter_feasible_plans(name, widths, limits) for name in view.strategies)
+    return sum(1 for _ in itertools.islice(plans, most))
 
 
 def _enqueue_unseen(study, points: tuple, taken: set[str], rng) -> None:

@@ -399,7 +399,7 @@ def for_call(spec, plan: Plan, B: int, N: int, fp32_output: bool = False) -> Pla
     if not (unpaired or fp32_output):
         return None
     params = {**plan.params, "paired_columns": False, "x_registers": False, "z_registers": False, "w_registers": False,
-              "o_x_registers": False, "p_normalized_x": False, "o_normalized": False, "o_staged_stores": False} if unpaired else plan.params
+              **REGISTER_VARIANTS_OFF} if unpaired else plan.params
     # The fp32 output keeps every other parameter: the same arithmetic, so its values round to the
     # 16-bit output bit for bit (docs/ops.md); the LayerNorm statistics' summation order differs
     # between x in registers and x in shared memory, so that point must not change either.
@@ -438,6 +438,11 @@ PROJECT_BACKWARD_ARGS = ("ptr x", "ptr mask", "ptr w", "ptr d_a", "ptr d_b", "pt
                          "i32 num_tiles", "i32 mask_is_float")
 
 
+#: The variants of the paired kernels with x and the sums in registers, off: a point that leaves
+#: those kernels (unpaired, Wp in registers, a backward's projection) leaves them too.
+REGISTER_VARIANTS_OFF = {"o_x_registers": False, "p_normalized_x": False, "o_normalized": False, "o_staged_stores": False}
+
+
 def _first_default_point(spec, precision: str) -> dict:
     """The first wgmma default point of `spec` (the op's) in `precision`."""
     return next(params for s, params in spec.at(precision).default_points if s == "wgmma")
@@ -446,8 +451,8 @@ def _first_default_point(spec, precision: str) -> dict:
 def w_registers_point(spec, precision: str) -> dict:
     """The first default point of `spec` (the op's) with the projection's Wp in registers (two
     warpgroups, two x stages)."""
-    return {**_first_default_point(spec, precision), "x_registers": False, "w_registers": True, "p_groups": 2, "p_stages": 2, "o_x_registers": False,
-            "p_mask_early": False, "p_normalized_x": False, "o_normalized": False, "o_staged_stores": False}
+    return {**_first_default_point(spec, precision), "x_registers": False, "w_registers": True, "p_groups": 2, "p_stages": 2,
+            "p_mask_early": False, **REGISTER_VARIANTS_OFF}
 
 
 #: Which projection kernel a 16-bit training step's backward recomputes the pre-activations on:
@@ -477,8 +482,7 @@ def _resident_backward_plan(spec, precision: str, widths: dict, normalized_x: bo
     warpgroups, where it is feasible at these widths and keeps all of Wp in one block (x
     normalised in registers where `normalized_x`)."""
     point = {**_first_default_point(spec, precision), "p_groups": RESIDENT_BACKWARD_GROUPS, "o_groups": 1, "o_wn": 16, "o_stages": 1,
-             "z_registers": False, "o_x_registers": False, "p_normalized_x": normalized_x, "o_normalized": False,
-             "o_staged_stores": False}
+             "z_registers": False, **REGISTER_VARIANTS_OFF, "p_normalized_x": normalized_x}
     plan = spec.at(precision).plan("wgmma", point, widths)
     if spec.infeasible(plan, DeviceLimits()) or not plan.params["paired_columns"] or plan.context["p_slices"] > 1:
         return None
