@@ -153,17 +153,6 @@ def _paired_cases():
                     {**first_default, "o_staged_stores": True, "o_groups": 4, "o_wn": 32})]
         points += [({"P": 64, "H": 32, **options}, {**PAIRED, "z_registers": True, "o_staged_stores": True})
                    for options in OPTION_SETS]
-        # the output's passes overlapped (o_overlap): the first default with 16-column passes, staged and
-        # not, 2 warpgroups of 64 columns, and every option set at small widths (an odd number of passes)
-        normalized_output = {**first_default, "o_x_registers": True, "o_normalized": True, "p_normalized_x": True}
-        points += [({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**normalized_output, "o_overlap": True, "o_wn": 16}),
-                   ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0},
-                    {**normalized_output, "o_overlap": True, "o_wn": 16, "o_staged_stores": True}),
-                   ({"P": 128, "H": 128, **OPTION_SETS[-1]},
-                    {**normalized_output, "o_overlap": True, "o_wn": 64, "o_groups": 2, "o_staged_stores": True})]
-        points += [({"P": 48, "H": 16, **options}, {**PAIRED, "z_registers": True, "x_registers": True,
-                                                    "o_x_registers": True, "o_normalized": True, "o_overlap": True})
-                   for options in OPTION_SETS]
         for k, (widths, params) in enumerate(points):
             plan = view.plan("wgmma", params, widths)
             assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, params)
