@@ -1,8 +1,8 @@
 """The triangle update's wgmma kernels run on the CPU emulator (tests/emulator) against the float64
 reference: the column slices (with the statistics kernel), Wp in registers (w_registers, sliced
 too), the output's x in registers (o_x_registers) and the projection's mask loaded a tile ahead
-(p_mask_early), the operands normalised in registers (p_normalized_x, o_normalized), the
-output's staged stores (o_staged_stores) and overlapped passes (o_overlap), at odd shapes with NaN-prefilled outputs,
+(p_mask_early), the operands normalised in registers (p_normalized_x, o_normalized) and the
+output's staged stores (o_staged_stores), at odd shapes with NaN-prefilled outputs,
 under a round-robin and a priority thread order. The GPU tests (test_trimul_mma_gpu.py) hold the
 same kernels over more points; `--slow` runs all of their cases here, in three thread orders."""
 from __future__ import annotations
@@ -56,13 +56,6 @@ CASES = {
                                               "o_normalized": True}),
     "staged-output-first-default-bf16": ("bfloat16", MODELS, {**FIRST_DEFAULT, "o_x_registers": True, "o_normalized": True,
                                                               "p_normalized_x": True, "o_staged_stores": True}),
-    "overlapped-output-staged-first-default-bf16": ("bfloat16", MODELS,
-                                                    {**FIRST_DEFAULT, "o_x_registers": True, "o_normalized": True,
-                                                     "p_normalized_x": True, "o_staged_stores": True,
-                                                     "o_overlap": True, "o_wn": 16}),
-    "overlapped-output-odd-passes-fp16": ("float16", {**SMALL, "P": 48, "H": 16},  # three passes: the last alone
-                                          {**PAIRED, "z_registers": True, "x_registers": True, "o_x_registers": True,
-                                           "o_normalized": True, "o_overlap": True}),
     "staged-output-sliced-fp16": ("float16", {**SMALL, "P": 64, "H": 32},
                                   {**PAIRED, "z_registers": True, "o_slices": 2, "o_staged_stores": True}),
     "sliced-both-kernels-bf16": ("bfloat16", SMALL, {**PAIRED, "p_slices": 4, "o_slices": 4}),
@@ -98,7 +91,7 @@ def emulated_against_float64(plan, shapes, order: int, soft_mask: bool = False) 
 #: The cases also run under a priority order (a warpgroup runs ahead of the other where it can):
 #: those with more than one warpgroup sharing a tile or its statistics.
 PRIORITY = ("w_registers-models-bf16", "w_registers-o_x_registers-bf16", "sliced-both-kernels-bf16",
-            "mask-early-models-bf16", "staged-output-first-default-bf16", "overlapped-output-staged-first-default-bf16")
+            "mask-early-models-bf16", "staged-output-first-default-bf16")
 
 
 @pytest.mark.parametrize("case,order", [(case, 0) for case in CASES] + [(case, 3) for case in PRIORITY],

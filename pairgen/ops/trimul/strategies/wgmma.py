@@ -160,7 +160,7 @@ def derive(params: dict, w: dict, name: str):
                "w_registers": params["w_registers"], "o_x_registers": params["o_x_registers"],
                "p_mask_early": params["p_mask_early"], "p_normalized_x": params["p_normalized_x"],
                "o_normalized": params["o_normalized"],
-               "o_staged_stores": params["o_staged_stores"], "o_overlap": params["o_overlap"],
+               "o_staged_stores": params["o_staged_stores"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
                                                               (params["o_wn"], params["z_registers"])) if rs}),
@@ -303,17 +303,6 @@ def _output_staged_with_sums_in_registers(plan: Plan, limits: DeviceLimits) -> b
     return not plan.params["o_staged_stores"] or plan.params["z_registers"]
 
 
-def _output_overlap_fits(plan: Plan, limits: DeviceLimits) -> bool:
-    """The output's overlapped passes are a variant of its operands normalised in registers
-    (o_normalized), with at least two passes to overlap. Two passes' accumulators beside the sums'
-    and x's fragments: at 3 warpgroups (168 registers a thread) passes of 32 columns left ptxas too
-    few registers and it serialised the products (C7512), 16 fit; at 2 (255), 64 fit."""
-    params = plan.params
-    widest = 16 if params["o_groups"] >= 3 else 64
-    return not params["o_overlap"] or (params["o_normalized"] and params["o_wn"] <= widest
-                                       and plan.widths["P"] >= 2 * params["o_wn"])
-
-
 def _early_fetch_has_one_stage(plan: Plan, limits: DeviceLimits) -> bool:
     """The early x fetch is the one-stage projection's (two stages already fetch a tile ahead)."""
     return not plan.params["early_x_fetch"] or plan.params["p_stages"] == 1
@@ -451,8 +440,7 @@ PROJECT_BACKWARD_ARGS = ("ptr x", "ptr mask", "ptr w", "ptr d_a", "ptr d_b", "pt
 
 #: The variants of the paired kernels with x and the sums in registers, off: a point that leaves
 #: those kernels (unpaired, Wp in registers, a backward's projection) leaves them too.
-REGISTER_VARIANTS_OFF = {"o_x_registers": False, "p_normalized_x": False, "o_normalized": False, "o_staged_stores": False,
-                         "o_overlap": False}
+REGISTER_VARIANTS_OFF = {"o_x_registers": False, "p_normalized_x": False, "o_normalized": False, "o_staged_stores": False}
 
 
 def _first_default_point(spec, precision: str) -> dict:
@@ -689,16 +677,14 @@ WGMMA = Strategy(
     # halved once per block: about half the epilogue's instructions); whether the output kernel
     # with its sums and x in registers normalises both there likewise (o_normalized); whether that
     # paired output kernel writes 16-bit rows through a per-warp staging, 16 bytes a lane, whole
-    # sectors (o_staged_stores), instead of 4 bytes a lane from the accumulators; whether the
-    # output kernel with its operands normalised in registers keeps two passes' accumulators, its
-    # products of pass n + 1 running under the epilogue of pass n (o_overlap).
+    # sectors (o_staged_stores), instead of 4 bytes a lane from the accumulators.
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
            "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
            "x_registers": (False, True), "z_registers": (False, True),
            "p_slices": (0, 2, 4), "o_slices": (0, 2, 4), "w_registers": (False, True), "o_x_registers": (False, True),
            "p_mask_early": (False, True), "p_normalized_x": (False, True),
-           "o_normalized": (False, True), "o_staged_stores": (False, True), "o_overlap": (False, True)},
+           "o_normalized": (False, True), "o_staged_stores": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -718,8 +704,6 @@ WGMMA = Strategy(
                               "unsliced, gate on P", _output_normalized_in_registers, on_point=True),
                   Restriction("the output's staged stores are a variant of its sums in registers",
                               _output_staged_with_sums_in_registers, on_point=True),
-                  Restriction("the output's overlapped passes are a variant of its operands normalised in registers, "
-                              "at least two passes, of at most 16 columns at 3 warpgroups (64 at 2)", _output_overlap_fits, on_point=True),
                   Restriction("the sums in registers are the paired output kernel's, gate on P, H a multiple of 16",
                               _z_registers_paired, on_point=True),
                   Restriction("column slices are whole passes of the paired kernels (a sliced projection with x in "
