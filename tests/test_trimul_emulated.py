@@ -29,9 +29,10 @@ PAIRED = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "
 W_REGISTERS = {"p_groups": 2, "p_stages": 2, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
                "consts_smem": True, "paired_columns": True, "z_registers": True, "w_registers": True}
 
-#: The first wgmma default without its normalised operands and the output's x in registers (their own cases).
+#: The first wgmma default without its normalised operands, the output's x in registers and its staged
+#: stores (their own cases).
 FIRST_DEFAULT = {**next(params for strategy, params in TRIMUL.default_points if strategy == "wgmma"),
-                 "p_normalized_x": False, "o_normalized": False, "o_x_registers": False}
+                 "p_normalized_x": False, "o_normalized": False, "o_x_registers": False, "o_staged_stores": False}
 
 CASES = {
     "w_registers-models-bf16": ("bfloat16", MODELS, W_REGISTERS),

@@ -90,9 +90,11 @@ def _paired_cases():
     cases = []
     for precision in ("bfloat16", "float16"):
         view = TRIMUL.at(precision)
-        # the first default without its normalised operands and the output's x in registers (their own cases)
+        # the first default without its normalised operands, the output's x in registers and its staged
+        # stores (their own cases)
         first_default = {**next(params for s, params in view.default_points if s == "wgmma"), "paired_columns": True,
-                         "p_normalized_x": False, "o_normalized": False, "o_x_registers": False}
+                         "p_normalized_x": False, "o_normalized": False, "o_x_registers": False,
+                         "o_staged_stores": False}
         points = [({"P": 48, "H": 24, **options}, PAIRED) for options in OPTION_SETS]
         points += [({"P": 64, "H": 32, **OPTION_SETS[0]}, PAIRED),
                    ({"P": 128, "H": 128, **OPTION_SETS[-1]}, first_default),
@@ -223,7 +225,7 @@ def _w_registers_cases():
         # the output kernel's x in registers too (o_x_registers), and alone: both directions,
         # the gate on the raw input, k padded
         with_x = {**next(params for s, params in view.default_points if s == "wgmma"), "o_x_registers": True,
-                  "p_normalized_x": False, "o_normalized": False}
+                  "p_normalized_x": False, "o_normalized": False, "o_staged_stores": False}
         points += [({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**model, "o_x_registers": True}),
                    ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0}, with_x),
                    ({"P": 64, "H": 32, **OPTION_SETS[1]}, {**PAIRED, "z_registers": True, "o_x_registers": True}),
