@@ -115,6 +115,14 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
     return params["p_slices"] or fewest_p, params["o_slices"] or fewest_o
 
 
+
+#: Whether the forward's normalised projection (p_normalized_x, 32-column passes) stores each pass's
+#: a and b through a pointer made once per tile, a pass adding its channels' offset: the address
+#: otherwise took about 12 of a pass's 45 instructions, remade every pass (the register-tight
+#: kernel rematerialised it), in a kernel bound by its instruction stream (docs/performance.md).
+PROJECTION_STORE_POINTER = True
+
+
 def derive(params: dict, w: dict, name: str):
     P, H, precision = w["P"], w["H"], w["precision"]
     eb, hidden = element_bytes(precision), bool(w["gate_hidden"])
@@ -160,7 +168,7 @@ def derive(params: dict, w: dict, name: str):
                "w_registers": params["w_registers"], "o_x_registers": params["o_x_registers"],
                "p_mask_early": params["p_mask_early"], "p_normalized_x": params["p_normalized_x"],
                "o_normalized": params["o_normalized"],
-               "o_staged_stores": params["o_staged_stores"],
+               "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
                                                               (params["o_wn"], params["z_registers"])) if rs}),
