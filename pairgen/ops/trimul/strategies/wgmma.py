@@ -120,7 +120,7 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
 #: a and b through a pointer made once per tile, a pass adding its channels' offset: the address
 #: otherwise took about 12 of a pass's 45 instructions, remade every pass (the register-tight
 #: kernel rematerialised it), in a kernel bound by its instruction stream (docs/performance.md).
-PROJECTION_STORE_POINTER = True
+PROJECTION_STORE_POINTER = False
 
 
 def derive(params: dict, w: dict, name: str):
