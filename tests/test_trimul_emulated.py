@@ -14,6 +14,7 @@ import torch
 
 from emulator import emulated, emulated_variant
 from helpers import generator
+from pairgen import codegen
 from pairgen.ops.trimul import TRIMUL
 from pairgen.spec import DeviceLimits
 from pairgen.tuning.check import compare, reference64
@@ -102,6 +103,19 @@ def test_new_wgmma_kernels_match_float64_emulated(case, order):
     plan = TRIMUL.at(precision).plan("wgmma", params, widths)
     assert not TRIMUL.infeasible(plan, DeviceLimits()), TRIMUL.infeasible(plan, DeviceLimits())
     failures = emulated_against_float64(plan, SHAPES, order)
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
+def test_the_projections_store_pointer_matches_float64_emulated(monkeypatch):
+    """wgmma.PROJECTION_STORE_POINTER (off by default until it measures faster): the normalised
+    projection's a and b stored through a pointer made once per tile, at whole tiles and odd ones."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    monkeypatch.setattr(wgmma, "PROJECTION_STORE_POINTER", True)
+    precision, widths, params = CASES["staged-output-first-default-bf16"]
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    assert "paired_store_pointer" in codegen.render_plan(plan).source
+    failures = emulated_against_float64(plan, SHAPES, 0)
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
