@@ -263,11 +263,15 @@ def compile_plans(plans) -> dict:
 
 
 def compiled_cases(cases: list):
-    """A module-scoped fixture: compile_plans over the plans of pytest params `cases`."""
+    """A module-scoped fixture: compile_plans over the plans of pytest params `cases` that a
+    selected test takes (a run narrowed by -k compiles only its own cases: every case of a GPU
+    file is hundreds of compiles on a machine with a cold NVRTC cache)."""
 
     @pytest.fixture(scope="module")
-    def variants():
-        return compile_plans([c.values[0] for c in cases])
+    def variants(request):
+        taken = {id(value) for item in request.session.items
+                 for value in getattr(getattr(item, "callspec", None), "params", {}).values()}
+        return compile_plans([c.values[0] for c in cases if id(c.values[0]) in taken])
 
     return variants
 
