@@ -115,11 +115,11 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
     return params["p_slices"] or fewest_p, params["o_slices"] or fewest_o
 
 
-
 #: Whether the forward's normalised projection (p_normalized_x, 32-column passes) stores each pass's
-#: a and b through a pointer made once per tile, a pass adding its channels' offset: the address
-#: otherwise took about 12 of a pass's 45 instructions, remade every pass (the register-tight
-#: kernel rematerialised it), in a kernel bound by its instruction stream (docs/performance.md).
+#: a and b through a pointer made once per tile, a pass adding its channels' offset (otherwise the
+#: register-tight kernel remakes the whole address every pass). Off until a re-tune goes with it:
+#: it changes that kernel's source, so its tuned entries would go stale (its timing:
+#: docs/performance.md, session 35).
 PROJECTION_STORE_POINTER = False
 
 
