@@ -16,6 +16,7 @@ from emulator import emulated, emulated_variant
 from helpers import generator
 from pairgen import codegen
 from pairgen.ops.trimul import TRIMUL
+from pairgen.ops.trimul.strategies.wgmma import REGISTER_VARIANTS_OFF
 from pairgen.spec import DeviceLimits
 from pairgen.tuning.check import compare, reference64
 from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
@@ -33,7 +34,7 @@ W_REGISTERS = {"p_groups": 2, "p_stages": 2, "p_wn": 32, "o_groups": 3, "o_wn": 
 #: The first wgmma default without its normalised operands, the output's x in registers and its staged
 #: stores (their own cases).
 FIRST_DEFAULT = {**next(params for strategy, params in TRIMUL.default_points if strategy == "wgmma"),
-                 "p_normalized_x": False, "o_normalized": False, "o_x_registers": False, "o_staged_stores": False}
+                 **REGISTER_VARIANTS_OFF}
 
 CASES = {
     "w_registers-models-bf16": ("bfloat16", MODELS, W_REGISTERS),

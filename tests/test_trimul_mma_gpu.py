@@ -93,8 +93,7 @@ def _paired_cases():
         # the first default without its normalised operands, the output's x in registers and its staged
         # stores (their own cases)
         first_default = {**next(params for s, params in view.default_points if s == "wgmma"), "paired_columns": True,
-                         "p_normalized_x": False, "o_normalized": False, "o_x_registers": False,
-                         "o_staged_stores": False}
+                         **wgmma.REGISTER_VARIANTS_OFF}
         points = [({"P": 48, "H": 24, **options}, PAIRED) for options in OPTION_SETS]
         points += [({"P": 64, "H": 32, **OPTION_SETS[0]}, PAIRED),
                    ({"P": 128, "H": 128, **OPTION_SETS[-1]}, first_default),
@@ -224,8 +223,8 @@ def _w_registers_cases():
                    ({"P": 48, "H": 64, **OPTION_SETS[7]}, {**small, "p_slices": 2, "o_wn": 16})]
         # the output kernel's x in registers too (o_x_registers), and alone: both directions,
         # the gate on the raw input, k padded
-        with_x = {**next(params for s, params in view.default_points if s == "wgmma"), "o_x_registers": True,
-                  "p_normalized_x": False, "o_normalized": False, "o_staged_stores": False}
+        with_x = {**next(params for s, params in view.default_points if s == "wgmma"), **wgmma.REGISTER_VARIANTS_OFF,
+                  "o_x_registers": True}
         points += [({"P": 128, "H": 128, **OPTION_SETS[-1]}, {**model, "o_x_registers": True}),
                    ({"P": 128, "H": 128, **OPTION_SETS[-2], "outgoing": 0}, with_x),
                    ({"P": 64, "H": 32, **OPTION_SETS[1]}, {**PAIRED, "z_registers": True, "o_x_registers": True}),

@@ -15,7 +15,7 @@ from helpers import feasible_defaults, switching_defaults
 from pairgen import codegen, compiler
 from pairgen.ops.trimul import TRIMUL
 from pack_oracles import pack_wgmma_weights
-from pairgen.ops.trimul.strategies.wgmma import k_padded, wgmma_weight_offsets
+from pairgen.ops.trimul.strategies.wgmma import REGISTER_VARIANTS_OFF, k_padded, wgmma_weight_offsets
 from pairgen.spec import SIXTEEN_BIT_TOLERANCE, DeviceLimits, kernel_name
 from pairgen.tuning.check import compare, reference64
 
@@ -294,8 +294,7 @@ def test_column_slices_fit_the_wide_widths_and_compile_asynchronous_without_spil
 #: The projection with Wp in registers (its products' operands swapped), beside the first
 #: default's output kernel.
 W_REGISTERS = {**next(p for s, p in TRIMUL.default_points if s == "wgmma"), "x_registers": False,
-               "w_registers": True, "p_groups": 2, "p_stages": 2, "p_mask_early": False, "p_normalized_x": False,
-               "o_normalized": False, "o_x_registers": False}
+               "w_registers": True, "p_groups": 2, "p_stages": 2, "p_mask_early": False, **REGISTER_VARIANTS_OFF}
 
 
 def test_weights_in_registers_swap_the_projections_operands_and_compile_without_spills():
@@ -362,8 +361,7 @@ def test_the_output_kernels_x_in_registers_compiles_without_spills_where_it_is_a
     registers, one x stage, at most 3 warpgroups and P up to 128; points without it render as
     before."""
     limits = DeviceLimits()
-    first = {**next(p for s, p in TRIMUL.default_points if s == "wgmma"), "p_normalized_x": False, "o_normalized": False,
-             "o_x_registers": False}
+    first = {**next(p for s, p in TRIMUL.default_points if s == "wgmma"), **REGISTER_VARIANTS_OFF}
     point = {**first, "o_x_registers": True}
     plans = [TRIMUL.plan("wgmma", params, widths, precision)
              for precision in ("bfloat16", "float16")
