@@ -108,7 +108,7 @@ def test_new_wgmma_kernels_match_float64_emulated(case, order):
 
 
 def test_the_projections_store_pointer_matches_float64_emulated(monkeypatch):
-    """wgmma.PROJECTION_STORE_POINTER (off by default until it measures faster): the normalised
+    """wgmma.PROJECTION_STORE_POINTER (on by default; set here so the case holds either way): the normalised
     projection's a and b stored through a pointer made once per tile, at whole tiles and odd ones."""
     from pairgen.ops.trimul.strategies import wgmma
 

@@ -117,10 +117,10 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
 
 #: Whether the forward's normalised projection (p_normalized_x, 32-column passes) stores each pass's
 #: a and b through a pointer made once per tile, a pass adding its channels' offset (otherwise the
-#: register-tight kernel remakes the whole address every pass). Off until a re-tune goes with it:
-#: it changes that kernel's source, so its tuned entries would go stale (its timing:
-#: docs/performance.md, session 35).
-PROJECTION_STORE_POINTER = False
+#: register-tight kernel remakes the whole address every pass). A switch rather than a tuned
+#: parameter because it only ever saves instructions; turning it off changes that kernel's source,
+#: which makes its tuned entries stale (its timing: docs/performance.md, sessions 35-36).
+PROJECTION_STORE_POINTER = True
 
 
 def derive(params: dict, w: dict, name: str):
