@@ -527,21 +527,23 @@ def test_the_projection_backward_kernel_matches_float64_emulated(widths, B, N, d
 @pytest.mark.parametrize("widths,B,N,dtype,float_mask", [(MODELS_FORM, 2, 36, torch.bfloat16, False),
                                                          (PROJECTION_BACKWARD_WIDTHS[1], 2, 8, torch.float16, True)],
                          ids=["models-whole-rows-B2-N36", "incoming-N8-float-mask"])
-def test_the_resident_backward_with_x_normalised_in_registers_matches_float64_emulated(widths, B, N, dtype,
-                                                                                      float_mask, monkeypatch):
-    """wgmma.BACKWARD_NORMALIZED_X: the resident backward normalises x in registers (p_normalized_x,
-    every row of Wp halved so that the products give p / 2 and g / 2): d_proj against float64 as
-    above; it compiles without spills; off, the backward's point has no trace of it."""
+def test_the_resident_backward_with_x_normalised_in_registers_or_not_matches_float64_emulated(widths, B, N, dtype,
+                                                                                             float_mask, monkeypatch):
+    """wgmma.BACKWARD_NORMALIZED_X: on (the default, which the test above runs), the resident
+    backward normalises x in registers (p_normalized_x, every row of Wp halved so that the products
+    give p / 2 and g / 2) and compiles without spills; off, its point has no trace of it and its
+    d_proj meets float64 as above."""
     from pairgen.ops.trimul.strategies import wgmma
 
-    assert not wgmma.backward_plan(TRIMUL, "bfloat16", MODELS_FORM).params["p_normalized_x"]
-    monkeypatch.setattr(wgmma, "BACKWARD_NORMALIZED_X", True)
     plan = wgmma.backward_plan(TRIMUL, "bfloat16", widths)
     assert plan.params["p_normalized_x"] and "stage_projection_bias" in codegen.render_plan(plan).source
     if dtype is torch.bfloat16:
         rendered = codegen.render_plan(plan)
         compiled = compiler.compile_source(rendered.source, plan.main.name, "sm_90")
         assert all(compiled.kernels[k.name]["spill_bytes"] == 0 for k in plan.kernels), compiled.summary()
+    monkeypatch.setattr(wgmma, "BACKWARD_NORMALIZED_X", False)
+    plan = wgmma.backward_plan(TRIMUL, "bfloat16", widths)
+    assert not plan.params["p_normalized_x"] and "stage_projection_bias" not in codegen.render_plan(plan).source
     test_the_projection_backward_kernel_matches_float64_emulated(widths, B, N, dtype, float_mask, "resident",
                                                                  monkeypatch)
 

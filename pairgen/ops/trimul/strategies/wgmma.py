@@ -480,9 +480,9 @@ GRADIENT_PASSES_AHEAD = 4
 
 
 #: Whether the resident backward normalises x in registers as p_normalized_x does (its folds then
-#: come from the products; every row of Wp halved). Written in session 34, checked on the emulator,
-#: not yet timed on a GPU: off until it is measured faster.
-BACKWARD_NORMALIZED_X = False
+#: come from the products; every row of Wp halved): fewer instructions a row in a kernel whose
+#: epilogue is its bound (measured faster at N512-N1024: docs/performance.md).
+BACKWARD_NORMALIZED_X = True
 
 
 def _resident_backward_plan(spec, precision: str, widths: dict, normalized_x: bool = False) -> Plan | None:
