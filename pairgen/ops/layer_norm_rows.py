@@ -26,10 +26,47 @@ def applies(t: torch.Tensor, cols: int) -> bool:
     return t.is_cuda and storage_kind(t.dtype) is not None and cols <= MAX_COLS and config.fused_backward()
 
 
-def render(kind: str, cols: int, eps: float = 1e-5, x_kind: str | None = None):
+#: Bytes of each storage kind's element.
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: The widest load a lane makes of a row.
+CHUNK_BYTES = 16
+
+
+def chunk_values(cols: int, kinds_and_addresses) -> int:
+    """Values a lane loads and stores at once (the template's VEC): the most, up to CHUNK_BYTES of
+    the widest element, that divide the row and keep each (kind, address) of the call (every row's
+    start and each weight's) aligned to its chunk; 1 where nothing wider does."""
+    pairs = list(kinds_and_addresses)
+    vec = CHUNK_BYTES // max(ELEMENT_BYTES[kind] for kind, _ in pairs)
+    while vec > 1 and (cols % vec or any(address % (vec * ELEMENT_BYTES[kind]) for kind, address in pairs)):
+        vec //= 2
+    return vec
+
+
+def _context(kind: str, cols: int, eps: float, x_kind: str | None, vec: int | None) -> dict:
+    x_kind = x_kind or kind
+    if vec is None:  # the chunk of aligned tensors
+        vec = chunk_values(cols, [(kind, 0), (x_kind, 0)])
+    group = min(32, 1 << max(0, cols // vec - 1).bit_length())  # lanes a row: CHUNKS up to a power of two
+    return {"cols": cols, "eps": repr(float(eps)), "x_kind": x_kind, "vec": vec, "group": group}
+
+
+def render(kind: str, cols: int, eps: float = 1e-5, x_kind: str | None = None, vec: int | None = None):
     """The kernels' source for one storage type and width; x_kind "float32" with a 16-bit kind: the
-    forward reading fp32 rows (layer_norm's fp32 input)."""
-    return TEMPLATE.render(kind, cols=cols, eps=repr(float(eps)), x_kind=x_kind or kind)
+    forward reading fp32 rows (layer_norm's fp32 input); vec: the values a lane loads at once
+    (chunk_values; by default the most that aligned tensors allow)."""
+    return TEMPLATE.render(kind, **_context(kind, cols, eps, x_kind, vec))
+
+
+def _addresses(*tensors) -> list:
+    """(kind, address) of each tensor given (None: left out): with the row width a multiple of the
+    chunk, every row's start is then aligned where the first is."""
+    return [(storage_kind(t.dtype), t.data_ptr()) for t in tensors if t is not None]
+
+
+def _blocks(rows: torch.Tensor, M: int, context: dict, blocks_per_sm: int) -> int:
+    """A warp per 32 / GROUP rows, up to blocks_per_sm blocks an SM (the kernels loop past that)."""
+    return warp_per_item_blocks(rows, -(-M // (32 // context["group"])), blocks_per_sm)
 
 
 #: Blocks an SM of the forward's grid: more than the backward's (row_blocks), whose rows carry three
@@ -49,8 +86,10 @@ def layer_norm(rows: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps:
     M, C = rows.shape
     xn = torch.empty(rows.shape, device=rows.device, dtype=gamma.dtype)
     mean, rstd = torch.empty(2, M, device=rows.device, dtype=torch.float32)
-    TEMPLATE.launch(xn, "", warp_per_item_blocks(rows, M, blocks_per_sm), rows.data_ptr(), gamma.data_ptr(), beta.data_ptr(), xn.data_ptr(),
-                    mean.data_ptr(), rstd.data_ptr(), M, cols=C, eps=repr(float(eps)), x_kind=storage_kind(rows.dtype))
+    context = _context(storage_kind(gamma.dtype), C, eps, storage_kind(rows.dtype),
+                       chunk_values(C, _addresses(rows, gamma, beta, xn)))
+    TEMPLATE.launch(xn, "", _blocks(rows, M, context, blocks_per_sm), rows.data_ptr(), gamma.data_ptr(),
+                    beta.data_ptr(), xn.data_ptr(), mean.data_ptr(), rstd.data_ptr(), M, **context)
     return xn, mean, rstd
 
 
@@ -81,11 +120,13 @@ def layer_norm_backward(d_xn: torch.Tensor, rows: torch.Tensor, mean: torch.Tens
 
     M, C = rows.shape
     d_rows = torch.empty_like(rows)
-    blocks = warp_per_item_blocks(rows, M, blocks_per_sm)
+    kind = storage_kind(rows.dtype)
+    context = _context(kind, C, eps, kind, chunk_values(C, _addresses(d_xn, add_before, rows, gamma, add_after, d_rows)))
+    blocks = _blocks(rows, M, context, blocks_per_sm)
     parts = torch.empty(2, blocks * (THREADS // 32), C, device=rows.device, dtype=torch.float32)
     TEMPLATE.launch(rows, "grad", blocks, d_xn.data_ptr(), 0 if add_before is None else add_before.data_ptr(),
                     rows.data_ptr(), mean.data_ptr(), rstd.data_ptr(), gamma.data_ptr(),
                     0 if add_after is None else add_after.data_ptr(), d_rows.data_ptr(), parts[0].data_ptr(),
-                    parts[1].data_ptr(), M, cols=C, eps=repr(float(eps)), x_kind=storage_kind(rows.dtype))
+                    parts[1].data_ptr(), M, **context)
     return (d_rows, *parts.sum(1))  # d gamma and d beta: views of one reduction
 
