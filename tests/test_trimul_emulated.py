@@ -107,15 +107,17 @@ def test_new_wgmma_kernels_match_float64_emulated(case, order):
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
-def test_the_projections_store_pointer_matches_float64_emulated(monkeypatch):
-    """wgmma.PROJECTION_STORE_POINTER (on by default; set here so the case holds either way): the normalised
-    projection's a and b stored through a pointer made once per tile, at whole tiles and odd ones."""
+def test_the_projections_store_address_remade_each_pass_matches_float64_emulated(monkeypatch):
+    """wgmma.PROJECTION_STORE_POINTER: on (the default) the normalised projection stores a and b
+    through a pointer made once per tile, which the first default's cases above run; off, each pass
+    remakes the address, and that path too meets float64 at whole tiles and odd ones."""
     from pairgen.ops.trimul.strategies import wgmma
 
-    monkeypatch.setattr(wgmma, "PROJECTION_STORE_POINTER", True)
     precision, widths, params = CASES["staged-output-first-default-bf16"]
+    assert "paired_store_pointer" in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    monkeypatch.setattr(wgmma, "PROJECTION_STORE_POINTER", False)
     plan = TRIMUL.at(precision).plan("wgmma", params, widths)
-    assert "paired_store_pointer" in codegen.render_plan(plan).source
+    assert "paired_store_pointer" not in codegen.render_plan(plan).source
     failures = emulated_against_float64(plan, SHAPES, 0)
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
