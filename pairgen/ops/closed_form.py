@@ -73,9 +73,9 @@ def closed_form_gradients(compute, x: torch.Tensor, params: dict[str, torch.Tens
     the caller has; "tf32": fp32 with TF32 products; "bfloat16"/"float16": 16-bit tensors, products
     on 16-bit tensor cores with fp32 accumulation, as PyTorch's own 16-bit backward computes."""
     with computing_in(precision) as (dtype, products):
-        grads = compute(as_dtype(x, dtype), {name: as_dtype(p, dtype) for name, p in params.items()}, as_dtype(grad_out, dtype),
-                        products, *extra)
-    return in_dtypes(grads, x.dtype, {name: p.dtype for name, p in params.items()})
+        weights, param_dtypes = weights_in(params, dtype)
+        grads = compute(as_dtype(x, dtype), weights, as_dtype(grad_out, dtype), products, *extra)
+    return in_dtypes(grads, x.dtype, param_dtypes)
 
 
 @contextlib.contextmanager
@@ -91,18 +91,34 @@ def computing_in(precision: str):
 
 
 def in_dtypes(grads: dict[str, torch.Tensor], input_dtype: torch.dtype,
-              param_dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
-    """Each gradient in the dtype of what it is the gradient of (a frozen parameter has none)."""
+              param_dtypes: "dict[str, torch.dtype] | torch.dtype") -> dict[str, torch.Tensor]:
+    """Each gradient in the dtype of what it is the gradient of (a frozen parameter has none);
+    param_dtypes: each parameter's dtype by name, or one dtype, every parameter's (weights_in)."""
     grads["input"] = as_dtype(grads["input"], input_dtype)
+    if isinstance(param_dtypes, torch.dtype):
+        for name, grad in grads.items():
+            if grad.dtype is not param_dtypes and name != "input":
+                grads[name] = grad.to(param_dtypes)
+        return grads
     for name, dtype in param_dtypes.items():
         if name in grads:
             grads[name] = as_dtype(grads[name], dtype)
     return grads
 
 
+def weights_in(params: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[dict, "dict | torch.dtype"]:
+    """(params cast to dtype, by name; their dtypes by name, or dtype itself where every one is in
+    it already): one pass, since a training call makes both, and the common case (a 16-bit module,
+    or fp32 in "ieee") has no weight to cast."""
+    if all(p.dtype is dtype for p in params.values()):
+        return params, dtype
+    return {name: as_dtype(p, dtype) for name, p in params.items()}, {name: p.dtype for name, p in params.items()}
+
+
 class Saved:
     """What a saving forward keeps for its backward: the op's intermediates (`state`, consumed by
-    the one backward), the weights in the compute dtype, and the dtypes the gradients go back to."""
+    the one backward), the weights in the compute dtype, and the dtypes the gradients go back to
+    (param_dtypes: by name, or one dtype for all: weights_in)."""
     __slots__ = ("state", "weights", "precision", "input_dtype", "param_dtypes")
 
     def __init__(self, state, weights, precision, input_dtype, param_dtypes):
@@ -114,9 +130,9 @@ def forward_saving(forward, x: torch.Tensor, params: dict[str, torch.Tensor], pr
     """forward(x, params, products) -> (out, state), run as closed_form_gradients runs a backward
     (the precision's dtype, no autograd): (out, a Saved for gradients_from)."""
     with computing_in(precision) as (dtype, products):
-        weights = {name: as_dtype(p, dtype) for name, p in params.items()}
+        weights, param_dtypes = weights_in(params, dtype)
         out, state = forward(as_dtype(x, dtype), weights, products)
-    return out, Saved(state, weights, precision, x.dtype, {name: p.dtype for name, p in params.items()})
+    return out, Saved(state, weights, precision, x.dtype, param_dtypes)
 
 
 def forward_only(forward, x: torch.Tensor, params: dict[str, torch.Tensor], precision: str,
@@ -125,8 +141,7 @@ def forward_only(forward, x: torch.Tensor, params: dict[str, torch.Tensor], prec
     backward follows. cast_input=False: x goes to forward as it is (a forward whose first kernel
     reads it in its own dtype)."""
     with computing_in(precision) as (dtype, products):
-        return forward(as_dtype(x, dtype) if cast_input else x, {name: as_dtype(p, dtype) for name, p in params.items()},
-                       products)
+        return forward(as_dtype(x, dtype) if cast_input else x, weights_in(params, dtype)[0], products)
 
 
 def gradients_from(backward, saved: Saved, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -9,6 +9,8 @@ session 26). Used where the closed forms' fused kernels are (PAIRGEN_FUSED_BACKW
 fp32, rounded once to the operands' dtype."""
 from __future__ import annotations
 
+import functools
+
 from .. import config, runtime
 from ..precision import MMA_KINDS
 from .fused_kernels import THREADS, FusedTemplate, sm_count, storage_kind
@@ -22,12 +24,15 @@ STAGES = 3
 _TILE_ROWS = 64
 
 
+@functools.lru_cache(maxsize=64)
 def smem_bytes(products: tuple) -> int:
     """STAGES tiles of 64 rows of every operand, each row padded by 16 bytes (the template's)."""
     return STAGES * sum(_TILE_ROWS * (ka + kb + 16) * 2 for ka, kb in products)
 
 
+@functools.lru_cache(maxsize=64)
 def context(kind: str, products: tuple) -> dict:
+    """The template's context (cached: every training step launches the kernel; not to be changed)."""
     return {"products": products, "stages": STAGES, "smem_bytes": smem_bytes(products), "mma_kind": MMA_KINDS[kind]}
 
 

@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import torch
 
 from .. import backward_tuning, closed_form, layer_norm_rows, row_products
+from ...module.modes import as_dtype
 from ...module.validation import contiguous_aligned
 from ..closed_form import channel_sums, closed_form_gradients, column_sums
 from ...precision import COMPUTE_DTYPES, HALF_BY_DTYPE
@@ -164,7 +165,7 @@ def _forward(module, x, mask, w, mm, keep_operands: bool = False, inference: boo
     f.projection_kernels = (not inference and f.fused and f.precision is not None
                             and wgmma.projection_kernels_apply(module, x, f.precision))
     if f.projection_kernels:
-        f.x_operand = contiguous_aligned(x.to(dtype))  # the kernels read its rows in 16-byte pieces
+        f.x_operand = contiguous_aligned(as_dtype(x, dtype))  # the kernels read its rows in 16-byte pieces
         f.mask = contiguous_aligned(mask if mask.dtype in (torch.bool, torch.float32) else mask.to(torch.float32))
         f.proj = None
         f.packed = wgmma.pack_given(w, module.widths, f.precision)  # the backward's too

@@ -12,6 +12,8 @@ step 2-4 % faster at N512-N1024.
 """
 from __future__ import annotations
 
+import functools
+
 from typing import TYPE_CHECKING
 
 from ... import runtime
@@ -46,6 +48,7 @@ def pass_columns(P: int, max_columns: int = MAX_PASS_COLUMNS) -> int:
     return max(c for c in range(16, min(P, max_columns) + 1, 16) if P % c == 0)
 
 
+@functools.lru_cache(maxsize=64)
 def smem_bytes(P: int, H: int, groups: int = GROUPS) -> int:
     """Wo, Wg, and per warpgroup a 64-row tile of the gate's input (later a channel-major tile of
     d z: the larger of the two), a channel-major tile of z and a 64-row tile of d_u (each region
@@ -57,9 +60,11 @@ def smem_bytes(P: int, H: int, groups: int = GROUPS) -> int:
     return wo + wg + groups * tiles + (2 * H + groups * 4 * 2 * H + 2 * P) * 4
 
 
+@functools.lru_cache(maxsize=64)
 def context(kind: str, P: int, H: int, bias: bool, eps: float, groups: int = GROUPS,
             max_pass_columns: int = MAX_PASS_COLUMNS) -> dict:
-    """The template's context (hashable: launches are bound per context)."""
+    """The template's context (hashable: launches are bound per context; cached, since every
+    training step launches the kernel: not to be changed)."""
     pass_cols = pass_columns(P, max_pass_columns)
     return {"cols": P, "hidden": H, "bias": bias, "eps": repr(float(eps)), "threads": 128 * groups,
             "smem_bytes": smem_bytes(P, H, groups), "pass_cols": pass_cols, "mma_kind": MMA_KINDS[kind],

@@ -336,9 +336,11 @@ OPERAND_ELEMENT_BYTES = 2
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def fold_context(P: int, H: int, gate_normalized: bool, gate_hidden: bool, operand: str, sources: Sources) -> dict:
     """The fold kernel's context: widths, the padded k extents, each section's byte offset
-    (off_<section>) and where each weight lies (weights: variable name -> (source, offset) or None)."""
+    (off_<section>) and where each weight lies (weights: variable name -> (source, offset) or None).
+    Cached (every training call packs its weights): callers must not change the dict."""
     offsets = wgmma_weight_offsets(P, H, OPERAND_ELEMENT_BYTES, gate_hidden)
     weights = {name.replace(".", "_"): sources.places.get(name) for name in FOLD_WEIGHTS}
     return {"P": P, "H": H, "G": H if gate_hidden else P, "p_pad": k_padded(P), "h_pad": k_padded(H),
@@ -576,8 +578,13 @@ def pack_given(w: dict, widths: dict, operand: str):
     tensors = [w[name] for name in names]
     if not packing.readable(tensors):
         tensors = [t.detach().float().contiguous() for t in tensors]
-    return pack_wgmma(tensors, Sources.each_its_own(names), widths["P"], widths["H"], bool(widths["gate_normalized"]),
+    return pack_wgmma(tensors, _each_its_own(names), widths["P"], widths["H"], bool(widths["gate_normalized"]),
                       bool(widths.get("gate_hidden")), operand)
+
+
+@functools.lru_cache(maxsize=16)
+def _each_its_own(names: tuple) -> Sources:
+    return Sources.each_its_own(names)
 
 
 def forward_projection_variant(module, x, precision: str):
