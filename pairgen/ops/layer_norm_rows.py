@@ -5,6 +5,8 @@ these kernels are several times faster there. Used where the closed forms' fused
 (PAIRGEN_FUSED_BACKWARD)."""
 from __future__ import annotations
 
+import functools
+
 from typing import TYPE_CHECKING
 
 from .. import config
@@ -43,7 +45,10 @@ def chunk_values(cols: int, kinds_and_addresses) -> int:
     return vec
 
 
+@functools.lru_cache(maxsize=64)
 def _context(kind: str, cols: int, eps: float, x_kind: str | None, vec: int | None) -> dict:
+    """The template's context (cached: every training step launches these kernels; not to be
+    changed)."""
     x_kind = x_kind or kind
     if vec is None:  # the chunk of aligned tensors
         vec = chunk_values(cols, [(kind, 0), (x_kind, 0)])
