@@ -1,5 +1,6 @@
 """The closed-form backwards' shared pieces (pairgen/ops/closed_form.py) on the CPU: the products
-and the channel layouts agree with float64, and an unknown precision is refused (the GPU tests
+and the channel layouts agree with float64, an unknown precision is refused, and each gradient
+comes back in its tensor's dtype (the GPU tests
 check the TF32 tensor cores' accuracy through the modules' gradients)."""
 from __future__ import annotations
 
@@ -52,3 +53,34 @@ def test_gradients_an_operator_returns_have_distinct_storages():
     assert out[1].untyped_storage().data_ptr() != stacked.untyped_storage().data_ptr()
     assert torch.equal(out[1], stacked[1]) and out[2] is None and out[3] is alone
     assert out[4].untyped_storage().data_ptr() != grad_out.untyped_storage().data_ptr() and torch.equal(out[4], grad_out[:2])
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_each_gradient_comes_back_in_the_dtype_of_what_it_is_the_gradient_of(param_dtype):
+    """forward_saving and gradients_from in bf16: the weights reach the op in bf16 (cast, or as
+    they are where they are bf16 already), and every gradient returns in its parameter's dtype and
+    the input's, whether the op made it in bf16 or (as the LayerNorms' affine sums) in fp32."""
+    from pairgen.ops import closed_form
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 4, generator=gen)
+    params = {"w": torch.randn(4, 4, generator=gen).to(param_dtype), "gamma": torch.randn(4, generator=gen).to(param_dtype)}
+    seen = {}
+
+    def forward(x_in, w, mm):
+        seen.update(w)
+        return x_in @ w["w"], {"x": x_in}
+
+    def backward(state, w, g, mm):
+        return {"input": g @ w["w"].t(), "w": state["x"].t() @ g,
+                "gamma": g.float().sum(0)}  # fp32, as the row LayerNorm's affine sums are
+
+    out, saved = closed_form.forward_saving(forward, x, params, "bfloat16")
+    assert all(t.dtype is torch.bfloat16 for t in seen.values()) and out.dtype is torch.bfloat16
+    if param_dtype is torch.bfloat16:
+        assert all(seen[name] is params[name] for name in params), "nothing to cast: the weights as given"
+    grads = closed_form.gradients_from(backward, saved, torch.ones(3, 4))
+    assert grads["input"].dtype is torch.float32
+    assert grads["w"].dtype is param_dtype and grads["gamma"].dtype is param_dtype
+    expected = torch.ones(3, 4, dtype=torch.float64).sum(0)
+    assert torch.allclose(grads["gamma"].double(), expected)
