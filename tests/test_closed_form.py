@@ -1,7 +1,7 @@
 """The closed-form backwards' shared pieces (pairgen/ops/closed_form.py) on the CPU: the products
 and the channel layouts agree with float64, an unknown precision is refused, and each gradient
-comes back in its tensor's dtype (the GPU tests
-check the TF32 tensor cores' accuracy through the modules' gradients)."""
+comes back in its tensor's dtype (the GPU tests check the TF32 tensor cores' accuracy through the
+modules' gradients)."""
 from __future__ import annotations
 
 import pytest
