@@ -335,7 +335,8 @@ def test_weights_in_registers_swap_the_projections_operands_and_compile_without_
         plans.append(plan)
     assert w_registers_fragments(128, 128, 2) == 128 and w_registers_fragments(128, 64, 1) == 128
     assert w_registers_fragments(384, 128, 2, 4) == 96
-    assert_compiled_without_spills(plans, asynchronous=plans[:1])
+    # fp16 differs from bf16 in its element type only: compiled at the models' widths, planned at all
+    assert_compiled_without_spills(plans[:4] + plans[6:], asynchronous=plans[:1])
     reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
     why = ("Wp in registers: paired columns, H / 16 row blocks shared evenly by at most 2 warpgroups and the slices, "
            "their fragments at most 128 registers a thread, two x stages, not with x in registers")
@@ -369,7 +370,8 @@ def test_the_output_kernels_x_in_registers_compiles_without_spills_where_it_is_a
                                     ({**point, "swizzle": False, "o_wn": 16}, {**SEED, "gate_normalized": 1}))]
     for plan in plans:
         assert not TRIMUL.infeasible(plan, limits), (plan.label, TRIMUL.infeasible(plan, limits))
-    assert_compiled_without_spills(plans, asynchronous=plans[:1])
+    # fp16 differs from bf16 in its element type only: compiled at the models' widths, planned at all
+    assert_compiled_without_spills(plans[:4], asynchronous=plans[:1])
     reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
     why = ("the output's x in registers goes with its sums in registers, one x stage, P up to 128, at most 3 warpgroups "
            "(2 with 128-column passes)")
@@ -468,7 +470,7 @@ def test_the_pruned_enumeration_passes_exactly_the_points_each_on_point_restrict
         assert passing and [rank(p) for p in passing] == sorted(rank(p) for p in passing)
         keys = {tuple(p[n] for n in order) for p in passing}
         may_hold = TRIMUL._point_filter("wgmma", widths, limits)
-        drawn = [{name: rng.choice(values) for name, values in space.items()} for _ in range(30000)]
+        drawn = [{name: rng.choice(values) for name, values in space.items()} for _ in range(8000)]
         assert any(may_hold(p) for p in drawn)
         assert all(may_hold(p) == (tuple(p[n] for n in order) in keys) for p in drawn)
 

@@ -714,9 +714,33 @@ inline void wgmma_wait(int pending) {
     std::abort();  // a finished fiber is never resumed
 }
 
+// Threads' stacks, kept for the next block once a block is done: mapping and unmapping a stack for
+// every thread of every block (and faulting its first pages in again) cost the emulator more than a
+// small kernel's work (a weight pack: 0.5 s a launch).
+inline std::mutex stack_pool_lock;
+inline std::vector<unsigned char*> stack_pool;
+
+inline unsigned char* take_stack() {
+    {
+        std::lock_guard<std::mutex> hold(stack_pool_lock);
+        if (!stack_pool.empty()) {
+            unsigned char* stack = stack_pool.back();
+            stack_pool.pop_back();
+            return stack;
+        }
+    }
+    void* stack = mmap(nullptr, STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return stack == MAP_FAILED ? nullptr : (unsigned char*)stack;
+}
+
+inline void give_back_stack(unsigned char* stack) {
+    std::lock_guard<std::mutex> hold(stack_pool_lock);
+    stack_pool.push_back(stack);
+}
+
 inline void start_fiber(Fiber& f) {
-    f.stack = (unsigned char*)mmap(nullptr, STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (f.stack == MAP_FAILED) fail("cannot map a thread's stack");
+    f.stack = take_stack();
+    if (f.stack == nullptr) fail("cannot map a thread's stack");
     uint64_t* top = (uint64_t*)(f.stack + STACK_BYTES);
     // pgx_switch's frame, as if it had been called from fiber_main's caller: the return address,
     // six callee-saved registers, then the FP control words.
@@ -787,7 +811,7 @@ inline std::string run_block(const std::function<void()>& body, uint3 index, uin
     }
     error = b.error;
     for (Fiber& f : b.fibers)
-        if (f.stack) munmap(f.stack, STACK_BYTES);
+        if (f.stack) give_back_stack(f.stack);
     std::free(b.smem);
     current_block = nullptr;
     current_fiber = nullptr;
