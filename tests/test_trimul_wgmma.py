@@ -455,24 +455,24 @@ def test_restrictions_marked_on_point_read_only_the_point():
     assert any(TRIMUL.infeasible(p, limits) for p in subset[10000:])
 
 
-def test_the_pruned_enumeration_passes_exactly_the_points_each_on_point_restriction_passes():
+@pytest.mark.parametrize("widths", [MODEL, pytest.param(WIDE, marks=pytest.mark.slow)], ids=["models", "wide"])
+def test_the_pruned_enumeration_passes_exactly_the_points_each_on_point_restriction_passes(widths):
     """points_passing_on_point assigns the parameters one at a time and prunes a partial point a
-    restriction already fails: at the models' width and a wide one, a point drawn at random passes
-    every on_point restriction exactly when the enumeration yields it, and the enumeration keeps
-    points()'s order."""
+    restriction already fails: at the models' width (and, with --slow, a wide one: each enumerates
+    about 100,000 points), a point drawn at random passes every on_point restriction exactly when
+    the enumeration yields it, and the enumeration keeps points()'s order."""
     limits = DeviceLimits()
     rng = random.Random(5)
     space = TRIMUL.strategies["wgmma"].space
     order = sorted(space)
-    for widths in (MODEL, {"P": 384, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}):
-        passing = list(TRIMUL.points_passing_on_point("wgmma", widths, limits))
-        rank = lambda p: tuple(space[n].index(p[n]) for n in order)  # noqa: E731
-        assert passing and [rank(p) for p in passing] == sorted(rank(p) for p in passing)
-        keys = {tuple(p[n] for n in order) for p in passing}
-        may_hold = TRIMUL._point_filter("wgmma", widths, limits)
-        drawn = [{name: rng.choice(values) for name, values in space.items()} for _ in range(8000)]
-        assert any(may_hold(p) for p in drawn)
-        assert all(may_hold(p) == (tuple(p[n] for n in order) in keys) for p in drawn)
+    passing = list(TRIMUL.points_passing_on_point("wgmma", widths, limits))
+    rank = lambda p: tuple(space[n].index(p[n]) for n in order)  # noqa: E731
+    assert passing and [rank(p) for p in passing] == sorted(rank(p) for p in passing)
+    keys = {tuple(p[n] for n in order) for p in passing}
+    may_hold = TRIMUL._point_filter("wgmma", widths, limits)
+    drawn = [{name: rng.choice(values) for name, values in space.items()} for _ in range(8000)]
+    assert any(may_hold(p) for p in drawn)
+    assert all(may_hold(p) == (tuple(p[n] for n in order) in keys) for p in drawn)
 
 
 def _fp32_output_plans() -> list:

@@ -36,7 +36,7 @@ class LoggingEvaluator(FakeEvaluator):
         return super().compile(plans)
 
     def evaluate(self, plan):
-        time.sleep(0.02)  # long enough for the workers' batches to overlap
+        time.sleep(0.06)  # long enough for the workers' batches to overlap, on a loaded 2-core machine too
         return super().evaluate(plan)
 
 
