@@ -336,7 +336,6 @@ OPERAND_ELEMENT_BYTES = 2
 
 
 @functools.lru_cache(maxsize=64)
-@functools.lru_cache(maxsize=64)
 def fold_context(P: int, H: int, gate_normalized: bool, gate_hidden: bool, operand: str, sources: Sources) -> dict:
     """The fold kernel's context: widths, the padded k extents, each section's byte offset
     (off_<section>) and where each weight lies (weights: variable name -> (source, offset) or None).
@@ -533,32 +532,20 @@ def backward_plan(spec, precision: str, widths: dict) -> Plan | None:
                           GRADIENT_PASSES_AHEAD, BACKWARD_NORMALIZED_X)
 
 
-#: (precision, widths, point, arch) -> the backward projections' variants: built apart from
-#: runtime.variant_of, whose cache keys a plan by its point and widths, which an inference plan of
-#: the same point shares.
+#: (op, precision, the module's widths in its order, arch, the switches backward_plan reads) -> the
+#: backward projection's variant: built apart from runtime.variant_of, whose cache keys a plan by its
+#: point and widths, which an inference plan of the same point shares; keyed by what a call has at
+#: hand, so that a training step's lookup sorts no plan's parameters.
 _backward_variants: dict = {}
-
-
-#: (op, precision, the module's widths in its order, arch, the switches backward_plan reads) ->
-#: the variant: a training step's lookup without sorting a plan's parameters (a few µs of host
-#: time a step).
-_backward_variants_by_call: dict = {}
 
 
 def _backward_variant(module, x, precision: str):
     arch = runtime.device_info(x.get_device()).arch
-    call_key = (module.op, precision, tuple(module.widths.items()), arch, BACKWARD_PROJECTION, GRADIENT_PASSES_AHEAD,
-                BACKWARD_NORMALIZED_X)
-    variant = _backward_variants_by_call.get(call_key)
-    if variant is not None:
-        return variant
-    plan = backward_plan(module.op, precision, module.widths)
-    key = (precision, tuple(sorted(plan.widths.items())), tuple(sorted(plan.params.items())), arch,
-           plan.context["gradient_passes_ahead"])
+    key = (module.op, precision, tuple(module.widths.items()), arch, BACKWARD_PROJECTION, GRADIENT_PASSES_AHEAD,
+           BACKWARD_NORMALIZED_X)
     variant = _backward_variants.get(key)
     if variant is None:
-        variant = _backward_variants[key] = runtime.build_variant(plan, arch)
-    _backward_variants_by_call[call_key] = variant
+        variant = _backward_variants[key] = runtime.build_variant(backward_plan(module.op, precision, module.widths), arch)
     return variant
 
 
