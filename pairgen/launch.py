@@ -36,6 +36,13 @@ except ImportError:  # pragma: no cover - older or newer torch without the priva
 #: launch pays one dict truth test for it.
 RECORDING: dict[int, list] = {}
 
+def note_launch(bound, args: tuple) -> None:
+    """A launch of `bound` with `args`, kept where this thread is recording (RECORDING)."""
+    recorded = RECORDING.get(threading.get_ident())
+    if recorded is not None:
+        recorded.append((bound, args))
+
+
 #: The current stream of a device as a raw handle (what the driver's launch takes).
 current_raw_stream = _raw_stream
 
@@ -294,9 +301,7 @@ class BoundLaunch:
 
     def __call__(self, *args: int) -> None:
         if RECORDING:
-            recorded = RECORDING.get(threading.get_ident())
-            if recorded is not None:
-                recorded.append((self, args))
+            note_launch(self, args)
         arguments = self._arguments
         with arguments.lock:
             arguments.write(*args)

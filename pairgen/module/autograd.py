@@ -46,26 +46,34 @@ class ReferenceBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        tensors = ctx.saved_tensors
-        enabled, dtype = ctx.autocast
-        # Under create_graph (grad mode on here) the gradients must themselves be differentiable in
-        # the saved tensors: the closed form computes without autograd, so the reference's
-        # autograd answers, on the saved tensors as they are (not detached) and building a graph.
-        create_graph = torch.is_grad_enabled()
-        if create_graph:
-            inputs = list(tensors[: ctx.n_inputs])
-        else:
-            inputs = [t.detach().requires_grad_(t.requires_grad) for t in tensors[: ctx.n_inputs]]
-        params = list(tensors[ctx.n_inputs:])
-        wanted = [t for t in inputs + params if t.requires_grad]
-        analytic = None if create_graph else ctx.module.analytic_gradients(
-            inputs, params, grad_out, autocast=dtype if enabled else None, wanted=[p.requires_grad for p in params])
-        if analytic is not None:
-            return (None, None, None, *[g if t.requires_grad else None for t, g in zip(inputs + params, analytic)])
-        with torch.enable_grad(), torch.autocast("cuda", dtype=dtype, enabled=enabled):
-            out = ctx.module.reference_forward(*inputs)
-        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True, create_graph=create_graph))
-        return (None, None, None, *[next(grads) if t.requires_grad else None for t in inputs + params])
+        return (None, None, None, *recomputed_gradients(ctx.module, ctx.saved_tensors, ctx.n_inputs, grad_out,
+                                                        ctx.autocast))
+
+
+def recomputed_gradients(module, tensors: tuple, n_inputs: int, grad_out: torch.Tensor, autocast: tuple) -> list:
+    """The gradients of `tensors` (the call's inputs, then its parameters; None for those that do
+    not require one) from nothing the forward kept: the closed form from the inputs where the op
+    has one for this call, else the reference recomputed under autograd. autocast: (enabled, dtype)
+    as the forward ran."""
+    enabled, dtype = autocast
+    # Under create_graph (grad mode on here) the gradients must themselves be differentiable in
+    # the saved tensors: the closed form computes without autograd, so the reference's
+    # autograd answers, on the saved tensors as they are (not detached) and building a graph.
+    create_graph = torch.is_grad_enabled()
+    if create_graph:
+        inputs = list(tensors[:n_inputs])
+    else:
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in tensors[:n_inputs]]
+    params = list(tensors[n_inputs:])
+    wanted = [t for t in inputs + params if t.requires_grad]
+    analytic = None if create_graph else module.analytic_gradients(
+        inputs, params, grad_out, autocast=dtype if enabled else None, wanted=[p.requires_grad for p in params])
+    if analytic is not None:
+        return [g if t.requires_grad else None for t, g in zip(inputs + params, analytic)]
+    with torch.enable_grad(), torch.autocast("cuda", dtype=dtype, enabled=enabled):
+        out = module.reference_forward(*inputs)
+    grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True, create_graph=create_graph))
+    return [next(grads) if t.requires_grad else None for t in inputs + params]
 
 
 def saved_tensor_hooks_active() -> bool:
@@ -120,32 +128,41 @@ class SavedClosedForm(torch.autograd.Function):
     recomputation, at the memory of the saved intermediates."""
 
     @classmethod
-    def run(cls, module, inputs: tuple, capture: bool = False) -> torch.Tensor:
+    def run(cls, module, inputs: tuple, capture: bool = False, recorder_for=None) -> torch.Tensor:
         """The module's training call on `inputs` through this function, or, with `capture`
         (dispatch.captures_training_step), through its captured CUDA graphs where a slot is free
         for it (captured.py) (its parameters walked once: a walk costs a call tens of µs of host
-        time)."""
+        time). recorder_for(module, inputs, names, params): a Recorder that records an uncaptured
+        call for a compiled replay (training_replay.py), or None."""
         named = list(module.named_parameters())
         names, params = tuple(name for name, _ in named), tuple(p for _, p in named)
         if capture:
             slot = captured.steps_of(module).slot_for(module, inputs, names, params)
             if slot is not None:
                 return CapturedClosedForm.apply(module, slot, len(inputs), names, *inputs, *params)
-        return cls.apply(module, len(inputs), names, *inputs, *params)
+        # Not captured: recorded for a compiled replay (training_replay.py) where the call allows.
+        recorder = None if capture or recorder_for is None else recorder_for(module, inputs, names, params)
+        return cls.apply(module, len(inputs), names, recorder, *inputs, *params)
 
     @staticmethod
-    def forward(ctx, module, n_inputs, names, *tensors):
-        ctx.module, ctx.n_inputs, ctx.names = module, n_inputs, names
-        out, ctx.saved = module.closed_form_forward(tensors[:n_inputs], dict(zip(names, tensors[n_inputs:])))
+    def forward(ctx, module, n_inputs, names, recorder, *tensors):
+        ctx.module, ctx.n_inputs, ctx.names, ctx.recorder = module, n_inputs, names, recorder
+        def run():
+            return module.closed_form_forward(tensors[:n_inputs], dict(zip(names, tensors[n_inputs:])))
+        out, ctx.saved = run() if recorder is None else recorder.forward(run)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        skipped = 3  # module, n_inputs, names
+        skipped = 4  # module, n_inputs, names, recorder
         wanted = ctx.needs_input_grad[skipped + ctx.n_inputs:]
-        with torch.no_grad():
-            grads = ctx.module.saved_gradients(ctx.module, ctx.saved, grad_out.detach(), frozen_names(ctx.names, wanted))
         needs = ctx.needs_input_grad[skipped: skipped + ctx.n_inputs]
+        g = grad_out.detach()
+        def run():
+            return ctx.module.saved_gradients(ctx.module, ctx.saved, g, frozen_names(ctx.names, wanted))
+        with torch.no_grad():
+            recorder, ctx.recorder = ctx.recorder, None
+            grads = run() if recorder is None else recorder.backward(run, g, needs, dict(zip(ctx.names, wanted)))
         inputs = [grads[key] if key and need else None for key, need in zip(ctx.module.input_gradients, needs)]
         params = [grads.get(name) if want else None for name, want in zip(ctx.names, wanted)]
         return (None,) * skipped + tuple(graphless_gradients(grad_out, [*inputs, *params]))

@@ -20,7 +20,7 @@ from ..launch import current_raw_stream
 from ..precision import (CLOSED_FORM_DTYPES, HALF_BY_DTYPE, HALF_DTYPES, MODULE_OPTIONS, MODULE_PRECISIONS, OUTPUT_DTYPES,
                          lookup)
 from ..spec import OpSpec
-from . import dispatch
+from . import dispatch, training_replay
 from .autograd import ReferenceBackward, SavedClosedForm, distinct_storages, frozen_names
 from .buffers import PACK_SLOTS, HeldBuffer, grow_held
 from .dispatch import (CLOSED_FORM, COMPILED, FP32_KERNEL, KERNEL, KERNEL_TRAINING, REFERENCE, SAVED_CLOSED_FORM, Route,
@@ -81,13 +81,15 @@ class KernelModule:
         for name in self._RUNTIME_STATE:
             if name in state:
                 state[name] = None
-        state.pop("_fast_calls", None)
-        state.pop("_fast_call_counts", None)
+        for name in ("_fast_calls", "_fast_call_counts", "_training_replays", "_training_record_counts"):
+            state.pop(name, None)
         return state
 
     # ---- fast calls (pairgen/fastcall.py) ----------------------------------------------------
     #: Recorded calls, newest first: (the compiled replay function, its recording, device index).
     _fast_calls: tuple = ()
+    #: Recorded training calls, newest first (training_replay.TrainingReplay).
+    _training_replays: tuple = ()
     #: Recordings kept per module: a few lengths called in turn all stay fast.
     MAX_FAST_CALLS = 4
     def _records(self, variant) -> bool:
@@ -103,6 +105,10 @@ class KernelModule:
         Not while torch.compile traces (the operator of pairgen/library.py is what it sees)."""
         if torch.compiler.is_compiling():
             return None
+        if self._training_replays and torch.is_grad_enabled():
+            out = training_replay.replayed_call(self, inputs)
+            if out is not None:
+                return out
         stream_index = stream = None  # the current stream fetched once per device, not per recording tried
         for replay, recorded, index in self._fast_calls:
             if index != stream_index:
@@ -115,6 +121,7 @@ class KernelModule:
     def forget_fast_calls(self) -> None:
         """Drop the recordings (the variant, the precision or the call's mode changed)."""
         self.__dict__.pop("_fast_calls", None)
+        self.__dict__.pop("_training_replays", None)
 
     def _launch_recorded(self, inputs: tuple, variant, weights: CallWeights):
         """_launch on `inputs` and `weights`, recorded for replay where the call allows it (see
@@ -353,7 +360,8 @@ class KernelModule:
         if path == KERNEL_TRAINING:
             return ReferenceBackward.apply(self, len(inputs), r.variant, *inputs, *self.parameters())
         if path == SAVED_CLOSED_FORM:
-            return SavedClosedForm.run(self, inputs, dispatch.captures_training_step(self, inputs))
+            return SavedClosedForm.run(self, inputs, dispatch.captures_training_step(self, inputs),
+                                       training_replay.recorder_for)
         if path == FP32_KERNEL:
             with autocast_off():  # a strategy's own PyTorch products stay fp32
                 out = self._launch(*r.inputs, variant=r.variant)

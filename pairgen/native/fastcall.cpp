@@ -21,8 +21,11 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/bmm.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -78,6 +81,7 @@ struct Launch {
 struct InputCheck {
   std::vector<int64_t> sizes;
   at::ScalarType dtype;
+  int requires_grad = -1;  // a trace's input: 0 or 1 as recorded (which gradients its backward makes); -1 either
 };
 
 struct Epoch {  // one of pairgen's counters: a one-element list and the value it held
@@ -105,9 +109,9 @@ void release(PyObject* capsule) {
   delete call;
 }
 
-PyObject* keep(FastCall* call, PyObject* obj) {
+PyObject* keep(std::vector<PyObject*>& owned, PyObject* obj) {
   Py_INCREF(obj);
-  call->owned.push_back(obj);
+  owned.push_back(obj);
   return obj;
 }
 
@@ -125,6 +129,51 @@ std::vector<int64_t> int_list(PyObject* seq) {
 at::ScalarType scalar_type(PyObject* dtype) {
   if (!THPDtype_Check(dtype)) throw std::invalid_argument("expected a torch.dtype");
   return reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+}
+
+// plain_types: a sequence of tensor subclasses a call takes as plain tensors.
+std::vector<PyTypeObject*> parse_plain_types(PyObject* plain_types, std::vector<PyObject*>& owned) {
+  std::vector<PyTypeObject*> types;
+  for (Py_ssize_t i = 0; i < PySequence_Size(plain_types); ++i) {
+    PyObject* type = PySequence_GetItem(plain_types, i);
+    if (!PyType_Check(type)) {
+      Py_DECREF(type);
+      throw std::invalid_argument("plain_types holds types");
+    }
+    types.push_back(reinterpret_cast<PyTypeObject*>(keep(owned, type)));
+    Py_DECREF(type);
+  }
+  return types;
+}
+
+// epochs: ((one-element list, the value it held), ...).
+std::vector<Epoch> parse_epochs(PyObject* epochs, std::vector<PyObject*>& owned) {
+  std::vector<Epoch> parsed;
+  for (Py_ssize_t i = 0; i < PySequence_Size(epochs); ++i) {
+    PyObject* spec = PySequence_GetItem(epochs, i);
+    PyObject* counter = PyTuple_GetItem(spec, 0);
+    if (!PyList_Check(counter) || PyList_GET_SIZE(counter) != 1) {
+      Py_DECREF(spec);
+      throw std::invalid_argument("an epoch counter is a one-element list");
+    }
+    parsed.push_back({keep(owned, counter), keep(owned, PyTuple_GetItem(spec, 1))});
+    Py_DECREF(spec);
+  }
+  return parsed;
+}
+
+// A launch's kernel and configuration: the first six items of `spec`, (driver function address,
+// mode, CUfunction, grid, block, shared bytes).
+Launch parse_kernel(PyObject* spec) {
+  if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 6) throw std::invalid_argument("a launch spec is a tuple");
+  Launch launch;
+  launch.function_address = PyLong_AsUnsignedLongLong(PyTuple_GetItem(spec, 0));
+  launch.mode = static_cast<Mode>(PyLong_AsLong(PyTuple_GetItem(spec, 1)));
+  launch.kernel = PyLong_AsVoidPtr(PyTuple_GetItem(spec, 2));
+  launch.grid = PyLong_AsUnsignedLong(PyTuple_GetItem(spec, 3));
+  launch.block = PyLong_AsUnsignedLong(PyTuple_GetItem(spec, 4));
+  launch.shared_bytes = PyLong_AsUnsignedLong(PyTuple_GetItem(spec, 5));
+  return launch;
 }
 
 // build(device_type, device_index, inputs, out, scratch_bytes, epochs, launches, plain_types) -> capsule
@@ -151,34 +200,11 @@ PyObject* build(PyObject*, PyObject* args) {
     call->out_sizes = int_list(PyTuple_GetItem(out, 0));
     call->out_dtype = scalar_type(PyTuple_GetItem(out, 1));
     call->scratch_bytes = scratch_bytes;
-    for (Py_ssize_t i = 0; i < PySequence_Size(plain_types); ++i) {
-      PyObject* type = PySequence_GetItem(plain_types, i);
-      if (!PyType_Check(type)) {
-        Py_DECREF(type);
-        throw std::invalid_argument("plain_types holds types");
-      }
-      call->plain_types.push_back(reinterpret_cast<PyTypeObject*>(keep(call, type)));
-      Py_DECREF(type);
-    }
-    for (Py_ssize_t i = 0; i < PySequence_Size(epochs); ++i) {
-      PyObject* spec = PySequence_GetItem(epochs, i);
-      PyObject* counter = PyTuple_GetItem(spec, 0);
-      if (!PyList_Check(counter) || PyList_GET_SIZE(counter) != 1) {
-        Py_DECREF(spec);
-        throw std::invalid_argument("an epoch counter is a one-element list");
-      }
-      call->epochs.push_back({keep(call, counter), keep(call, PyTuple_GetItem(spec, 1))});
-      Py_DECREF(spec);
-    }
+    call->plain_types = parse_plain_types(plain_types, call->owned);
+    call->epochs = parse_epochs(epochs, call->owned);
     for (Py_ssize_t i = 0; i < PySequence_Size(launches); ++i) {
       PyObject* spec = PySequence_GetItem(launches, i);
-      Launch launch;
-      launch.function_address = PyLong_AsUnsignedLongLong(PyTuple_GetItem(spec, 0));
-      launch.mode = static_cast<Mode>(PyLong_AsLong(PyTuple_GetItem(spec, 1)));
-      launch.kernel = PyLong_AsVoidPtr(PyTuple_GetItem(spec, 2));
-      launch.grid = PyLong_AsUnsignedLong(PyTuple_GetItem(spec, 3));
-      launch.block = PyLong_AsUnsignedLong(PyTuple_GetItem(spec, 4));
-      launch.shared_bytes = PyLong_AsUnsignedLong(PyTuple_GetItem(spec, 5));
+      Launch launch = parse_kernel(spec);
       PyObject* slots = PyTuple_GetItem(spec, 6);
       for (Py_ssize_t k = 0; k < PySequence_Size(slots); ++k) {
         PyObject* slot = PySequence_GetItem(slots, k);
@@ -219,10 +245,26 @@ bool same_sizes(const at::Tensor& t, const std::vector<int64_t>& sizes) {
   return true;
 }
 
+// The tensor `obj` holds where it is a plain tensor (or one of `plain_types`: other subclasses'
+// __torch_function__ may mean anything) like `want` on `device`, contiguous and 16-byte aligned (the
+// kernels read 16-byte vectors); else nullptr: the call takes the Python path.
+const at::Tensor* matching_input(PyObject* obj, const std::vector<PyTypeObject*>& plain_types, const InputCheck& want,
+                                 const at::Device& device) {
+  PyTypeObject* type = Py_TYPE(obj);
+  if (type != reinterpret_cast<PyTypeObject*>(THPVariableClass) &&
+      std::find(plain_types.begin(), plain_types.end(), type) == plain_types.end())
+    return nullptr;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.scalar_type() != want.dtype || t.device() != device || !same_sizes(t, want.sizes) || !t.is_contiguous() ||
+      reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 != 0)
+    return nullptr;
+  return &t;
+}
+
 // Whether the recorded call still applies: the epochs and autocast (autograd: the inputs' checks).
-bool module_unchanged(const FastCall& call) {
+bool module_unchanged(const std::vector<Epoch>& epochs) {
   if (at::autocast::is_autocast_enabled(at::kCUDA)) return false;
-  for (const Epoch& epoch : call.epochs)
+  for (const Epoch& epoch : epochs)
     if (PyList_GET_ITEM(epoch.counter, 0) != epoch.value &&
         PyObject_RichCompareBool(PyList_GET_ITEM(epoch.counter, 0), epoch.value, Py_EQ) != 1)
       return false;
@@ -274,23 +316,13 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   bool grad = at::GradMode::is_enabled();
   int64_t input_data[kMaxInputs];
   for (size_t i = 0; i < fast->inputs.size(); ++i) {
-    PyObject* obj = args[2 + i];
-    PyTypeObject* type = Py_TYPE(obj);
-    if (type != reinterpret_cast<PyTypeObject*>(THPVariableClass) &&
-        std::find(fast->plain_types.begin(), fast->plain_types.end(), type) == fast->plain_types.end())
-      Py_RETURN_NONE;  // other subclasses (their __torch_function__ may mean anything): Python
-    const at::Tensor& t = THPVariable_Unpack(obj);
-    const InputCheck& want = fast->inputs[i];
-    if (t.scalar_type() != want.dtype || t.device() != fast->device || !same_sizes(t, want.sizes) ||
-        !t.is_contiguous() || (grad && t.requires_grad()))
-      Py_RETURN_NONE;
-    auto address = reinterpret_cast<std::uintptr_t>(t.data_ptr());
-    if (address % 16 != 0) Py_RETURN_NONE;  // the kernels read 16-byte vectors
-    input_data[i] = static_cast<int64_t>(address);
+    const at::Tensor* t = matching_input(args[2 + i], fast->plain_types, fast->inputs[i], fast->device);
+    if (t == nullptr || (grad && t->requires_grad())) Py_RETURN_NONE;
+    input_data[i] = reinterpret_cast<int64_t>(t->data_ptr());
   }
   PyObject* result = nullptr;
   try {
-    if (!module_unchanged(*fast)) Py_RETURN_NONE;
+    if (!module_unchanged(fast->epochs)) Py_RETURN_NONE;
     auto options = at::TensorOptions().dtype(fast->out_dtype).device(fast->device);
     at::Tensor out = at::empty(fast->out_sizes, options);
     at::Tensor scratch;
@@ -336,10 +368,319 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
+// ---- traces: a closed form's training forward, or its backward, replayed whole ----------------------
+//
+// pairgen/replay.py records a training call's forward and then its backward on the Python path: every
+// kernel launch and every PyTorch operation, in order, each tensor and pointer located in one of the
+// call's inputs or in a buffer the call allocated ("born"), so that the Python of a step (hundreds of
+// calls, tens of µs a launch) becomes one compiled walk. A replay allocates each born buffer before the
+// step that first touches it and drops it after the last (unless an output views it), as the Python
+// path's tensors live and die, runs the steps on the current stream, and returns the outputs as views
+// of its inputs and buffers.
+
+enum class StepKind { launch = 0, bmm = 1, mm = 2, sum = 3, copy = 4, cat = 5, zero = 6, fill = 7 };
+
+struct Place {     // where a pointer or a tensor's data lies
+  int32_t buffer;  // an input's index, then the born buffers' (n_inputs + k); -1: a constant
+  int64_t value;   // the constant, or the byte offset into the buffer
+};
+
+struct TensorRef {
+  Place place;
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype = at::kByte;
+};
+
+struct Step {
+  StepKind kind;
+  Launch launch;                   // a launch's kernel and configuration
+  std::vector<Place> args;         // a launch's arguments
+  std::vector<TensorRef> tensors;  // an operation's tensors: what it writes first, then what it reads
+  std::vector<int64_t> dims;       // sum: the dims summed; cat: {the dim}
+  bool keepdim = false;
+  double value = 0;                         // fill's
+  std::vector<int32_t> allocate, release;  // born buffers made before this step / dropped after it
+};
+
+struct Trace {
+  at::Device device{at::kCPU};
+  std::vector<PyTypeObject*> plain_types;
+  std::vector<InputCheck> inputs;
+  std::vector<int64_t> born_bytes;
+  std::vector<Step> steps;
+  std::vector<TensorRef> outputs;  // place.buffer -1: None
+  std::vector<Epoch> epochs;
+  PyObject* make_current = nullptr;  // makes the device's context current on a thread that has none
+  std::vector<PyObject*> owned;
+};
+
+const char* kTraceName = "pairgen.Trace";
+
+void release_trace(PyObject* capsule) {
+  auto* trace = static_cast<Trace*>(PyCapsule_GetPointer(capsule, kTraceName));
+  for (PyObject* obj : trace->owned) Py_DECREF(obj);
+  delete trace;
+}
+
+Place parse_place(PyObject* pair) {
+  if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) throw std::invalid_argument("a place is a pair");
+  return {static_cast<int32_t>(PyLong_AsLong(PyTuple_GetItem(pair, 0))), PyLong_AsLongLong(PyTuple_GetItem(pair, 1))};
+}
+
+// (buffer, byte offset, sizes, strides, dtype), or None.
+TensorRef parse_tensor(PyObject* spec) {
+  TensorRef ref;
+  if (spec == Py_None) {
+    ref.place = {-1, 0};
+    return ref;
+  }
+  if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 5) throw std::invalid_argument("a tensor spec is a 5-tuple");
+  ref.place = {static_cast<int32_t>(PyLong_AsLong(PyTuple_GetItem(spec, 0))), PyLong_AsLongLong(PyTuple_GetItem(spec, 1))};
+  ref.sizes = int_list(PyTuple_GetItem(spec, 2));
+  ref.strides = int_list(PyTuple_GetItem(spec, 3));
+  ref.dtype = scalar_type(PyTuple_GetItem(spec, 4));
+  return ref;
+}
+
+std::vector<int32_t> int32_list(PyObject* seq) {
+  std::vector<int32_t> values;
+  for (int64_t v : int_list(seq)) values.push_back(static_cast<int32_t>(v));
+  return values;
+}
+
+// (kind, kernel spec or None, ((buffer, value), ...), (tensor spec, ...), dims, keepdim, value,
+//  allocate, release)
+Step parse_step(PyObject* spec) {
+  if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 9) throw std::invalid_argument("a step is a 9-tuple");
+  Step step;
+  step.kind = static_cast<StepKind>(PyLong_AsLong(PyTuple_GetItem(spec, 0)));
+  if (step.kind == StepKind::launch) step.launch = parse_kernel(PyTuple_GetItem(spec, 1));
+  PyObject* args = PyTuple_GetItem(spec, 2);
+  for (Py_ssize_t k = 0; k < PySequence_Size(args); ++k) {
+    PyObject* pair = PySequence_GetItem(args, k);
+    step.args.push_back(parse_place(pair));
+    Py_DECREF(pair);
+  }
+  PyObject* tensors = PyTuple_GetItem(spec, 3);
+  for (Py_ssize_t k = 0; k < PySequence_Size(tensors); ++k) {
+    PyObject* tensor = PySequence_GetItem(tensors, k);
+    step.tensors.push_back(parse_tensor(tensor));
+    Py_DECREF(tensor);
+  }
+  step.dims = int_list(PyTuple_GetItem(spec, 4));
+  step.keepdim = PyObject_IsTrue(PyTuple_GetItem(spec, 5)) == 1;
+  step.value = PyFloat_AsDouble(PyTuple_GetItem(spec, 6));
+  step.allocate = int32_list(PyTuple_GetItem(spec, 7));
+  step.release = int32_list(PyTuple_GetItem(spec, 8));
+  return step;
+}
+
+// Whether every place a step or output names lies in the trace's buffers, and each step has what
+// its kind reads: a malformed recording is refused at build, never followed at a call.
+void check_trace(const Trace& trace) {
+  const int64_t buffers = static_cast<int64_t>(trace.inputs.size() + trace.born_bytes.size());
+  auto inside = [&](const Place& place) { return place.buffer >= -1 && place.buffer < buffers; };
+  static const size_t operands[] = {0, 3, 3, 2, 2, 2, 1, 1};  // tensors each kind takes (cat: at least)
+  for (const Step& step : trace.steps) {
+    const auto kind = static_cast<size_t>(step.kind);
+    if (kind > static_cast<size_t>(StepKind::fill)) throw std::invalid_argument("an unknown step");
+    if (step.kind == StepKind::launch ? step.args.size() > kMaxArguments : step.tensors.size() < operands[kind])
+      throw std::invalid_argument("a step with the wrong number of operands");
+    for (const Place& place : step.args)
+      if (!inside(place)) throw std::invalid_argument("a launch argument outside the trace's buffers");
+    for (const TensorRef& ref : step.tensors)
+      if (ref.place.buffer < 0 || !inside(ref.place)) throw std::invalid_argument("a tensor outside the trace's buffers");
+    for (const auto* list : {&step.allocate, &step.release})
+      for (int32_t born : *list)
+        if (born < 0 || born >= static_cast<int32_t>(trace.born_bytes.size()))
+          throw std::invalid_argument("a born buffer that does not exist");
+  }
+  for (const TensorRef& ref : trace.outputs)
+    if (!inside(ref.place)) throw std::invalid_argument("an output outside the trace's buffers");
+  if (trace.inputs.size() > kMaxInputs) throw std::invalid_argument("too many inputs for a trace");
+}
+
+// build_trace(device_type, device_index, inputs, born_bytes, steps, outputs, epochs, plain_types,
+//             make_current) -> capsule
+//   inputs: ((sizes, dtype, requires_grad (-1: either)), ...); born_bytes: (bytes, ...);
+//   steps: see parse_step; outputs: (tensor spec or None, ...)
+PyObject* build_trace(PyObject*, PyObject* args) {
+  const char* device_type;
+  int device_index;
+  PyObject *inputs, *born_bytes, *steps, *outputs, *epochs, *plain_types, *make_current;
+  if (!PyArg_ParseTuple(args, "siOOOOOOO", &device_type, &device_index, &inputs, &born_bytes, &steps, &outputs,
+                        &epochs, &plain_types, &make_current))
+    return nullptr;
+  auto* trace = new Trace();
+  try {
+    trace->device = at::Device(std::string(device_type) == "cuda" ? at::kCUDA : at::kCPU,
+                               static_cast<c10::DeviceIndex>(device_index));
+    for (Py_ssize_t i = 0; i < PySequence_Size(inputs); ++i) {
+      PyObject* spec = PySequence_GetItem(inputs, i);
+      if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 3) {
+        Py_DECREF(spec);
+        throw std::invalid_argument("an input spec is a 3-tuple");
+      }
+      trace->inputs.push_back({int_list(PyTuple_GetItem(spec, 0)), scalar_type(PyTuple_GetItem(spec, 1)),
+                               static_cast<int>(PyLong_AsLong(PyTuple_GetItem(spec, 2)))});
+      Py_DECREF(spec);
+    }
+    trace->born_bytes = int_list(born_bytes);
+    for (Py_ssize_t i = 0; i < PySequence_Size(steps); ++i) {
+      PyObject* spec = PySequence_GetItem(steps, i);
+      trace->steps.push_back(parse_step(spec));
+      Py_DECREF(spec);
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Size(outputs); ++i) {
+      PyObject* spec = PySequence_GetItem(outputs, i);
+      trace->outputs.push_back(parse_tensor(spec));
+      Py_DECREF(spec);
+    }
+    trace->epochs = parse_epochs(epochs, trace->owned);
+    trace->plain_types = parse_plain_types(plain_types, trace->owned);
+    trace->make_current = keep(trace->owned, make_current);
+    if (PyErr_Occurred()) throw std::invalid_argument("a malformed trace");
+    check_trace(*trace);
+  } catch (const std::exception& e) {
+    for (PyObject* obj : trace->owned) Py_DECREF(obj);
+    delete trace;
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+  return PyCapsule_New(trace, kTraceName, release_trace);
+}
+
+// What a replay holds while it runs: each buffer's base address, and the tensor that owns it.
+struct Buffers {
+  std::vector<int64_t> base;
+  std::vector<at::Tensor> owner;
+  std::vector<int64_t> owner_offset;  // the base's byte offset in its owner's storage
+
+  int64_t address(const Place& place) const {
+    return place.buffer < 0 ? place.value : base[place.buffer] + place.value;
+  }
+};
+
+at::Tensor view(const TensorRef& ref, const Buffers& buffers, const at::Device& device) {
+  return at::from_blob(reinterpret_cast<void*>(buffers.address(ref.place)), ref.sizes, ref.strides,
+                       at::TensorOptions().dtype(ref.dtype).device(device));
+}
+
+// An output: a view of its buffer's storage that keeps the storage alive.
+at::Tensor output_view(const TensorRef& ref, const Buffers& buffers, const at::Device& device) {
+  const int64_t item = static_cast<int64_t>(c10::elementSize(ref.dtype));
+  const int64_t bytes = buffers.owner_offset[ref.place.buffer] + ref.place.value;
+  if (bytes % item != 0) throw std::runtime_error("pairgen: a trace's output is not aligned to its dtype");
+  at::Tensor out = at::empty({0}, at::TensorOptions().dtype(ref.dtype).device(device));
+  out.set_(buffers.owner[ref.place.buffer].storage(), bytes / item, ref.sizes, ref.strides);
+  return out;
+}
+
+void run_operation(const Step& step, const Buffers& buffers, const at::Device& device) {
+  at::Tensor out = view(step.tensors[0], buffers, device);
+  switch (step.kind) {
+    case StepKind::bmm: at::bmm_out(out, view(step.tensors[1], buffers, device), view(step.tensors[2], buffers, device)); break;
+    case StepKind::mm: at::mm_out(out, view(step.tensors[1], buffers, device), view(step.tensors[2], buffers, device)); break;
+    case StepKind::sum:
+      at::sum_out(out, view(step.tensors[1], buffers, device), step.dims, step.keepdim, out.scalar_type());
+      break;
+    case StepKind::copy: out.copy_(view(step.tensors[1], buffers, device)); break;
+    case StepKind::cat: {
+      std::vector<at::Tensor> parts;
+      for (size_t k = 1; k < step.tensors.size(); ++k) parts.push_back(view(step.tensors[k], buffers, device));
+      at::cat_out(out, parts, step.dims.at(0));
+      break;
+    }
+    case StepKind::zero: out.zero_(); break;
+    case StepKind::fill: out.fill_(step.value); break;
+    case StepKind::launch: break;
+  }
+}
+
+// Launch one recorded kernel; a thread without a CUDA context (autograd's worker, before anything
+// else touched the device there) gets the device's made current, once, and the launch again.
+void run_launch(const Step& step, const Buffers& buffers, void* stream, PyObject* make_current, size_t index) {
+  int64_t values[kMaxArguments];
+  void* pointers[kMaxArguments];
+  for (size_t k = 0; k < step.args.size(); ++k) {
+    values[k] = buffers.address(step.args[k]);
+    pointers[k] = &values[k];
+  }
+  int code = launch_one(step.launch, stream, pointers);
+  if (code == kInvalidContext) {
+    PyObject* made = PyObject_CallNoArgs(make_current);
+    if (made == nullptr) throw std::runtime_error("pairgen: making the device's context current failed");
+    Py_DECREF(made);
+    code = launch_one(step.launch, stream, pointers);
+  }
+  if (code != 0)
+    throw std::runtime_error("pairgen: launch " + std::to_string(index) + " of a replayed trace failed (CUresult " +
+                             std::to_string(code) + ")");
+}
+
+// run_trace(capsule, stream, *inputs) -> the outputs (a tuple; None where the recording had none), or
+// None: the inputs or pairgen's state differ from the recording's, take the Python path.
+PyObject* run_trace(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 2) {
+    PyErr_SetString(PyExc_TypeError, "run_trace(capsule, stream, *inputs)");
+    return nullptr;
+  }
+  auto* trace = static_cast<Trace*>(PyCapsule_GetPointer(args[0], kTraceName));
+  if (trace == nullptr) return nullptr;
+  const size_t n_inputs = trace->inputs.size();
+  if (static_cast<size_t>(nargs - 2) != n_inputs) Py_RETURN_NONE;
+  Buffers buffers;
+  buffers.base.resize(n_inputs + trace->born_bytes.size());
+  buffers.owner.resize(buffers.base.size());
+  buffers.owner_offset.assign(buffers.base.size(), 0);
+  for (size_t i = 0; i < n_inputs; ++i) {
+    const InputCheck& want = trace->inputs[i];
+    const at::Tensor* t = matching_input(args[2 + i], trace->plain_types, want, trace->device);
+    if (t == nullptr || (want.requires_grad >= 0 && t->requires_grad() != (want.requires_grad == 1))) Py_RETURN_NONE;
+    buffers.base[i] = reinterpret_cast<int64_t>(t->data_ptr());
+    buffers.owner[i] = *t;
+    buffers.owner_offset[i] = t->storage_offset() * static_cast<int64_t>(t->element_size());
+  }
+  if (!module_unchanged(trace->epochs)) Py_RETURN_NONE;
+  try {
+    at::NoGradGuard no_grad;
+    c10::DeviceGuard guard(trace->device);
+    void* stream = PyLong_AsVoidPtr(args[1]);
+    const auto bytes = at::TensorOptions().dtype(at::kByte).device(trace->device);
+    for (size_t n = 0; n < trace->steps.size(); ++n) {
+      const Step& step = trace->steps[n];
+      for (int32_t born : step.allocate) {
+        const size_t b = n_inputs + born;
+        buffers.owner[b] = at::empty({trace->born_bytes[born]}, bytes);
+        buffers.base[b] = reinterpret_cast<int64_t>(buffers.owner[b].data_ptr());
+      }
+      if (step.kind == StepKind::launch)
+        run_launch(step, buffers, stream, trace->make_current, n);
+      else
+        run_operation(step, buffers, trace->device);
+      for (int32_t born : step.release) buffers.owner[n_inputs + born].reset();
+    }
+    PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(trace->outputs.size()));
+    for (size_t k = 0; k < trace->outputs.size(); ++k) {
+      const TensorRef& ref = trace->outputs[k];
+      PyObject* item = ref.place.buffer < 0 ? (Py_INCREF(Py_None), Py_None)
+                                            : THPVariable_Wrap(output_view(ref, buffers, trace->device));
+      PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(k), item);
+    }
+    return result;
+  } catch (const std::exception& e) {  // a failed launch or allocation (out of memory)
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
 PyMethodDef methods[] = {
     {"build", build, METH_VARARGS, "A recorded call's capsule (see pairgen/fastcall.py)."},
     {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(call)), METH_FASTCALL,
      "Run a recorded call on new inputs: the output, or None where the recording does not apply."},
+    {"build_trace", build_trace, METH_VARARGS, "A recorded trace's capsule (see pairgen/replay.py)."},
+    {"run_trace", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(run_trace)), METH_FASTCALL,
+     "Run a recorded trace on new inputs: its outputs, or None where the recording does not apply."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "pairgen_fastcall", nullptr, -1, methods};

@@ -24,10 +24,10 @@ import threading
 from pathlib import Path
 
 from pairgen import codegen, runtime
-from pairgen.launch import BoundLaunch
+from pairgen.launch import FASTCALL_MODES, BoundLaunch, note_launch
 from pairgen.spec import DeviceLimits
 
-from .translate import kernel_names, translate
+from .translate import TOGETHER, kernel_names, translate
 
 HERE = Path(__file__).parent
 PRELUDE = HERE / "prelude.h"
@@ -35,8 +35,6 @@ PRELUDE = HERE / "prelude.h"
 CXXFLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-fvisibility=hidden", "-w", "-pthread")
 #: SMs of the emulated GPU: few, so that the persistent kernels' blocks each take several tiles
 EMULATED_SMS = 3
-#: Grids up to this size run all their blocks at once (a grid-wide barrier needs them together).
-TOGETHER = 16
 
 
 class EmulationError(RuntimeError):
@@ -110,6 +108,9 @@ class EmulatedKernel:
         self.function.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         self.order = 0
+        # What a compiled replay launches: the library's cuLaunchKernel stand-in, on this kernel.
+        self._handle = ctypes.c_void_p(ctypes.cast(self.function, ctypes.c_void_p).value)
+        self.driver_launch = ctypes.cast(library.pgx_driver_launch, ctypes.c_void_p).value
 
     def bind(self, grid: int, block: int, smem: int, arg_count: int, mode: str = "plain", tail: tuple = (),
              names: tuple = ()) -> "EmulatedLaunch":
@@ -126,11 +127,16 @@ class EmulatedLaunch(BoundLaunch):
         self._orders = {}
 
     def __call__(self, *args: int) -> None:
+        note_launch(self, args)
         values = (ctypes.c_longlong * max(1, len(args)))(*args)
         error = ctypes.create_string_buffer(4096)
         if self.kernel.function(self.grid, self.block, self.smem, values, ORDER[0], TOGETHER, error, len(error)):
             raise EmulationError(f"{self.kernel.name} (grid {self.grid}, block {self.block}, {self.smem} B shared): "
                                  f"{error.value.decode()}")
+
+    def driver_entry(self) -> tuple[int, int]:
+        """A plain launch through the library's cuLaunchKernel stand-in (translate.DRIVER_LAUNCH)."""
+        return FASTCALL_MODES["plain"], self.kernel.driver_launch
 
 
 #: The order threads run between meetings (prelude.h's run_block: 0 in order, 1 reversed, 2 alternating,

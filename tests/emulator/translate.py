@@ -224,6 +224,24 @@ def kernel_names(source: str) -> list[str]:
     return _KERNEL.findall(source)
 
 
+#: Grids up to this size run all their blocks at once (a grid-wide barrier needs them together).
+TOGETHER = 16
+
+#: cuLaunchKernel's signature over a kernel's pgx_launch_ function (the CUfunction handle an
+#: EmulatedKernel gives): what pairgen's compiled replays (pairgen/native/fastcall.cpp) call. It
+#: reads the arguments from params[0] on as one array, which is how fastcall.cpp writes them, and
+#: runs the threads in order.
+DRIVER_LAUNCH = """
+extern "C" __attribute__((visibility("default"))) int pgx_driver_launch(void* f, unsigned grid, unsigned, unsigned,
+        unsigned threads, unsigned, unsigned, unsigned smem, void*, void** params, void**) {
+    using Launcher = int (*)(unsigned, unsigned, unsigned, const long long*, int, int, char*, int);
+    char error[1024];
+    return reinterpret_cast<Launcher>(f)(grid, threads, smem, static_cast<const long long*>(params[0]), 0, TOGETHER,
+                                         error, static_cast<int>(sizeof error));
+}
+"""
+
+
 def translate(source: str) -> str:
     """The C++ for g++ (after prelude.h) of a rendered kernel source, with a launcher
     `pgx_launch_<kernel>` per __global__ function."""
@@ -238,4 +256,4 @@ def translate(source: str) -> str:
         f"unsigned smem, const long long* args, int order, int together, char* error, int error_bytes) {{\n"
         f"    return pgx::launch(&{name}, grid, threads, smem, args, order, together, error, error_bytes);\n}}"
         for name in names]
-    return text + "\n\n" + "\n".join(launchers) + "\n"
+    return text + "\n\n" + "\n".join(launchers) + "\n" + DRIVER_LAUNCH.replace("TOGETHER", str(TOGETHER))

@@ -50,7 +50,7 @@ class ContactHead(TensorCorePrecisions, KernelModule, ContactHeadReference):
         return ContactHeadReference.forward(self, pair_repr)
 
     def forward(self, pair_repr):
-        if self._fast_calls:  # a call like a recent one, replayed in compiled code (pairgen/fastcall.py)
+        if self._fast_calls or self._training_replays:  # a call like a recent one, replayed in compiled code
             out = self._fast_forward(pair_repr, *self._slots.weights().tensors)
             if out is not None:
                 return out

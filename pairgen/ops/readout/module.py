@@ -92,7 +92,7 @@ class PairReadout(TensorCorePrecisions, KernelModule, PairReadoutReference):
     def forward(self, nodes, pair_feats, edge_mask):
         """edge_mask: bool, integer or floating point, read as edge_mask != 0 (the reference's
         ~edge_mask needs bool; the kernels read bytes)."""
-        if self._fast_calls:  # a call like a recent one, replayed in compiled code (pairgen/fastcall.py)
+        if self._fast_calls or self._training_replays:  # a call like a recent one, replayed in compiled code
             out = self._fast_forward(nodes, pair_feats, edge_mask, *self._slots.weights().tensors)
             if out is not None:
                 return out

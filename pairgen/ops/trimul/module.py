@@ -81,7 +81,7 @@ class TriangleMultiplication(TensorCorePrecisions, KernelModule, TriangleMultipl
     def forward(self, pair_repr, pair_mask):
         """pair_mask: bool, integer (read as != 0) or floating point (multiplied, as the reference
         does: 0/1 keeps or drops a pair; other values scale its a and b)."""
-        if self._fast_calls:  # a call like a recent one, replayed in compiled code (pairgen/fastcall.py)
+        if self._fast_calls or self._training_replays:  # a call like a recent one, replayed in compiled code
             out = self._fast_forward(pair_repr, pair_mask, *self._slots.weights().tensors)
             if out is not None:
                 return out

@@ -1,0 +1,187 @@
+"""A drop-in module's closed-form training calls recorded once and replayed from compiled code
+(pairgen/replay.py says how a call is recorded and what is refused).
+
+The first calls of a signature run SavedClosedForm on the Python path, recorded (a Recorder rides
+along: the forward's trace when the forward ends, the backward's when it ends); the replay made of
+both is kept on the module, and later calls whose inputs match it run ReplayedClosedForm: the
+forward's trace, then, when autograd asks, the backward's. A module setting that changes how a
+training call runs drops the replays (forget_fast_calls) or, for the plain attributes, refuses
+them (SETTINGS).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import fastcall, native, replay
+from ..launch import current_raw_stream
+from .autograd import graphless_gradients, recomputed_gradients, saved_tensor_hooks_active
+from .captured import CONSUMED
+
+#: Replays kept per module: a few lengths trained in turn all stay fast.
+MAX_REPLAYS = 4
+
+#: The module attributes a training call's route and closed form read besides its inputs: a replay
+#: recorded under other values is not used.
+SETTINGS = ("_backward_mode", "recompute_for_backward", "capture_training_steps", "_reference_only",
+            "_output_dtype", "_precision")
+
+
+def settings(module) -> tuple:
+    d = module.__dict__
+    return (*(getattr(module, name) for name in SETTINGS), d.get("_backward_tuning"), d.get("_state_per_call"))
+
+
+class TrainingReplay:
+    """One recorded training call: its forward's and backward's traces."""
+
+    __slots__ = ("forward", "backward", "n_inputs", "settings", "device_index")
+
+    def __init__(self, forward, backward, n_inputs: int, settings_: tuple, device_index: int):
+        self.forward, self.backward, self.n_inputs = forward, backward, n_inputs
+        self.settings, self.device_index = settings_, device_index
+
+    def stream(self) -> int:
+        return current_raw_stream(self.device_index) if self.device_index >= 0 else 0
+
+
+def replayed_call(module, tensors: tuple):
+    """The module's training call on tensors (its inputs, then its weights) from a replay that
+    matches them, or None: take the Python path."""
+    if saved_tensor_hooks_active():  # checkpointing: the Python path saves through the hooks
+        return None
+    now = None
+    run_trace = native.fastcall().run_trace
+    for entry in module._training_replays:
+        if now is None:
+            now = settings(module)
+        if entry.settings != now:
+            continue
+        result = run_trace(entry.forward, entry.stream(), *tensors)
+        if result is not None:
+            return ReplayedClosedForm.apply(entry, module, result, *tensors)
+    return None
+
+
+class ReplayedClosedForm(torch.autograd.Function):
+    """SavedClosedForm's call replayed from compiled code (training_replay.py): `result` is the
+    forward's trace's (the output, then the buffers the backward reads), run before this Function
+    (training_replay.replayed_call); the backward runs the backward's trace on them."""
+
+    @staticmethod
+    def forward(ctx, entry, module, result, *tensors):
+        ctx.entry, ctx.module, ctx.tensors, ctx.kept = entry, module, tensors, result[1:]
+        ctx.autocast = (False, torch.get_autocast_dtype("cuda"))  # a replay runs without autocast
+        return result[0]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        skipped = 3  # entry, module, result
+        kept, ctx.kept = ctx.kept, None
+        if kept is None:
+            raise RuntimeError(CONSUMED)
+        with torch.no_grad():
+            grads = backward_outputs(ctx.entry, grad_out.detach(), ctx.tensors, kept)
+        if grads is None:  # pairgen's state changed since the forward (a re-tune): from the inputs
+            grads = recomputed_gradients(ctx.module, ctx.tensors, ctx.entry.n_inputs, grad_out, ctx.autocast)
+        needs = ctx.needs_input_grad[skipped:]
+        grads = [g if need else None for g, need in zip(grads, needs)]
+        return (None,) * skipped + tuple(graphless_gradients(grad_out, grads))
+
+
+def backward_outputs(entry: TrainingReplay, grad_out: torch.Tensor, tensors: tuple, kept: tuple):
+    """The gradients of a replayed call's inputs and weights (None for those it makes none of), or
+    None where its backward's trace does not take this incoming gradient even made contiguous."""
+    run_trace = native.fastcall().run_trace
+    stream = entry.stream()
+    grads = run_trace(entry.backward, stream, grad_out, *tensors, *kept)
+    if grads is None:  # an expanded or misaligned incoming gradient (out.sum().backward())
+        grads = run_trace(entry.backward, stream, grad_out.clone(memory_format=torch.contiguous_format),
+                          *tensors, *kept)
+    return grads
+
+
+class Recorder:
+    """Records one SavedClosedForm call, forward then backward, and gives the module the replay."""
+
+    def __init__(self, module, inputs: tuple, names: tuple, weights: tuple):
+        """inputs, and the module's weights by `names` (its ParameterSlots' order, which a replay
+        takes them in)."""
+        self.module, self.n_inputs, self.names = module, len(inputs), names
+        self.inputs = (*inputs, *weights)
+        self.requires_grad = [int(t.requires_grad) for t in self.inputs]
+        self.forward_trace = self.kept = None
+
+    def forward(self, run):
+        """run() -> (out, saved), traced; the forward's trace built from it (None: refused)."""
+        with replay.Tracing() as trace:
+            out, saved = run()
+        try:
+            self.kept = _born_storages(trace, [out, *replay.tensors_in(saved)])
+            self.forward_trace = replay.build(out.device, list(self.inputs), trace, [out], self._held(),
+                                              replay.epochs(), self.requires_grad, self.kept)
+        except replay.Refused:
+            self.forward_trace = None
+        return out, saved
+
+    def backward(self, run, grad_out: torch.Tensor, input_wanted: tuple, weight_wanted: dict) -> dict:
+        """run() -> the closed form's gradients by name, traced; the replay made where both traces
+        could be and every gradient the inputs' requires_grad asks for is wanted (input_wanted per
+        input, weight_wanted by name): a replay makes those gradients."""
+        wanted = [*map(int, input_wanted), *(int(weight_wanted[n]) for n in self.names)]
+        if self.forward_trace is None or wanted != self.requires_grad:
+            return run()
+        with replay.Tracing() as trace:
+            grads = run()
+        module = self.module
+        outputs = [grads[key] if key else None for key in module.input_gradients] + [grads.get(n) for n in self.names]
+        outputs = [g if w else None for g, w in zip(outputs, wanted)]
+        kept = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()) for t in self.kept]
+        try:
+            backward = replay.build(grad_out.device, [grad_out, *self.inputs, *kept], trace, outputs, self._held(),
+                                    replay.epochs())
+        except replay.Refused:
+            return grads
+        device = grad_out.device
+        entry = TrainingReplay(self.forward_trace, backward, self.n_inputs, settings(module),
+                               -1 if device.type != "cuda" else device.index)
+        module.__dict__["_training_replays"] = (entry,) + module._training_replays[: MAX_REPLAYS - 1]
+        return grads
+
+    def _held(self) -> list:
+        return self.module._held_for_fast_calls()
+
+
+def _born_storages(trace: "replay.Tracing", tensors: list) -> list:
+    """One tensor per distinct storage, among `tensors`, that the traced call allocated."""
+    born = {replay.storage_extent(t) for t in trace.born}
+    seen, kept = set(), []
+    for t in tensors:
+        extent = replay.storage_extent(t)
+        if extent in born and extent not in seen:
+            seen.add(extent)
+            kept.append(t)
+    return kept
+
+
+def recorder_for(module, inputs: tuple, names: tuple, params: tuple) -> "Recorder | None":
+    """A Recorder for this SavedClosedForm call where it may be recorded: the compiled module is
+    built, no autocast, no torch.compile tracing or stream capture, the call returns what the
+    closed form makes (no output_dtype cast after it), the module's weights are these parameters in
+    its own order, and the module has not recorded too often (fastcall.may_record)."""
+    if (native.fastcall() is None or torch.is_autocast_enabled("cuda") or torch.compiler.is_compiling()
+            or (inputs[0].is_cuda and torch.cuda.is_current_stream_capturing())
+            or module._wanted_output() is not None):
+        return None
+    slots = module.__dict__.get("_slots")
+    if slots is None:
+        return None
+    by_name = dict(zip(names, params))
+    weights = slots.weights().tensors
+    if len(by_name) != len(weights) or any(by_name.get(n) is not w for n, w in zip(slots.names, weights)):
+        return None
+    counts = module.__dict__.setdefault("_training_record_counts", [0, 0])  # slow calls, recordings
+    counts[0] += 1
+    if not fastcall.may_record(*counts):
+        return None
+    counts[1] += 1
+    return Recorder(module, inputs, slots.names, weights)
