@@ -7,6 +7,7 @@ back the modules as the model left them. And the packages' own calls of cuEquiva
 from __future__ import annotations
 
 import copy
+import importlib.machinery
 import sys
 import types
 
@@ -123,6 +124,8 @@ def cuequivariance_is_pairgen(monkeypatch):
         return pairgen.triangle_multiplicative_update(*args, **kwargs)
     package.triangle_multiplicative_update = triangle.triangle_multiplicative_update = counted
     for module in (package, primitives, triangle):
+        # a spec, as an imported module has: OpenFold 3's first import asks importlib.util.find_spec for it
+        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
         monkeypatch.setitem(sys.modules, module.__name__, module)
     return calls
 

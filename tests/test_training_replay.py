@@ -1,0 +1,193 @@
+"""Training calls replayed from compiled code (pairgen/replay.py, pairgen/module/training_replay.py),
+on the CPU: a bf16 triangle update in the models' form with every kernel on the emulator (its
+driver stand-in is what the compiled replay launches), recorded on the Python path and replayed,
+must give the Python path's output and gradients bit for bit; what cannot be replayed (other
+inputs, another requires_grad pattern, a changed setting or epoch, operations outside the
+replayed set, pointers into nothing the replay makes) takes the Python path."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import types
+from unittest import mock
+
+import pytest
+import torch
+
+from helpers import CU_LAUNCH_KERNEL, generator
+from pairgen import launch, native, replay, runtime
+from pairgen.launch import FASTCALL_MODES
+from pairgen.module import training_replay
+from pairgen.module.autograd import SavedClosedForm
+
+pytestmark = pytest.mark.usefixtures("compiled_fast_path")
+
+WIDTHS = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+
+
+@contextlib.contextmanager
+def gpu_path_emulated():
+    """The kernels on the emulator, and the closed form choosing as it does for CUDA tensors (its
+    fused row kernels and training projections): the path a GPU training call records."""
+    from emulator import emulated
+    from pairgen.ops.trimul import fused_backward
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(emulated())
+        stack.enter_context(mock.patch.object(fused_backward, "enabled", lambda t: True))
+        stack.enter_context(mock.patch.object(torch.Tensor, "is_cuda", property(lambda self: True)))
+        stack.enter_context(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False))
+        yield
+
+
+def _module_and_inputs(seed: int, N: int):
+    from pairgen.ops.trimul import TRIMUL
+
+    gen = generator(seed)
+    module = TRIMUL.make_module(WIDTHS, gen).bfloat16()
+    x, mask = TRIMUL.make_inputs({"B": 1, "N": N, **WIDTHS}, gen, "cauchy")
+    mask[0, 3] = False  # a row with no pair
+    x = x.bfloat16().requires_grad_()
+    return module, x, mask, torch.randn(x.shape, generator=gen).bfloat16()
+
+
+def _step(module, x, mask, g, replayed: bool) -> list:
+    """One training call and backward: (the output, x's gradient, every parameter's), or None where
+    `replayed` asked for a replay and none matched."""
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    if replayed:
+        out = training_replay.replayed_call(module, (x, mask, *module._slots.weights().tensors))
+        if out is None:
+            return None
+    else:
+        out = SavedClosedForm.run(module, (x, mask), False, training_replay.recorder_for)
+    out.backward(g)
+    return [out.detach().clone(), x.grad.clone(), *(p.grad.clone() for p in module.parameters())]
+
+
+def test_a_replayed_training_step_is_the_python_paths_bit_for_bit():
+    module, x, mask, g = _module_and_inputs(5, 19)
+    with gpu_path_emulated():
+        python = _step(module, x, mask, g, replayed=False)
+        assert len(module._training_replays) == 1, "the Python path's call was not recorded"
+        calls = []
+        module.saving_forward = lambda *a: calls.append(1) or type(module).saving_forward(*a)
+        first, second = (_step(module, x, mask, g, replayed=True) for _ in range(2))
+    assert calls == [], "a replayed call ran the Python forward"
+    names = ["output", "x", *(n for n, _ in module.named_parameters())]
+    for replayed in (first, second):
+        assert [n for n, a, b in zip(names, python, replayed) if not torch.equal(a, b)] == []
+
+
+def test_other_inputs_patterns_settings_and_epochs_are_not_replayed():
+    module, x, mask, g = _module_and_inputs(6, 11)
+    with gpu_path_emulated():
+        _step(module, x, mask, g, replayed=False)
+        weights = module._slots.weights().tensors
+        assert training_replay.replayed_call(module, (x[:, :9, :9].contiguous(), mask[:, :9, :9], *weights)) is None
+        assert training_replay.replayed_call(module, (x.detach(), mask, *weights)) is None  # x wants no gradient now
+        module.recompute_for_backward = True
+        assert training_replay.replayed_call(module, (x, mask, *weights)) is None
+        module.recompute_for_backward = False
+        runtime.GENERATION[0] += 1  # a re-tune, a tuned-store change
+        assert training_replay.replayed_call(module, (x, mask, *weights)) is None
+        _step(module, x, mask, g, replayed=False)  # recorded again under the new epoch
+        assert len(module._training_replays) == 2
+        assert _step(module, x, mask, g, replayed=True) is not None
+        module.precision = module.precision  # a setting with a setter drops the replays
+        assert module._training_replays == ()
+
+
+def test_an_expanded_incoming_gradient_and_a_second_backward():
+    module, x, mask, g = _module_and_inputs(7, 13)
+    with gpu_path_emulated():
+        python = _step(module, x, mask, g, replayed=False)
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        out = training_replay.replayed_call(module, (x, mask, *module._slots.weights().tensors))
+        (out.float().sum() * 0 + (out * g).sum()).backward(retain_graph=True)  # the incoming gradient is g itself
+        assert torch.equal(x.grad, python[1])
+        with pytest.raises(RuntimeError, match="consumed by an earlier backward"):
+            out.sum().backward()
+        # An expanded incoming gradient (out.sum()'s) is made contiguous for the trace.
+        x.grad = None
+        out = training_replay.replayed_call(module, (x, mask, *module._slots.weights().tensors))
+        out.sum().backward()
+        x2 = x.detach().clone().requires_grad_()
+        module.zero_grad(set_to_none=True)
+        SavedClosedForm.run(module, (x2, mask), False, None).sum().backward()
+        assert torch.equal(x.grad, x2.grad)
+
+
+def test_operations_outside_the_replayed_set_and_fp32_products_are_refused():
+    a = torch.randn(4, 4)
+    with replay.Tracing() as trace:
+        torch.sigmoid(a)
+    assert "sigmoid" in trace.refused
+    with replay.Tracing() as trace:
+        a @ a
+    assert "float32" in trace.refused
+    elsewhere = torch.randn(4, 4).bfloat16()  # neither an input nor made by the call
+    with replay.Tracing() as trace:
+        b = a.bfloat16()
+        c = (b @ elsewhere).sum(0)
+    assert trace.refused is None and [s.kind for s in trace.steps] == [replay.COPY, replay.MM, replay.SUM]
+    with pytest.raises(replay.Refused, match="a pointer"):
+        replay.build(a.device, [a], trace, [c], held=[], epochs=[])
+    replay.build(a.device, [a, elsewhere], trace, [c], held=[], epochs=[])  # as an input it is found
+    with pytest.raises(replay.Refused, match="overlap"):
+        replay.Layout([a, a[1:]], [], [])
+
+
+def _double(kernel, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    """The stand-in kernel (src, dst, count): dst[i] = 2 src[i], float32."""
+    src, dst, count = (ctypes.cast(params[k], ctypes.POINTER(ctypes.c_int64))[0] for k in range(3))
+    ins, outs = (ctypes.c_float * count).from_address(src), (ctypes.c_float * count).from_address(dst)
+    for i in range(count):
+        outs[i] = 2 * ins[i]
+    return 0
+
+
+_DOUBLE = CU_LAUNCH_KERNEL(_double)
+
+
+class Doubling:
+    """What a trace reads of a BoundLaunch, launching _DOUBLE (recorded like one: launch.note_launch)."""
+    kernel = types.SimpleNamespace(_handle=ctypes.c_void_p(0x77))
+    grid, block, smem = 1, 1, 0
+    launches = 0
+
+    def driver_entry(self):
+        return FASTCALL_MODES["plain"], ctypes.cast(_DOUBLE, ctypes.c_void_p).value
+
+    def __call__(self, *args):
+        launch.note_launch(self, args)
+        values = [ctypes.c_int64(a) for a in args]
+        pointers = (ctypes.c_void_p * 3)(*[ctypes.addressof(v) for v in values])
+        Doubling.launches += 1
+        _DOUBLE(None, 1, 1, 1, 1, 1, 1, 0, None, pointers, None)
+
+
+def test_a_trace_replays_launches_between_operations_on_new_inputs():
+    """A stand-in kernel between PyTorch operations, recorded, then replayed on other inputs of the
+    same shape: the same result as the call made again; inputs of another shape are refused."""
+    kernel = Doubling()
+
+    def call(x):
+        y = x.to(torch.float64).to(torch.float32)  # operations writing born buffers
+        out = torch.empty_like(y)
+        kernel(y.data_ptr(), out.data_ptr(), y.numel())
+        return out.sum(0, keepdim=True)
+
+    x = torch.randn(64)
+    with replay.Tracing() as trace:
+        expected = call(x)
+    capsule = replay.build(x.device, [x], trace, [expected], held=[], epochs=replay.epochs())
+    run_trace = native.fastcall().run_trace
+    x2 = torch.randn(64)
+    before = Doubling.launches
+    (out,) = run_trace(capsule, 0, x2)
+    assert Doubling.launches == before  # the replay launched through the driver entry, not Python
+    assert torch.equal(out, call(x2)) and out.shape == (1,) and torch.equal(expected, call(x))
+    assert run_trace(capsule, 0, torch.randn(65)) is None
