@@ -42,6 +42,7 @@ import torch
 
 from .. import config, first_use
 from ..precision import CLOSED_FORM_DTYPES, HALF_BY_DTYPE, HALF_DTYPES
+from . import training_replay
 from .autograd import saved_tensor_hooks_active
 from .modes import as_dtype, current_autocast
 
@@ -226,9 +227,10 @@ def trains_through_reference(module, precision: str, inputs: tuple) -> bool:
         least = routing.closed_form_16_bit_training_min_pairs
         if least is None or (routing.closed_form_16_bit_training_needs_fused_kernels and not config.fused_backward()):
             return True
-        # A step replayed from CUDA graphs no longer waits on the host's issue of its operations,
-        # which is what the threshold weighs: the closed form at every size.
-        return pairs(inputs[0]) < least and not captures_training_step(module, inputs)
+        # A step replayed from CUDA graphs, or from compiled code, no longer waits on the host's
+        # issue of its operations, which is what the threshold weighs: the closed form at every size.
+        return (pairs(inputs[0]) < least and not captures_training_step(module, inputs)
+                and not training_replay.replays(module, inputs[0]))
     return mode == "reference"
 
 

@@ -119,8 +119,9 @@ class Recorder:
             self.kept = _born_storages(trace, [out, *replay.tensors_in(saved)])
             self.forward_trace = replay.build(out.device, list(self.inputs), trace, [out], self._held(),
                                               replay.epochs(), self.requires_grad, self.kept)
-        except replay.Refused:
+        except replay.Refused as refused:
             self.forward_trace = None
+            self.module.__dict__["_training_replay_refused"] = str(refused)
         return out, saved
 
     def backward(self, run, grad_out: torch.Tensor, input_wanted: tuple, weight_wanted: dict) -> dict:
@@ -139,7 +140,8 @@ class Recorder:
         try:
             backward = replay.build(grad_out.device, [grad_out, *self.inputs, *kept], trace, outputs, self._held(),
                                     replay.epochs())
-        except replay.Refused:
+        except replay.Refused as refused:
+            module.__dict__["_training_replay_refused"] = str(refused)
             return grads
         device = grad_out.device
         entry = TrainingReplay(self.forward_trace, backward, self.n_inputs, settings(module),
@@ -161,6 +163,14 @@ def _born_storages(trace: "replay.Tracing", tensors: list) -> list:
             seen.add(extent)
             kept.append(t)
     return kept
+
+
+def replays(module, first: torch.Tensor) -> bool:
+    """Whether the module's training calls like one on `first` are recorded and replayed (after the
+    first of a signature): on CUDA, the compiled module built, no autocast, and none of the module's
+    recordings refused (an op, or an option of one, whose closed form a trace cannot take)."""
+    return (first.is_cuda and native.fastcall() is not None and not torch.is_autocast_enabled("cuda")
+            and "_training_replay_refused" not in module.__dict__)
 
 
 def recorder_for(module, inputs: tuple, names: tuple, params: tuple) -> "Recorder | None":
