@@ -190,10 +190,11 @@ class Layout:
 
 
 def build(device: torch.device, inputs: list, trace: Tracing, outputs: list, held: list, epochs: list,
-          requires_grad: "list[int] | None" = None, keep_born: list = ()):
+          requires_grad: "list[int] | None" = None, keep_born: list = (), autocast: "torch.dtype | None" = None):
     """The compiled trace of a recorded call (a capsule for fastcall.cpp's run_trace), or raise
     Refused. outputs: tensors (views of the inputs or born buffers) or None; keep_born: tensors
-    whose born storages are outputs too, whole, as bytes (appended after `outputs`)."""
+    whose born storages are outputs too, whole, as bytes (appended after `outputs`); autocast: the
+    CUDA autocast dtype the call ran under (a replay runs under that one only), None for none."""
     if trace.refused:
         raise Refused(trace.refused)
     native_module = native.fastcall()
@@ -216,7 +217,8 @@ def build(device: torch.device, inputs: list, trace: Tracing, outputs: list, hel
     index = -1 if device.index is None else device.index
     make_current = (lambda: launch._cuda_core().Device(index).set_current()) if device.type == "cuda" else (lambda: None)
     capsule = native_module.build_trace(device.type, index, tuple(input_specs), tuple(born_bytes), tuple(map(tuple, steps)),
-                                        tuple(output_specs), tuple(epochs), fastcall.PLAIN_TYPES, make_current)
+                                        tuple(output_specs), tuple(epochs), fastcall.PLAIN_TYPES, make_current,
+                                        autocast)
     return capsule
 
 

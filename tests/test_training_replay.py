@@ -191,3 +191,47 @@ def test_a_trace_replays_launches_between_operations_on_new_inputs():
     assert Doubling.launches == before  # the replay launched through the driver entry, not Python
     assert torch.equal(out, call(x2)) and out.shape == (1,) and torch.equal(expected, call(x))
     assert run_trace(capsule, 0, torch.randn(65)) is None
+
+
+def test_a_backward_whose_epoch_moved_since_its_forward_recomputes_from_the_inputs():
+    module, x, mask, g = _module_and_inputs(8, 11)
+    with gpu_path_emulated():
+        python = _step(module, x, mask, g, replayed=False)
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        out = training_replay.replayed_call(module, (x, mask, *module._slots.weights().tensors))
+        runtime.GENERATION[0] += 1  # a re-tune between the forward and its backward
+        out.backward(g)
+    recomputed = [x.grad, *(p.grad for p in module.parameters())]
+    for mine, theirs in zip(recomputed, python[1:]):
+        assert ((mine.double() - theirs.double()).norm() / theirs.double().norm()).item() <= 1e-2
+
+
+@contextlib.contextmanager
+def cuda_autocast(dtype):
+    """CUDA's autocast state set as torch.autocast("cuda") sets it (the CPU build keeps the flags)."""
+    enabled, before = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", dtype is not None)
+    if dtype is not None:
+        torch.set_autocast_dtype("cuda", dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", before)
+
+
+def test_a_trace_runs_under_the_autocast_it_was_recorded_under_only():
+    x = torch.randn(8)
+    with replay.Tracing() as trace:
+        y = x.bfloat16()
+    run_trace = native.fastcall().run_trace
+    plain = replay.build(x.device, [x], trace, [y], held=[], epochs=[])
+    under_bf16 = replay.build(x.device, [x], trace, [y], held=[], epochs=[], autocast=torch.bfloat16)
+    assert run_trace(plain, 0, x) is not None and run_trace(under_bf16, 0, x) is None
+    with cuda_autocast(torch.bfloat16):
+        assert run_trace(plain, 0, x) is None
+        (out,) = run_trace(under_bf16, 0, x)
+        assert torch.equal(out, y)
+    with cuda_autocast(torch.float16):
+        assert run_trace(under_bf16, 0, x) is None

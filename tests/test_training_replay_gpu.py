@@ -23,10 +23,11 @@ def _nan_filled_cache() -> None:
     del blocks
 
 
-def _step(module, x, mask, g) -> list:
+def _step(module, x, mask, g, autocast: bool = False) -> list:
     module.zero_grad(set_to_none=True)
     leaf = x.detach().requires_grad_()
-    out = module(leaf, mask)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = module(leaf, mask)
     out.backward(g)
     return [out.detach(), leaf.grad, *(p.grad for p in module.parameters())]
 
@@ -51,3 +52,24 @@ def test_replayed_training_calls_meet_the_16_bit_standard_and_match_the_python_p
     for mine, theirs in zip(replayed, python):
         assert ((mine.double() - theirs.double()).norm() / theirs.double().norm()).item() <= 1e-3
     assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, replayed[1:])
+
+
+def test_replayed_training_calls_under_autocast_match_the_python_path():
+    """An fp32 module trained under a bf16 autocast (as the models train): recorded with the
+    autocast's dtype and replayed under it."""
+    widths = {"P": 128, "H": 128, "gate_normalized": 1, "bias": 0, "outgoing": 1}
+    gen = generator(12)
+    module = TRIMUL.make_module(widths, gen).cuda()
+    x, mask = TRIMUL.make_inputs({"B": 1, "N": 41, **widths}, gen, "cauchy")
+    x, mask = x.cuda(), mask.cuda()
+    g = torch.randn(x.shape, generator=gen).cuda().bfloat16()
+    python = _step(module, x, mask, g, autocast=True)
+    assert len(module._training_replays) == 1, "the first autocast training call was not recorded"
+    forwards = []
+    module.saving_forward = lambda *a: forwards.append(1) or type(module).saving_forward(*a)
+    _nan_filled_cache()
+    replayed = _step(module, x, mask, g, autocast=True)
+    assert forwards == [], "the second call ran the Python path"
+    for mine, theirs in zip(replayed, python):
+        assert mine.dtype is theirs.dtype
+        assert ((mine.double() - theirs.double()).norm() / theirs.double().norm()).item() <= 1e-3

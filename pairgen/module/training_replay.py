@@ -16,6 +16,7 @@ from .. import fastcall, native, replay
 from ..launch import current_raw_stream
 from .autograd import graphless_gradients, recomputed_gradients, saved_tensor_hooks_active
 from .captured import CONSUMED
+from .modes import current_autocast
 
 #: Replays kept per module: a few lengths trained in turn all stay fast.
 MAX_REPLAYS = 4
@@ -34,11 +35,12 @@ def settings(module) -> tuple:
 class TrainingReplay:
     """One recorded training call: its forward's and backward's traces."""
 
-    __slots__ = ("forward", "backward", "n_inputs", "settings", "device_index")
+    __slots__ = ("forward", "backward", "n_inputs", "settings", "device_index", "autocast")
 
-    def __init__(self, forward, backward, n_inputs: int, settings_: tuple, device_index: int):
+    def __init__(self, forward, backward, n_inputs: int, settings_: tuple, device_index: int,
+                 autocast: "torch.dtype | None"):
         self.forward, self.backward, self.n_inputs = forward, backward, n_inputs
-        self.settings, self.device_index = settings_, device_index
+        self.settings, self.device_index, self.autocast = settings_, device_index, autocast
 
     def stream(self) -> int:
         return current_raw_stream(self.device_index) if self.device_index >= 0 else 0
@@ -70,7 +72,8 @@ class ReplayedClosedForm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, entry, module, result, *tensors):
         ctx.entry, ctx.module, ctx.tensors, ctx.kept = entry, module, tensors, result[1:]
-        ctx.autocast = (False, torch.get_autocast_dtype("cuda"))  # a replay runs without autocast
+        # as the forward ran, for a backward that recomputes
+        ctx.autocast = (entry.autocast is not None, entry.autocast or torch.get_autocast_dtype("cuda"))
         return result[0]
 
     @staticmethod
@@ -109,6 +112,7 @@ class Recorder:
         self.module, self.n_inputs, self.names = module, len(inputs), names
         self.inputs = (*inputs, *weights)
         self.requires_grad = [int(t.requires_grad) for t in self.inputs]
+        self.autocast = current_autocast()
         self.forward_trace = self.kept = None
 
     def forward(self, run):
@@ -118,7 +122,7 @@ class Recorder:
         try:
             self.kept = _born_storages(trace, [out, *replay.tensors_in(saved)])
             self.forward_trace = replay.build(out.device, list(self.inputs), trace, [out], self._held(),
-                                              replay.epochs(), self.requires_grad, self.kept)
+                                              replay.epochs(), self.requires_grad, self.kept, self.autocast)
         except replay.Refused as refused:
             self.forward_trace = None
             self.module.__dict__["_training_replay_refused"] = str(refused)
@@ -138,14 +142,15 @@ class Recorder:
         outputs = [g if w else None for g, w in zip(outputs, wanted)]
         kept = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()) for t in self.kept]
         try:
+            # The backward runs without autocast whatever the caller's (autograd's worker thread has its own).
             backward = replay.build(grad_out.device, [grad_out, *self.inputs, *kept], trace, outputs, self._held(),
-                                    replay.epochs())
+                                    replay.epochs(), autocast=current_autocast())
         except replay.Refused as refused:
             module.__dict__["_training_replay_refused"] = str(refused)
             return grads
         device = grad_out.device
         entry = TrainingReplay(self.forward_trace, backward, self.n_inputs, settings(module),
-                               -1 if device.type != "cuda" else device.index)
+                               -1 if device.type != "cuda" else device.index, self.autocast)
         module.__dict__["_training_replays"] = (entry,) + module._training_replays[: MAX_REPLAYS - 1]
         return grads
 
@@ -167,18 +172,17 @@ def _born_storages(trace: "replay.Tracing", tensors: list) -> list:
 
 def replays(module, first: torch.Tensor) -> bool:
     """Whether the module's training calls like one on `first` are recorded and replayed (after the
-    first of a signature): on CUDA, the compiled module built, no autocast, and none of the module's
-    recordings refused (an op, or an option of one, whose closed form a trace cannot take)."""
-    return (first.is_cuda and native.fastcall() is not None and not torch.is_autocast_enabled("cuda")
-            and "_training_replay_refused" not in module.__dict__)
+    first of a signature): on CUDA, the compiled module built, and none of the module's recordings
+    refused (an op, or an option of one, whose closed form a trace cannot take)."""
+    return first.is_cuda and native.fastcall() is not None and "_training_replay_refused" not in module.__dict__
 
 
 def recorder_for(module, inputs: tuple, names: tuple, params: tuple) -> "Recorder | None":
     """A Recorder for this SavedClosedForm call where it may be recorded: the compiled module is
-    built, no autocast, no torch.compile tracing or stream capture, the call returns what the
+    built, no torch.compile tracing or stream capture, the call returns what the
     closed form makes (no output_dtype cast after it), the module's weights are these parameters in
     its own order, and the module has not recorded too often (fastcall.may_record)."""
-    if (native.fastcall() is None or torch.is_autocast_enabled("cuda") or torch.compiler.is_compiling()
+    if (native.fastcall() is None or torch.compiler.is_compiling()
             or (inputs[0].is_cuda and torch.cuda.is_current_stream_capturing())
             or module._wanted_output() is not None):
         return None

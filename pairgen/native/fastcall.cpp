@@ -27,6 +27,7 @@
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -262,8 +263,12 @@ const at::Tensor* matching_input(PyObject* obj, const std::vector<PyTypeObject*>
 }
 
 // Whether the recorded call still applies: the epochs and autocast (autograd: the inputs' checks).
-bool module_unchanged(const std::vector<Epoch>& epochs) {
-  if (at::autocast::is_autocast_enabled(at::kCUDA)) return false;
+// autocast: the CUDA autocast dtype the call was recorded under, -1 for none.
+bool module_unchanged(const std::vector<Epoch>& epochs, int autocast = -1) {
+  if (at::autocast::is_autocast_enabled(at::kCUDA)
+          ? autocast != static_cast<int>(at::autocast::get_autocast_dtype(at::kCUDA))
+          : autocast != -1)
+    return false;
   for (const Epoch& epoch : epochs)
     if (PyList_GET_ITEM(epoch.counter, 0) != epoch.value &&
         PyObject_RichCompareBool(PyList_GET_ITEM(epoch.counter, 0), epoch.value, Py_EQ) != 1)
@@ -411,6 +416,7 @@ struct Trace {
   std::vector<TensorRef> outputs;  // place.buffer -1: None
   std::vector<Epoch> epochs;
   PyObject* make_current = nullptr;  // makes the device's context current on a thread that has none
+  int autocast = -1;                 // the CUDA autocast dtype it was recorded under; -1: none
   std::vector<PyObject*> owned;
 };
 
@@ -501,15 +507,15 @@ void check_trace(const Trace& trace) {
 }
 
 // build_trace(device_type, device_index, inputs, born_bytes, steps, outputs, epochs, plain_types,
-//             make_current) -> capsule
+//             make_current, autocast) -> capsule
 //   inputs: ((sizes, dtype, requires_grad (-1: either)), ...); born_bytes: (bytes, ...);
-//   steps: see parse_step; outputs: (tensor spec or None, ...)
+//   steps: see parse_step; outputs: (tensor spec or None, ...); autocast: a dtype or None
 PyObject* build_trace(PyObject*, PyObject* args) {
   const char* device_type;
   int device_index;
-  PyObject *inputs, *born_bytes, *steps, *outputs, *epochs, *plain_types, *make_current;
-  if (!PyArg_ParseTuple(args, "siOOOOOOO", &device_type, &device_index, &inputs, &born_bytes, &steps, &outputs,
-                        &epochs, &plain_types, &make_current))
+  PyObject *inputs, *born_bytes, *steps, *outputs, *epochs, *plain_types, *make_current, *autocast;
+  if (!PyArg_ParseTuple(args, "siOOOOOOOO", &device_type, &device_index, &inputs, &born_bytes, &steps, &outputs,
+                        &epochs, &plain_types, &make_current, &autocast))
     return nullptr;
   auto* trace = new Trace();
   try {
@@ -539,6 +545,7 @@ PyObject* build_trace(PyObject*, PyObject* args) {
     trace->epochs = parse_epochs(epochs, trace->owned);
     trace->plain_types = parse_plain_types(plain_types, trace->owned);
     trace->make_current = keep(trace->owned, make_current);
+    if (autocast != Py_None) trace->autocast = static_cast<int>(scalar_type(autocast));
     if (PyErr_Occurred()) throw std::invalid_argument("a malformed trace");
     check_trace(*trace);
   } catch (const std::exception& e) {
@@ -641,8 +648,10 @@ PyObject* run_trace(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     buffers.owner[i] = *t;
     buffers.owner_offset[i] = t->storage_offset() * static_cast<int64_t>(t->element_size());
   }
-  if (!module_unchanged(trace->epochs)) Py_RETURN_NONE;
+  if (!module_unchanged(trace->epochs, trace->autocast)) Py_RETURN_NONE;
   try {
+    // The recorded operations ran in the dtypes they name (the closed form turns autocast off).
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     at::NoGradGuard no_grad;
     c10::DeviceGuard guard(trace->device);
     void* stream = PyLong_AsVoidPtr(args[1]);
