@@ -235,3 +235,21 @@ def test_a_trace_runs_under_the_autocast_it_was_recorded_under_only():
         assert torch.equal(out, y)
     with cuda_autocast(torch.float16):
         assert run_trace(under_bf16, 0, x) is None
+
+
+def test_the_16_bit_size_threshold_is_waived_where_training_calls_are_replayed(monkeypatch):
+    """Below Routing.closed_form_16_bit_training_min_pairs a 16-bit training call ran the reference
+    because the closed form's host time made it no faster; replayed calls pay none of it."""
+    from pairgen import config
+    from pairgen.module import dispatch
+
+    module, x, mask, _ = _module_and_inputs(9, 11)
+    monkeypatch.setattr(config, "fused_backward", lambda: True)
+    assert dispatch.trains_through_reference(module, "bfloat16", (x, mask))  # on the CPU: nothing replays
+    with mock.patch.object(torch.Tensor, "is_cuda", property(lambda self: True)):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        assert training_replay.replays(module, x)
+        assert not dispatch.trains_through_reference(module, "bfloat16", (x, mask))
+        module.__dict__["_training_replay_refused"] = "an operation a trace cannot take"
+        assert not training_replay.replays(module, x)
+        assert dispatch.trains_through_reference(module, "bfloat16", (x, mask))
