@@ -104,10 +104,12 @@ struct FastCall {
 
 const char* kCapsuleName = "pairgen.FastCall";
 
+// A capsule's destructor: its T and the Python objects the T keeps.
+template <typename T>
 void release(PyObject* capsule) {
-  auto* call = static_cast<FastCall*>(PyCapsule_GetPointer(capsule, kCapsuleName));
-  for (PyObject* obj : call->owned) Py_DECREF(obj);
-  delete call;
+  auto* held = static_cast<T*>(PyCapsule_GetPointer(capsule, PyCapsule_GetName(capsule)));
+  for (PyObject* obj : held->owned) Py_DECREF(obj);
+  delete held;
 }
 
 PyObject* keep(std::vector<PyObject*>& owned, PyObject* obj) {
@@ -130,6 +132,43 @@ std::vector<int64_t> int_list(PyObject* seq) {
 at::ScalarType scalar_type(PyObject* dtype) {
   if (!THPDtype_Check(dtype)) throw std::invalid_argument("expected a torch.dtype");
   return reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+}
+
+// A new T filled by fill(T*), in a capsule named `name`; where fill throws, what it kept (T::owned)
+// is released and a ValueError set (or the Python error fill met kept).
+template <typename T, typename Fill>
+PyObject* build_capsule(const char* name, PyCapsule_Destructor destructor, Fill fill) {
+  auto* built = new T();
+  try {
+    fill(built);
+  } catch (const std::exception& e) {
+    for (PyObject* obj : built->owned) Py_DECREF(obj);
+    delete built;
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+  return PyCapsule_New(built, name, destructor);
+}
+
+at::Device parse_device(const char* type, int index) {
+  return at::Device(std::string(type) == "cuda" ? at::kCUDA : at::kCPU, static_cast<c10::DeviceIndex>(index));
+}
+
+// inputs: ((sizes, dtype), ...), or ((sizes, dtype, requires_grad (-1: either)), ...) for a trace.
+std::vector<InputCheck> parse_inputs(PyObject* inputs) {
+  std::vector<InputCheck> checks;
+  for (Py_ssize_t i = 0; i < PySequence_Size(inputs); ++i) {
+    PyObject* spec = PySequence_GetItem(inputs, i);
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 2) {
+      Py_DECREF(spec);
+      throw std::invalid_argument("an input spec is a tuple (sizes, dtype[, requires_grad])");
+    }
+    InputCheck check{int_list(PyTuple_GetItem(spec, 0)), scalar_type(PyTuple_GetItem(spec, 1))};
+    if (PyTuple_GET_SIZE(spec) > 2) check.requires_grad = static_cast<int>(PyLong_AsLong(PyTuple_GetItem(spec, 2)));
+    checks.push_back(std::move(check));
+    Py_DECREF(spec);
+  }
+  return checks;
 }
 
 // plain_types: a sequence of tensor subclasses a call takes as plain tensors.
@@ -189,15 +228,9 @@ PyObject* build(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "siOOLOOO", &device_type, &device_index, &inputs, &out, &scratch_bytes, &epochs,
                         &launches, &plain_types))
     return nullptr;
-  auto* call = new FastCall();
-  try {
-    call->device = at::Device(std::string(device_type) == "cuda" ? at::kCUDA : at::kCPU,
-                              static_cast<c10::DeviceIndex>(device_index));
-    for (Py_ssize_t i = 0; i < PySequence_Size(inputs); ++i) {
-      PyObject* spec = PySequence_GetItem(inputs, i);
-      call->inputs.push_back({int_list(PyTuple_GetItem(spec, 0)), scalar_type(PyTuple_GetItem(spec, 1))});
-      Py_DECREF(spec);
-    }
+  return build_capsule<FastCall>(kCapsuleName, release<FastCall>, [&](FastCall* call) {
+    call->device = parse_device(device_type, device_index);
+    call->inputs = parse_inputs(inputs);
     call->out_sizes = int_list(PyTuple_GetItem(out, 0));
     call->out_dtype = scalar_type(PyTuple_GetItem(out, 1));
     call->scratch_bytes = scratch_bytes;
@@ -229,13 +262,7 @@ PyObject* build(PyObject*, PyObject* args) {
     if (call->inputs.size() > kMaxInputs) throw std::invalid_argument("too many inputs for a fast call");
     for (const Launch& launch : call->launches)
       if (launch.slots.size() > kMaxArguments) throw std::invalid_argument("too many kernel arguments for a fast call");
-  } catch (const std::exception& e) {
-    for (PyObject* obj : call->owned) Py_DECREF(obj);
-    delete call;
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, e.what());
-    return nullptr;
-  }
-  return PyCapsule_New(call, kCapsuleName, release);
+  });
 }
 
 bool same_sizes(const at::Tensor& t, const std::vector<int64_t>& sizes) {
@@ -309,13 +336,20 @@ int launch_one(const Launch& launch, void* stream, void** pointers) {
   return -1;
 }
 
-// call(capsule, stream, *inputs) -> the output, or None: take the Python path.
-PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// The T in a replay's first argument (a capsule named `name`), with a stream after it; else nullptr
+// with a Python error set (usage: the call's signature, for the TypeError).
+template <typename T>
+T* capsule_argument(PyObject* const* args, Py_ssize_t nargs, const char* name, const char* usage) {
   if (nargs < 2) {
-    PyErr_SetString(PyExc_TypeError, "call(capsule, stream, *inputs)");
+    PyErr_SetString(PyExc_TypeError, usage);
     return nullptr;
   }
-  auto* fast = static_cast<FastCall*>(PyCapsule_GetPointer(args[0], kCapsuleName));
+  return static_cast<T*>(PyCapsule_GetPointer(args[0], name));
+}
+
+// call(capsule, stream, *inputs) -> the output, or None: take the Python path.
+PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  auto* fast = capsule_argument<FastCall>(args, nargs, kCapsuleName, "call(capsule, stream, *inputs)");
   if (fast == nullptr) return nullptr;
   if (static_cast<size_t>(nargs - 2) != fast->inputs.size()) Py_RETURN_NONE;  // build() bounds it
   bool grad = at::GradMode::is_enabled();
@@ -422,11 +456,6 @@ struct Trace {
 
 const char* kTraceName = "pairgen.Trace";
 
-void release_trace(PyObject* capsule) {
-  auto* trace = static_cast<Trace*>(PyCapsule_GetPointer(capsule, kTraceName));
-  for (PyObject* obj : trace->owned) Py_DECREF(obj);
-  delete trace;
-}
 
 Place parse_place(PyObject* pair) {
   if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) throw std::invalid_argument("a place is a pair");
@@ -517,20 +546,9 @@ PyObject* build_trace(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "siOOOOOOOO", &device_type, &device_index, &inputs, &born_bytes, &steps, &outputs,
                         &epochs, &plain_types, &make_current, &autocast))
     return nullptr;
-  auto* trace = new Trace();
-  try {
-    trace->device = at::Device(std::string(device_type) == "cuda" ? at::kCUDA : at::kCPU,
-                               static_cast<c10::DeviceIndex>(device_index));
-    for (Py_ssize_t i = 0; i < PySequence_Size(inputs); ++i) {
-      PyObject* spec = PySequence_GetItem(inputs, i);
-      if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 3) {
-        Py_DECREF(spec);
-        throw std::invalid_argument("an input spec is a 3-tuple");
-      }
-      trace->inputs.push_back({int_list(PyTuple_GetItem(spec, 0)), scalar_type(PyTuple_GetItem(spec, 1)),
-                               static_cast<int>(PyLong_AsLong(PyTuple_GetItem(spec, 2)))});
-      Py_DECREF(spec);
-    }
+  return build_capsule<Trace>(kTraceName, release<Trace>, [&](Trace* trace) {
+    trace->device = parse_device(device_type, device_index);
+    trace->inputs = parse_inputs(inputs);
     trace->born_bytes = int_list(born_bytes);
     for (Py_ssize_t i = 0; i < PySequence_Size(steps); ++i) {
       PyObject* spec = PySequence_GetItem(steps, i);
@@ -548,13 +566,7 @@ PyObject* build_trace(PyObject*, PyObject* args) {
     if (autocast != Py_None) trace->autocast = static_cast<int>(scalar_type(autocast));
     if (PyErr_Occurred()) throw std::invalid_argument("a malformed trace");
     check_trace(*trace);
-  } catch (const std::exception& e) {
-    for (PyObject* obj : trace->owned) Py_DECREF(obj);
-    delete trace;
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, e.what());
-    return nullptr;
-  }
-  return PyCapsule_New(trace, kTraceName, release_trace);
+  });
 }
 
 // What a replay holds while it runs: each buffer's base address, and the tensor that owns it.
@@ -628,11 +640,7 @@ void run_launch(const Step& step, const Buffers& buffers, void* stream, PyObject
 // run_trace(capsule, stream, *inputs) -> the outputs (a tuple; None where the recording had none), or
 // None: the inputs or pairgen's state differ from the recording's, take the Python path.
 PyObject* run_trace(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs < 2) {
-    PyErr_SetString(PyExc_TypeError, "run_trace(capsule, stream, *inputs)");
-    return nullptr;
-  }
-  auto* trace = static_cast<Trace*>(PyCapsule_GetPointer(args[0], kTraceName));
+  auto* trace = capsule_argument<Trace>(args, nargs, kTraceName, "run_trace(capsule, stream, *inputs)");
   if (trace == nullptr) return nullptr;
   const size_t n_inputs = trace->inputs.size();
   if (static_cast<size_t>(nargs - 2) != n_inputs) Py_RETURN_NONE;
