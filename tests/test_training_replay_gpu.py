@@ -11,7 +11,7 @@ import torch
 from helpers import assert_16_bit_gradients_meet_the_standard, generator
 from pairgen.ops.trimul import TRIMUL
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled_fast_path")]  # replays need it built
 
 CASES = [({"B": 1, "N": 37, "outgoing": 1}, torch.bfloat16), ({"B": 2, "N": 64, "outgoing": 0}, torch.bfloat16),
          ({"B": 1, "N": 45, "outgoing": 1}, torch.float16)]
