@@ -11,15 +11,23 @@ import torch
 
 from helpers import generator
 from pairgen import first_use, precision, runtime
-from pairgen.module import dispatch
+from pairgen.module import dispatch, training_replay
 from pairgen.module.dispatch import (CLOSED_FORM, FIRST_USE, FP32_KERNEL, KERNEL, KERNEL_TRAINING, REFERENCE,
                                      SAVED_CLOSED_FORM, route)
 from pairgen.ops import get_op
 
 
+@pytest.fixture(autouse=True)
+def no_training_replays(monkeypatch):
+    """The routes as where no training call is replayed (the compiled module may or may not have
+    finished building in a test process); tests that want replays say so."""
+    monkeypatch.setattr(training_replay, "replays", lambda module, first: False)
+
+
 class CudaStandIn:
     """What the route reads of a CUDA tensor."""
     is_cuda = True
+    device = torch.device("cuda", 0)
 
     def __init__(self, shape, dtype, requires_grad=False):
         self.shape, self.dtype, self.requires_grad = torch.Size(shape), dtype, requires_grad
@@ -156,6 +164,11 @@ def test_explain_prints_the_routes(monkeypatch):
     print(text)
     assert "inference call B=1 N=128 bfloat16: kernel forward [bfloat16, wgmma()]" in text and "fast replay" in text
     assert "training call B=1 N=128 bfloat16: reference" in text
+    # Where training calls are replayed, the closed form at this size too, and the explanation says so.
+    monkeypatch.setattr(training_replay, "replays", lambda module, first: True)
+    monkeypatch.setattr(dispatch, "_backward_kernels", lambda module, inputs, n: None)
+    text = str(module.explain(128))
+    assert f"training call B=1 N=128 bfloat16: {dispatch.SAVED_CLOSED_FORM}" in text and dispatch.TRAINING_REPLAY in text
 
 
 def test_explain_on_the_cpu_says_the_route_is_the_reference(monkeypatch):

@@ -49,6 +49,7 @@ from .modes import as_dtype, current_autocast
 # ---- the paths ---------------------------------------------------------------------------------
 
 FAST_REPLAY = "fast replay"              # a call like a recorded one, replayed in compiled code (before dispatch)
+TRAINING_REPLAY = "its forward and backward replayed in compiled code"  # training_replay.py, after a recorded call
 KERNEL = "kernel forward"                # the tuned kernels, recorded for fast replay where the strategy allows
 KERNEL_TRAINING = "kernel forward, closed-form backward"  # ReferenceBackward: closed form, else the reference recomputed
 SAVED_CLOSED_FORM = "saved closed form"  # SavedClosedForm: the closed form's forward, its intermediates kept
@@ -306,6 +307,8 @@ def explain_routes(module, batch: int, n: int, dtype: torch.dtype, device) -> tu
             r = route(module, inputs, settle=False)
         if r.path == KERNEL and module._records(r.variant):
             r = r._replace(reason=r.reason + "; a repeated call like it: " + FAST_REPLAY)
+        elif r.path == SAVED_CLOSED_FORM and training_replay.replays(module, inputs[0]):
+            r = r._replace(reason=r.reason + "; a repeated call like it: " + TRAINING_REPLAY)
         if training and r.path in CLOSED_FORM_BACKWARD_PATHS:
             backward = _backward_kernels(module, inputs, n)
             if backward:
