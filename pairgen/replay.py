@@ -159,20 +159,24 @@ class Layout:
         self.first_use, self.last_use = {}, {}
 
     def place(self, address: int, step: int, constant_ok: bool = True) -> tuple[int, int]:
-        """(buffer, byte offset) of an address inside the inputs or born buffers, noting the use of
-        a born one at `step`; (-1, value) for a constant."""
+        """(buffer, byte offset) of an address inside the inputs or born buffers, noting its use at
+        `step`; (-1, value) for a constant."""
         for index, (start, end) in enumerate(self.inputs):
             if start <= address < end:
-                return index, address - start
+                return self._used(index, step), address - start
         for k, (start, end) in enumerate(self.born):
             if start <= address < end:
-                self.first_use.setdefault(k, step)
-                self.last_use[k] = max(self.last_use.get(k, step), step)
-                return len(self.inputs) + k, address - start
+                return self._used(len(self.inputs) + k, step), address - start
         if constant_ok and (-fastcall.SMALL_INTEGERS < address < fastcall.SMALL_INTEGERS
                             or any(start <= address < end for start, end in self.held)):
             return -1, address
         raise Refused(f"a pointer ({address:#x}) into nothing the replay can make")
+
+    def _used(self, buffer: int, step: int) -> int:
+        """Note a use of `buffer` (an input's or a born one's index) at `step`."""
+        self.first_use.setdefault(buffer, step)
+        self.last_use[buffer] = max(self.last_use.get(buffer, step), step)
+        return buffer
 
     def tensor(self, t: torch.Tensor, step: int) -> tuple:
         """A tensor as fastcall.cpp's spec: (buffer, byte offset, sizes, strides, dtype)."""
@@ -190,11 +194,14 @@ class Layout:
 
 
 def build(device: torch.device, inputs: list, trace: Tracing, outputs: list, held: list, epochs: list,
-          requires_grad: "list[int] | None" = None, keep_born: list = (), autocast: "torch.dtype | None" = None):
+          requires_grad: "list[int] | None" = None, keep_born: list = (), autocast: "torch.dtype | None" = None,
+          consumed: int = 0):
     """The compiled trace of a recorded call (a capsule for fastcall.cpp's run_trace), or raise
     Refused. outputs: tensors (views of the inputs or born buffers) or None; keep_born: tensors
-    whose born storages are outputs too, whole, as bytes (appended after `outputs`); autocast: the
-    CUDA autocast dtype the call ran under (a replay runs under that one only), None for none."""
+    whose born storages a replay returns too, whole, in one State (after `outputs`), for another
+    trace; consumed: the last this-many inputs are such a State's buffers (whole, as bytes), which
+    a replay takes and frees after their last use; autocast: the CUDA autocast dtype the call ran
+    under (a replay runs under that one only), None for none."""
     if trace.refused:
         raise Refused(trace.refused)
     native_module = native.fastcall()
@@ -211,14 +218,15 @@ def build(device: torch.device, inputs: list, trace: Tracing, outputs: list, hel
         start, stop = layout.born[k]
         output_specs.append((len(inputs) + k, 0, (stop - start,), (1,), torch.uint8))
     born_bytes = [stop - start for start, stop in layout.born]
-    _schedule(steps, layout, {spec[0] - len(inputs) for spec in output_specs if spec is not None})
+    viewed = {spec[0] for spec in output_specs if spec is not None}
+    _schedule(steps, layout, viewed, range(len(inputs) - consumed, len(inputs)))
     input_specs = [(tuple(t.shape), t.dtype, -1 if requires_grad is None else requires_grad[i])
                    for i, t in enumerate(inputs)]
     index = -1 if device.index is None else device.index
     make_current = (lambda: launch._cuda_core().Device(index).set_current()) if device.type == "cuda" else (lambda: None)
     capsule = native_module.build_trace(device.type, index, tuple(input_specs), tuple(born_bytes), tuple(map(tuple, steps)),
                                         tuple(output_specs), tuple(epochs), fastcall.PLAIN_TYPES, make_current,
-                                        autocast)
+                                        autocast, len(keep_born), consumed)
     return capsule
 
 
@@ -235,22 +243,23 @@ def _step(entry: tuple, n: int, layout: Layout) -> list:
     return [LAUNCH, kernel, tuple(layout.place(int(value), n) for value in args), (), (), False, 0.0]
 
 
-def _schedule(steps: list, layout: Layout, outputs: set) -> None:
-    """Each step's born buffers to allocate before it (first use) and release after it (last use,
-    unless an output views the buffer)."""
-    allocate = [[] for _ in steps] + [[]]
-    release = [[] for _ in steps] + [[]]
-    for k in range(len(layout.born)):
-        first = layout.first_use.get(k)
-        if first is None:
-            if k in outputs:  # an output never written by a step (an empty tensor's): made before the first
-                allocate[0].append(k)
-            continue
-        allocate[first].append(k)
-        if k not in outputs:
-            release[min(layout.last_use[k], len(steps) - 1)].append(k)
+def _schedule(steps: list, layout: Layout, viewed: set, consumed: range) -> None:
+    """Each step's born buffers to allocate before it (first use), and the buffers to release after
+    it (last use): born ones, and the consumed inputs', unless an output views the buffer."""
     if not steps:
         raise Refused("a call with no steps")
+    n_inputs = len(layout.inputs)
+    allocate = [[] for _ in steps]
+    release = [[] for _ in steps]
+    for k in range(len(layout.born)):
+        first = layout.first_use.get(n_inputs + k, len(steps))
+        if first < len(steps):
+            allocate[first].append(k)
+        elif n_inputs + k in viewed:  # an output no step writes (an empty tensor's): made before the first
+            allocate[0].append(k)
+    for buffer in [*consumed, *range(n_inputs, n_inputs + len(layout.born))]:
+        if buffer not in viewed and buffer in layout.last_use:
+            release[min(layout.last_use[buffer], len(steps) - 1)].append(buffer)
     for step, made, dropped in zip(steps, allocate, release):
         step += [tuple(made), tuple(dropped)]
 

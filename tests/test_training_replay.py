@@ -253,3 +253,25 @@ def test_the_16_bit_size_threshold_is_waived_where_training_calls_are_replayed(m
         module.__dict__["_training_replay_refused"] = "an operation a trace cannot take"
         assert not training_replay.replays(module, x)
         assert dispatch.trains_through_reference(module, "bfloat16", (x, mask))
+
+
+def test_a_state_passes_a_forwards_buffers_to_its_backward_which_consumes_them():
+    """A trace's kept buffers come back in one State; the trace that reads them takes them out of
+    it (freeing each after its last use), so a second run on the same State is refused."""
+    x = torch.randn(16)
+    with replay.Tracing() as forward:
+        y = x.double()      # kept for the "backward"
+        out = y.float()
+    keep = replay.build(x.device, [x], forward, [out], held=[], epochs=[], keep_born=[y])
+    kept_bytes = torch.empty(0, dtype=torch.uint8).set_(y.untyped_storage())
+    with replay.Tracing() as backward:
+        grad = y.sum(0, keepdim=True)
+    take = replay.build(x.device, [x, kept_bytes], backward, [grad], held=[], epochs=[], consumed=1)
+    run_trace = native.fastcall().run_trace
+    x2 = torch.randn(16)
+    out2, state = run_trace(keep, 0, x2)
+    assert torch.equal(out2, x2) and type(state).__name__ == "PyCapsule"
+    assert run_trace(take, 0, torch.randn(3), state) is None  # refused before taking anything
+    (grad2,) = run_trace(take, 0, x2, state)
+    assert torch.equal(grad2, x2.double().sum(0, keepdim=True))
+    assert run_trace(take, 0, x2, state) is None, "a consumed State is not run again"

@@ -66,12 +66,13 @@ def replayed_call(module, tensors: tuple):
 
 class ReplayedClosedForm(torch.autograd.Function):
     """SavedClosedForm's call replayed from compiled code (training_replay.py): `result` is the
-    forward's trace's (the output, then the buffers the backward reads), run before this Function
-    (training_replay.replayed_call); the backward runs the backward's trace on them."""
+    forward's trace's (the output, and a State of the buffers the backward reads), run before this
+    Function (replayed_call); the backward runs the backward's trace, which consumes the State."""
 
     @staticmethod
     def forward(ctx, entry, module, result, *tensors):
-        ctx.entry, ctx.module, ctx.tensors, ctx.kept = entry, module, tensors, result[1:]
+        ctx.entry, ctx.module, ctx.tensors = entry, module, tensors
+        ctx.kept = result[1:]  # (the State,), or () where the backward reads nothing the forward made
         # as the forward ran, for a backward that recomputes
         ctx.autocast = (entry.autocast is not None, entry.autocast or torch.get_autocast_dtype("cuda"))
         return result[0]
@@ -93,7 +94,8 @@ class ReplayedClosedForm(torch.autograd.Function):
 
 def backward_outputs(entry: TrainingReplay, grad_out: torch.Tensor, tensors: tuple, kept: tuple):
     """The gradients of a replayed call's inputs and weights (None for those it makes none of), or
-    None where its backward's trace does not take this incoming gradient even made contiguous."""
+    None where its backward's trace does not take this incoming gradient even made contiguous.
+    kept: (the State the forward's trace returned,) or (), which the backward's trace consumes."""
     run_trace = native.fastcall().run_trace
     stream = entry.stream()
     grads = run_trace(entry.backward, stream, grad_out, *tensors, *kept)
@@ -144,7 +146,7 @@ class Recorder:
         try:
             # The backward runs without autocast whatever the caller's (autograd's worker thread has its own).
             backward = replay.build(grad_out.device, [grad_out, *self.inputs, *kept], trace, outputs, self._held(),
-                                    replay.epochs(), autocast=current_autocast())
+                                    replay.epochs(), autocast=current_autocast(), consumed=len(kept))
         except replay.Refused as refused:
             module.__dict__["_training_replay_refused"] = str(refused)
             return grads

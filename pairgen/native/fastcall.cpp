@@ -438,7 +438,8 @@ struct Step {
   std::vector<int64_t> dims;       // sum: the dims summed; cat: {the dim}
   bool keepdim = false;
   double value = 0;                         // fill's
-  std::vector<int32_t> allocate, release;  // born buffers made before this step / dropped after it
+  std::vector<int32_t> allocate;  // born buffers (their index among the born) made before this step
+  std::vector<int32_t> release;   // buffers (born, or inputs the call consumes) dropped after it
 };
 
 struct Trace {
@@ -451,10 +452,25 @@ struct Trace {
   std::vector<Epoch> epochs;
   PyObject* make_current = nullptr;  // makes the device's context current on a thread that has none
   int autocast = -1;                 // the CUDA autocast dtype it was recorded under; -1: none
+  size_t state_outputs = 0;          // the last this-many outputs are returned in one State
+  size_t state_inputs = 0;           // the last this-many inputs come in a State (the last argument), consumed
   std::vector<PyObject*> owned;
 };
 
 const char* kTraceName = "pairgen.Trace";
+
+// Buffers one trace hands to another and nobody else holds (a forward's kept intermediates for its
+// backward): the backward takes them out, so that each is freed after its last use there, as the
+// Python path frees its saved intermediates while its backward runs.
+struct State {
+  std::vector<at::Tensor> tensors;
+};
+
+const char* kStateName = "pairgen.TraceState";
+
+void release_state(PyObject* capsule) {
+  delete static_cast<State*>(PyCapsule_GetPointer(capsule, kStateName));
+}
 
 
 Place parse_place(PyObject* pair) {
@@ -525,27 +541,38 @@ void check_trace(const Trace& trace) {
       if (!inside(place)) throw std::invalid_argument("a launch argument outside the trace's buffers");
     for (const TensorRef& ref : step.tensors)
       if (ref.place.buffer < 0 || !inside(ref.place)) throw std::invalid_argument("a tensor outside the trace's buffers");
-    for (const auto* list : {&step.allocate, &step.release})
-      for (int32_t born : *list)
-        if (born < 0 || born >= static_cast<int32_t>(trace.born_bytes.size()))
-          throw std::invalid_argument("a born buffer that does not exist");
+    for (int32_t born : step.allocate)
+      if (born < 0 || born >= static_cast<int32_t>(trace.born_bytes.size()))
+        throw std::invalid_argument("a born buffer that does not exist");
+    const auto consumed = static_cast<int32_t>(trace.inputs.size() - trace.state_inputs);
+    for (int32_t buffer : step.release)
+      if (buffer < consumed || buffer >= buffers)  // an input's buffer is the caller's unless it came in a State
+        throw std::invalid_argument("a released buffer the replay does not own");
   }
   for (const TensorRef& ref : trace.outputs)
     if (!inside(ref.place)) throw std::invalid_argument("an output outside the trace's buffers");
   if (trace.inputs.size() > kMaxInputs) throw std::invalid_argument("too many inputs for a trace");
+  if (trace.state_inputs > trace.inputs.size() || trace.state_outputs > trace.outputs.size())
+    throw std::invalid_argument("a State larger than the inputs or outputs");
 }
 
 // build_trace(device_type, device_index, inputs, born_bytes, steps, outputs, epochs, plain_types,
-//             make_current, autocast) -> capsule
+//             make_current, autocast, state_outputs, state_inputs) -> capsule
 //   inputs: ((sizes, dtype, requires_grad (-1: either)), ...); born_bytes: (bytes, ...);
-//   steps: see parse_step; outputs: (tensor spec or None, ...); autocast: a dtype or None
+//   steps: see parse_step; outputs: (tensor spec or None, ...); autocast: a dtype or None;
+//   state_outputs / state_inputs: see Trace
 PyObject* build_trace(PyObject*, PyObject* args) {
   const char* device_type;
   int device_index;
   PyObject *inputs, *born_bytes, *steps, *outputs, *epochs, *plain_types, *make_current, *autocast;
-  if (!PyArg_ParseTuple(args, "siOOOOOOOO", &device_type, &device_index, &inputs, &born_bytes, &steps, &outputs,
-                        &epochs, &plain_types, &make_current, &autocast))
+  Py_ssize_t state_outputs, state_inputs;
+  if (!PyArg_ParseTuple(args, "siOOOOOOOOnn", &device_type, &device_index, &inputs, &born_bytes, &steps, &outputs,
+                        &epochs, &plain_types, &make_current, &autocast, &state_outputs, &state_inputs))
     return nullptr;
+  if (state_outputs < 0 || state_inputs < 0) {
+    PyErr_SetString(PyExc_ValueError, "a State's size is not negative");
+    return nullptr;
+  }
   return build_capsule<Trace>(kTraceName, release<Trace>, [&](Trace* trace) {
     trace->device = parse_device(device_type, device_index);
     trace->inputs = parse_inputs(inputs);
@@ -564,6 +591,8 @@ PyObject* build_trace(PyObject*, PyObject* args) {
     trace->plain_types = parse_plain_types(plain_types, trace->owned);
     trace->make_current = keep(trace->owned, make_current);
     if (autocast != Py_None) trace->autocast = static_cast<int>(scalar_type(autocast));
+    trace->state_outputs = static_cast<size_t>(state_outputs);
+    trace->state_inputs = static_cast<size_t>(state_inputs);
     if (PyErr_Occurred()) throw std::invalid_argument("a malformed trace");
     check_trace(*trace);
   });
@@ -637,18 +666,52 @@ void run_launch(const Step& step, const Buffers& buffers, void* stream, PyObject
                              std::to_string(code) + ")");
 }
 
-// run_trace(capsule, stream, *inputs) -> the outputs (a tuple; None where the recording had none), or
-// None: the inputs or pairgen's state differ from the recording's, take the Python path.
+// A replay's outputs: views of its buffers, None where the recording had none, the last
+// state_outputs of them (whole buffers) in one State.
+PyObject* trace_outputs(const Trace& trace, const Buffers& buffers) {
+  const size_t views = trace.outputs.size() - trace.state_outputs;
+  PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(views + (trace.state_outputs > 0 ? 1 : 0)));
+  if (result == nullptr) return nullptr;
+  for (size_t k = 0; k < views; ++k) {
+    const TensorRef& ref = trace.outputs[k];
+    PyObject* item = ref.place.buffer < 0 ? (Py_INCREF(Py_None), Py_None)
+                                          : THPVariable_Wrap(output_view(ref, buffers, trace.device));
+    PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(k), item);
+  }
+  if (trace.state_outputs > 0) {
+    auto* state = new State();
+    for (size_t k = views; k < trace.outputs.size(); ++k) state->tensors.push_back(buffers.owner[trace.outputs[k].place.buffer]);
+    PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(views), PyCapsule_New(state, kStateName, release_state));
+  }
+  return result;
+}
+
+// The State a call passes last, holding `count` byte buffers of the sizes `checks` name; else nullptr.
+State* matching_state(PyObject* obj, const std::vector<InputCheck>& checks, size_t first, size_t count,
+                      const at::Device& device) {
+  if (!PyCapsule_IsValid(obj, kStateName)) return nullptr;
+  auto* state = static_cast<State*>(PyCapsule_GetPointer(obj, kStateName));
+  if (state->tensors.size() != count) return nullptr;  // another trace's, or consumed already
+  for (size_t k = 0; k < count; ++k) {
+    const at::Tensor& t = state->tensors[k];
+    if (t.device() != device || !same_sizes(t, checks[first + k].sizes)) return nullptr;
+  }
+  return state;
+}
+
+// run_trace(capsule, stream, *inputs[, state]) -> the outputs (a tuple; None where the recording had
+// none; the last ones in a State where the trace keeps some for another), or None: the inputs or
+// pairgen's state differ from the recording's, take the Python path (a State passed is left whole).
 PyObject* run_trace(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  auto* trace = capsule_argument<Trace>(args, nargs, kTraceName, "run_trace(capsule, stream, *inputs)");
+  auto* trace = capsule_argument<Trace>(args, nargs, kTraceName, "run_trace(capsule, stream, *inputs[, state])");
   if (trace == nullptr) return nullptr;
-  const size_t n_inputs = trace->inputs.size();
-  if (static_cast<size_t>(nargs - 2) != n_inputs) Py_RETURN_NONE;
+  const size_t n_inputs = trace->inputs.size(), given = n_inputs - trace->state_inputs;
+  if (static_cast<size_t>(nargs - 2) != given + (trace->state_inputs > 0 ? 1 : 0)) Py_RETURN_NONE;
   Buffers buffers;
   buffers.base.resize(n_inputs + trace->born_bytes.size());
   buffers.owner.resize(buffers.base.size());
   buffers.owner_offset.assign(buffers.base.size(), 0);
-  for (size_t i = 0; i < n_inputs; ++i) {
+  for (size_t i = 0; i < given; ++i) {
     const InputCheck& want = trace->inputs[i];
     const at::Tensor* t = matching_input(args[2 + i], trace->plain_types, want, trace->device);
     if (t == nullptr || (want.requires_grad >= 0 && t->requires_grad() != (want.requires_grad == 1))) Py_RETURN_NONE;
@@ -656,7 +719,19 @@ PyObject* run_trace(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     buffers.owner[i] = *t;
     buffers.owner_offset[i] = t->storage_offset() * static_cast<int64_t>(t->element_size());
   }
+  State* state = nullptr;
+  if (trace->state_inputs > 0) {
+    state = matching_state(args[2 + given], trace->inputs, given, trace->state_inputs, trace->device);
+    if (state == nullptr) Py_RETURN_NONE;
+  }
   if (!module_unchanged(trace->epochs, trace->autocast)) Py_RETURN_NONE;
+  if (state != nullptr) {  // taken out: from here the replay holds the only reference to each
+    for (size_t k = 0; k < trace->state_inputs; ++k) {
+      buffers.owner[given + k] = std::move(state->tensors[k]);
+      buffers.base[given + k] = reinterpret_cast<int64_t>(buffers.owner[given + k].data_ptr());
+    }
+    state->tensors.clear();
+  }
   try {
     // The recorded operations ran in the dtypes they name (the closed form turns autocast off).
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -675,16 +750,9 @@ PyObject* run_trace(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         run_launch(step, buffers, stream, trace->make_current, n);
       else
         run_operation(step, buffers, trace->device);
-      for (int32_t born : step.release) buffers.owner[n_inputs + born].reset();
+      for (int32_t buffer : step.release) buffers.owner[buffer].reset();
     }
-    PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(trace->outputs.size()));
-    for (size_t k = 0; k < trace->outputs.size(); ++k) {
-      const TensorRef& ref = trace->outputs[k];
-      PyObject* item = ref.place.buffer < 0 ? (Py_INCREF(Py_None), Py_None)
-                                            : THPVariable_Wrap(output_view(ref, buffers, trace->device));
-      PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(k), item);
-    }
-    return result;
+    return trace_outputs(*trace, buffers);
   } catch (const std::exception& e) {  // a failed launch or allocation (out of memory)
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
