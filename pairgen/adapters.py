@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional import (KERNEL_EPS, ClosedFormForCaller, af3_parameters, assign_parameters, closed_form_trains,
-                         empty_trimul, place_of, triangle_multiplicative_update)
-from .module.modes import current_autocast
+from .functional import (KERNEL_EPS, af3_parameters, assign_parameters, closed_form_trains, empty_trimul, place_of,
+                         train_on_callers_weights, triangle_multiplicative_update)
 
 _OPENFOLD = ("linear_a_p", "linear_a_g", "linear_b_p", "linear_b_g", "linear_g", "linear_z", "layer_norm_in",
              "layer_norm_out")
@@ -323,8 +322,8 @@ class PatchedAF3Pytorch(_Patched):
         flat, flat_pair = x.reshape(-1, *x.shape[-3:]), pair.reshape(-1, *x.shape[-3:-1])
         if wants_grad:
             direction = self.direction
-            out = ClosedFormForCaller.apply(module, lambda grads: _af3_pytorch_gradients(grads, direction),
-                                            current_autocast(), flat, flat_pair, *weights.values())
+            out = train_on_callers_weights(module, lambda grads: _af3_pytorch_gradients(grads, direction), flat,
+                                           flat_pair, tuple(weights.values()))
         else:
             out = module(flat, flat_pair)
         dropout = self.source.fn.to_out[1] if len(self.source.fn.to_out) > 1 else None

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .first_use import Pending
+from .module import training_replay
 from .module.autograd import graphless_gradients
 from .module.dispatch import saves_for_backward
 from .module.modes import current_autocast
@@ -159,8 +160,21 @@ def _update(x, direction: str, mask, weights: dict, eps: float, precision: str,
     module = _module_for(weights, direction, precision, x, _key(weights, direction, precision, x))
     # the closed form, its gradients mapped onto the caller's tensors
     names = [n for n, w in weights.items() if w is not None]
-    return ClosedFormForCaller.apply(module, lambda grads: af3_gradients(grads, names), current_autocast(), x, mask,
-                                     *(weights[n] for n in names))
+    return train_on_callers_weights(module, lambda grads: af3_gradients(grads, names), x, mask,
+                                    tuple(weights[n] for n in names))
+
+
+def train_on_callers_weights(module, gather, x: torch.Tensor, mask: torch.Tensor, given: tuple) -> torch.Tensor:
+    """A training call of `module`, whose parameters are views of the caller's weights `given`,
+    through ClosedFormForCaller (gather: see there): replayed in compiled code where a recorded
+    call like it matches (module/training_replay.py), else on the Python path, recorded where it
+    keeps its intermediates."""
+    if module._training_replays:
+        out = training_replay.replayed_call(module, (x, mask, *given))
+        if out is not None:
+            return out
+    recorder = training_replay.caller_recorder(module, (x, mask), given) if saves_for_backward(module, [x, mask]) else None
+    return ClosedFormForCaller.apply(module, gather, current_autocast(), recorder, x, mask, *given)
 
 
 def closed_form_trains(x: torch.Tensor, mask) -> bool:
@@ -183,33 +197,43 @@ class ClosedFormForCaller(torch.autograd.Function):
     fused 2H-row weights)."""
 
     @staticmethod
-    def forward(ctx, module, gather, autocast, x, mask, *weights):
-        ctx.module, ctx.gather, ctx.autocast, ctx.saved = module, gather, autocast, None
+    def forward(ctx, module, gather, autocast, recorder, x, mask, *weights):
+        ctx.module, ctx.gather, ctx.autocast, ctx.saved, ctx.recorder = module, gather, autocast, None, recorder
         if saves_for_backward(module, [x, mask]):
             params = {path: p.detach() for path, p in module.named_parameters()}
-            out, ctx.saved = module.closed_form_forward((x, mask), params)
+            def run():
+                return module.closed_form_forward((x, mask), params)
+            out, ctx.saved = run() if recorder is None else recorder.forward(run)
             return out
         ctx.save_for_backward(x, mask)
         return module(x, mask)
 
     @staticmethod
     def backward(ctx, grad_out):
-        module = ctx.module
+        skipped = 4  # module, gather, autocast, recorder
+        needs = ctx.needs_input_grad[skipped:]  # x, mask, then the weights
+        g = grad_out.detach()
+        def run() -> list:  # the gradients of x, the mask (none) and the caller's weights
+            by_name = _gradients_by_name(ctx, g)
+            caller = ctx.gather(by_name) if any(needs[2:]) else [None] * len(needs[2:])
+            return [by_name["input"], None, *caller]
         with torch.no_grad():
-            if ctx.saved is not None:
-                by_name = module.saved_gradients(module, ctx.saved, grad_out.detach())  # parameter paths and "input"
-            else:
-                x, mask = ctx.saved_tensors
-                named = list(module.named_parameters())
-                grads = module.analytic_gradients([x, mask], [p.detach() for _, p in named], grad_out.detach(),
-                                                  autocast=ctx.autocast)
-                by_name = {"input": grads[0], **{path: g for (path, _), g in zip(named, grads[2:])}}
-        wanted = ctx.needs_input_grad[5:]
-        caller = ctx.gather(by_name) if any(wanted) else [None] * len(wanted)
-        grads = [by_name["input"] if ctx.needs_input_grad[3] else None,
-                 *(g if want else None for g, want in zip(caller, wanted))]
-        grad_x, *weights = graphless_gradients(grad_out, grads)
-        return (None, None, None, grad_x, None, *weights)
+            recorder, ctx.recorder = ctx.recorder, None
+            grads = run() if recorder is None else recorder.backward(run, g, list(needs))
+        grads = [grad if need else None for grad, need in zip(grads, needs)]
+        return (None,) * skipped + tuple(graphless_gradients(grad_out, grads))
+
+
+def _gradients_by_name(ctx, grad_out: torch.Tensor) -> dict:
+    """ClosedFormForCaller's gradients by the module's parameter paths, and "input": from the kept
+    intermediates, or recomputed from the saved inputs."""
+    module = ctx.module
+    if ctx.saved is not None:
+        return module.saved_gradients(module, ctx.saved, grad_out)
+    x, mask = ctx.saved_tensors
+    named = list(module.named_parameters())
+    grads = module.analytic_gradients([x, mask], [p.detach() for _, p in named], grad_out, autocast=ctx.autocast)
+    return {"input": grads[0], **{path: g for (path, _), g in zip(named, grads[2:])}}
 
 
 def af3_gradients(grads: dict, names: list[str]) -> list:

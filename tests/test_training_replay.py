@@ -275,3 +275,36 @@ def test_a_state_passes_a_forwards_buffers_to_its_backward_which_consumes_them()
     (grad2,) = run_trace(take, 0, x2, state)
     assert torch.equal(grad2, x2.double().sum(0, keepdim=True))
     assert run_trace(take, 0, x2, state) is None, "a consumed State is not run again"
+
+
+def test_pairgens_function_trains_replayed_on_the_callers_weights_bit_for_bit():
+    """pairgen.triangle_multiplicative_update with the caller's weights wanting gradients (Boltz's,
+    OpenFold 3's and Protenix's call): recorded at the first call, replayed at the next, the output
+    and every gradient (the fused 2H-row weights' too) those of the Python path."""
+    import pairgen
+    from pairgen import functional
+    from test_functional import weights as caller_weights
+
+    gen = generator(10)
+    w = {k: v.requires_grad_() for k, v in caller_weights(gen, bias=False, dtype=torch.bfloat16, P=128, H=128).items()}
+    x = torch.randn(1, 13, 13, 128, generator=gen).bfloat16().requires_grad_()
+    mask = torch.rand(1, 13, 13, generator=gen) > 0.2
+    g = torch.randn(x.shape, generator=gen).bfloat16()
+
+    def step() -> list:
+        for t in (x, *w.values()):
+            t.grad = None
+        out = pairgen.triangle_multiplicative_update(x, "outgoing", mask, **w)
+        out.backward(g)
+        return [out.detach().clone(), x.grad.clone(), *(t.grad.clone() for t in w.values())]
+
+    with gpu_path_emulated():
+        python = step()
+        module = list(functional._modules.values())[-1]  # the one this call built (the newest)
+        assert len(module._training_replays) == 1, module.__dict__.get("_training_replay_refused")
+        forwards = []
+        module.saving_forward = lambda *a: forwards.append(1) or type(module).saving_forward(*a)
+        replayed = step()
+    assert forwards == [], "the second call ran the Python path"
+    names = ["output", "x", *w]
+    assert [n for n, a, b in zip(names, python, replayed) if not torch.equal(a, b)] == []

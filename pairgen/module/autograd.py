@@ -162,7 +162,11 @@ class SavedClosedForm(torch.autograd.Function):
             return ctx.module.saved_gradients(ctx.module, ctx.saved, g, frozen_names(ctx.names, wanted))
         with torch.no_grad():
             recorder, ctx.recorder = ctx.recorder, None
-            grads = run() if recorder is None else recorder.backward(run, g, needs, dict(zip(ctx.names, wanted)))
+            if recorder is None:
+                grads = run()
+            else:  # the gradients it wants in the recorder's order of the weights
+                by_name = dict(zip(ctx.names, wanted))
+                grads = recorder.backward(run, g, [*needs, *(by_name[n] for n in recorder.names)])
         inputs = [grads[key] if key and need else None for key, need in zip(ctx.module.input_gradients, needs)]
         params = [grads.get(name) if want else None for name, want in zip(ctx.names, wanted)]
         return (None,) * skipped + tuple(graphless_gradients(grad_out, [*inputs, *params]))

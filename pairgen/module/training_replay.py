@@ -106,14 +106,15 @@ def backward_outputs(entry: TrainingReplay, grad_out: torch.Tensor, tensors: tup
 
 
 class Recorder:
-    """Records one SavedClosedForm call, forward then backward, and gives the module the replay."""
+    """Records one closed-form training call, forward then backward, and gives the module the
+    replay (a drop-in module's SavedClosedForm call, or a call of pairgen's function on the
+    caller's weights: functional.ClosedFormForCaller)."""
 
-    def __init__(self, module, inputs: tuple, names: tuple, weights: tuple):
-        """inputs, and the module's weights by `names` (its ParameterSlots' order, which a replay
-        takes them in)."""
-        self.module, self.n_inputs, self.names = module, len(inputs), names
-        self.inputs = (*inputs, *weights)
-        self.requires_grad = [int(t.requires_grad) for t in self.inputs]
+    def __init__(self, module, tensors: tuple, n_inputs: int, gradients_of):
+        """tensors: what a replay takes (the call's inputs, then its weights), which the backward
+        gives gradients of: gradients_of(what the backward's run returns) -> one per tensor."""
+        self.module, self.n_inputs, self.inputs, self.gradients_of = module, n_inputs, tensors, gradients_of
+        self.requires_grad = [int(t.requires_grad) for t in tensors]
         self.autocast = current_autocast()
         self.forward_trace = self.kept = None
 
@@ -130,18 +131,16 @@ class Recorder:
             self.module.__dict__["_training_replay_refused"] = str(refused)
         return out, saved
 
-    def backward(self, run, grad_out: torch.Tensor, input_wanted: tuple, weight_wanted: dict) -> dict:
-        """run() -> the closed form's gradients by name, traced; the replay made where both traces
-        could be and every gradient the inputs' requires_grad asks for is wanted (input_wanted per
-        input, weight_wanted by name): a replay makes those gradients."""
-        wanted = [*map(int, input_wanted), *(int(weight_wanted[n]) for n in self.names)]
-        if self.forward_trace is None or wanted != self.requires_grad:
+    def backward(self, run, grad_out: torch.Tensor, wanted: list):
+        """run() -> the backward's result (gradients_of maps it), traced; the replay made where both
+        traces could be and exactly the gradients the tensors' requires_grad asks for are wanted
+        (`wanted`, one per tensor): a replay makes those."""
+        if self.forward_trace is None or [int(w) for w in wanted] != self.requires_grad:
             return run()
         with replay.Tracing() as trace:
-            grads = run()
+            result = run()
         module = self.module
-        outputs = [grads[key] if key else None for key in module.input_gradients] + [grads.get(n) for n in self.names]
-        outputs = [g if w else None for g, w in zip(outputs, wanted)]
+        outputs = [g if w else None for g, w in zip(self.gradients_of(result), wanted)]
         kept = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()) for t in self.kept]
         try:
             # The backward runs without autocast whatever the caller's (autograd's worker thread has its own).
@@ -149,12 +148,12 @@ class Recorder:
                                     replay.epochs(), autocast=current_autocast(), consumed=len(kept))
         except replay.Refused as refused:
             module.__dict__["_training_replay_refused"] = str(refused)
-            return grads
+            return result
         device = grad_out.device
         entry = TrainingReplay(self.forward_trace, backward, self.n_inputs, settings(module),
                                -1 if device.type != "cuda" else device.index, self.autocast)
         module.__dict__["_training_replays"] = (entry,) + module._training_replays[: MAX_REPLAYS - 1]
-        return grads
+        return result
 
     def _held(self) -> list:
         return self.module._held_for_fast_calls()
@@ -195,9 +194,30 @@ def recorder_for(module, inputs: tuple, names: tuple, params: tuple) -> "Recorde
     weights = slots.weights().tensors
     if len(by_name) != len(weights) or any(by_name.get(n) is not w for n, w in zip(slots.names, weights)):
         return None
+    if not _may_record(module):
+        return None
+    def gradients_of(grads: dict) -> list:
+        return [grads[key] if key else None for key in module.input_gradients] + [grads.get(n) for n in slots.names]
+    recorder = Recorder(module, (*inputs, *weights), len(inputs), gradients_of)
+    recorder.names = slots.names  # the weights' order, by which SavedClosedForm says which gradients it wants
+    return recorder
+
+
+def caller_recorder(module, inputs: tuple, weights: tuple) -> "Recorder | None":
+    """A Recorder for a call of pairgen's function on the caller's weights (the module's parameters
+    are views of them): its backward's run returns the gradients of inputs then weights, in order."""
+    if (native.fastcall() is None or torch.compiler.is_compiling()
+            or (inputs[0].is_cuda and torch.cuda.is_current_stream_capturing()) or not _may_record(module)):
+        return None
+    return Recorder(module, (*inputs, *weights), len(inputs), list)
+
+
+def _may_record(module) -> bool:
+    """Whether this slow call of the module may record (fastcall.may_record: backing off where
+    recordings keep going stale); counted."""
     counts = module.__dict__.setdefault("_training_record_counts", [0, 0])  # slow calls, recordings
     counts[0] += 1
     if not fastcall.may_record(*counts):
-        return None
+        return False
     counts[1] += 1
-    return Recorder(module, inputs, slots.names, weights)
+    return True
