@@ -73,3 +73,43 @@ def test_replayed_training_calls_under_autocast_match_the_python_path():
     for mine, theirs in zip(replayed, python):
         assert mine.dtype is theirs.dtype
         assert ((mine.double() - theirs.double()).norm() / theirs.double().norm()).item() <= 1e-3
+
+
+def test_pairgens_function_trains_replayed_on_the_callers_weights():
+    """pairgen.triangle_multiplicative_update as Boltz, OpenFold 3 and Protenix call it in training
+    (bf16, their weights wanting gradients, fused 2H-row input weights): the second call replayed,
+    its output and gradients those of the first, on memory full of NaN."""
+    import pairgen
+    from pairgen import functional
+
+    gen = generator(13)
+    P = H = 128
+    w = {"norm_in_weight": 1 + 0.1 * torch.randn(P, generator=gen), "norm_in_bias": 0.1 * torch.randn(P, generator=gen),
+         "p_in_weight": torch.randn(2 * H, P, generator=gen) / P ** 0.5,
+         "g_in_weight": torch.randn(2 * H, P, generator=gen) / P ** 0.5,
+         "norm_out_weight": 1 + 0.1 * torch.randn(H, generator=gen), "norm_out_bias": 0.1 * torch.randn(H, generator=gen),
+         "p_out_weight": torch.randn(P, H, generator=gen) / H ** 0.5, "g_out_weight": torch.randn(P, P, generator=gen) / P ** 0.5}
+    w = {k: v.cuda().bfloat16().requires_grad_() for k, v in w.items()}
+    x = torch.randn(1, 77, 77, P, generator=gen).cuda().bfloat16()
+    mask = (torch.rand(1, 77, 77, generator=gen) > 0.2).cuda()
+    g = torch.randn(x.shape, generator=gen).cuda().bfloat16()
+
+    def step() -> list:
+        leaf = x.detach().requires_grad_()
+        for t in w.values():
+            t.grad = None
+        out = pairgen.triangle_multiplicative_update(leaf, "outgoing", mask, **w)
+        out.backward(g)
+        return [out.detach(), leaf.grad, *(t.grad for t in w.values())]
+
+    python = step()
+    module = list(functional._modules.values())[-1]
+    assert len(module._training_replays) == 1, module.__dict__.get("_training_replay_refused")
+    forwards = []
+    module.saving_forward = lambda *a: forwards.append(1) or type(module).saving_forward(*a)
+    _nan_filled_cache()
+    replayed = step()
+    assert forwards == [], "the second call ran the Python path"
+    for mine, theirs in zip(replayed, python):
+        assert torch.isfinite(mine).all()
+        assert ((mine.double() - theirs.double()).norm() / theirs.double().norm()).item() <= 1e-3
