@@ -308,3 +308,23 @@ def test_pairgens_function_trains_replayed_on_the_callers_weights_bit_for_bit():
     assert forwards == [], "the second call ran the Python path"
     names = ["output", "x", *w]
     assert [n for n, a, b in zip(names, python, replayed) if not torch.equal(a, b)] == []
+
+
+def test_an_fp32_module_under_a_bf16_autocast_is_replayed_bit_for_bit():
+    """The README's training example's triangle update (fp32, P64 H32, under a bf16 autocast, as
+    the models train): its weights cast and its gradients cast back inside the traces."""
+    from pairgen.ops.trimul import TRIMUL
+
+    widths = {"P": 64, "H": 32, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+    gen = generator(14)
+    module = TRIMUL.make_module(widths, gen)
+    x, mask = TRIMUL.make_inputs({"B": 2, "N": 9, **widths}, gen, "cauchy")
+    x.requires_grad_()
+    g = torch.randn(x.shape, generator=gen).bfloat16()
+    with gpu_path_emulated(), cuda_autocast(torch.bfloat16):
+        python = _step(module, x, mask, g, replayed=False)
+        assert len(module._training_replays) == 1, module.__dict__.get("_training_replay_refused")
+        replayed = _step(module, x, mask, g, replayed=True)
+    assert python[0].dtype is torch.bfloat16 and python[2].dtype is torch.float32
+    names = ["output", "x", *(n for n, _ in module.named_parameters())]
+    assert [n for n, a, b in zip(names, python, replayed) if not torch.equal(a, b)] == []
