@@ -279,8 +279,9 @@ def test_a_state_passes_a_forwards_buffers_to_its_backward_which_consumes_them()
 
 def test_pairgens_function_trains_replayed_on_the_callers_weights_bit_for_bit():
     """pairgen.triangle_multiplicative_update with the caller's weights wanting gradients (Boltz's,
-    OpenFold 3's and Protenix's call): recorded at the first call, replayed at the next, the output
-    and every gradient (the fused 2H-row weights' too) those of the Python path."""
+    OpenFold 3's and Protenix's call): recorded at the second call on the same weights (a first
+    call's module may be one made for that call alone), replayed at the next, the output and every
+    gradient (the fused 2H-row weights' too) those of the Python path."""
     import pairgen
     from pairgen import functional
     from test_functional import weights as caller_weights
@@ -301,6 +302,8 @@ def test_pairgens_function_trains_replayed_on_the_callers_weights_bit_for_bit():
     with gpu_path_emulated():
         python = step()
         module = list(functional._modules.values())[-1]  # the one this call built (the newest)
+        assert module._training_replays == ()
+        assert all(torch.equal(a, b) for a, b in zip(step(), python))
         assert len(module._training_replays) == 1, module.__dict__.get("_training_replay_refused")
         forwards = []
         module.saving_forward = lambda *a: forwards.append(1) or type(module).saving_forward(*a)
@@ -328,3 +331,26 @@ def test_an_fp32_module_under_a_bf16_autocast_is_replayed_bit_for_bit():
     assert python[0].dtype is torch.bfloat16 and python[2].dtype is torch.float32
     names = ["output", "x", *(n for n, _ in module.named_parameters())]
     assert [n for n, a, b in zip(names, python, replayed) if not torch.equal(a, b)] == []
+
+
+def test_a_caller_whose_weights_are_new_every_call_records_nothing():
+    """LayerNorm affines left out are made per call, so each call gets a module of its own: none
+    records (a recording per call would only add its cost)."""
+    import pairgen
+    from pairgen import functional
+    from test_functional import weights as caller_weights
+
+    gen = generator(15)
+    w = caller_weights(gen, bias=False, dtype=torch.bfloat16, P=128, H=128)
+    for name in ("norm_in_bias", "norm_out_bias"):
+        del w[name]
+    w = {k: v.requires_grad_() for k, v in w.items()}
+    x = torch.randn(1, 7, 7, 128, generator=gen).bfloat16().requires_grad_()
+    mask = torch.ones(1, 7, 7, dtype=torch.bool)
+    recorded = []
+    real = training_replay.Recorder.__init__
+    with gpu_path_emulated(), mock.patch.object(training_replay.Recorder, "__init__",
+                                                lambda self, *a: recorded.append(1) or real(self, *a)):
+        for _ in range(3):
+            pairgen.triangle_multiplicative_update(x, "outgoing", mask, **w).sum().backward()
+    assert recorded == [] and not any(m._training_replays for m in functional._modules.values())

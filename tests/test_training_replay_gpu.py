@@ -77,8 +77,8 @@ def test_replayed_training_calls_under_autocast_match_the_python_path():
 
 def test_pairgens_function_trains_replayed_on_the_callers_weights():
     """pairgen.triangle_multiplicative_update as Boltz, OpenFold 3 and Protenix call it in training
-    (bf16, their weights wanting gradients, fused 2H-row input weights): the second call replayed,
-    its output and gradients those of the first, on memory full of NaN."""
+    (bf16, their weights wanting gradients, fused 2H-row input weights): the third call replayed
+    (the second recorded), its output and gradients those of the first, on memory full of NaN."""
     import pairgen
     from pairgen import functional
 
@@ -104,6 +104,8 @@ def test_pairgens_function_trains_replayed_on_the_callers_weights():
 
     python = step()
     module = list(functional._modules.values())[-1]
+    assert module._training_replays == ()  # recorded at the module's second call
+    step()
     assert len(module._training_replays) == 1, module.__dict__.get("_training_replay_refused")
     forwards = []
     module.saving_forward = lambda *a: forwards.append(1) or type(module).saving_forward(*a)

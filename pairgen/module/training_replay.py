@@ -205,7 +205,13 @@ def recorder_for(module, inputs: tuple, names: tuple, params: tuple) -> "Recorde
 
 def caller_recorder(module, inputs: tuple, weights: tuple) -> "Recorder | None":
     """A Recorder for a call of pairgen's function on the caller's weights (the module's parameters
-    are views of them): its backward's run returns the gradients of inputs then weights, in order."""
+    are views of them): its backward's run returns the gradients of inputs then weights, in order.
+    Not at a kept module's first call: a caller whose weights are new tensors on every call (a
+    LayerNorm affine left out is made per call) gets a new module every call, which would record
+    every time and never replay."""
+    if "_training_record_counts" not in module.__dict__:
+        module.__dict__["_training_record_counts"] = [1, 0]
+        return None
     if (native.fastcall() is None or torch.compiler.is_compiling()
             or (inputs[0].is_cuda and torch.cuda.is_current_stream_capturing()) or not _may_record(module)):
         return None
