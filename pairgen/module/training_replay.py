@@ -1,10 +1,11 @@
-"""A drop-in module's closed-form training calls recorded once and replayed from compiled code
-(pairgen/replay.py says how a call is recorded and what is refused).
+"""Closed-form training calls recorded once and replayed from compiled code (pairgen/replay.py says
+how a call is recorded and what is refused): a drop-in module's (SavedClosedForm), and pairgen's
+function's on the caller's weights (functional.ClosedFormForCaller).
 
-The first calls of a signature run SavedClosedForm on the Python path, recorded (a Recorder rides
-along: the forward's trace when the forward ends, the backward's when it ends); the replay made of
-both is kept on the module, and later calls whose inputs match it run ReplayedClosedForm: the
-forward's trace, then, when autograd asks, the backward's. A module setting that changes how a
+The first calls of a signature run on the Python path, recorded (a Recorder rides along: the
+forward's trace when the forward ends, the backward's when it ends); the replay made of both is
+kept on the module, and later calls whose inputs match it run ReplayedClosedForm: the forward's
+trace, then, when autograd asks, the backward's. A module setting that changes how a
 training call runs drops the replays (forget_fast_calls) or, for the plain attributes, refuses
 them (SETTINGS).
 """
@@ -65,7 +66,7 @@ def replayed_call(module, tensors: tuple):
 
 
 class ReplayedClosedForm(torch.autograd.Function):
-    """SavedClosedForm's call replayed from compiled code (training_replay.py): `result` is the
+    """A recorded training call replayed from compiled code: `result` is the
     forward's trace's (the output, and a State of the buffers the backward reads), run before this
     Function (replayed_call); the backward runs the backward's trace, which consumes the State."""
 
