@@ -349,8 +349,11 @@ def test_a_caller_whose_weights_are_new_every_call_records_nothing():
     mask = torch.ones(1, 7, 7, dtype=torch.bool)
     recorded = []
     real = training_replay.Recorder.__init__
+    before = set(map(id, functional._modules.values()))
     with gpu_path_emulated(), mock.patch.object(training_replay.Recorder, "__init__",
                                                 lambda self, *a: recorded.append(1) or real(self, *a)):
         for _ in range(3):
             pairgen.triangle_multiplicative_update(x, "outgoing", mask, **w).sum().backward()
-    assert recorded == [] and not any(m._training_replays for m in functional._modules.values())
+    made = [m for m in functional._modules.values() if id(m) not in before]
+    assert len(made) == 3, "a module per call"
+    assert recorded == [] and not any(m._training_replays for m in made)
