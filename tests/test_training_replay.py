@@ -357,3 +357,11 @@ def test_a_caller_whose_weights_are_new_every_call_records_nothing():
     made = [m for m in functional._modules.values() if id(m) not in before]
     assert len(made) == 3, "a module per call"
     assert recorded == [] and not any(m._training_replays for m in made)
+
+
+def test_a_module_whose_recording_was_refused_records_no_more():
+    module, x, mask, g = _module_and_inputs(16, 9)
+    module.__dict__["_training_replay_refused"] = "an operation a trace cannot take"
+    with gpu_path_emulated():
+        _step(module, x, mask, g, replayed=False)
+    assert module._training_replays == () and "_training_record_counts" not in module.__dict__

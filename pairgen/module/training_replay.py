@@ -220,8 +220,11 @@ def caller_recorder(module, inputs: tuple, weights: tuple) -> "Recorder | None":
 
 
 def _may_record(module) -> bool:
-    """Whether this slow call of the module may record (fastcall.may_record: backing off where
-    recordings keep going stale); counted."""
+    """Whether this slow call of the module may record: not after a refused recording (what a trace
+    cannot take is in the op's computation, and tracing costs a call host time), and backing off
+    where recordings keep going stale (fastcall.may_record); counted."""
+    if "_training_replay_refused" in module.__dict__:
+        return False
     counts = module.__dict__.setdefault("_training_record_counts", [0, 0])  # slow calls, recordings
     counts[0] += 1
     if not fastcall.may_record(*counts):
