@@ -88,16 +88,23 @@ def recording():
         del launch.RECORDING[ident], _NOTED[ident]
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int]:
+def extent(t: torch.Tensor) -> tuple[int, int]:
+    """(first byte, one past the last) of a contiguous tensor's data."""
     start = t.data_ptr()
     return start, start + t.numel() * t.element_size()
+
+
+def is_constant(value: int, held: list) -> bool:
+    """Whether an argument a recording keeps as it is: a small integer (shapes, counts, flags) or an
+    address inside a tensor the module holds (held: their extents)."""
+    return -SMALL_INTEGERS < value < SMALL_INTEGERS or any(start <= value < end for start, end in held)
 
 
 def _scratch_layout(scratch: list) -> tuple[list, int]:
     """[(start, end, offset in the replay's buffer)] per noted buffer, and the total bytes."""
     layout, total = [], 0
     for t in scratch:
-        start, end = _extent(t)
+        start, end = extent(t)
         layout.append((start, end, total))
         total = -(-(total + end - start) // SCRATCH_ALIGNMENT) * SCRATCH_ALIGNMENT
     return layout, total
@@ -113,7 +120,7 @@ def classify(value: int, inputs: dict, out: tuple, scratch: list, held: list) ->
     for start, end, offset in scratch:
         if start <= value < end:
             return 3, offset + value - start
-    if -SMALL_INTEGERS < value < SMALL_INTEGERS or any(start <= value < end for start, end in held):
+    if is_constant(value, held):
         return 0, value
     return None
 
@@ -131,8 +138,8 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, held:
     extents = sorted((start, end) for start, end, _ in scratch_layout)
     if any(later[0] < earlier[1] for earlier, later in zip(extents, extents[1:])):
         return None  # a noted buffer freed during the call and its memory noted again: addresses would be ambiguous
-    out_extent = _extent(out)
-    held_extents = [_extent(t) for t in held]
+    out_extent = extent(out)
+    held_extents = [extent(t) for t in held]
     specs = []
     for bound, args in launches:
         if bound is PRODUCT:

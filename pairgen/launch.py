@@ -57,10 +57,15 @@ def _cuda_core():
     return cc
 
 
+def make_context_current(index: int) -> None:
+    """Make the device's primary context (the one torch uses) current on this thread."""
+    _cuda_core().Device(index).set_current()
+
+
 def _ensure_device(index: int) -> None:
     if index not in _current_device_set:
         torch.cuda.init()
-        _cuda_core().Device(index).set_current()  # the primary context, shared with torch
+        make_context_current(index)
         _current_device_set.add(index)
 
 
@@ -169,7 +174,7 @@ def _function_of(kernel, device_index: int):
     if isinstance(handle, driver.CUkernel):
         err, function = driver.cuKernelGetFunction(handle)
         if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
-            _cuda_core().Device(device_index).set_current()
+            make_context_current(device_index)
             err, function = driver.cuKernelGetFunction(handle)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise LaunchError(f"cuKernelGetFunction failed: {err}")
@@ -311,7 +316,7 @@ class BoundLaunch:
                 # its own, where nothing may have touched CUDA before pairgen's first launch. The
                 # device's primary context is made current there (once per thread) and the launch
                 # retried; checking before every launch would cost each call its host time.
-                _cuda_core().Device(self._device_index).set_current()
+                make_context_current(self._device_index)
                 code = self._launch_written()
         if code:
             self.kernel._failed(code, self.grid, self.block, self.smem)

@@ -23,6 +23,7 @@ integers, is refused at recording and keeps the Python path.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import NamedTuple
 
@@ -133,11 +134,6 @@ class Tracing:
         return self._tracer.refused
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
 def storage_extent(t: torch.Tensor) -> tuple[int, int]:
     storage = t.untyped_storage()
     return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
@@ -148,14 +144,14 @@ class Layout:
     (by their extents), then the module's held tensors and small integers (constants)."""
 
     def __init__(self, inputs: list, born: list, held: list):
-        self.inputs = [_extent(t) for t in inputs]
+        self.inputs = [fastcall.extent(t) for t in inputs]
         if any(s < e2 and s2 < e for i, (s, e) in enumerate(self.inputs) for s2, e2 in self.inputs[i + 1:]):
             raise Refused("two inputs overlap: a replay could not tell them apart")
         extents = sorted({storage_extent(t) for t in born})
         if any(later[0] < earlier[1] for earlier, later in zip(extents, extents[1:])):
             raise Refused("two born buffers overlap")
         self.born = extents
-        self.held = [_extent(t) for t in held]
+        self.held = [fastcall.extent(t) for t in held]
         self.first_use, self.last_use = {}, {}
 
     def place(self, address: int, step: int, constant_ok: bool = True) -> tuple[int, int]:
@@ -167,8 +163,7 @@ class Layout:
         for k, (start, end) in enumerate(self.born):
             if start <= address < end:
                 return self._used(len(self.inputs) + k, step), address - start
-        if constant_ok and (-fastcall.SMALL_INTEGERS < address < fastcall.SMALL_INTEGERS
-                            or any(start <= address < end for start, end in self.held)):
+        if constant_ok and fastcall.is_constant(address, self.held):
             return -1, address
         raise Refused(f"a pointer ({address:#x}) into nothing the replay can make")
 
@@ -223,7 +218,7 @@ def build(device: torch.device, inputs: list, trace: Tracing, outputs: list, hel
     input_specs = [(tuple(t.shape), t.dtype, -1 if requires_grad is None else requires_grad[i])
                    for i, t in enumerate(inputs)]
     index = -1 if device.index is None else device.index
-    make_current = (lambda: launch._cuda_core().Device(index).set_current()) if device.type == "cuda" else (lambda: None)
+    make_current = functools.partial(launch.make_context_current, index) if device.type == "cuda" else (lambda: None)
     capsule = native_module.build_trace(device.type, index, tuple(input_specs), tuple(born_bytes), tuple(map(tuple, steps)),
                                         tuple(output_specs), tuple(epochs), fastcall.PLAIN_TYPES, make_current,
                                         autocast, len(keep_born), consumed)

@@ -111,10 +111,12 @@ class Recorder:
     replay (a drop-in module's SavedClosedForm call, or a call of pairgen's function on the
     caller's weights: functional.ClosedFormForCaller)."""
 
-    def __init__(self, module, tensors: tuple, n_inputs: int, gradients_of):
-        """tensors: what a replay takes (the call's inputs, then its weights), which the backward
-        gives gradients of: gradients_of(what the backward's run returns) -> one per tensor."""
+    def __init__(self, module, tensors: tuple, n_inputs: int, gradients_of, names: tuple = ()):
+        """tensors: what a replay takes (the call's inputs, then its weights, by `names` where they
+        are a module's parameters), which the backward gives gradients of: gradients_of(what the
+        backward's run returns) -> one per tensor."""
         self.module, self.n_inputs, self.inputs, self.gradients_of = module, n_inputs, tensors, gradients_of
+        self.names = names
         self.requires_grad = [int(t.requires_grad) for t in tensors]
         self.autocast = current_autocast()
         self.forward_trace = self.kept = None
@@ -180,28 +182,21 @@ def replays(module, first: torch.Tensor) -> bool:
 
 
 def recorder_for(module, inputs: tuple, names: tuple, params: tuple) -> "Recorder | None":
-    """A Recorder for this SavedClosedForm call where it may be recorded: the compiled module is
-    built, no torch.compile tracing or stream capture, the call returns what the
-    closed form makes (no output_dtype cast after it), the module's weights are these parameters in
-    its own order, and the module has not recorded too often (fastcall.may_record)."""
-    if (native.fastcall() is None or torch.compiler.is_compiling()
-            or (inputs[0].is_cuda and torch.cuda.is_current_stream_capturing())
-            or module._wanted_output() is not None):
-        return None
+    """A Recorder for this SavedClosedForm call where it may be recorded (_may_record), the call
+    returns what the closed form makes (no output_dtype cast after it) and the module's weights are
+    these parameters, which the replay takes in its own order."""
     slots = module.__dict__.get("_slots")
-    if slots is None:
+    if slots is None or module._wanted_output() is not None:
         return None
     by_name = dict(zip(names, params))
     weights = slots.weights().tensors
     if len(by_name) != len(weights) or any(by_name.get(n) is not w for n, w in zip(slots.names, weights)):
         return None
-    if not _may_record(module):
+    if not _may_record(module, inputs[0]):
         return None
     def gradients_of(grads: dict) -> list:
         return [grads[key] if key else None for key in module.input_gradients] + [grads.get(n) for n in slots.names]
-    recorder = Recorder(module, (*inputs, *weights), len(inputs), gradients_of)
-    recorder.names = slots.names  # the weights' order, by which SavedClosedForm says which gradients it wants
-    return recorder
+    return Recorder(module, (*inputs, *weights), len(inputs), gradients_of, slots.names)
 
 
 def caller_recorder(module, inputs: tuple, weights: tuple) -> "Recorder | None":
@@ -213,17 +208,19 @@ def caller_recorder(module, inputs: tuple, weights: tuple) -> "Recorder | None":
     if "_training_record_counts" not in module.__dict__:
         module.__dict__["_training_record_counts"] = [1, 0]
         return None
-    if (native.fastcall() is None or torch.compiler.is_compiling()
-            or (inputs[0].is_cuda and torch.cuda.is_current_stream_capturing()) or not _may_record(module)):
+    if not _may_record(module, inputs[0]):
         return None
     return Recorder(module, (*inputs, *weights), len(inputs), list)
 
 
-def _may_record(module) -> bool:
-    """Whether this slow call of the module may record: not after a refused recording (what a trace
-    cannot take is in the op's computation, and tracing costs a call host time), and backing off
-    where recordings keep going stale (fastcall.may_record); counted."""
-    if "_training_replay_refused" in module.__dict__:
+def _may_record(module, first: torch.Tensor) -> bool:
+    """Whether this slow call of the module (its first input `first`) may record: the compiled
+    module built, no torch.compile tracing or stream capture, no refused recording before (what a
+    trace cannot take is in the op's computation, and tracing costs a call host time), and backing
+    off where recordings keep going stale (fastcall.may_record); counted."""
+    if (native.fastcall() is None or torch.compiler.is_compiling()
+            or (first.is_cuda and torch.cuda.is_current_stream_capturing())
+            or "_training_replay_refused" in module.__dict__):
         return False
     counts = module.__dict__.setdefault("_training_record_counts", [0, 0])  # slow calls, recordings
     counts[0] += 1

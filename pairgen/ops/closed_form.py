@@ -97,8 +97,8 @@ def in_dtypes(grads: dict[str, torch.Tensor], input_dtype: torch.dtype,
     grads["input"] = as_dtype(grads["input"], input_dtype)
     if isinstance(param_dtypes, torch.dtype):
         for name, grad in grads.items():
-            if grad.dtype is not param_dtypes and name != "input":
-                grads[name] = grad.to(param_dtypes)
+            if name != "input":
+                grads[name] = as_dtype(grad, param_dtypes)
         return grads
     for name, dtype in param_dtypes.items():
         if name in grads:
