@@ -495,6 +495,42 @@ def assert_readout_max_kernels_match_pytorch(device: str, dtype, B: int, N: int,
     assert nan_pooled[0, 1, 0].isnan() and nan_pooled.isnan().sum() == 1 and nan_winners[0, 1, 0] == 0
 
 
+def assert_max_act_grad_is_max_grad_then_act_grad(device: str, dtype, B: int, N: int, D: int, H: int,
+                                                  seed: int) -> None:
+    """fused_backward.max_act_gradient on `device` (the GPU, or the CPU under the emulator) equals
+    max_pool_backward followed by act_gradient bit for bit: d_m, d_pre, d_u and the winners' column
+    sums, for messages with ties in most channels, a node with no edge, a node with one, a NaN
+    message on an edge (its channel's max NaN, no winner), +0 and -0 messages (equal as floats:
+    both win), and a NaN in pre that reaches only its element."""
+    from pairgen.ops.readout import fused_backward
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    m = (torch.randint(-3, 4, (B, N, N, D), device=device, generator=gen) * 0.5).to(dtype)
+    m[0, 0, :, 1] = 0.0
+    m[0, 0, 1::2, 1] = -0.0
+    m[0, 0, :, 1:].clamp_(max=0.0)            # node 0's channel 1 peaks at +-0
+    edge = torch.rand(B, N, N, device=device, generator=gen) < 0.7
+    edge[0, min(3, N - 1)] = False            # no edge
+    edge[B - 1, N - 1] = False
+    edge[B - 1, N - 1, 0] = True              # one edge
+    m[0, 1, 2, 0] = float("nan")
+    edge[0, 1, 2] = True
+    pooled, winners = fused_backward.max_pool(m, edge, 8)
+    d_pooled = torch.randn(B, N, D, device=device, generator=gen)
+    w2 = (torch.randn(D, H, device=device, generator=gen) / D ** 0.5).to(dtype)
+    pre = (torch.randn(B, N, N, H, device=device, generator=gen) * 3).clamp(-12, 12).to(dtype)
+    pre.view(-1)[7] = float("nan")
+
+    d_m, taken = fused_backward.max_pool_backward(m, edge, pooled, winners, d_pooled, 8)
+    d_pre, d_u = fused_backward.act_gradient(d_m, w2, pre.clone(), 8)
+    f_pre, f_u, f_m, f_taken = fused_backward.max_act_gradient(m, edge, pooled, winners, d_pooled, w2, pre.clone(), 8)
+    assert (d_m != 0).any() and pooled[0, 1, 0].isnan(), "the case has winners and a NaN max"
+    for name, ours, theirs in (("d_m", f_m, d_m), ("d_pre", f_pre, d_pre), ("d_u", f_u, d_u)):
+        assert ours.shape == theirs.shape and ours.dtype is theirs.dtype, name
+        assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16)), f"{name} differs bit for bit"
+    assert torch.equal(f_taken, taken)
+
+
 def assert_the_first_layer_kernel_rounds_once(device: str, dtype, B: int, N: int, D: int, P: int, H: int,
                                               seed: int) -> None:
     """The readout's first layer kernel (pairgen/ops/readout/first_layer.py) on `device` (the GPU,

@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from helpers import (assert_16_bit_gradients_meet_the_standard, assert_readout_max_kernels_match_pytorch,
-                     assert_the_first_layer_kernel_rounds_once,
+from helpers import (assert_16_bit_gradients_meet_the_standard, assert_max_act_grad_is_max_grad_then_act_grad,
+                     assert_readout_max_kernels_match_pytorch, assert_the_first_layer_kernel_rounds_once,
                      closed_form_errors, generator, gradient_errors64)
 from pairgen.module.autograd import SavedClosedForm
 from pairgen.module.dispatch import pairs
@@ -55,28 +55,38 @@ def test_a_16_bit_module_meets_the_16_bit_standard(dtype, widths, B, N, seed, di
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
-@pytest.mark.parametrize("act_grad", [True, False], ids=["act_grad", "product"])
+@pytest.mark.parametrize("act_grad,max_act_grad", [(True, True), (True, False), (False, False)],
+                         ids=["max_act_grad", "act_grad", "product"])
 @pytest.mark.parametrize("dtype,widths,B,N", [(torch.bfloat16, {"D": 24, "P": 8, "H": 64}, 2, 11),
                                               (torch.float16, {"D": 16, "P": 12, "H": 128}, 1, 9)])
 def test_16_bit_gradients_through_the_fused_kernels_meet_the_standard_emulated(dtype, widths, B, N, act_grad,
-                                                                               monkeypatch):
+                                                                               max_act_grad, monkeypatch):
     """The 16-bit closed form with its GPU kernels (the first layer split and rounded once where P
-    takes it, else the rows; the max and its gradient; act_grad or, with ACT_GRAD_KERNEL off, the
-    dense product and PyTorch's SiLU backward) run on the CPU emulator: every gradient within the
-    16-bit standard, isolated nodes included, and each kernel ran once or not at all."""
+    takes it, else the rows; the max and its gradient; max_act_grad (the max's gradient made inside
+    act_grad), act_grad after the max's gradient kernel, or, with ACT_GRAD_KERNEL off, the dense
+    product and PyTorch's SiLU backward) run on the CPU emulator: every gradient within the 16-bit
+    standard, isolated nodes included, and each kernel ran once or not at all."""
     from unittest import mock
 
     from emulator import emulated
 
     monkeypatch.setattr(fused_backward, "ACT_GRAD_KERNEL", act_grad)
+    monkeypatch.setattr(fused_backward, "MAX_ACT_GRAD_KERNEL", max_act_grad)
     module, inputs, g = _16_bit_case(dtype, widths, B, N, 63, "cauchy")
-    runs, layers, real, real_layer = [], [], fused_backward.act_gradient, first_layer.first_layer
+    runs, layers = [], []
+    real_layer = first_layer.first_layer
+
+    def counted(name):
+        real = getattr(fused_backward, name)
+        return mock.patch.object(fused_backward, name, lambda *a: runs.append(name) or real(*a))
+
     with emulated(), mock.patch.object(fused_backward, "applies", lambda nodes: True), \
             mock.patch.object(first_layer, "applies", first_layer.fits), \
             mock.patch.object(first_layer, "first_layer", lambda *a: layers.append(1) or real_layer(*a)), \
-            mock.patch.object(fused_backward, "act_gradient", lambda *a: runs.append(1) or real(*a)):
+            counted("act_gradient"), counted("max_act_gradient"), counted("max_pool_backward"):
         ours = module.analytic_gradients(list(inputs), [p.detach() for p in module.parameters()], g)
-    assert runs == ([1] if act_grad else [])
+    assert runs == (["max_act_gradient"] if max_act_grad else
+                    ["max_pool_backward", "act_gradient"] if act_grad else ["max_pool_backward"])
     assert layers == ([1] if widths["P"] % 8 == 0 else [])
     assert_16_bit_gradients_meet_the_standard(module, inputs, g, [t for t in ours if t is not None])
 
@@ -193,7 +203,8 @@ def test_the_16_bit_closed_form_kernels_render_to_their_signatures_and_compile(k
     rendered = fused_backward.render(kind, D, P, H)
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
     kernels = {f"{rendered.kernel_name}_{s}" for s in ("rows", "max", "max_grad")}
-    assert set(compiled.kernels) >= kernels | ({f"{rendered.kernel_name}_act_grad"} if H else set())
+    hidden = {f"{rendered.kernel_name}_{s}" for s in ("act_grad", "max_act_grad")} if H else set()
+    assert set(compiled.kernels) >= kernels | hidden
     assert not compiled.spill_bytes
 
 
@@ -209,7 +220,8 @@ def test_act_grad_takes_even_d_and_h_in_whole_lane_words_up_to_its_registers_and
                                                                       (256, max_h + 64), (max_d + 2, 64)))
     rendered = fused_backward.render("bfloat16", max_d, 64, max_h)
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
-    assert f"{rendered.kernel_name}_act_grad" in compiled.kernels and compiled.spill_bytes == 0, compiled.summary()
+    assert {f"{rendered.kernel_name}_{s}" for s in ("act_grad", "max_act_grad")} <= set(compiled.kernels)
+    assert compiled.spill_bytes == 0, compiled.summary()
     monkeypatch.setattr(fused_backward, "ACT_GRAD_KERNEL", False)
     assert not fused_backward.act_grad_applies(256, 512)
 
@@ -273,6 +285,22 @@ def test_the_act_grad_kernel_matches_float64_emulated(dtype, B, N, D, H, blocks_
     error = ((ours - exact_sums).norm() / exact_sums.norm()).item()
     assert error <= 1e-2, f"d_u: {error}"
     assert torch.allclose(ours, stored_sums, rtol=1e-2, atol=1e-3 * stored_sums.abs().max().item()), "d_pre's sums"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("dtype,B,N,D,H,blocks_per_sm", [(torch.bfloat16, 2, 7, 24, 128, 1),
+                                                         (torch.float16, 1, 19, 70, 64, None)])
+def test_max_act_grad_is_max_grad_then_act_grad_emulated(dtype, B, N, D, H, blocks_per_sm, monkeypatch):
+    """The max's gradient made inside act_grad, on the CPU emulator, equals the two kernels bit for
+    bit (helpers.assert_max_act_grad_is_max_grad_then_act_grad): with a block an emulated SM each
+    block takes several nodes (its next row the next node's, whose shares it loads); at D = 70 a
+    lane's last word is past the row for some lanes."""
+    from emulator import emulated
+
+    if blocks_per_sm is not None:
+        monkeypatch.setattr(fused_backward, "ACT_GRAD_BLOCKS_PER_SM", blocks_per_sm)
+    with emulated():
+        assert_max_act_grad_is_max_grad_then_act_grad("cpu", dtype, B, N, D, H, 1100 + D)
 
 
 def test_vector_width_takes_the_widest_access_both_widths_divide_into():

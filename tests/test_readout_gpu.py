@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from helpers import (ODD_SHAPES, assert_graph_survives_larger_calls, assert_closed_form_meets_the_standard,
-                     assert_readout_max_kernels_match_pytorch, assert_the_first_layer_kernel_rounds_once,
+                     assert_max_act_grad_is_max_grad_then_act_grad, assert_readout_max_kernels_match_pytorch,
+                     assert_the_first_layer_kernel_rounds_once,
                      assert_variant_matches_float64,
                      check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
                      run_under_graph_capture, run_variant, sampled_cases, sampled_plans, gpu_params)
@@ -549,6 +550,15 @@ def test_the_act_grad_kernel_matches_float64(dtype, B, N, D, H):
         assert torch.isfinite(ours).all(), name
         error = ((ours.double() - ref).norm() / ref.norm()).item()
         assert error <= 1e-2, f"{name}: {error}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("B,N,D,H", [(2, 13, 24, 64), (1, 37, 70, 192), (2, 128, 256, 512)])
+def test_the_max_act_grad_kernel_is_the_max_gradient_then_act_grad(dtype, B, N, D, H):
+    """fused_backward.max_act_gradient on the GPU equals max_pool_backward then act_gradient bit for
+    bit (helpers.assert_max_act_grad_is_max_grad_then_act_grad), whose results the tests above hold
+    to PyTorch's and float64's."""
+    assert_max_act_grad_is_max_grad_then_act_grad("cuda", dtype, B, N, D, H, 3000 + N)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

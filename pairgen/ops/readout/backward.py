@@ -133,24 +133,24 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     d_pooled, grads["norm.weight"], grads["norm.bias"] = torch.ops.aten.native_layer_norm_backward(
         as_dtype(g, torch.float32), f.pooled32, [D], f.mean, f.rstd, *f.norm, [True, True, True])  # in fp32
 
-    # ---- the max over partners: to the winners, ties sharing ----
-    if f.fused_max:  # an isolated node has no winner: its d_pooled goes nowhere
-        d_m = _DenseMaxGradient(*fused_backward.max_pool_backward(f.m, f.edge_mask, f.pooled, f.winners, d_pooled, P))
-        f.m = None
+    # ---- the max over partners (to the winners, ties sharing), the second layer and the SiLU ----
+    w2 = w["fuse.2.weight"]
+    if _max_act_grad_applies(f):  # the max's gradient and the SiLU's in one kernel
+        d_pre, d_u, d_m, taken = fused_backward.max_act_gradient(
+            f.m, f.edge_mask, f.pooled, f.winners, d_pooled, as_dtype(w2, f.pre.dtype).contiguous(), f.pre, P)
+        d_pre, d_m = d_pre.view(-1, H), _DenseMaxGradient(d_m, taken)
+        f.m = f.pre = None
     else:
-        d_pooled = d_pooled.masked_fill(f.isolated.unsqueeze(-1), 0.0)
-        max_gradient = _max_gradient if f.act.dtype is torch.float32 else _dense_max_gradient
-        d_m = max_gradient(f.masked, f.pooled, f.edge, d_pooled)
-        f.masked = None
-
-    # ---- the second layer and the SiLU ----
+        d_m = _max_gradient_of(f, d_pooled)
+        d_pre = None
     act_rows = f.act.view(-1, H)
     grads["fuse.2.bias"] = d_m.column_sums
     if "fuse.2.weight" not in frozen:
         grads["fuse.2.weight"] = d_m.transposed_times(act_rows, mm)
     del act_rows
     f.act = None
-    d_pre, d_u = _pre_gradient(f, d_m, w["fuse.2.weight"], mm)
+    if d_pre is None:
+        d_pre, d_u = _pre_gradient(f, d_m, w2, mm)
     del d_m
     f.pre = None
 
@@ -173,13 +173,39 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     return grads
 
 
+def _max_gradient_of(f: SimpleNamespace, d_pooled: torch.Tensor):
+    """d(loss)/d(m) from d(loss)/d(pooled): the winners' shares (a sparse matrix in fp32, a dense
+    one in 16 bits), which _forward's masked m (or the fused max's m) is dropped for."""
+    if f.fused_max:  # an isolated node has no winner: its d_pooled goes nowhere
+        d_m = _DenseMaxGradient(*fused_backward.max_pool_backward(f.m, f.edge_mask, f.pooled, f.winners, d_pooled,
+                                                                  f.P))
+        f.m = None
+        return d_m
+    d_pooled = d_pooled.masked_fill(f.isolated.unsqueeze(-1), 0.0)
+    max_gradient = _max_gradient if f.act.dtype is torch.float32 else _dense_max_gradient
+    d_m = max_gradient(f.masked, f.pooled, f.edge, d_pooled)
+    f.masked = None
+    return d_m
+
+
+def _act_grad_takes(f: SimpleNamespace, d_m_dtype: torch.dtype, *dense: torch.Tensor) -> bool:
+    """Whether the act_grad kernels take this closed form's backward: the fused max, widths the
+    kernel takes, the max's gradient in pre's dtype and the pair-sized operands contiguous."""
+    return (f.fused_max and fused_backward.act_grad_applies(f.D, f.H) and d_m_dtype is f.pre.dtype
+            and f.pre.is_contiguous() and all(t.is_contiguous() for t in dense))
+
+
+def _max_act_grad_applies(f: SimpleNamespace) -> bool:
+    """Whether the max's gradient is made inside act_grad (fused_backward.max_act_gradient)."""
+    return fused_backward.MAX_ACT_GRAD_KERNEL and f.fused_max and _act_grad_takes(f, f.m.dtype, f.m)
+
+
 def _pre_gradient(f: SimpleNamespace, d_m, w2: torch.Tensor, mm) -> tuple:
     """(d(loss)/d(pre) (B*N*N, H), d_u or None): through the second layer and the SiLU. With the
     fused max's dense d_m, one kernel (fused_backward.act_gradient) adds each winner's row of W2
     and applies the SiLU's derivative in pre's storage, and sums node i's rows (d_u) on the way;
     otherwise the product d_m W2 and PyTorch's SiLU backward in its storage (d_u then None)."""
-    if (f.fused_max and fused_backward.act_grad_applies(f.D, f.H) and d_m.d_m.dtype is f.pre.dtype
-            and d_m.d_m.is_contiguous() and f.pre.is_contiguous()):
+    if f.fused_max and _act_grad_takes(f, d_m.d_m.dtype, d_m.d_m):
         d_pre, d_u = fused_backward.act_gradient(d_m.d_m, as_dtype(w2, f.pre.dtype).contiguous(), f.pre, f.P)
         return d_pre.view(-1, f.H), d_u
     d_act = d_m.times(w2, mm)

@@ -31,7 +31,9 @@ SIGNATURES = {"rows": ("ptr nodes", "ptr pair", "ptr rows", "i64 n", "i64 total_
               "max_grad": ("ptr m", "ptr edge", "ptr pooled", "ptr winners", "ptr d_pooled", "ptr d_m", "ptr taken",
                            "i64 nodes", "i64 n", "i64 channels")}
 #: The kernel a rendering with the hidden width (context "h") adds.
-ACT_GRAD_SIGNATURE = {"act_grad": ("ptr d_m", "ptr w2", "ptr pre", "ptr d_u", "i64 nodes", "i64 n")}
+ACT_GRAD_SIGNATURE = {"act_grad": ("ptr d_m", "ptr w2", "ptr pre", "ptr d_u", "i64 nodes", "i64 n"),
+                      "max_act_grad": ("ptr m", "ptr edge", "ptr pooled", "ptr winners", "ptr d_pooled", "ptr w2",
+                                       "ptr pre", "ptr d_m", "ptr d_u", "ptr taken", "i64 nodes", "i64 n")}
 TEMPLATE = FusedTemplate("readout", "closed_form",
                          lambda context: {**SIGNATURES, **(ACT_GRAD_SIGNATURE if context.get("h") else {})})
 #: Bytes a thread copies or reads of a row at a time.
@@ -163,6 +165,11 @@ def act_grad_applies(D: int, H: int) -> bool:
             and 0 < D <= ACT_GRAD_MAX_D)
 
 
+#: Whether act_grad makes d_m from m itself (max_act_gradient: max_grad's pass folded in, m read
+#: once where max_grad reads it and act_grad then reads d_m); the tests run both ways.
+MAX_ACT_GRAD_KERNEL = True
+
+
 def act_gradient(d_m: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, P: int) -> tuple:
     """From max_pool_backward's dense d_m (B*N*N, D), the second layer's weight w2 (D, H) and the
     first layer's output pre (B, N, N, H) before the SiLU, all of one 16-bit dtype and contiguous:
@@ -173,7 +180,33 @@ def act_gradient(d_m: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, P: int)
     D = d_m.shape[-1]
     d_u = pre.new_empty(B, N, H)
     nodes = B * N
-    blocks = max(1, min(nodes, sm_count(pre.device.index) * ACT_GRAD_BLOCKS_PER_SM))
-    TEMPLATE.launch(pre, "act_grad", blocks, d_m.data_ptr(), w2.data_ptr(), pre.data_ptr(), d_u.data_ptr(), nodes, N,
-                    vec=vector_width(pre.element_size(), D, P), d=D, p=P, walk_unroll=WALK_UNROLL, h=H)
+    TEMPLATE.launch(pre, "act_grad", _act_grad_blocks(nodes, pre), d_m.data_ptr(), w2.data_ptr(), pre.data_ptr(),
+                    d_u.data_ptr(), nodes, N, vec=vector_width(pre.element_size(), D, P), d=D, p=P, walk_unroll=WALK_UNROLL, h=H)
     return pre, d_u
+
+
+def _act_grad_blocks(nodes: int, like: torch.Tensor) -> int:
+    return max(1, min(nodes, sm_count(like.device.index) * ACT_GRAD_BLOCKS_PER_SM))
+
+
+def max_act_gradient(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor, winners: torch.Tensor,
+                     d_pooled: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, P: int) -> tuple:
+    """max_pool_backward and act_gradient in one pass over m: (d_pre in pre's storage (pre is
+    consumed), d_u, d_m (B*N*N, D), the sum over nodes of what the winners took (D,) in fp32), each
+    as those two give it. m (B, N, N, D), edge (B, N, N) bool, max_pool's (pooled, winners), d_pooled
+    (B, N, D); w2 (D, H) and pre (B, N, N, H) in m's 16-bit dtype, contiguous. act_grad_applies(D, H)
+    must hold."""
+    import torch
+
+    B, N, _, H = pre.shape
+    D = m.shape[-1]
+    d_pooled = d_pooled.to(torch.float32).contiguous()
+    d_m = torch.empty_like(m)
+    taken = torch.empty_like(d_pooled)
+    d_u = pre.new_empty(B, N, H)
+    nodes = B * N
+    TEMPLATE.launch(pre, "max_act_grad", _act_grad_blocks(nodes, pre), m.data_ptr(), edge.contiguous().data_ptr(),
+                    pooled.data_ptr(), winners.contiguous().data_ptr(), d_pooled.data_ptr(), w2.data_ptr(),
+                    pre.data_ptr(), d_m.data_ptr(), d_u.data_ptr(), taken.data_ptr(), nodes, N,
+                    vec=vector_width(pre.element_size(), D, P), d=D, p=P, walk_unroll=WALK_UNROLL, h=H)
+    return pre, d_u, d_m.view(-1, D), taken.sum((0, 1))
