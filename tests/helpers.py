@@ -531,6 +531,40 @@ def assert_max_act_grad_is_max_grad_then_act_grad(device: str, dtype, B: int, N:
     assert torch.equal(f_taken, taken)
 
 
+def assert_pair_gradient_matches_float64(device: str, dtype, B: int, N: int, P: int, H: int, seed: int) -> None:
+    """pair_grad.pair_gradient on `device` (the GPU, or the CPU under the emulator) against float64
+    of the same 16-bit d_pre and W_p: d_pair = d_pre W_p and d_v = d_pre summed over i, each within
+    the 16-bit standard (relative L2 1e-2) and, element by element, one 16-bit rounding of the
+    exact value (plus fp32 summation's error, bounded by the terms' magnitudes); a NaN in d_pre
+    reaches its pair's row of d_pair and its own element of d_v only; heavy-tailed d_pre."""
+    from pairgen.ops.readout import pair_grad
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    d_pre = (torch.randn(B, N, N, H, device=device, generator=gen)
+             * torch.rand(B, N, N, 1, device=device, generator=gen).pow(-1.5).clamp(max=50)).to(dtype)
+    wp = (torch.randn(H, P, device=device, generator=gen) / H ** 0.5).to(dtype)
+    nan_b, nan_i, nan_j, nan_h = B - 1, N // 2, N - 1, H - 3
+    d_pre[nan_b, nan_i, nan_j, nan_h] = float("nan")
+    d_pair, d_v = pair_grad.pair_gradient(d_pre, wp)
+    assert d_pair.shape == (B, N, N, P) and d_pair.dtype is dtype and d_v.shape == (B, N, H) and d_v.dtype is dtype
+    exact64 = d_pre.double()
+    cases = (("d_pair", d_pair.double(), exact64 @ wp.double(), exact64.abs() @ wp.double().abs()),
+             ("d_v", d_v.double(), exact64.sum(1), exact64.abs().sum(1)))
+    expected_nan = {"d_pair": torch.zeros(B, N, N, P, dtype=torch.bool), "d_v": torch.zeros(B, N, H, dtype=torch.bool)}
+    expected_nan["d_pair"][nan_b, nan_i, nan_j] = True
+    expected_nan["d_v"][nan_b, nan_j, nan_h] = True
+    ulp = 2.0**-8 if dtype is torch.bfloat16 else 2.0**-11  # half a 16-bit step, relative
+    for name, ours, exact, magnitude in cases:
+        nan = expected_nan[name].to(ours.device)
+        assert torch.equal(ours.isnan(), nan), f"{name}: NaN reaches exactly its row / element"
+        ours, exact, magnitude = ours[~nan], exact[~nan], magnitude[~nan]
+        error = ((ours - exact).norm() / exact.norm()).item()
+        assert error <= 1e-2, f"{name}: relative L2 {error}"
+        bound = ulp * exact.abs() + 2.0**-20 * magnitude + torch.finfo(dtype).smallest_normal
+        worst = ((ours - exact).abs() / bound).max().item()
+        assert worst <= 1.0, f"{name}: an element {worst:.2f}x past one rounding of the exact value"
+
+
 def assert_the_first_layer_kernel_rounds_once(device: str, dtype, B: int, N: int, D: int, P: int, H: int,
                                               seed: int) -> None:
     """The readout's first layer kernel (pairgen/ops/readout/first_layer.py) on `device` (the GPU,

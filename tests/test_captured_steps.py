@@ -27,8 +27,8 @@ def fake_slots(monkeypatch):
     monkeypatch.setattr(captured, "Slot", FakeSlot)
 
 
-def _call(steps, module, n: int = 5):
-    x = torch.zeros(1, n, n, 8)
+def _call(steps, module, n: int = 5, input_grad: bool = False):
+    x = torch.zeros(1, n, n, 8, requires_grad=input_grad)
     named = list(module.named_parameters())
     return steps.slot_for(module, (x,), tuple(k for k, _ in named), tuple(p for _, p in named))
 
@@ -76,7 +76,17 @@ def test_frozen_parameters_are_part_of_the_signature(fake_slots):
     module.layer_norm.weight.requires_grad_(False)
     assert _call(steps, module) is None  # a new signature: its first call
     slot = _call(steps, module)
-    assert slot.frozen == {"layer_norm.weight"} and FakeSlot.made == 2
+    assert slot.frozen == {"input", "layer_norm.weight"} and FakeSlot.made == 2  # x wants no gradient either
+
+
+def test_an_input_that_wants_no_gradient_is_frozen_for_the_backward(fake_slots):
+    """The backward skips the gradients nobody asked for: an input's too (its key, e.g. the
+    readout's pair features given as data), decided by its requires_grad, part of the signature."""
+    module, steps = ContactHead(8, 4), captured.CapturedSteps()
+    _call(steps, module, input_grad=True)
+    assert _call(steps, module, input_grad=True).frozen == frozenset()
+    _call(steps, module)
+    assert _call(steps, module).frozen == {"input"} and FakeSlot.made == 2
 
 
 def test_a_capture_that_fails_warns_once_and_runs_uncaptured(monkeypatch):

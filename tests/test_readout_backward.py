@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from helpers import (assert_16_bit_gradients_meet_the_standard, assert_max_act_grad_is_max_grad_then_act_grad,
-                     assert_readout_max_kernels_match_pytorch, assert_the_first_layer_kernel_rounds_once,
+                     assert_pair_gradient_matches_float64, assert_readout_max_kernels_match_pytorch,
+                     assert_the_first_layer_kernel_rounds_once,
                      closed_form_errors, generator, gradient_errors64)
 from pairgen.module.autograd import SavedClosedForm
 from pairgen.module.dispatch import pairs
 from pairgen import compiler
-from pairgen.ops.readout import READOUT, backward, first_layer, fused_backward
+from pairgen.ops.readout import READOUT, backward, first_layer, fused_backward, pair_grad
 from pairgen.spec import SIXTEEN_BIT_TOLERANCE
 from pairgen.tuning.check import compare, reference64
 
@@ -57,15 +58,16 @@ def test_a_16_bit_module_meets_the_16_bit_standard(dtype, widths, B, N, seed, di
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 @pytest.mark.parametrize("act_grad,max_act_grad", [(True, True), (True, False), (False, False)],
                          ids=["max_act_grad", "act_grad", "product"])
-@pytest.mark.parametrize("dtype,widths,B,N", [(torch.bfloat16, {"D": 24, "P": 8, "H": 64}, 2, 11),
+@pytest.mark.parametrize("dtype,widths,B,N", [(torch.bfloat16, {"D": 24, "P": 8, "H": 128}, 2, 11),
                                               (torch.float16, {"D": 16, "P": 12, "H": 128}, 1, 9)])
 def test_16_bit_gradients_through_the_fused_kernels_meet_the_standard_emulated(dtype, widths, B, N, act_grad,
                                                                                max_act_grad, monkeypatch):
     """The 16-bit closed form with its GPU kernels (the first layer split and rounded once where P
     takes it, else the rows; the max and its gradient; max_act_grad (the max's gradient made inside
     act_grad), act_grad after the max's gradient kernel, or, with ACT_GRAD_KERNEL off, the dense
-    product and PyTorch's SiLU backward) run on the CPU emulator: every gradient within the 16-bit
-    standard, isolated nodes included, and each kernel ran once or not at all."""
+    product and PyTorch's SiLU backward; then d_pair and d_v from one pass where P takes it, else
+    cuBLAS and PyTorch's sum) run on the CPU emulator: every gradient within the 16-bit standard,
+    isolated nodes included, and each kernel ran once or not at all."""
     from unittest import mock
 
     from emulator import emulated
@@ -74,7 +76,7 @@ def test_16_bit_gradients_through_the_fused_kernels_meet_the_standard_emulated(d
     monkeypatch.setattr(fused_backward, "MAX_ACT_GRAD_KERNEL", max_act_grad)
     module, inputs, g = _16_bit_case(dtype, widths, B, N, 63, "cauchy")
     runs, layers = [], []
-    real_layer = first_layer.first_layer
+    real_layer, real_pair = first_layer.first_layer, pair_grad.pair_gradient
 
     def counted(name):
         real = getattr(fused_backward, name)
@@ -82,11 +84,14 @@ def test_16_bit_gradients_through_the_fused_kernels_meet_the_standard_emulated(d
 
     with emulated(), mock.patch.object(fused_backward, "applies", lambda nodes: True), \
             mock.patch.object(first_layer, "applies", first_layer.fits), \
+            mock.patch.object(pair_grad, "applies", pair_grad.fits), \
             mock.patch.object(first_layer, "first_layer", lambda *a: layers.append(1) or real_layer(*a)), \
-            counted("act_gradient"), counted("max_act_gradient"), counted("max_pool_backward"):
+            counted("act_gradient"), counted("max_act_gradient"), counted("max_pool_backward"), \
+            mock.patch.object(pair_grad, "pair_gradient", lambda *a: runs.append("pair_gradient") or real_pair(*a)):
         ours = module.analytic_gradients(list(inputs), [p.detach() for p in module.parameters()], g)
     assert runs == (["max_act_gradient"] if max_act_grad else
-                    ["max_pool_backward", "act_gradient"] if act_grad else ["max_pool_backward"])
+                    ["max_pool_backward", "act_gradient"] if act_grad else ["max_pool_backward"]) + \
+        (["pair_gradient"] if widths["P"] % 8 == 0 else [])
     assert layers == ([1] if widths["P"] % 8 == 0 else [])
     assert_16_bit_gradients_meet_the_standard(module, inputs, g, [t for t in ours if t is not None])
 
@@ -104,6 +109,27 @@ def test_a_16_bit_saving_forward_meets_the_16_bit_standards(dtype):
     assert out.dtype is dtype and result.ok, result
     ours = [leaf.grad for leaf in leaves if leaf.is_floating_point()] + [p.grad for p in module.parameters()]
     assert_16_bit_gradients_meet_the_standard(module, inputs, g, ours)
+
+
+def test_pair_features_that_want_no_gradient_skip_its_product_and_change_nothing_else():
+    """A training call whose pair features do not require grad (data, not a model's output): its
+    backward is told so (frozen holds "pair_feats"), computes no gradient for them, and gives the
+    nodes and every parameter the same gradients, bit for bit, as a call whose pair features want
+    one."""
+    from unittest import mock
+
+    module, inputs, g = _16_bit_case(torch.bfloat16, {"D": 24, "P": 8, "H": 40}, 2, 13, 65)
+    real, seen, results = type(module).saved_gradients, [], {}
+    spy = staticmethod(lambda m, saved, grad_out, frozen: seen.append(frozen) or real(m, saved, grad_out, frozen))
+    for wanted in (True, False):
+        leaves = [inputs[0].clone().requires_grad_(), inputs[1].clone().requires_grad_(wanted), inputs[2]]
+        module.zero_grad(set_to_none=True)
+        with mock.patch.object(type(module), "saved_gradients", spy):
+            (SavedClosedForm.run(module, leaves) * g).sum().backward()
+        assert (leaves[1].grad is not None) == wanted
+        results[wanted] = [leaves[0].grad] + [p.grad for p in module.parameters()]
+    assert seen == [frozenset(), frozenset({"pair_feats"})]
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
 
 
 def test_the_dense_max_gradient_is_the_sparse_one():
@@ -301,6 +327,33 @@ def test_max_act_grad_is_max_grad_then_act_grad_emulated(dtype, B, N, D, H, bloc
         monkeypatch.setattr(fused_backward, "ACT_GRAD_BLOCKS_PER_SM", blocks_per_sm)
     with emulated():
         assert_max_act_grad_is_max_grad_then_act_grad("cpu", dtype, B, N, D, H, 1100 + D)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("dtype,B,N,P,H,splits", [(torch.bfloat16, 2, 19, 16, 128, 1), (torch.float16, 1, 21, 8, 256, 3),
+                                                  (torch.bfloat16, 1, 16, 24, 128, 16)])
+def test_the_pair_gradient_kernel_matches_float64_emulated(dtype, B, N, P, H, splits, monkeypatch):
+    """d_pair = d_pre W_p and d_v = d_pre summed over i from one pass (pair_grad.py) on the CPU
+    emulator (helpers.assert_pair_gradient_matches_float64): a last tile of partners past N (19,
+    21), the rows of i in one range (their sums rounded in the kernel), in three (fp32 partial sums
+    added after) and in one range an i (16)."""
+    from emulator import emulated
+
+    monkeypatch.setattr(pair_grad, "splits_for", lambda batches, n, sms: splits)
+    with emulated():
+        assert_pair_gradient_matches_float64("cpu", dtype, B, N, P, H, 1200 + N)
+
+
+@pytest.mark.parametrize("kind,P,H", [("bfloat16", 64, 512), ("float16", 8, 128), ("float16", 24, 384)])
+def test_the_pair_gradient_kernel_compiles_without_spills(kind, P, H):
+    """pair_grad.py's kernel at the readout's training widths (its W_p fragments at the registers'
+    limit), the narrowest and an odd P: NVRTC compiles it for sm_90 without spills, and the widths
+    outside what it takes are refused."""
+    assert pair_grad.takes_widths(P, H)
+    rendered = pair_grad.render(kind, P, H)
+    compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
+    assert compiled.spill_bytes == 0, compiled.summary()
+    assert not any(pair_grad.takes_widths(p, h) for p, h in ((64, 1024), (128, 512), (12, 128), (64, 64), (64, 192)))
 
 
 def test_vector_width_takes_the_widest_access_both_widths_divide_into():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import (ODD_SHAPES, assert_graph_survives_larger_calls, assert_closed_form_meets_the_standard,
-                     assert_max_act_grad_is_max_grad_then_act_grad, assert_readout_max_kernels_match_pytorch,
-                     assert_the_first_layer_kernel_rounds_once,
+                     assert_max_act_grad_is_max_grad_then_act_grad, assert_pair_gradient_matches_float64,
+                     assert_readout_max_kernels_match_pytorch, assert_the_first_layer_kernel_rounds_once,
                      assert_variant_matches_float64,
                      check_tuned_entries, compile_plans, compiled_variant, generator, reference_case,
                      run_under_graph_capture, run_variant, sampled_cases, sampled_plans, gpu_params)
@@ -559,6 +559,18 @@ def test_the_max_act_grad_kernel_is_the_max_gradient_then_act_grad(dtype, B, N, 
     bit (helpers.assert_max_act_grad_is_max_grad_then_act_grad), whose results the tests above hold
     to PyTorch's and float64's."""
     assert_max_act_grad_is_max_grad_then_act_grad("cuda", dtype, B, N, D, H, 3000 + N)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("B,N,P,H", [(2, 13, 16, 128), (1, 37, 24, 384), (2, 128, 64, 512)])
+def test_the_pair_gradient_kernel_matches_float64(dtype, B, N, P, H):
+    """pair_grad.pair_gradient on the GPU (helpers.assert_pair_gradient_matches_float64): a last
+    tile of partners past N, i split into ranges (B N / 16 tiles fill no GPU here) and the
+    readout's training widths."""
+    from pairgen.ops.readout import pair_grad
+
+    assert pair_grad.splits_for(B, N, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    assert_pair_gradient_matches_float64("cuda", dtype, B, N, P, H, 4000 + N)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -159,7 +159,8 @@ class SavedClosedForm(torch.autograd.Function):
         needs = ctx.needs_input_grad[skipped: skipped + ctx.n_inputs]
         g = grad_out.detach()
         def run():
-            return ctx.module.saved_gradients(ctx.module, ctx.saved, g, frozen_names(ctx.names, wanted))
+            return ctx.module.saved_gradients(ctx.module, ctx.saved, g,
+                                              captured.unwanted_gradients(ctx.module, needs, ctx.names, wanted))
         with torch.no_grad():
             recorder, ctx.recorder = ctx.recorder, None
             if recorder is None:

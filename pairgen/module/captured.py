@@ -154,7 +154,9 @@ class CapturedSteps:
 
     def _capture(self, key, module, inputs, names, params) -> "Slot | None":
         self.captures += 1
-        frozen = frozenset(name for name, p in zip(names, params) if not p.requires_grad)
+        # what the backward skips follows every tensor's requires_grad, which the signature holds
+        frozen = unwanted_gradients(module, [t is not None and t.requires_grad for t in inputs], names,
+                                    [p.requires_grad for p in params])
         try:
             slot = Slot(module, inputs, names, params, frozen)
         except Exception as error:  # a closed form that cannot be captured runs as it is
@@ -168,6 +170,14 @@ class CapturedSteps:
         while len(self.slots) > MAX_SIGNATURES:
             self.slots.popitem(last=False)
         return slot
+
+
+def unwanted_gradients(module, input_needs, names, wanted) -> frozenset:
+    """What a closed form's backward may skip (its `frozen`): the parameters whose gradient is not
+    wanted and the keys of the inputs' gradients not needed (pair features that are data, not a
+    model's output, need none: their product is skipped)."""
+    return frozenset([*(name for name, w in zip(names, wanted) if not w),
+                      *(key for key, need in zip(module.input_gradients, input_needs) if key and not need)])
 
 
 def signature(module, inputs: tuple, params: tuple) -> tuple:

@@ -446,7 +446,7 @@ class KernelModule:
         names = [name for name, _ in self.named_parameters()]
         grads = self.closed_form(self, *inputs, dict(zip(names, params)), grad_out,
                                  precision=self.backward_precision(first, autocast), frozen=frozen_names(names, wanted))
-        ordered = [grads[key] if key else None for key in self.input_gradients] + [grads.get(name) for name in names]
+        ordered = [grads.get(key) if key else None for key in self.input_gradients] + [grads.get(name) for name in names]
         return distinct_storages(ordered, (*inputs, *params, grad_out))
 
     #: The op's forward computed the closed form's way, keeping what its backward needs, as

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from .. import closed_form
 from ..closed_form import closed_form_gradients
-from . import first_layer, fused_backward
+from . import first_layer, fused_backward, pair_grad
 from ...module.modes import as_dtype
 
 
@@ -41,8 +41,9 @@ def gradients(module, nodes: torch.Tensor, pair_feats: torch.Tensor, edge_mask: 
               params: dict[str, torch.Tensor], grad_out: torch.Tensor, precision: str = "ieee",
               frozen: frozenset = frozenset()) -> dict[str, torch.Tensor]:
     """d(loss)/d(nodes) as "input", d(loss)/d(pair_feats) as "pair_feats", and d(loss)/d(parameter)
-    for every name of `params` ("fuse.0.weight", ..., "norm.bias") but the `frozen` ones'
-    products, given d(loss)/d(out): the intermediates recomputed from the inputs, then the chain rule."""
+    for every name of `params` ("fuse.0.weight", ..., "norm.bias") but the `frozen` ones' products
+    ("pair_feats" among them: no gradient for the pair features), given d(loss)/d(out): the
+    intermediates recomputed from the inputs, then the chain rule."""
     def compute(n32, w, g, mm):
         return _backward(module, _forward(module, n32, pair_feats, edge_mask, w, mm), w, g, mm, frozen)
     return closed_form_gradients(compute, nodes, params, grad_out, precision)
@@ -158,11 +159,17 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
     first_layer = "fuse.0.weight" not in frozen
     pair_rows = f.pair.reshape(-1, P)
     d_wp = mm(d_pre.t(), pair_rows) if first_layer else None
-    grads["pair_feats"] = mm(d_pre, wp).view(B, N, N, P).to(f.pair_dtype)
     d_pre4 = d_pre.view(B, N, N, H)
+    if "pair_feats" in frozen:  # pair features that are data: no product for their gradient
+        d_v = d_pre4.sum(dim=1)              # (B, N, H): node j over the i that read it
+    elif f.fused_max and pair_grad.applies(d_pre4, P):  # both from one pass over d_pre
+        d_pair, d_v = pair_grad.pair_gradient(d_pre4, wp)
+        grads["pair_feats"] = d_pair.to(f.pair_dtype)
+    else:
+        grads["pair_feats"] = mm(d_pre, wp).view(B, N, N, P).to(f.pair_dtype)
+        d_v = d_pre4.sum(dim=1)
     if d_u is None:
         d_u = d_pre4.sum(dim=2)              # (B, N, H): node i over its partners j
-    d_v = d_pre4.sum(dim=1)                  # (B, N, H): node j over the i that read it
     grads["fuse.0.bias"] = d_u.sum((0, 1))   # every pair once: node i's sums, summed
     del d_pre, d_pre4
     if first_layer:
