@@ -90,10 +90,12 @@ def gradient_errors64(call, module, inputs: tuple, g: torch.Tensor) -> dict[str,
     return errors
 
 
-def assert_16_bit_gradients_meet_the_standard(module, inputs: tuple, g: torch.Tensor, ours: list) -> None:
+def assert_16_bit_gradients_meet_the_standard(module, inputs: tuple, g: torch.Tensor, ours: list,
+                                              unwanted: tuple = ()) -> None:
     """The 16-bit gradient standard: each of `ours` (the gradients of the floating inputs, then of
     every parameter, of the loss (out * g).sum() for a 16-bit module) within relative L2
-    max(2e-2, 1.5x the error of the PyTorch reference run in the same dtype) of float64 autograd."""
+    max(2e-2, 1.5x the error of the PyTorch reference run in the same dtype) of float64 autograd.
+    unwanted: the names ("input 1", ...) whose gradient nobody asked for, which must be None."""
     def grads(net, ins, g_in):
         leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in ins]
         (net(*leaves) * g_in).sum().backward()
@@ -106,6 +108,9 @@ def assert_16_bit_gradients_meet_the_standard(module, inputs: tuple, g: torch.Te
     names = [f"input {k}" for k, t in enumerate(inputs) if t.is_floating_point()] + [n for n, _ in module.named_parameters()]
     assert len(ours) == len(names) == len(exact)
     for name, mine, theirs, e in zip(names, ours, same_dtype, exact):
+        if name in unwanted:
+            assert mine is None, f"{name}: a gradient nobody asked for"
+            continue
         assert mine is not None and mine.dtype is g.dtype, f"gradient of {name}: {mine if mine is None else mine.dtype}"
         err, ref_err = ((mine.double() - e).norm() / e.norm()).item(), ((theirs.double() - e).norm() / e.norm()).item()
         assert err <= max(2e-2, 1.5 * ref_err), f"gradient of {name}: {err} (the {g.dtype} reference: {ref_err})"
@@ -531,36 +536,48 @@ def assert_max_act_grad_is_max_grad_then_act_grad(device: str, dtype, B: int, N:
     assert torch.equal(f_taken, taken)
 
 
-def assert_pair_gradient_matches_float64(device: str, dtype, B: int, N: int, P: int, H: int, seed: int) -> None:
-    """pair_grad.pair_gradient on `device` (the GPU, or the CPU under the emulator) against float64
-    of the same 16-bit d_pre and W_p: d_pair = d_pre W_p and d_v = d_pre summed over i, each within
-    the 16-bit standard (relative L2 1e-2) and, element by element, one 16-bit rounding of the
-    exact value (plus fp32 summation's error, bounded by the terms' magnitudes); a NaN in d_pre
-    reaches its pair's row of d_pair and its own element of d_v only; heavy-tailed d_pre."""
+def assert_pair_gradient_matches_float64(device: str, dtype, B: int, N: int, P: int, H: int, seed: int,
+                                         wp: bool = False) -> None:
+    """pair_grad.pair_gradient (wp: weight_gradient) on `device` (the GPU, or the CPU under the
+    emulator) against float64 of the same 16-bit d_pre and W_p (pair features): d_pair = d_pre W_p
+    (d W_p = the sum over rows of d_pre^T pair) and d_v = d_pre summed over i, each within the
+    16-bit standard (relative L2 1e-2) and, element by element, one 16-bit rounding of the exact
+    value (plus fp32 summation's error, bounded by the terms' magnitudes); a NaN in d_pre reaches
+    its pair's row of d_pair (its channel's row of d W_p) and its own element of d_v only;
+    heavy-tailed d_pre."""
     from pairgen.ops.readout import pair_grad
 
     gen = torch.Generator(device=device).manual_seed(seed)
     d_pre = (torch.randn(B, N, N, H, device=device, generator=gen)
              * torch.rand(B, N, N, 1, device=device, generator=gen).pow(-1.5).clamp(max=50)).to(dtype)
-    wp = (torch.randn(H, P, device=device, generator=gen) / H ** 0.5).to(dtype)
+    other = (torch.randn(B, N, N, P, device=device, generator=gen) if wp
+             else torch.randn(H, P, device=device, generator=gen) / H ** 0.5).to(dtype)
     nan_b, nan_i, nan_j, nan_h = B - 1, N // 2, N - 1, H - 3
     d_pre[nan_b, nan_i, nan_j, nan_h] = float("nan")
-    d_pair, d_v = pair_grad.pair_gradient(d_pre, wp)
-    assert d_pair.shape == (B, N, N, P) and d_pair.dtype is dtype and d_v.shape == (B, N, H) and d_v.dtype is dtype
-    exact64 = d_pre.double()
-    cases = (("d_pair", d_pair.double(), exact64 @ wp.double(), exact64.abs() @ wp.double().abs()),
-             ("d_v", d_v.double(), exact64.sum(1), exact64.abs().sum(1)))
-    expected_nan = {"d_pair": torch.zeros(B, N, N, P, dtype=torch.bool), "d_v": torch.zeros(B, N, H, dtype=torch.bool)}
-    expected_nan["d_pair"][nan_b, nan_i, nan_j] = True
-    expected_nan["d_v"][nan_b, nan_j, nan_h] = True
+    product, d_v = pair_grad.weight_gradient(d_pre, other) if wp else pair_grad.pair_gradient(d_pre, other)
+    exact64, other64 = d_pre.double(), other.double()
+    if wp:
+        rows, other_rows = exact64.view(-1, H), other64.view(-1, P)
+        exact_product, magnitude = rows.t() @ other_rows, rows.abs().t() @ other_rows.abs()
+        product_nan = torch.zeros(H, P, dtype=torch.bool)
+        product_nan[nan_h] = True
+    else:
+        exact_product, magnitude = exact64 @ other64, exact64.abs() @ other64.abs()
+        product_nan = torch.zeros(B, N, N, P, dtype=torch.bool)
+        product_nan[nan_b, nan_i, nan_j] = True
+    assert product.shape == exact_product.shape and product.dtype is dtype
+    assert d_v.shape == (B, N, H) and d_v.dtype is dtype
+    d_v_nan = torch.zeros(B, N, H, dtype=torch.bool)
+    d_v_nan[nan_b, nan_j, nan_h] = True
     ulp = 2.0**-8 if dtype is torch.bfloat16 else 2.0**-11  # half a 16-bit step, relative
-    for name, ours, exact, magnitude in cases:
-        nan = expected_nan[name].to(ours.device)
+    for name, ours, exact, size, nan in (("product", product.double(), exact_product, magnitude, product_nan),
+                                         ("d_v", d_v.double(), exact64.sum(1), exact64.abs().sum(1), d_v_nan)):
+        nan = nan.to(ours.device)
         assert torch.equal(ours.isnan(), nan), f"{name}: NaN reaches exactly its row / element"
-        ours, exact, magnitude = ours[~nan], exact[~nan], magnitude[~nan]
+        ours, exact, size = ours[~nan], exact[~nan], size[~nan]
         error = ((ours - exact).norm() / exact.norm()).item()
         assert error <= 1e-2, f"{name}: relative L2 {error}"
-        bound = ulp * exact.abs() + 2.0**-20 * magnitude + torch.finfo(dtype).smallest_normal
+        bound = ulp * exact.abs() + 2.0**-20 * size + torch.finfo(dtype).smallest_normal
         worst = ((ours - exact).abs() / bound).max().item()
         assert worst <= 1.0, f"{name}: an element {worst:.2f}x past one rounding of the exact value"
 

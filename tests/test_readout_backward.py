@@ -132,6 +132,29 @@ def test_pair_features_that_want_no_gradient_skip_its_product_and_change_nothing
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_training_call_on_pair_data_takes_the_weight_gradient_kernel_emulated(dtype):
+    """A 16-bit training call whose pair features want no gradient, with the GPU kernels on the
+    CPU emulator: d W_p and d_v come from pair_grad's weight-gradient pass (no product for the pair
+    features), and the nodes' and every parameter's gradient meet the 16-bit standard."""
+    from unittest import mock
+
+    from emulator import emulated
+
+    module, inputs, g = _16_bit_case(dtype, {"D": 24, "P": 16, "H": 128}, 2, 11, 66, "cauchy")
+    runs, real = [], pair_grad.weight_gradient
+    leaves = [inputs[0].clone().requires_grad_(), inputs[1], inputs[2]]
+    with emulated(), mock.patch.object(fused_backward, "applies", lambda nodes: True), \
+            mock.patch.object(first_layer, "applies", first_layer.fits), \
+            mock.patch.object(pair_grad, "applies", pair_grad.fits), \
+            mock.patch.object(pair_grad, "weight_gradient", lambda *a: runs.append(1) or real(*a)):
+        (SavedClosedForm.run(module, leaves) * g).sum().backward()
+    assert runs == [1]
+    ours = [leaves[0].grad, None] + [p.grad for p in module.parameters()]
+    assert_16_bit_gradients_meet_the_standard(module, inputs, g, ours, unwanted=("input 1",))
+
+
 def test_the_dense_max_gradient_is_the_sparse_one():
     """The 16-bit path's dense gradient of the max against the fp32 path's sparse one, with ties
     (equal messages) and an isolated node: the same matrix, the same sums over rows."""
@@ -330,30 +353,33 @@ def test_max_act_grad_is_max_grad_then_act_grad_emulated(dtype, B, N, D, H, bloc
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
-@pytest.mark.parametrize("dtype,B,N,P,H,splits", [(torch.bfloat16, 2, 19, 16, 128, 1), (torch.float16, 1, 21, 8, 256, 3),
-                                                  (torch.bfloat16, 1, 16, 24, 128, 16)])
-def test_the_pair_gradient_kernel_matches_float64_emulated(dtype, B, N, P, H, splits, monkeypatch):
-    """d_pair = d_pre W_p and d_v = d_pre summed over i from one pass (pair_grad.py) on the CPU
-    emulator (helpers.assert_pair_gradient_matches_float64): a last tile of partners past N (19,
-    21), the rows of i in one range (their sums rounded in the kernel), in three (fp32 partial sums
-    added after) and in one range an i (16)."""
+@pytest.mark.parametrize("wp", [False, True], ids=["pair_gradient", "weight_gradient"])
+@pytest.mark.parametrize("dtype,B,N,P,H,splits", [(torch.bfloat16, 2, 19, 16, 128, 1), (torch.float16, 1, 21, 32, 256, 3),
+                                                  (torch.bfloat16, 1, 16, 48, 128, 16)])
+def test_the_pair_gradient_kernels_match_float64_emulated(dtype, B, N, P, H, splits, wp, monkeypatch):
+    """d_v = d_pre summed over i with d_pair = d_pre W_p, or with the sum over rows of d_pre^T pair,
+    from one pass (pair_grad.py) on the CPU emulator (helpers.assert_pair_gradient_matches_float64):
+    a last tile of partners past N (19, 21), the rows of i in one range (their sums rounded in the
+    kernel), in three (fp32 partial sums added after) and in one range an i (16)."""
     from emulator import emulated
 
     monkeypatch.setattr(pair_grad, "splits_for", lambda batches, n, sms: splits)
     with emulated():
-        assert_pair_gradient_matches_float64("cpu", dtype, B, N, P, H, 1200 + N)
+        assert_pair_gradient_matches_float64("cpu", dtype, B, N, P, H, 1200 + N, wp)
 
 
-@pytest.mark.parametrize("kind,P,H", [("bfloat16", 64, 512), ("float16", 8, 128), ("float16", 24, 384)])
-def test_the_pair_gradient_kernel_compiles_without_spills(kind, P, H):
-    """pair_grad.py's kernel at the readout's training widths (its W_p fragments at the registers'
-    limit), the narrowest and an odd P: NVRTC compiles it for sm_90 without spills, and the widths
-    outside what it takes are refused."""
-    assert pair_grad.takes_widths(P, H)
-    rendered = pair_grad.render(kind, P, H)
+@pytest.mark.parametrize("wp", [False, True], ids=["pair_gradient", "weight_gradient"])
+@pytest.mark.parametrize("kind,P,H", [("bfloat16", 64, 512), ("float16", 16, 128), ("float16", 48, 384)])
+def test_the_pair_gradient_kernels_compile_without_spills(kind, P, H, wp):
+    """pair_grad.py's kernels at the readout's training widths (their registers' limit), the
+    narrowest and an odd P: NVRTC compiles them for sm_90 without spills, and the widths outside
+    what they take are refused."""
+    assert pair_grad.takes_widths(P, H, wp)
+    rendered = pair_grad.render(kind, P, H, wp)
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
     assert compiled.spill_bytes == 0, compiled.summary()
-    assert not any(pair_grad.takes_widths(p, h) for p, h in ((64, 1024), (128, 512), (12, 128), (64, 64), (64, 192)))
+    assert not any(pair_grad.takes_widths(p, h, wp) for p, h in ((64, 1024), (128, 512), (12, 128), (64, 64), (64, 192)))
+    assert pair_grad.takes_widths(8, 128) and not pair_grad.takes_widths(8, 128, wp=True)
 
 
 def test_vector_width_takes_the_widest_access_both_widths_divide_into():

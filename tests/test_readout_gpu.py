@@ -561,16 +561,18 @@ def test_the_max_act_grad_kernel_is_the_max_gradient_then_act_grad(dtype, B, N, 
     assert_max_act_grad_is_max_grad_then_act_grad("cuda", dtype, B, N, D, H, 3000 + N)
 
 
+@pytest.mark.parametrize("wp", [False, True], ids=["pair_gradient", "weight_gradient"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("B,N,P,H", [(2, 13, 16, 128), (1, 37, 24, 384), (2, 128, 64, 512)])
-def test_the_pair_gradient_kernel_matches_float64(dtype, B, N, P, H):
-    """pair_grad.pair_gradient on the GPU (helpers.assert_pair_gradient_matches_float64): a last
-    tile of partners past N, i split into ranges (B N / 16 tiles fill no GPU here) and the
-    readout's training widths."""
+@pytest.mark.parametrize("B,N,P,H", [(2, 13, 16, 128), (1, 37, 48, 384), (2, 128, 64, 512), (16, 128, 64, 512)])
+def test_the_pair_gradient_kernels_match_float64(dtype, B, N, P, H, wp):
+    """pair_grad's two kernels on the GPU (helpers.assert_pair_gradient_matches_float64): a last
+    tile of partners past N, i split into ranges (B N / 16 tiles fill no GPU at B <= 2) and the
+    readout's training widths, at its training shape too (one range)."""
     from pairgen.ops.readout import pair_grad
 
-    assert pair_grad.splits_for(B, N, torch.cuda.get_device_properties(0).multi_processor_count) > 1
-    assert_pair_gradient_matches_float64("cuda", dtype, B, N, P, H, 4000 + N)
+    splits = pair_grad.splits_for(B, N, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert (splits > 1) == (B <= 2)
+    assert_pair_gradient_matches_float64("cuda", dtype, B, N, P, H, 4000 + N, wp)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -157,17 +157,8 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
 
     # ---- the first layer: pair rows, then each node's sums over its partners ----
     first_layer = "fuse.0.weight" not in frozen
-    pair_rows = f.pair.reshape(-1, P)
-    d_wp = mm(d_pre.t(), pair_rows) if first_layer else None
     d_pre4 = d_pre.view(B, N, N, H)
-    if "pair_feats" in frozen:  # pair features that are data: no product for their gradient
-        d_v = d_pre4.sum(dim=1)              # (B, N, H): node j over the i that read it
-    elif f.fused_max and pair_grad.applies(d_pre4, P):  # both from one pass over d_pre
-        d_pair, d_v = pair_grad.pair_gradient(d_pre4, wp)
-        grads["pair_feats"] = d_pair.to(f.pair_dtype)
-    else:
-        grads["pair_feats"] = mm(d_pre, wp).view(B, N, N, P).to(f.pair_dtype)
-        d_v = d_pre4.sum(dim=1)
+    d_wp, d_v = _pair_columns_gradients(f, d_pre4, wp, grads, mm, first_layer, "pair_feats" not in frozen)
     if d_u is None:
         d_u = d_pre4.sum(dim=2)              # (B, N, H): node i over its partners j
     grads["fuse.0.bias"] = d_u.sum((0, 1))   # every pair once: node i's sums, summed
@@ -178,6 +169,31 @@ def _backward(module, f: SimpleNamespace, w, grad_out, mm, frozen) -> dict[str, 
                                             mm(d_v.reshape(-1, H).t(), node_rows), d_wp], dim=1)
     grads["input"] = g + mm(d_u, wi) + mm(d_v, wj)
     return grads
+
+
+def _pair_columns_gradients(f: SimpleNamespace, d_pre4: torch.Tensor, wp: torch.Tensor, grads: dict, mm,
+                            weight: bool, pair_feats: bool) -> tuple:
+    """(d W_p, the first layer's pair columns' weight gradient (None unless `weight`), d_v (B, N, H),
+    node j's sum of d_pre over the i that read it); the pair features' gradient d_pre W_p into
+    grads where `pair_feats` (pair features that are data want none). With the fused kernels d_v
+    comes with one of the products from one pass over d_pre (pair_grad.py)."""
+    B, N, _, H = d_pre4.shape
+    P = f.P
+    d_pre = d_pre4.view(-1, H)
+    d_v = None
+    if pair_feats:
+        if f.fused_max and pair_grad.applies(d_pre4, P):
+            d_pair, d_v = pair_grad.pair_gradient(d_pre4, wp)
+        else:
+            d_pair = mm(d_pre, wp)
+        grads["pair_feats"] = d_pair.view(B, N, N, P).to(f.pair_dtype)
+    d_wp = None
+    if weight:
+        if d_v is None and f.fused_max and pair_grad.applies(d_pre4, P, wp=True) and f.pair.dtype is d_pre.dtype:
+            d_wp, d_v = pair_grad.weight_gradient(d_pre4, f.pair)
+        else:
+            d_wp = mm(d_pre.t(), f.pair.reshape(-1, P))
+    return d_wp, d_pre4.sum(dim=1) if d_v is None else d_v
 
 
 def _max_gradient_of(f: SimpleNamespace, d_pooled: torch.Tensor):
