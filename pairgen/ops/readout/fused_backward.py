@@ -181,11 +181,13 @@ def act_gradient(d_m: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, P: int)
     d_u = pre.new_empty(B, N, H)
     nodes = B * N
     TEMPLATE.launch(pre, "act_grad", _act_grad_blocks(nodes, pre), d_m.data_ptr(), w2.data_ptr(), pre.data_ptr(),
-                    d_u.data_ptr(), nodes, N, vec=vector_width(pre.element_size(), D, P), d=D, p=P, walk_unroll=WALK_UNROLL, h=H)
+                    d_u.data_ptr(), nodes, N, vec=vector_width(pre.element_size(), D, P), d=D, p=P,
+                    walk_unroll=WALK_UNROLL, h=H)
     return pre, d_u
 
 
 def _act_grad_blocks(nodes: int, like: torch.Tensor) -> int:
+    """act_grad's grid: a block a node, up to ACT_GRAD_BLOCKS_PER_SM an SM (then a block takes several)."""
     return max(1, min(nodes, sm_count(like.device.index) * ACT_GRAD_BLOCKS_PER_SM))
 
 

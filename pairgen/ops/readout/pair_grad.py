@@ -99,37 +99,44 @@ def pair_gradient(d_pre: torch.Tensor, wp: torch.Tensor) -> tuple:
     """(d_pair (B, N, N, P) = d_pre W_p, d_v (B, N, H) = d_pre summed over i), both in d_pre's
     dtype, rounded once from fp32 sums, for d_pre (B, N, N, H) and W_p (H, P) (the first layer's
     pair columns, its weight's [:, 2 D:]). applies(d_pre, P) must hold."""
-    import torch
-
     B, N, _, H = d_pre.shape
     P = wp.shape[-1]
     wpt = wp.to(d_pre.dtype).t().contiguous()
     d_pair = d_pre.new_empty(B, N, N, P)
-    splits = splits_for(B, N, sm_count(d_pre.device.index))
-    # one range of i: d_v rounded in the kernel; several: each range's fp32 sums, added here
-    sums = d_pre.new_empty(B, N, H) if splits == 1 else torch.empty(splits, B, N, H, dtype=torch.float32,
-                                                                       device=d_pre.device)
-    blocks = B * -(-N // TILE_J) * splits
-    TEMPLATE.launch(d_pre, "", blocks, d_pre.data_ptr(), wpt.data_ptr(), d_pair.data_ptr(), sums.data_ptr(),
-                    sums.data_ptr(), B, N, splits, smem=smem_bytes(P, H), **context(P, H, storage_kind(d_pre.dtype)))
-    return d_pair, sums if splits == 1 else sums.sum(0).to(d_pre.dtype)
+    d_v = _launch(d_pre, P, False, wpt.data_ptr(), d_pair.data_ptr())
+    return d_pair, d_v
 
 
 def weight_gradient(d_pre: torch.Tensor, pair: torch.Tensor) -> tuple:
     """(d W_p (H, P) = the sum over pair rows of d_pre^T pair, d_v (B, N, H) = d_pre summed over
     i), both in d_pre's dtype, rounded once from fp32 sums, for d_pre (B, N, N, H) and the pair
-    features (B, N, N, P) in its dtype. applies(d_pre, P, wp=True) must hold."""
+    features (B, N, N, P). applies(d_pre, P, wp=True) must hold."""
     import torch
 
     B, N, _, H = d_pre.shape
     P = pair.shape[-1]
     pair = pair.to(d_pre.dtype).contiguous()
+    if pair.data_ptr() % 16:  # a view starting mid-row: its rows are copied 16 bytes at a time
+        pair = pair.clone()
+    parts = torch.empty(_blocks(B, N, d_pre), H, P, dtype=torch.float32, device=d_pre.device)
+    d_v = _launch(d_pre, P, True, pair.data_ptr(), parts.data_ptr())
+    return parts.sum(0).to(d_pre.dtype), d_v
+
+
+def _blocks(B: int, N: int, like: torch.Tensor) -> int:
+    return B * -(-N // TILE_J) * splits_for(B, N, sm_count(like.device.index))
+
+
+def _launch(d_pre: torch.Tensor, P: int, wp: bool, operand: int, product: int) -> torch.Tensor:
+    """One launch of either kernel over d_pre with its other operand and product (pointers); d_v,
+    rounded in the kernel where a block has all of i, else from the ranges' fp32 sums added here."""
+    import torch
+
+    B, N, _, H = d_pre.shape
     splits = splits_for(B, N, sm_count(d_pre.device.index))
-    blocks = B * -(-N // TILE_J) * splits
-    parts = torch.empty(blocks, H, P, dtype=torch.float32, device=d_pre.device)
     sums = d_pre.new_empty(B, N, H) if splits == 1 else torch.empty(splits, B, N, H, dtype=torch.float32,
                                                                        device=d_pre.device)
-    TEMPLATE.launch(d_pre, "wp", blocks, d_pre.data_ptr(), pair.data_ptr(), parts.data_ptr(), sums.data_ptr(),
-                    sums.data_ptr(), B, N, splits, smem=smem_bytes(P, H, True),
-                    **context(P, H, storage_kind(d_pre.dtype), True))
-    return parts.sum(0).to(d_pre.dtype), sums if splits == 1 else sums.sum(0).to(d_pre.dtype)
+    TEMPLATE.launch(d_pre, "wp" if wp else "", _blocks(B, N, d_pre), d_pre.data_ptr(), operand, product,
+                    sums.data_ptr(), sums.data_ptr(), B, N, splits, smem=smem_bytes(P, H, wp),
+                    **context(P, H, storage_kind(d_pre.dtype), wp))
+    return sums if splits == 1 else sums.sum(0).to(d_pre.dtype)
