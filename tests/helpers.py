@@ -509,6 +509,7 @@ def assert_max_act_grad_is_max_grad_then_act_grad(device: str, dtype, B: int, N:
     both win), and a NaN in pre that reaches only its element."""
     from pairgen.ops.readout import fused_backward
 
+    P = 16  # the pair width: only the kernels' rendering takes it
     gen = torch.Generator(device=device).manual_seed(seed)
     m = (torch.randint(-3, 4, (B, N, N, D), device=device, generator=gen) * 0.5).to(dtype)
     m[0, 0, :, 1] = 0.0
@@ -520,15 +521,15 @@ def assert_max_act_grad_is_max_grad_then_act_grad(device: str, dtype, B: int, N:
     edge[B - 1, N - 1, 0] = True              # one edge
     m[0, 1, 2, 0] = float("nan")
     edge[0, 1, 2] = True
-    pooled, winners = fused_backward.max_pool(m, edge, 8)
+    pooled, winners = fused_backward.max_pool(m, edge, P)
     d_pooled = torch.randn(B, N, D, device=device, generator=gen)
     w2 = (torch.randn(D, H, device=device, generator=gen) / D ** 0.5).to(dtype)
     pre = (torch.randn(B, N, N, H, device=device, generator=gen) * 3).clamp(-12, 12).to(dtype)
     pre.view(-1)[7] = float("nan")
 
-    d_m, taken = fused_backward.max_pool_backward(m, edge, pooled, winners, d_pooled, 8)
-    d_pre, d_u = fused_backward.act_gradient(d_m, w2, pre.clone(), 8)
-    f_pre, f_u, f_m, f_taken = fused_backward.max_act_gradient(m, edge, pooled, winners, d_pooled, w2, pre.clone(), 8)
+    d_m, taken = fused_backward.max_pool_backward(m, edge, pooled, winners, d_pooled, P)
+    d_pre, d_u = fused_backward.act_gradient(d_m, w2, pre.clone(), P)
+    f_pre, f_u, f_m, f_taken = fused_backward.max_act_gradient(m, edge, pooled, winners, d_pooled, w2, pre.clone(), P)
     assert (d_m != 0).any() and pooled[0, 1, 0].isnan(), "the case has winners and a NaN max"
     for name, ours, theirs in (("d_m", f_m, d_m), ("d_pre", f_pre, d_pre), ("d_u", f_u, d_u)):
         assert ours.shape == theirs.shape and ours.dtype is theirs.dtype, name

@@ -58,7 +58,7 @@ def test_a_16_bit_module_meets_the_16_bit_standard(dtype, widths, B, N, seed, di
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 @pytest.mark.parametrize("act_grad,max_act_grad", [(True, True), (True, False), (False, False)],
                          ids=["max_act_grad", "act_grad", "product"])
-@pytest.mark.parametrize("dtype,widths,B,N", [(torch.bfloat16, {"D": 24, "P": 8, "H": 128}, 2, 11),
+@pytest.mark.parametrize("dtype,widths,B,N", [(torch.bfloat16, {"D": 24, "P": 16, "H": 128}, 2, 11),
                                               (torch.float16, {"D": 16, "P": 12, "H": 128}, 1, 9)])
 def test_16_bit_gradients_through_the_fused_kernels_meet_the_standard_emulated(dtype, widths, B, N, act_grad,
                                                                                max_act_grad, monkeypatch):
@@ -133,8 +133,7 @@ def test_pair_features_that_want_no_gradient_skip_its_product_and_change_nothing
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_training_call_on_pair_data_takes_the_weight_gradient_kernel_emulated(dtype):
+def test_a_training_call_on_pair_data_takes_the_weight_gradient_kernel_emulated():
     """A 16-bit training call whose pair features want no gradient, with the GPU kernels on the
     CPU emulator: d W_p and d_v come from pair_grad's weight-gradient pass (no product for the pair
     features), and the nodes' and every parameter's gradient meet the 16-bit standard."""
@@ -142,7 +141,8 @@ def test_a_training_call_on_pair_data_takes_the_weight_gradient_kernel_emulated(
 
     from emulator import emulated
 
-    module, inputs, g = _16_bit_case(dtype, {"D": 24, "P": 16, "H": 128}, 2, 11, 66, "cauchy")
+    # (the widths and dtype of the fused kernels' test above: the same emulated kernels)
+    module, inputs, g = _16_bit_case(torch.bfloat16, {"D": 24, "P": 16, "H": 128}, 2, 11, 66, "cauchy")
     runs, real = [], pair_grad.weight_gradient
     leaves = [inputs[0].clone().requires_grad_(), inputs[1], inputs[2]]
     with emulated(), mock.patch.object(fused_backward, "applies", lambda nodes: True), \
@@ -354,13 +354,14 @@ def test_max_act_grad_is_max_grad_then_act_grad_emulated(dtype, B, N, D, H, bloc
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 @pytest.mark.parametrize("wp", [False, True], ids=["pair_gradient", "weight_gradient"])
-@pytest.mark.parametrize("dtype,B,N,P,H,splits", [(torch.bfloat16, 2, 19, 16, 128, 1), (torch.float16, 1, 21, 32, 256, 3),
-                                                  (torch.bfloat16, 1, 16, 48, 128, 16)])
+@pytest.mark.parametrize("dtype,B,N,P,H,splits", [(torch.bfloat16, 2, 19, 16, 128, 1), (torch.float16, 1, 21, 16, 256, 3),
+                                                  (torch.bfloat16, 1, 16, 16, 128, 16)])
 def test_the_pair_gradient_kernels_match_float64_emulated(dtype, B, N, P, H, splits, wp, monkeypatch):
     """d_v = d_pre summed over i with d_pair = d_pre W_p, or with the sum over rows of d_pre^T pair,
     from one pass (pair_grad.py) on the CPU emulator (helpers.assert_pair_gradient_matches_float64):
     a last tile of partners past N (19, 21), the rows of i in one range (their sums rounded in the
-    kernel), in three (fp32 partial sums added after) and in one range an i (16)."""
+    kernel), in three (fp32 partial sums added after) and in one range an i (16); a warp's slice of
+    H one k-step (H 128) and two (H 256)."""
     from emulator import emulated
 
     monkeypatch.setattr(pair_grad, "splits_for", lambda batches, n, sms: splits)
