@@ -9,11 +9,6 @@ import torch
 from . import captured
 
 
-def frozen_names(names: list[str], wanted: "list[bool] | None") -> frozenset:
-    """The parameter names whose gradient is not wanted (None: every one is)."""
-    return frozenset() if wanted is None else frozenset(name for name, w in zip(names, wanted) if not w)
-
-
 def distinct_storages(grads: list, held: tuple) -> list:
     """`grads` with no two sharing a storage and none sharing one of `held` (the call's tensors):
     what a custom operator may return (pairgen/library.py). A closed form may give views of one

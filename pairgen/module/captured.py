@@ -172,12 +172,17 @@ class CapturedSteps:
         return slot
 
 
+def frozen_names(names, wanted: "list[bool] | None") -> frozenset:
+    """The parameter names whose gradient is not wanted (None: every one is)."""
+    return frozenset() if wanted is None else frozenset(name for name, w in zip(names, wanted) if not w)
+
+
 def unwanted_gradients(module, input_needs, names, wanted) -> frozenset:
     """What a closed form's backward may skip (its `frozen`): the parameters whose gradient is not
-    wanted and the keys of the inputs' gradients not needed (pair features that are data, not a
-    model's output, need none: their product is skipped)."""
-    return frozenset([*(name for name, w in zip(names, wanted) if not w),
-                      *(key for key, need in zip(module.input_gradients, input_needs) if key and not need)])
+    wanted (frozen_names) and the keys of the inputs' gradients not needed (pair features that are
+    data, not a model's output, need none: their product is skipped)."""
+    return frozen_names(names, wanted) | {key for key, need in zip(module.input_gradients, input_needs)
+                                          if key and not need}
 
 
 def signature(module, inputs: tuple, params: tuple) -> tuple:

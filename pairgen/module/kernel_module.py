@@ -21,7 +21,8 @@ from ..precision import (CLOSED_FORM_DTYPES, HALF_BY_DTYPE, HALF_DTYPES, MODULE_
                          lookup)
 from ..spec import OpSpec
 from . import dispatch, training_replay
-from .autograd import ReferenceBackward, SavedClosedForm, distinct_storages, frozen_names
+from .autograd import ReferenceBackward, SavedClosedForm, distinct_storages
+from .captured import frozen_names
 from .buffers import PACK_SLOTS, HeldBuffer, grow_held
 from .dispatch import (CLOSED_FORM, COMPILED, FP32_KERNEL, KERNEL, KERNEL_TRAINING, REFERENCE, SAVED_CLOSED_FORM, Route,
                        Routing, route)

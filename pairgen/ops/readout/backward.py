@@ -189,7 +189,7 @@ def _pair_columns_gradients(f: SimpleNamespace, d_pre4: torch.Tensor, wp: torch.
         grads["pair_feats"] = d_pair.view(B, N, N, P).to(f.pair_dtype)
     d_wp = None
     if weight:
-        if d_v is None and f.fused_max and pair_grad.applies(d_pre4, P, wp=True) and f.pair.dtype is d_pre.dtype:
+        if d_v is None and f.fused_max and pair_grad.applies(d_pre4, P, wp=True):
             d_wp, d_v = pair_grad.weight_gradient(d_pre4, f.pair)
         else:
             d_wp = mm(d_pre.t(), f.pair.reshape(-1, P))
@@ -212,10 +212,10 @@ def _max_gradient_of(f: SimpleNamespace, d_pooled: torch.Tensor):
 
 
 def _act_grad_takes(f: SimpleNamespace, d_m_dtype: torch.dtype, *dense: torch.Tensor) -> bool:
-    """Whether the act_grad kernels take this closed form's backward: the fused max, widths the
-    kernel takes, the max's gradient in pre's dtype and the pair-sized operands contiguous."""
-    return (f.fused_max and fused_backward.act_grad_applies(f.D, f.H) and d_m_dtype is f.pre.dtype
-            and f.pre.is_contiguous() and all(t.is_contiguous() for t in dense))
+    """Whether the act_grad kernels take this fused-max closed form's backward: widths the kernel
+    takes, the max's gradient in pre's dtype and the pair-sized operands contiguous."""
+    return (fused_backward.act_grad_applies(f.D, f.H) and d_m_dtype is f.pre.dtype and f.pre.is_contiguous()
+            and all(t.is_contiguous() for t in dense))
 
 
 def _max_act_grad_applies(f: SimpleNamespace) -> bool:

@@ -103,7 +103,7 @@ def pair_gradient(d_pre: torch.Tensor, wp: torch.Tensor) -> tuple:
     P = wp.shape[-1]
     wpt = wp.to(d_pre.dtype).t().contiguous()
     d_pair = d_pre.new_empty(B, N, N, P)
-    d_v = _launch(d_pre, P, False, wpt.data_ptr(), d_pair.data_ptr())
+    d_v = _launch(d_pre, P, False, _grid(d_pre), wpt.data_ptr(), d_pair.data_ptr())
     return d_pair, d_v
 
 
@@ -113,30 +113,34 @@ def weight_gradient(d_pre: torch.Tensor, pair: torch.Tensor) -> tuple:
     features (B, N, N, P). applies(d_pre, P, wp=True) must hold."""
     import torch
 
-    B, N, _, H = d_pre.shape
+    H = d_pre.shape[-1]
     P = pair.shape[-1]
     pair = pair.to(d_pre.dtype).contiguous()
     if pair.data_ptr() % 16:  # a view starting mid-row: its rows are copied 16 bytes at a time
         pair = pair.clone()
-    parts = torch.empty(_blocks(B, N, d_pre), H, P, dtype=torch.float32, device=d_pre.device)
-    d_v = _launch(d_pre, P, True, pair.data_ptr(), parts.data_ptr())
+    grid = _grid(d_pre)
+    parts = torch.empty(grid[1], H, P, dtype=torch.float32, device=d_pre.device)  # a block's sums each
+    d_v = _launch(d_pre, P, True, grid, pair.data_ptr(), parts.data_ptr())
     return parts.sum(0).to(d_pre.dtype), d_v
 
 
-def _blocks(B: int, N: int, like: torch.Tensor) -> int:
-    return B * -(-N // TILE_J) * splits_for(B, N, sm_count(like.device.index))
+def _grid(d_pre: torch.Tensor) -> tuple:
+    """(splits, blocks) of a launch over d_pre (B, N, N, H): a block a tile of partners and range of i."""
+    B, N = d_pre.shape[:2]
+    splits = splits_for(B, N, sm_count(d_pre.device.index))
+    return splits, B * -(-N // TILE_J) * splits
 
 
-def _launch(d_pre: torch.Tensor, P: int, wp: bool, operand: int, product: int) -> torch.Tensor:
+def _launch(d_pre: torch.Tensor, P: int, wp: bool, grid: tuple, operand: int, product: int) -> torch.Tensor:
     """One launch of either kernel over d_pre with its other operand and product (pointers); d_v,
     rounded in the kernel where a block has all of i, else from the ranges' fp32 sums added here."""
     import torch
 
     B, N, _, H = d_pre.shape
-    splits = splits_for(B, N, sm_count(d_pre.device.index))
+    splits, blocks = grid
     sums = d_pre.new_empty(B, N, H) if splits == 1 else torch.empty(splits, B, N, H, dtype=torch.float32,
                                                                        device=d_pre.device)
-    TEMPLATE.launch(d_pre, "wp" if wp else "", _blocks(B, N, d_pre), d_pre.data_ptr(), operand, product,
-                    sums.data_ptr(), sums.data_ptr(), B, N, splits, smem=smem_bytes(P, H, wp),
+    TEMPLATE.launch(d_pre, "wp" if wp else "", blocks, d_pre.data_ptr(), operand, product, sums.data_ptr(),
+                    sums.data_ptr(), B, N, splits, smem=smem_bytes(P, H, wp),
                     **context(P, H, storage_kind(d_pre.dtype), wp))
     return sums if splits == 1 else sums.sum(0).to(d_pre.dtype)
