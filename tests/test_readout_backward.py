@@ -383,32 +383,6 @@ def test_the_pair_gradient_kernels_compile_without_spills(kind, P, H, wp):
     assert pair_grad.takes_widths(8, 128) and not pair_grad.takes_widths(8, 128, wp=True)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
-@pytest.mark.parametrize("dtype,B,N,D,H", [(torch.bfloat16, 2, 7, 256, 256), (torch.float16, 1, 9, 128, 128)])
-def test_act_grad_with_16_byte_accesses_is_act_grad_a_word_a_lane_emulated(dtype, B, N, D, H, monkeypatch):
-    """act_grad and max_act_grad reading and writing rows 16 bytes (D 256, H 256) and 8 bytes (D 128,
-    H 128) a lane give what they give a word a lane, bit for bit, on the CPU emulator: the winners'
-    rows of W2 are added in the same order."""
-    from emulator import emulated
-
-    gen = generator(1300 + D)
-    m = (torch.randint(-3, 4, (B, N, N, D), generator=gen) * 0.5).to(dtype)
-    edge = torch.rand(B, N, N, generator=gen) < 0.7
-    d_pooled = torch.randn(B, N, D, generator=gen)
-    w2 = (torch.randn(D, H, generator=gen) / D ** 0.5).to(dtype)
-    pre = (torch.randn(B, N, N, H, generator=gen) * 3).clamp(-12, 12).to(dtype)
-    results = {}
-    with emulated():
-        pooled, winners = fused_backward.max_pool(m, edge, 16)
-        for wide in (True, False):
-            monkeypatch.setattr(fused_backward, "ACT_GRAD_WIDE", wide)
-            fused = fused_backward.max_act_gradient(m, edge, pooled, winners, d_pooled, w2, pre.clone(), 16)
-            results[wide] = (*fused[:3], *fused_backward.act_gradient(fused[2], w2, pre.clone(), 16))
-    assert (results[True][2] != 0).any()
-    for ours, theirs in zip(results[True], results[False]):
-        assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
-
-
 def test_vector_width_takes_the_widest_access_both_widths_divide_into():
     assert [fused_backward.vector_width(2, D, P) for D, P in ((256, 64), (96, 40), (10, 6), (7, 3))] == [8, 8, 2, 1]
     assert fused_backward.vector_width(4, 256, 64) == 4

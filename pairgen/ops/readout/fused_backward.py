@@ -72,10 +72,9 @@ def vector_width(itemsize: int, D: int, P: int) -> int:
     return vec
 
 
-def render(kind: str, D: int, P: int, H: int = 0, wide: bool = True):
-    """The template for (D, P); with H, the act_grad kernels too (act_grad_applies must hold), their
-    rows accessed 16 bytes at a time where `wide` (rows that start on 16 bytes)."""
-    hidden = {"h": H, "act_grad_wide": int(wide)} if H else {}
+def render(kind: str, D: int, P: int, H: int = 0):
+    """The template for (D, P); with H, the act_grad kernel too (act_grad_applies must hold)."""
+    hidden = {"h": H} if H else {}
     return TEMPLATE.render(kind, vec=vector_width(2 if kind != "float32" else 4, D, P), d=D, p=P,
                            walk_unroll=WALK_UNROLL, **hidden)
 
@@ -183,19 +182,8 @@ def act_gradient(d_m: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, P: int)
     nodes = B * N
     TEMPLATE.launch(pre, "act_grad", _act_grad_blocks(nodes, pre), d_m.data_ptr(), w2.data_ptr(), pre.data_ptr(),
                     d_u.data_ptr(), nodes, N, vec=vector_width(pre.element_size(), D, P), d=D, p=P,
-                    walk_unroll=WALK_UNROLL, h=H, act_grad_wide=_wide(d_m, w2, pre))
+                    walk_unroll=WALK_UNROLL, h=H)
     return pre, d_u
-
-
-#: Whether act_grad's rows are read and written 16 bytes at a time where they start on 16 bytes
-#: (else a word a lane); the tests run both ways.
-ACT_GRAD_WIDE = True
-
-
-def _wide(*rows: torch.Tensor) -> int:
-    """act_grad's rendering for these row-major tensors: 1 (16-byte accesses) where ACT_GRAD_WIDE
-    and each starts on 16 bytes (rows of whole 16-byte pieces are the template's to see), else 0."""
-    return int(ACT_GRAD_WIDE and all(t.data_ptr() % 16 == 0 for t in rows))
 
 
 def _act_grad_blocks(nodes: int, like: torch.Tensor) -> int:
@@ -222,6 +210,5 @@ def max_act_gradient(m: torch.Tensor, edge: torch.Tensor, pooled: torch.Tensor, 
     TEMPLATE.launch(pre, "max_act_grad", _act_grad_blocks(nodes, pre), m.data_ptr(), edge.contiguous().data_ptr(),
                     pooled.data_ptr(), winners.contiguous().data_ptr(), d_pooled.data_ptr(), w2.data_ptr(),
                     pre.data_ptr(), d_m.data_ptr(), d_u.data_ptr(), taken.data_ptr(), nodes, N,
-                    vec=vector_width(pre.element_size(), D, P), d=D, p=P, walk_unroll=WALK_UNROLL, h=H,
-                    act_grad_wide=_wide(m, w2, pre))
+                    vec=vector_width(pre.element_size(), D, P), d=D, p=P, walk_unroll=WALK_UNROLL, h=H)
     return pre, d_u, d_m.view(-1, D), taken.sum((0, 1))
