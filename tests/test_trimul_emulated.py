@@ -154,3 +154,41 @@ def test_the_gpu_tests_sliced_and_w_registers_cases_emulated(order):
                                                                             ((1, 1), (3, 1), (1, 7), (3, 7), (1, 37),
                                                                              (3, 37), (1, 64), (3, 64))], order)]
     assert not failures, "\n".join(failures)
+
+
+#: x_fp32's cases: the tuned entries' point with an fp32 output too (GPU MODE's contract, fp32 in
+#: and out), and a narrow one with three pieces a thread a pass (P = 48, two 64-column passes).
+X_FP32_CASES = {
+    "first-default-fp32-out-bf16": ("bfloat16", {**MODELS, "out_fp32": 1}, CASES["staged-output-first-default-bf16"][2]),
+    "narrow-wide-passes-fp16": ("float16", {**SMALL, "P": 48, "H": 32},
+                                  {**PAIRED, "p_wn": 64, "x_registers": True, "p_normalized_x": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(X_FP32_CASES))
+def test_an_fp32_x_read_by_the_projection_matches_its_cast_bit_for_bit_emulated(case):
+    """x_fp32: a call with an fp32 x (under autocast) runs the projection that rounds x itself,
+    and writes the rounded rows the output kernel reads, instead of a cast before the kernels.
+    Its output must equal, bit for bit, the same point's on x cast to the operand type (and so meet
+    the float64 standard as that does), with NaN-prefilled outputs, at whole and odd tiles."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    precision, widths, params = X_FP32_CASES[case]
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    dtype = torch.float32 if widths.get("out_fp32") else getattr(torch, precision)
+    for k, (batch, n) in enumerate(SHAPES):
+        gen = generator(100 + k)
+        module = module_in_precision(TRIMUL, {w: v for w, v in widths.items() if w != "out_fp32"}, gen, precision, "cpu")
+        x, mask = TRIMUL.make_inputs({"B": batch, "N": n, **widths}, gen, "cauchy" if k % 2 else "normal")
+        assert x.dtype is torch.float32
+        cast, _ = inputs_in_precision((x, mask), precision, "cpu")
+        with emulated(0), torch.no_grad():
+            variant = emulated_variant(plan)
+            reading = wgmma.variant_for_call(TRIMUL, variant, batch, n, dtype is torch.float32, -1, True)
+            assert reading.plan.widths["x_fp32"] == 1 and "ptr xh" in reading.plan.kernels[0].args
+            expected = torch.full(x.shape, float("nan"), dtype=dtype)
+            module._launch(cast, mask, out=expected, variant=variant)
+            got = torch.full(x.shape, float("nan"), dtype=dtype)
+            module._launch(x, mask, out=got, variant=variant)
+        assert not expected.isnan().any(), f"B={batch} N={n}: the cast's call left NaN"
+        assert torch.equal(got, expected), f"B={batch} N={n}: {(got - expected).abs().max()}"

@@ -521,6 +521,35 @@ def test_an_fp32_output_changes_only_the_output_kernels_stores_and_compiles():
     assert "an fp32 output (out_fp32) is the wgmma strategy's" in TRIMUL.infeasible(refused, DeviceLimits())
 
 
+def test_an_fp32_input_is_read_by_the_projections_that_hold_x_in_registers_and_compiles():
+    """for_call's fp32-input plan (x_fp32, a call under autocast): the projection with x in
+    registers reads x in fp32 and writes the rounded copy (`xh`) the output kernel reads, alone or
+    with an fp32 output; its products stay asynchronous, without spills. Other points (x in shared
+    memory, Wp in registers, sliced) leave the cast to the caller, and the output kernel is the
+    tuned plan's."""
+    from pairgen.ops.trimul.strategies.wgmma import for_call
+
+    paired, unpaired, hidden = _fp32_output_plans()
+    first_default = TRIMUL.default_plan(MODEL, DeviceLimits(), "bfloat16")
+    swapped = TRIMUL.plan("wgmma", W_REGISTERS, MODEL, "bfloat16")
+    sliced = TRIMUL.plan("wgmma", SLICED, WIDE, "bfloat16")
+    for plan in (unpaired, hidden, swapped, sliced):
+        assert for_call(TRIMUL, plan, 1, 64, fp32_input=True) is None, plan.label
+    reading = []
+    for plan in (paired, first_default):
+        derived = for_call(TRIMUL, plan, 1, 64, fp32_input=True)
+        assert derived.widths == {**plan.widths, "x_fp32": 1} and derived.params == plan.params
+        projection, output = derived.kernels
+        assert projection.args == (*plan.kernels[0].args[:5], "ptr xh", *plan.kernels[0].args[5:])
+        assert output.args == plan.kernels[1].args
+        source = codegen.render_plan(derived).source
+        assert "x32_step(xv, pass," in source and "const float* __restrict__ x, const void* __restrict__ mask" in source
+        reading.append(derived)
+    both = for_call(TRIMUL, first_default, 1, 64, fp32_output=True, fp32_input=True)
+    assert both.widths == {**first_default.widths, "x_fp32": 1, "out_fp32": 1}
+    assert_compiled_without_spills(reading + [both], asynchronous=[reading[1]])
+
+
 def test_a_call_derives_its_fp32_output_variant_once(monkeypatch):
     """variant_for_call plans and builds the variant a call runs instead (an fp32 output, unpaired
     past the offsets) once per tuned variant, not on every call (a plan costs host time); a call
@@ -541,6 +570,12 @@ def test_a_call_derives_its_fp32_output_variant_once(monkeypatch):
     assert [plan.widths.get("out_fp32") for plan in built] == [1]
     unpaired = wgmma.variant_for_call(TRIMUL, tuned, 1, 11586, True, 0)   # past 2^34 elements of a and b
     assert unpaired is not first and built[-1].params["paired_columns"] is False and len(built) == 2
+    reading = wgmma.variant_for_call(TRIMUL, tuned, 1, 64, True, 0, True)  # an fp32 x too
+    assert wgmma.variant_for_call(TRIMUL, tuned, 2, 96, True, 0, True) is reading is not first
+    assert built[-1].widths["x_fp32"] == 1 and len(built) == 3
+    # past the offsets the unpaired point has x in shared memory: it reads the cast x, as before
+    assert wgmma.variant_for_call(TRIMUL, tuned, 1, 11586, True, 0, True) is not reading
+    assert not built[-1].widths.get("x_fp32") and len(built) == 4
 
 
 def test_normalized_operands_compile_without_spills_and_go_with_their_registers():

@@ -29,8 +29,9 @@ class TrimulSpec(OpSpec):
     width_names = ("P", "H", "outgoing", "gate_normalized", "bias")
     # The out gate in hidden width (lucidrains' placement): named in a key only where it is 1.
     # out_fp32: the output written in fp32 by 16-bit kernels (the wgmma strategy's), for a caller
-    # that wants an fp32 output; never in a tuned key: a call derives it from its tuned plan.
-    optional_widths = {"gate_hidden": 0, "out_fp32": 0}
+    # that wants an fp32 output; x_fp32: x read in fp32 by the 16-bit projection (a call under
+    # autocast); neither is ever in a tuned key: a call derives them from its tuned plan.
+    optional_widths = {"gate_hidden": 0, "out_fp32": 0, "x_fp32": 0}
     strategies = {s.name: s for s in (BMM, FUSED, MMA, WGMMA)}
     default_points = (
         # P a multiple of 64, H of 32 (the real models): 128-column chunks of 4H, 8x8 micro-tiles.

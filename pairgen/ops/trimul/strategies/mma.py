@@ -171,12 +171,19 @@ def run_projection(variant, x, mask, packed, H: int) -> Projected:
     copies = 3 if precision == "tf32x3" else 1
     ab = torch.empty((2, B * H, copies * N * N), device=x.device, dtype=OPERAND_DTYPES[precision])
     fastcall.note_scratch(ab)
-    if x.dtype is not ab.dtype:
-        x = x.to(ab.dtype)  # an fp32 input under autocast: the kernels read x in the operand type
+    rounded = {}
+    if x.dtype is not ab.dtype:  # an fp32 input under autocast: the output kernel reads x in the operand type
+        if "xh" in project.names:  # which the projection writes as it reads x (wgmma's x_fp32)
+            xh = torch.empty(x.shape, device=x.device, dtype=ab.dtype)
+            fastcall.note_scratch(xh)
+            rounded = {"xh": xh.data_ptr()}
+        else:
+            x = x.to(ab.dtype)
     held_stats, stats = _row_statistics(statistics, x, x.data_ptr())
     project.named(x=x.data_ptr(), mask=mask.data_ptr(), w=packed.data_ptr(), ar=ab[0].data_ptr(),
-                  br=ab[1].data_ptr(), mask_is_float=int(mask.dtype is torch.float32), **_taken(project, stats))
-    return Projected(ab, x, (output,), held_stats, stats)
+                  br=ab[1].data_ptr(), mask_is_float=int(mask.dtype is torch.float32), **rounded,
+                  **_taken(project, stats))
+    return Projected(ab, xh if rounded else x, (output,), held_stats, stats)
 
 
 def run_three_steps(module, variant, x, mask, out, packed) -> None:

@@ -84,6 +84,19 @@ def _stats_grid(B, N, sms, resident):
     return max(1, min(ceil_div(pairs, STATS_WARPS), STATS_BLOCKS_PER_SM * sms)), (B, N, ceil_div(pairs, WGMMA_ROWS))
 
 
+def reads_fp32_x(params: dict, p_slices: int) -> bool:
+    """Whether the projection of a point (its slices resolved) can read an fp32 x itself (x_fp32):
+    the one-stage resident projection with x in registers, unsliced."""
+    return bool(params["x_registers"]) and not params["w_registers"] and p_slices <= 1
+
+
+def _with_rounded_x(args: tuple) -> tuple:
+    """The projection's arguments with xh (x rounded to the operand type, which it writes for the
+    output kernel: x_fp32) after its pointers."""
+    pointers = tuple(a for a in args if a.startswith("ptr "))
+    return (*pointers, "ptr xh", *args[len(pointers):])
+
+
 def _with_stats(args: tuple) -> tuple:
     """A kernel's arguments with the row statistics (`ptr stats`) before the shape tail."""
     pointers = tuple(a for a in args if a.startswith("ptr "))
@@ -161,8 +174,9 @@ def derive(params: dict, w: dict, name: str):
 
     p_slices, o_slices = _slice_counts(params, w, project_smem, output_smem)
     project_smem, output_smem = project_smem(p_slices), output_smem(o_slices)
+    x_fp32 = bool(w["x_fp32"]) and reads_fp32_x(params, p_slices)
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
-               "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "off": off, "consts_smem": params["consts_smem"],
+               "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "x_fp32": x_fp32, "off": off, "consts_smem": params["consts_smem"],
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
                "x_registers": params["x_registers"], "z_registers": params["z_registers"],
                "w_registers": params["w_registers"], "o_x_registers": params["o_x_registers"],
@@ -177,8 +191,8 @@ def derive(params: dict, w: dict, name: str):
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
-    kernels = (Kernel(name, 128 * params["p_groups"], project_smem,
-                      _with_stats(PROJECT_ARGS) if p_slices > 1 else PROJECT_ARGS,
+    project_args = _with_stats(PROJECT_ARGS) if p_slices > 1 else _with_rounded_x(PROJECT_ARGS) if x_fp32 else PROJECT_ARGS
+    kernels = (Kernel(name, 128 * params["p_groups"], project_smem, project_args,
                       _wgmma_grid(1 if params["w_registers"] else params["p_groups"], p_slices)),
                Kernel(f"{name}_output", 128 * params["o_groups"], output_smem,
                       _with_stats(OUTPUT_ARGS) if o_slices > 1 else OUTPUT_ARGS, _wgmma_grid(params["o_groups"], o_slices)))
@@ -399,20 +413,22 @@ def _unpaired(plan: Plan, B: int, N: int) -> bool:
     return bool(plan.params.get("paired_columns")) and B * plan.widths["H"] * N * N >= PAIRED_MAX_AB_ELEMENTS
 
 
-def for_call(spec, plan: Plan, B: int, N: int, fp32_output: bool = False) -> Plan | None:
+def for_call(spec, plan: Plan, B: int, N: int, fp32_output: bool = False, fp32_input: bool = False) -> Plan | None:
     """The plan (of `spec`, the op's) a call of B x N pairs runs instead of `plan`, or None where
     `plan` runs it: unpaired past PAIRED_MAX_AB_ELEMENTS (x, the sums and Wp in registers are
-    variants of the paired kernels: they go too), and with its output kernel writing fp32 where the call
-    wants an fp32 output (fp32_output)."""
+    variants of the paired kernels: they go too), with its output kernel writing fp32 where the call
+    wants an fp32 output (fp32_output), and with its projection reading an fp32 x where the call
+    gives one (fp32_input) and the projection can (reads_fp32_x; else the caller casts x)."""
     unpaired = _unpaired(plan, B, N)
-    if not (unpaired or fp32_output):
+    reads_x = fp32_input and not unpaired and reads_fp32_x(plan.params, plan.context["p_slices"])
+    if not (unpaired or fp32_output or reads_x):
         return None
     params = {**plan.params, "paired_columns": False, "x_registers": False, "z_registers": False, "w_registers": False,
               **REGISTER_VARIANTS_OFF} if unpaired else plan.params
-    # The fp32 output keeps every other parameter: the same arithmetic, so its values round to the
-    # 16-bit output bit for bit (docs/ops.md); the LayerNorm statistics' summation order differs
-    # between x in registers and x in shared memory, so that point must not change either.
-    widths = {**plan.widths, "out_fp32": 1} if fp32_output else plan.widths
+    # The fp32 output and input keep every other parameter: the same arithmetic, so the values
+    # round to the 16-bit kernels' bit for bit (docs/ops.md); the LayerNorm statistics' summation
+    # order differs between x in registers and x in shared memory, so that point must not change either.
+    widths = {**plan.widths, **({"out_fp32": 1} if fp32_output else {}), **({"x_fp32": 1} if reads_x else {})}
     return spec.plan(plan.strategy, params, widths, plan.precision)
 
 
@@ -421,20 +437,23 @@ def for_call(spec, plan: Plan, B: int, N: int, fp32_output: bool = False) -> Pla
 _instead: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def variant_for_call(spec, variant, B: int, N: int, fp32_output: bool, device_index: int):
+def variant_for_call(spec, variant, B: int, N: int, fp32_output: bool, device_index: int, fp32_input: bool = False):
     """The variant a call of B x N pairs runs: `variant`, or the one for_call plans instead."""
-    key = (_unpaired(variant.plan, B, N), fp32_output)
-    if key == (False, False):
+    key = (_unpaired(variant.plan, B, N), fp32_output, fp32_input)
+    if key == (False, False, False):
         return variant
     instead = _instead.setdefault(variant, {})
     if key not in instead:
-        instead[key] = runtime.variant_of(for_call(spec, variant.plan, B, N, fp32_output), device_index)
+        plan = for_call(spec, variant.plan, B, N, fp32_output, fp32_input)
+        instead[key] = variant if plan is None else runtime.variant_of(plan, device_index)
     return instead[key]
 
 
 def run(module, variant, weights, x, mask, out) -> None:
-    """An `out` of 4-byte elements (fp32: the caller wants an fp32 output): the output kernel writes fp32."""
-    variant = variant_for_call(module.op, variant, x.shape[0], x.shape[1], out.element_size() == 4, x.get_device())
+    """An `out` of 4-byte elements (fp32: the caller wants an fp32 output): the output kernel writes
+    fp32; an fp32 x (under autocast): the projection reads it where it can (x_fp32)."""
+    variant = variant_for_call(module.op, variant, x.shape[0], x.shape[1], out.element_size() == 4, x.get_device(),
+                               x.element_size() == 4)
     packed = pack(module, variant.plan, weights)  # alive until every launch is enqueued
     run_three_steps(module, variant, x, mask, out, packed)
 
