@@ -1,6 +1,7 @@
-"""GPU: an fp32 input under autocast. The closed form's input LayerNorm normalises the fp32 rows as
-it reads them (no cast of the whole input first; more exact than normalising the rounded rows): its
-output must meet the autocast standard against float64, at odd N with an empty mask row."""
+"""GPU: an fp32 input under autocast. The wgmma projection with x in registers rounds the fp32 rows
+itself (x_fp32); the closed form's input LayerNorm normalises them as it reads them (no cast of the
+whole input first; more exact than normalising the rounded rows). Both must meet their standards
+against float64, at odd N with an empty mask row."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -11,7 +12,7 @@ import torch
 from helpers import generator, trimul_inputs_with_an_empty_row
 from pairgen.ops import layer_norm_rows
 from pairgen.ops.trimul import TRIMUL
-from pairgen.spec import AUTOCAST_TOLERANCE
+from pairgen.spec import AUTOCAST_TOLERANCE, DeviceLimits
 from pairgen.tuning.check import compare, reference64
 
 pytestmark = pytest.mark.gpu
@@ -37,4 +38,44 @@ def test_the_closed_form_normalises_fp32_rows_as_it_reads_them(monkeypatch, dtyp
     assert row_dtypes == [torch.float32], "the input LayerNorm read the fp32 rows, once"
     assert out.dtype == dtype
     result = compare(out, reference64(module, (x, mask)), AUTOCAST_TOLERANCE)
+    assert result.ok, result
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+@pytest.mark.parametrize("B, N", [(2, 37), (1, 64)])
+def test_the_projection_reads_an_fp32_x_as_its_cast_bit_for_bit(precision, B, N):
+    """x_fp32 (the wgmma projection with x in registers): an fp32 x is read and rounded by the
+    projection, which writes the rounded rows the output kernel reads. The output must equal, bit for
+    bit, the same point's on x cast first, at odd N with an empty mask row, NaN-prefilled, and meet
+    the 16-bit standard against float64 of the rounded x; the module under autocast (fp32 in and
+    out, GPU MODE's contract) runs it and meets the autocast standard."""
+    from pairgen import runtime
+    from pairgen.ops.trimul.strategies import wgmma
+    from pairgen.tuning.evaluate import module_in_precision
+
+    widths = {"P": 128, "H": 128, **MODELS}
+    plan = TRIMUL.default_plan(widths, DeviceLimits(), precision)
+    assert plan.strategy == "wgmma" and wgmma.for_call(TRIMUL, plan, B, N, fp32_input=True) is not None
+    variant = runtime.variant_of(plan, 0)
+    module = module_in_precision(TRIMUL, widths, generator(8), precision, "cuda")
+    x, mask = trimul_inputs_with_an_empty_row(widths, B, N, seed=9)
+    cast = x.to(module.out_proj.weight.dtype)
+    outs = []
+    with torch.no_grad():
+        for given in (cast, x):
+            out = torch.full(x.shape, float("nan"), device="cuda", dtype=cast.dtype)
+            module._launch(given, mask, out=out, variant=variant)
+            outs.append(out)
+    torch.cuda.synchronize()
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[1], outs[0]), (outs[1].float() - outs[0].float()).abs().max()
+    result = compare(outs[1], reference64(module, (cast, mask)), TRIMUL.tolerance[precision])
+    assert result.ok, result
+
+    fp32 = TRIMUL.make_module(widths, generator(8)).cuda()
+    fp32.output_dtype = torch.float32
+    with torch.no_grad(), torch.autocast("cuda", dtype=cast.dtype):
+        out = fp32(x, mask)
+    assert out.dtype == torch.float32
+    result = compare(out, reference64(fp32, (x, mask)), AUTOCAST_TOLERANCE)
     assert result.ok, result
