@@ -84,6 +84,11 @@ def _stats_grid(B, N, sms, resident):
     return max(1, min(ceil_div(pairs, STATS_WARPS), STATS_BLOCKS_PER_SM * sms)), (B, N, ceil_div(pairs, WGMMA_ROWS))
 
 
+#: Whether a call with an fp32 x (under autocast) runs the projection that reads it (x_fp32) where
+#: the point allows, instead of a cast before the kernels: a switch for timing one against the other.
+READ_FP32_X = True
+
+
 def reads_fp32_x(params: dict, p_slices: int) -> bool:
     """Whether the projection of a point (its slices resolved) can read an fp32 x itself (x_fp32):
     the one-stage resident projection with x in registers, unsliced."""
@@ -420,7 +425,7 @@ def for_call(spec, plan: Plan, B: int, N: int, fp32_output: bool = False, fp32_i
     wants an fp32 output (fp32_output), and with its projection reading an fp32 x where the call
     gives one (fp32_input) and the projection can (reads_fp32_x; else the caller casts x)."""
     unpaired = _unpaired(plan, B, N)
-    reads_x = fp32_input and not unpaired and reads_fp32_x(plan.params, plan.context["p_slices"])
+    reads_x = fp32_input and READ_FP32_X and not unpaired and reads_fp32_x(plan.params, plan.context["p_slices"])
     if not (unpaired or fp32_output or reads_x):
         return None
     params = {**plan.params, "paired_columns": False, "x_registers": False, "z_registers": False, "w_registers": False,
