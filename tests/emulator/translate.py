@@ -109,6 +109,8 @@ def _ptx_call(ptx: str, outputs: list, inputs: list) -> str:
     if text in ("fence.proxy.async.shared::cta;", "griddepcontrol.wait;", "griddepcontrol.launch_dependents;",
                 "wgmma.fence.sync.aligned;"):
         return "do {} while (0)"
+    if text == "cp.async.bulk.prefetch.L2.global [%0], %1;":
+        return "do {} while (0)"  # a hint to L2: nothing to emulate
     if text == "wgmma.commit_group.sync.aligned;":
         return "pgx::wgmma_commit()"
     if re.fullmatch(r"wgmma\.wait_group\.sync\.aligned %0;", text):

@@ -87,6 +87,9 @@ def _stats_grid(B, N, sms, resident):
 #: Whether a call with an fp32 x (under autocast) runs the projection that reads it (x_fp32) where
 #: the point allows, instead of a cast before the kernels: a switch for timing one against the other.
 READ_FP32_X = True
+#: Whether that projection also prefetches the tile after next's fp32 rows into L2 (one bulk
+#: prefetch a tile), so that its loads a tile later wait on L2 rather than on DRAM.
+X32_L2_PREFETCH = True
 
 
 def reads_fp32_x(params: dict, p_slices: int) -> bool:
@@ -181,7 +184,7 @@ def derive(params: dict, w: dict, name: str):
     project_smem, output_smem = project_smem(p_slices), output_smem(o_slices)
     x_fp32 = bool(w["x_fp32"]) and reads_fp32_x(params, p_slices)
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
-               "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "x_fp32": x_fp32, "off": off, "consts_smem": params["consts_smem"],
+               "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "x_fp32": x_fp32, "x32_prefetch": X32_L2_PREFETCH, "off": off, "consts_smem": params["consts_smem"],
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
                "x_registers": params["x_registers"], "z_registers": params["z_registers"],
                "w_registers": params["w_registers"], "o_x_registers": params["o_x_registers"],
