@@ -43,7 +43,7 @@ def test_the_closed_form_normalises_fp32_rows_as_it_reads_them(monkeypatch, dtyp
 
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 @pytest.mark.parametrize("B, N", [(2, 37), (1, 64)])
-def test_the_projection_reads_an_fp32_x_as_its_cast_bit_for_bit(precision, B, N):
+def test_the_projection_reads_an_fp32_x_as_its_cast_bit_for_bit(monkeypatch, precision, B, N):
     """x_fp32 (the wgmma projection with x in registers): an fp32 x is read and rounded by the
     projection, which writes the rounded rows the output kernel reads. The output must equal, bit for
     bit, the same point's on x cast first, at odd N with an empty mask row, NaN-prefilled, and meet
@@ -53,6 +53,7 @@ def test_the_projection_reads_an_fp32_x_as_its_cast_bit_for_bit(precision, B, N)
     from pairgen.ops.trimul.strategies import wgmma
     from pairgen.tuning.evaluate import module_in_precision
 
+    monkeypatch.setattr(wgmma, "READ_FP32_X", True)  # (off by default until timed)
     widths = {"P": 128, "H": 128, **MODELS}
     plan = TRIMUL.default_plan(widths, DeviceLimits(), precision)
     assert plan.strategy == "wgmma" and wgmma.for_call(TRIMUL, plan, B, N, fp32_input=True) is not None

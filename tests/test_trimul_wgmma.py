@@ -521,14 +521,17 @@ def test_an_fp32_output_changes_only_the_output_kernels_stores_and_compiles():
     assert "an fp32 output (out_fp32) is the wgmma strategy's" in TRIMUL.infeasible(refused, DeviceLimits())
 
 
-def test_an_fp32_input_is_read_by_the_projections_that_hold_x_in_registers_and_compiles():
+def test_an_fp32_input_is_read_by_the_projections_that_hold_x_in_registers_and_compiles(monkeypatch):
     """for_call's fp32-input plan (x_fp32, a call under autocast): the projection with x in
     registers reads x in fp32 and writes the rounded copy (`xh`) the output kernel reads, alone or
     with an fp32 output; its products stay asynchronous, without spills. Other points (x in shared
     memory, Wp in registers, sliced) leave the cast to the caller, and the output kernel is the
     tuned plan's."""
+    from pairgen.ops.trimul.strategies import wgmma
     from pairgen.ops.trimul.strategies.wgmma import for_call
 
+    assert for_call(TRIMUL, _fp32_output_plans()[0], 1, 64, fp32_input=True) is None  # off by default until timed
+    monkeypatch.setattr(wgmma, "READ_FP32_X", True)
     paired, unpaired, hidden = _fp32_output_plans()
     first_default = TRIMUL.default_plan(MODEL, DeviceLimits(), "bfloat16")
     swapped = TRIMUL.plan("wgmma", W_REGISTERS, MODEL, "bfloat16")
@@ -570,6 +573,8 @@ def test_a_call_derives_its_fp32_output_variant_once(monkeypatch):
     assert [plan.widths.get("out_fp32") for plan in built] == [1]
     unpaired = wgmma.variant_for_call(TRIMUL, tuned, 1, 11586, True, 0)   # past 2^34 elements of a and b
     assert unpaired is not first and built[-1].params["paired_columns"] is False and len(built) == 2
+    assert wgmma.variant_for_call(TRIMUL, tuned, 1, 64, True, 0, True) is first  # x_fp32 off: the cast
+    monkeypatch.setattr(wgmma, "READ_FP32_X", True)
     reading = wgmma.variant_for_call(TRIMUL, tuned, 1, 64, True, 0, True)  # an fp32 x too
     assert wgmma.variant_for_call(TRIMUL, tuned, 2, 96, True, 0, True) is reading is not first
     assert built[-1].widths["x_fp32"] == 1 and len(built) == 3

@@ -85,8 +85,9 @@ def _stats_grid(B, N, sms, resident):
 
 
 #: Whether a call with an fp32 x (under autocast) runs the projection that reads it (x_fp32) where
-#: the point allows, instead of a cast before the kernels: a switch for timing one against the other.
-READ_FP32_X = True
+#: the point allows, instead of a cast before the kernels. Off until it is timed against the cast on
+#: a GPU (docs/performance.md, session 41): checked bit for bit on the emulator only.
+READ_FP32_X = False
 #: Whether that projection also prefetches the tile after next's fp32 rows into L2 (one bulk
 #: prefetch a tile), so that its loads a tile later wait on L2 rather than on DRAM.
 X32_L2_PREFETCH = True
@@ -447,7 +448,7 @@ _instead: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def variant_for_call(spec, variant, B: int, N: int, fp32_output: bool, device_index: int, fp32_input: bool = False):
     """The variant a call of B x N pairs runs: `variant`, or the one for_call plans instead."""
-    key = (_unpaired(variant.plan, B, N), fp32_output, fp32_input)
+    key = (_unpaired(variant.plan, B, N), fp32_output, fp32_input and READ_FP32_X)
     if key == (False, False, False):
         return variant
     instead = _instead.setdefault(variant, {})
