@@ -180,7 +180,7 @@ def test_an_fp32_x_read_by_the_projection_matches_its_cast_bit_for_bit_emulated(
     the float64 standard as that does), with NaN-prefilled outputs, at whole and odd tiles."""
     from pairgen.ops.trimul.strategies import wgmma
 
-    monkeypatch.setattr(wgmma, "READ_FP32_X", True)  # (off by default until timed)
+    monkeypatch.setattr(wgmma, "READ_FP32_X", True)  # (off by default)
     precision, widths, params = X_FP32_CASES[case]
     plan = TRIMUL.at(precision).plan("wgmma", params, widths)
     dtype = torch.float32 if widths.get("out_fp32") else getattr(torch, precision)

@@ -53,7 +53,7 @@ def test_the_projection_reads_an_fp32_x_as_its_cast_bit_for_bit(monkeypatch, pre
     from pairgen.ops.trimul.strategies import wgmma
     from pairgen.tuning.evaluate import module_in_precision
 
-    monkeypatch.setattr(wgmma, "READ_FP32_X", True)  # (off by default until timed)
+    monkeypatch.setattr(wgmma, "READ_FP32_X", True)  # (off by default)
     widths = {"P": 128, "H": 128, **MODELS}
     plan = TRIMUL.default_plan(widths, DeviceLimits(), precision)
     assert plan.strategy == "wgmma" and wgmma.for_call(TRIMUL, plan, B, N, fp32_input=True) is not None

@@ -530,7 +530,7 @@ def test_an_fp32_input_is_read_by_the_projections_that_hold_x_in_registers_and_c
     from pairgen.ops.trimul.strategies import wgmma
     from pairgen.ops.trimul.strategies.wgmma import for_call
 
-    assert for_call(TRIMUL, _fp32_output_plans()[0], 1, 64, fp32_input=True) is None  # off by default until timed
+    assert for_call(TRIMUL, _fp32_output_plans()[0], 1, 64, fp32_input=True) is None  # off by default
     monkeypatch.setattr(wgmma, "READ_FP32_X", True)
     paired, unpaired, hidden = _fp32_output_plans()
     first_default = TRIMUL.default_plan(MODEL, DeviceLimits(), "bfloat16")

@@ -85,8 +85,8 @@ def _stats_grid(B, N, sms, resident):
 
 
 #: Whether a call with an fp32 x (under autocast) runs the projection that reads it (x_fp32) where
-#: the point allows, instead of a cast before the kernels. Off until it is timed against the cast on
-#: a GPU (docs/performance.md, session 41): checked bit for bit on the emulator only.
+#: the point allows, instead of a cast before the kernels. Off: the projection's added loads and
+#: stores each pass cost it more than the cast from N768 on (docs/performance.md, session 41).
 READ_FP32_X = False
 #: Whether that projection also prefetches the tile after next's fp32 rows into L2 (one bulk
 #: prefetch a tile), so that its loads a tile later wait on L2 rather than on DRAM.
