@@ -302,6 +302,7 @@ W_REGISTERS = {**next(p for s, p in TRIMUL.default_points if s == "wgmma"), "x_r
                "w_registers": True, "p_groups": 2, "p_stages": 2, "p_mask_early": False, **REGISTER_VARIANTS_OFF}
 
 
+@pytest.mark.slow  # (about 7 s of NVRTC; no tuned entry runs Wp in registers, its emulated cases stay fast)
 def test_weights_in_registers_swap_the_projections_operands_and_compile_without_spills():
     """w_registers: each of the projection's 2 warpgroups holds its half of Wp's 64-row blocks as A
     fragments in registers, and the block's warpgroups share each x tile (B): the kernel's shared
