@@ -85,9 +85,9 @@ def _stats_grid(B, N, sms, resident):
 
 
 #: Passes' accumulator sets the forward projection with x in registers keeps (at 64-column passes
-#: or narrower): 2, one pass's products in flight during an epilogue; 3, two (more registers: a
-#: point of 4 warpgroups then spills). A switch for timing one against the other: the tuned
-#: entries' sources are the two sets'.
+#: or narrower): 2, one pass's products in flight during an epilogue; 3, two (the tuned entries'
+#: 4-warpgroup point then takes all 128 of its registers, without spills). A switch for timing one
+#: against the other: the tuned entries' sources are the two sets'.
 PROJECTION_ACCUMULATOR_SETS = 2
 
 #: Whether a call with an fp32 x (under autocast) runs the projection that reads it (x_fp32) where
