@@ -94,9 +94,6 @@ PROJECTION_ACCUMULATOR_SETS = 2
 #: the point allows, instead of a cast before the kernels. Off: the projection's added loads and
 #: stores each pass cost it more than the cast from N768 on (docs/performance.md, session 41).
 READ_FP32_X = False
-#: Whether that projection also prefetches the tile after next's fp32 rows into L2 (one bulk
-#: prefetch a tile), so that its loads a tile later wait on L2 rather than on DRAM.
-X32_L2_PREFETCH = True
 
 
 def reads_fp32_x(params: dict, p_slices: int) -> bool:
@@ -105,17 +102,16 @@ def reads_fp32_x(params: dict, p_slices: int) -> bool:
     return bool(params["x_registers"]) and not params["w_registers"] and p_slices <= 1
 
 
-def _with_rounded_x(args: tuple) -> tuple:
-    """The projection's arguments with xh (x rounded to the operand type, which it writes for the
-    output kernel: x_fp32) after its pointers."""
+def _with_pointer(args: tuple, name: str) -> tuple:
+    """A kernel's arguments with one more pointer (`ptr name`) after its pointers, before the shape
+    tail: the rows' statistics (stats) of a sliced kernel, or x_fp32's rounded x (xh, which the
+    projection writes for the output kernel)."""
     pointers = tuple(a for a in args if a.startswith("ptr "))
-    return (*pointers, "ptr xh", *args[len(pointers):])
+    return (*pointers, f"ptr {name}", *args[len(pointers):])
 
 
 def _with_stats(args: tuple) -> tuple:
-    """A kernel's arguments with the row statistics (`ptr stats`) before the shape tail."""
-    pointers = tuple(a for a in args if a.startswith("ptr "))
-    return (*pointers, "ptr stats", *args[len(pointers):])
+    return _with_pointer(args, "stats")
 
 
 #: The shared memory a wgmma block may take (Hopper's per-block limit: the strategy is sm_90's).
@@ -191,7 +187,7 @@ def derive(params: dict, w: dict, name: str):
     project_smem, output_smem = project_smem(p_slices), output_smem(o_slices)
     x_fp32 = bool(w["x_fp32"]) and reads_fp32_x(params, p_slices)
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
-               "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "x_fp32": x_fp32, "x32_prefetch": X32_L2_PREFETCH,
+               "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "x_fp32": x_fp32,
                "projection_accumulator_sets": PROJECTION_ACCUMULATOR_SETS, "off": off, "consts_smem": params["consts_smem"],
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
                "x_registers": params["x_registers"], "z_registers": params["z_registers"],
@@ -207,7 +203,7 @@ def derive(params: dict, w: dict, name: str):
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
-    project_args = _with_stats(PROJECT_ARGS) if p_slices > 1 else _with_rounded_x(PROJECT_ARGS) if x_fp32 else PROJECT_ARGS
+    project_args = _with_stats(PROJECT_ARGS) if p_slices > 1 else _with_pointer(PROJECT_ARGS, "xh") if x_fp32 else PROJECT_ARGS
     kernels = (Kernel(name, 128 * params["p_groups"], project_smem, project_args,
                       _wgmma_grid(1 if params["w_registers"] else params["p_groups"], p_slices)),
                Kernel(f"{name}_output", 128 * params["o_groups"], output_smem,
