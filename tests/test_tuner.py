@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 from types import SimpleNamespace
 
@@ -62,6 +63,61 @@ def test_tunes_to_the_trial_count_and_returns_the_best_seen(tmp_path):
              if not (json.loads(k)[0] == "thread_per_pair" and json.loads(k)[1]["threads"] == 256)]
     assert result.best["us"] == pytest.approx(min(costs))
     assert result.baselines == {"eager": 200.0, "compile": 150.0}
+
+
+class CountingEvaluator:
+    """Times every point it is given (a distinct made-up time each), for any op."""
+
+    limits = DeviceLimits()
+
+    def __init__(self):
+        self.evaluated: list = []
+
+    def baselines(self):
+        return {"eager": 1000.0}
+
+    def compile(self, plans):
+        return plans
+
+    def evaluate(self, plan):
+        self.evaluated.append(_point_key(plan.strategy, plan.params))
+        return 100.0 + len(self.evaluated)
+
+
+def test_a_search_where_few_points_are_feasible_still_times_the_trial_count(tmp_path):
+    """The readout's bf16 space at D512 P512 H1024 holds 17 feasible points: nearly every proposal
+    breaks a restriction. Each pruned proposal is answered with a feasible unseen point near it, so
+    the search times the 16 points asked for (a sampler left to itself found 1 in its 320 asks)."""
+    from pairgen.ops.readout import READOUT
+
+    view, shape = READOUT.at("bfloat16"), {"B": 1, "N": 64, "D": 512, "P": 512, "H": 1024}
+    ev = CountingEvaluator()
+    result = tune_shape(view, shape, ev, "fake-gpu", _settings(16), storage_dir=tmp_path)
+    assert feasible_count(view, shape, ev.limits) == 17
+    assert result.counts["evaluated"] == 16 and result.counts["pruned"] > 0
+    assert len(ev.evaluated) == len(set(ev.evaluated)), "a point was timed twice"
+
+
+def test_the_nearest_feasible_point_keeps_a_feasible_proposal_and_skips_taken_points():
+    from pairgen.ops.trimul import TRIMUL
+    from pairgen.tuning.tuner import nearest_unseen
+
+    view, limits = TRIMUL.at("bfloat16"), DeviceLimits()
+    widths = {"P": 128, "H": 128, "bias": 0, "gate_normalized": 1, "outgoing": 1}
+    strategy, default = next((s, p) for s, p in view.default_points if s == "wgmma")
+    default = view.complete_point(strategy, default) or default
+    assert not view.infeasible(view.plan(strategy, default, widths), limits)
+    assert nearest_unseen(view, widths, limits, strategy, default, set()) == default
+    # taken: another feasible point, near it (most of its values kept)
+    other = nearest_unseen(view, widths, limits, strategy, default, {_point_key(strategy, default)})
+    assert other != default and not view.infeasible(view.plan(strategy, other, widths), limits)
+    assert sum(other[k] == v for k, v in default.items()) >= len(default) - 2
+    # a proposal that breaks a restriction (the first of a seeded draw) gets a feasible point
+    space, rng = view.strategies[strategy].space, random.Random(0)
+    broken = next(p for p in ({name: rng.choice(values) for name, values in space.items()} for _ in range(100))
+                  if view.infeasible(view.plan(strategy, p, widths), limits))
+    repaired = nearest_unseen(view, widths, limits, strategy, broken, set())
+    assert not view.infeasible(view.plan(strategy, repaired, widths), limits)
 
 
 def test_default_points_are_tried_first(tmp_path):

@@ -271,6 +271,48 @@ def feasible_count_up_to(spec: OpSpec, widths: dict, limits: DeviceLimits, most:
     return sum(1 for _ in itertools.islice(plans, most))
 
 
+def nearest_unseen(spec: OpSpec, widths: dict, limits: DeviceLimits, strategy: str, params: dict,
+                   taken: set[str]) -> dict | None:
+    """A feasible point of the strategy near `params` that is not in `taken` (_point_key's keys),
+    or None where every one is taken. A sampler's proposal that breaks a restriction is answered
+    with it: in the 16-bit spaces nearly every point breaks one (at P = H = 512, 360 of the wgmma
+    space's 28 M points are feasible), and a sampler that only proposes would seldom find another.
+    First the spec's quick repair (nearest_feasible); where it finds none, the feasible point that
+    keeps the most of `params`' values (ties: the first in the space's order), from the feasible
+    points enumerated once per widths (seconds)."""
+    import numpy as np
+
+    view = in_one_precision(spec)
+    repaired = view.nearest_feasible(strategy, params, widths, limits,
+                                     accept=lambda point: _point_key(strategy, point) not in taken)
+    if repaired is not None:
+        return repaired
+    keys, names, index, values = _feasible_matrix(view.op_spec, view.precision, tuple(sorted(widths.items())),
+                                                  limits, strategy)
+    proposal = np.array([index[name][repr(params[name])] for name in names], dtype=values.dtype)
+    kept = (values == proposal).sum(axis=1)
+    for row in np.argsort(-kept, kind="stable"):
+        if keys[row] not in taken:
+            return json.loads(keys[row])[1]
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _feasible_matrix(op: OpSpec, precision: str, widths: tuple, limits: DeviceLimits, strategy: str) -> tuple:
+    """The strategy's feasible points (_enumerate_feasible) as their keys (the space's parameters
+    only, as suggest names a point) and a matrix of each one's value indices (`index`: a value's, by
+    its repr, so that True and 1 stay apart), for nearest_unseen."""
+    import numpy as np
+
+    space = op.at(precision).strategies[strategy].space
+    names = sorted(space)
+    index = {name: {repr(v): k for k, v in enumerate(space[name])} for name in names}
+    points = [{name: params[name] for name in names}
+              for _, s, params in _enumerate_feasible(op, precision, widths, limits) if s == strategy]
+    values = np.array([[index[name][repr(p[name])] for name in names] for p in points], dtype=np.int16)
+    return [_point_key(strategy, p) for p in points], names, index, values.reshape(len(points), len(names))
+
+
 def _enqueue_unseen(study, points: tuple, taken: set[str], rng) -> None:
     """A sampler proposes seen points again (TPE exploits hard on small categorical spaces; random
     sampling draws with replacement); each such repeat is answered from memory, and an unseen
@@ -603,6 +645,7 @@ class _Search:
         self.asks_left = asks_left
         self.running: dict[int, object] = {}  # trial number -> trial asked and not yet told
         self.in_flight: set[str] = set()  # points asked for and compiling or waiting to be timed
+        self.queued: set[str] = set()  # points queued for pruned proposals (_queue_nearest)
         self.counts = {"pruned": 0, "failed": 0, "env_failed": 0, "repeated": 0, "taken": 0}
         self.compile_times: list[float] = []
         self.failures: list[str] = []
@@ -626,6 +669,7 @@ class _Search:
                 trial.set_user_attr("pruned_reason", "; ".join(reasons))
                 self._tell(trial, state=TrialState.PRUNED)
                 self.counts["pruned"] += 1
+                self._queue_nearest(strategy, params)
                 continue
             holds = not self.shared or self._claim_holds(trial, point)  # also learns the others' verdicts
             if point in self.seen or point in self.in_flight:
@@ -642,6 +686,15 @@ class _Search:
                 self.in_flight.add(point)
                 batch.append((trial, plan, point))
         return batch
+
+    def _queue_nearest(self, strategy: str, params: dict) -> None:
+        """The nearest feasible point to a pruned proposal (nearest_unseen), queued as the next
+        trial asked, unless it is seen, in flight or queued already."""
+        taken = set(self.seen) | self.in_flight | self.queued
+        nearest = nearest_unseen(self.spec, self.widths, self.evaluator.limits, strategy, params, taken)
+        if nearest is not None:
+            self.queued.add(_point_key(strategy, nearest))
+            _enqueue(self.study, strategy, nearest)
 
     def _claim_holds(self, trial, point: str) -> bool:
         """Whether this trial keeps its claim on `point` in a shared study (False: it gives it up).
