@@ -202,17 +202,3 @@ def test_an_fp32_x_read_by_the_projection_matches_its_cast_bit_for_bit_emulated(
         assert torch.equal(got, expected), f"B={batch} N={n}: {(got - expected).abs().max()}"
 
 
-@pytest.mark.parametrize("case", ["staged-output-first-default-bf16", "normalized-x-small-k-padded-bf16"])
-def test_three_accumulator_sets_match_float64_emulated(monkeypatch, case):
-    """wgmma.PROJECTION_ACCUMULATOR_SETS = 3: the projection with x in registers keeps three passes'
-    products in flight (waits for all but two), whatever the passes' count modulo three (16 at the
-    first default's 32-column passes, 2 at P = 48's 64-column ones)."""
-    from pairgen.ops.trimul.strategies import wgmma
-
-    monkeypatch.setattr(wgmma, "PROJECTION_ACCUMULATOR_SETS", 3)
-    precision, widths, params = CASES[case]
-    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
-    source = codegen.render_plan(plan).source
-    assert "float acc2[PJ_WN / 2];" in source and "wgmma_wait<2>();" in source
-    failures = emulated_against_float64(plan, SHAPES, 0)
-    assert not failures, f"{plan.label}:\n" + "\n".join(failures)

@@ -554,17 +554,6 @@ def test_an_fp32_input_is_read_by_the_projections_that_hold_x_in_registers_and_c
     assert_compiled_without_spills([both], asynchronous=[both])  # (the tuned entries' point, fp32 in and out)
 
 
-def test_three_accumulator_sets_fit_the_first_defaults_registers_asynchronous(monkeypatch):
-    """PROJECTION_ACCUMULATOR_SETS = 3 at the first default (the tuned entries' point: 4 warpgroups,
-    at most 128 registers a thread): the projection keeps its products asynchronous, without spills."""
-    from pairgen.ops.trimul.strategies import wgmma
-
-    monkeypatch.setattr(wgmma, "PROJECTION_ACCUMULATOR_SETS", 3)
-    plan = TRIMUL.default_plan(MODEL, DeviceLimits(), "bfloat16")
-    assert plan.params["p_groups"] == 4 and "wgmma_wait<2>();" in codegen.render_plan(plan).source
-    assert_compiled_without_spills([plan], asynchronous=[plan])
-
-
 def test_a_call_derives_its_fp32_output_variant_once(monkeypatch):
     """variant_for_call plans and builds the variant a call runs instead (an fp32 output, unpaired
     past the offsets) once per tuned variant, not on every call (a plan costs host time); a call

@@ -84,12 +84,6 @@ def _stats_grid(B, N, sms, resident):
     return max(1, min(ceil_div(pairs, STATS_WARPS), STATS_BLOCKS_PER_SM * sms)), (B, N, ceil_div(pairs, WGMMA_ROWS))
 
 
-#: Passes' accumulator sets the forward projection with x in registers keeps (at 64-column passes
-#: or narrower): 2, one pass's products in flight during an epilogue; 3, two (the tuned entries'
-#: 4-warpgroup point then takes all 128 of its registers, without spills). A switch for timing one
-#: against the other: the tuned entries' sources are the two sets'.
-PROJECTION_ACCUMULATOR_SETS = 2
-
 #: Whether a call with an fp32 x (under autocast) runs the projection that reads it (x_fp32) where
 #: the point allows, instead of a cast before the kernels. Off: the projection's added loads and
 #: stores each pass cost it more than the cast from N768 on (docs/performance.md, session 41).
@@ -188,7 +182,7 @@ def derive(params: dict, w: dict, name: str):
     x_fp32 = bool(w["x_fp32"]) and reads_fp32_x(params, p_slices)
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
                "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "x_fp32": x_fp32,
-               "projection_accumulator_sets": PROJECTION_ACCUMULATOR_SETS, "off": off, "consts_smem": params["consts_smem"],
+               "off": off, "consts_smem": params["consts_smem"],
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
                "x_registers": params["x_registers"], "z_registers": params["z_registers"],
                "w_registers": params["w_registers"], "o_x_registers": params["o_x_registers"],
