@@ -401,7 +401,8 @@ def test_the_fused_passes_move_16_bytes_a_load_only_where_every_tensor_and_lengt
 
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("kind", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16",
+                                  pytest.param("float16", marks=pytest.mark.slow)])  # (fp16: bf16's code)
 def test_the_output_layer_norm_compiles_at_every_tile(kind):
     """The output LayerNorm's forward (a thread per column of the tile, in its 16-byte and its
     scalar form) compiles without spills at every tile it can get, down to the 8 pairs narrow
@@ -448,7 +449,9 @@ BACKWARD_LAYOUTS = ("w_registers", "resident")
 
 
 @pytest.mark.parametrize("layout", BACKWARD_LAYOUTS)
-@pytest.mark.parametrize("widths", PROJECTION_BACKWARD_WIDTHS, ids=lambda w: "P{P}H{H}".format(**w))
+@pytest.mark.parametrize("widths", [w if w["P"] in (128, 384) and w.get("outgoing", 1) else pytest.param(w, marks=pytest.mark.slow)
+                                    for w in PROJECTION_BACKWARD_WIDTHS],  # (the others: emulated below)
+                         ids=lambda w: "P{P}H{H}".format(**w))
 def test_the_projection_backward_kernel_renders_to_its_signature_and_compiles_without_spills(widths, layout,
                                                                                              monkeypatch):
     from pairgen.ops.trimul.strategies import wgmma
