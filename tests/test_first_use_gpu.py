@@ -65,3 +65,16 @@ def test_a_default_slower_than_the_reference_gives_way_to_it(checked, monkeypatc
         out = module(x)
     assert launches == [], "the kernel ran after losing its check"
     assert torch.equal(out, module.reference_forward(x))
+
+
+def test_the_tuner_times_the_closed_form_a_16_bit_module_runs_without_a_kernel():
+    """A 16-bit forward from the closed form's size runs the closed form where no kernel serves it:
+    the tuner's baselines time it beside the reference (a tuned kernel must beat it), and not where
+    the module would run the reference (fp32)."""
+    from pairgen.ops.trimul import TRIMUL
+    from pairgen.tuning.evaluate import GpuEvaluator
+
+    shape = {"B": 1, "N": 384, "P": 64, "H": 32, "outgoing": 1, "gate_normalized": 1, "bias": 0}  # 2^17 pairs and more
+    baselines = GpuEvaluator(TRIMUL.at("bfloat16"), shape, peers=("eager",)).baselines()
+    assert set(baselines) == {"eager", "closed_form"} and all(v > 0 for v in baselines.values())
+    assert set(GpuEvaluator(TRIMUL.at("float32"), shape, peers=("eager",)).baselines()) == {"eager"}

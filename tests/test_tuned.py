@@ -227,6 +227,20 @@ def test_a_16_bit_tune_starts_from_the_other_16_bit_dtypes_winner(tmp_path, monk
     assert starting_points(READOUT.at("float32"), db, shape, INFO) == []
 
 
+def test_an_entry_whose_closed_form_was_faster_runs_without_its_kernel(db, monkeypatch):
+    """A 16-bit entry's tuner also timed the closed form where a module runs it without a kernel:
+    the kernel must beat that, not only the reference (which the closed form beats at these sizes)."""
+    monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(db.path.parent.parent))
+    db.upsert(dict(entry(1024, us=350.0), baselines_us={"eager": 900.0, "closed_form": 300.0}))
+    choice = choose(1024)
+    assert choice.plan is None and choice.expected_reference
+    assert "the closed form measured faster when it was tuned (300.0 µs against the best kernel's 350.0 µs)" \
+        in choice.source
+    # slower than the reference but faster than the closed form, which is what runs without it: the kernel
+    db.upsert(dict(entry(1024, us=350.0), baselines_us={"eager": 200.0, "closed_form": 400.0}))
+    assert choose(1024).plan is not None
+
+
 def test_an_entry_whose_reference_was_faster_runs_the_reference(db, monkeypatch):
     """The tuner times the eager reference in the same run as the kernels: where it was faster than
     the best kernel, the module runs the reference (exact bucket and nearest bucket alike), and

@@ -169,9 +169,9 @@ def route(module, inputs: tuple, settle: bool = True) -> Route:
     if type(variant) is first_use.Pending:
         if not settle:
             return Route(FIRST_USE, _FIRST_USE, precision, variant)
-        if precision in HALF_DTYPES and not training and _without_kernel(module, inputs, False).path == CLOSED_FORM:
-            variant = module._first_use(variant, inputs, precision, reference=lambda: module._closed_form_call(inputs),
-                                        rival="the closed form")
+        closed_form = None if training else closed_form_instead(module, inputs, precision)
+        if closed_form is not None:
+            variant = module._first_use(variant, inputs, precision, reference=closed_form, rival="the closed form")
         else:
             variant = module._first_use(variant, inputs, precision)
     if variant is None:
@@ -189,6 +189,16 @@ def route(module, inputs: tuple, settle: bool = True) -> Route:
         return last
     last = module.__dict__["_kernel_route"] = Route(KERNEL, _KERNEL, precision, variant)
     return last
+
+
+def closed_form_instead(module, inputs: tuple, precision: str):
+    """The op's closed form on `inputs`, as a call, where an inference forward in `precision`
+    runs it when that precision's kernel is missing or loses (16 bits, from the size Routing
+    names): the rival a 16-bit kernel has to beat, at its first use and in the tuner. None where
+    the reference runs instead."""
+    if precision in HALF_DTYPES and _without_kernel(module, inputs, False).path == CLOSED_FORM:
+        return lambda: module._closed_form_call(inputs)
+    return None
 
 
 def _without_kernel(module, inputs: tuple, training: bool) -> Route:

@@ -7,6 +7,7 @@ import time
 import torch
 
 from .. import codegen, compiler, runtime
+from ..module import dispatch
 from ..precision import HALF_DTYPES as HALF_PRECISION_DTYPES
 from .check import CheckFailed, compare, reference64
 from ..spec import OpSpec, Plan, precision_of
@@ -56,11 +57,16 @@ class GpuEvaluator:
         self.tolerance = spec.tolerance[self.precision]
 
     def baselines(self) -> dict[str, float]:
+        """The peers' times, and the closed form's where a module runs it without a kernel
+        (closed_form: the entry's kernel must beat it, runtime._faster_without_the_kernel)."""
         reference = reference_in_precision(self.spec, self.module)
         out = {}
         with torch.inference_mode():
             if "eager" in self.peers:
                 out["eager"] = time_cuda(lambda: reference(*self.inputs), self.device).median_us
+            closed_form = dispatch.closed_form_instead(self.module, self.inputs, self.precision)
+            if closed_form is not None:
+                out["closed_form"] = time_cuda(closed_form, self.device).median_us
             if "compile" in self.peers:
                 compiled = torch.compile(reference, mode="max-autotune-no-cudagraphs")
                 compiled(*self.inputs)
