@@ -135,7 +135,8 @@ def test_16_bit_forwards_and_training_take_the_closed_form_from_the_measured_siz
     assert not module.trains_through_reference("bfloat16", (at,))
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+# fp16 with --slow: the same template on the other 16-bit type
+@pytest.mark.parametrize("kind", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("P,H", [(16, 16), (48, 32), (64, 32), (128, 64), (128, 128)])
 def test_the_mlp_kernel_renders_and_compiles_without_spills(kind, P, H):
     rendered = fused_backward.render_mlp(kind, P, H)

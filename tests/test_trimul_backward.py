@@ -401,8 +401,9 @@ def test_the_fused_passes_move_16_bytes_a_load_only_where_every_tensor_and_lengt
 
 
 
+# fp32 and fp16 with --slow (fp16: the same template on the other 16-bit type)
 @pytest.mark.parametrize("kind", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16",
-                                  pytest.param("float16", marks=pytest.mark.slow)])  # (fp16: bf16's code)
+                                  pytest.param("float16", marks=pytest.mark.slow)])
 def test_the_output_layer_norm_compiles_at_every_tile(kind):
     """The output LayerNorm's forward (a thread per column of the tile, in its 16-byte and its
     scalar form) compiles without spills at every tile it can get, down to the 8 pairs narrow
@@ -636,7 +637,8 @@ OUTPUT_BACKWARD_WIDTHS = [MODELS_FORM, {"P": 48, "H": 32, "outgoing": 0, "gate_n
                           {"P": 64, "H": 16, "outgoing": 1, "gate_normalized": 1, "bias": 0}]
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+# fp16 with --slow: the same template on the other 16-bit type
+@pytest.mark.parametrize("kind", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("widths", OUTPUT_BACKWARD_WIDTHS, ids=lambda w: "P{P}H{H}".format(**w))
 def test_the_output_backward_kernel_renders_and_compiles_without_spills(kind, widths):
     from pairgen.ops.trimul import output_backward
