@@ -385,3 +385,14 @@ def test_seen_without_a_gpu_says_so_in_one_line():
     assert run.returncode == 2 and run.stderr.strip().splitlines() == [
         "tuning the keys this GPU ran needs a CUDA GPU; none is visible to torch (--dry-run, --status, and "
         "--explain with --gpu/--arch work without one)"]
+
+
+def test_a_shape_line_names_the_closed_form_where_the_tuner_timed_it():
+    """A 16-bit shape's line gives the closed form (what a module runs without a kernel) beside the
+    peers, so a kernel that beats eager but not the closed form shows it as it finishes."""
+    from pairgen.tuning.tuner import TuneResult
+
+    result = TuneResult("trimul", {"B": 1, "N": 512, "P": 512, "H": 512}, {"label": "wgmma[bfloat16]", "us": 200.0},
+                        {"eager": 800.0, "closed_form": 250.0}, {"evaluated": 4}, elapsed_s=3.0)
+    line = tune_cli.shape_line(1, 1, tune_cli.ShapeDone("bfloat16", result, True), ("eager",), trials=4)
+    assert "200.0 µs against eager 800.0 µs (4.0×) against the closed form 250.0 µs (1.2×); 4 trials" in line, line
