@@ -62,18 +62,33 @@ def note_product(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor) -> 
     """A runner's batched product out = left @ right (torch.bmm, on 16-bit operands: no cuBLAS mode
     to set), between its kernels: a replay runs it in compiled code, in launch order, on the
     same views of its inputs, output and per-call buffers. No-op outside a recording."""
+    _note(PRODUCT, (left, right, out))
+
+
+def note_copy(source: torch.Tensor, out: torch.Tensor) -> None:
+    """A runner's out.copy_(source) between its kernels (an fp32 input cast to the kernels' 16-bit
+    operand type under autocast): a replay runs it in compiled code, in launch order, on the same
+    views. No-op outside a recording."""
+    _note(COPY, (source, out))
+
+
+def _note(mode: int, tensors: tuple) -> None:
+    """A PyTorch operation of a runner's, in this thread's recording (if any) among its launches."""
     if launch.RECORDING:
         recorded = launch.RECORDING.get(threading.get_ident())
         if recorded is not None:
-            recorded.append((PRODUCT, (left, right, out)))
+            recorded.append((mode, tensors))
 
 
 #: Tensor subclasses a replay takes as inputs like plain tensors: parameters (a module's own, or a
 #: model's passed to pairgen's function as they are).
 PLAIN_TYPES: tuple = (torch.nn.Parameter,)
 
-#: The mode fastcall.cpp runs a noted product in (its kernels' modes are launch.FASTCALL_MODES).
-PRODUCT = 3
+#: The modes fastcall.cpp runs a noted product and a noted copy in (its kernels' modes are
+#: launch.FASTCALL_MODES).
+PRODUCT, COPY = 3, 4
+#: What a recording holds besides launches: the noted operations' modes.
+NOTED_OPERATIONS = (PRODUCT, COPY)
 
 
 @contextlib.contextmanager
@@ -125,9 +140,11 @@ def classify(value: int, inputs: dict, out: tuple, scratch: list, held: list) ->
     return None
 
 
-def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, held: list, epochs: list):
+def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, held: list, epochs: list,
+          autocast: "torch.dtype | None" = None):
     """The compiled recording of one call, or None where it cannot be replayed.
-    held: the tensors the module holds; epochs: [(one-element list, its value)]."""
+    held: the tensors the module holds; epochs: [(one-element list, its value)]; autocast: the
+    CUDA autocast dtype the call ran under (a replay runs under that one only), None for none."""
     native_module = native.fastcall()
     if native_module is None or not launches:
         return None
@@ -142,8 +159,8 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, held:
     held_extents = [extent(t) for t in held]
     specs = []
     for bound, args in launches:
-        if bound is PRODUCT:
-            spec = _product_spec(args, input_data, out_extent, scratch_layout)
+        if bound in NOTED_OPERATIONS:
+            spec = _operation_spec(bound, args, input_data, out_extent, scratch_layout)
             if spec is None:
                 return None
             specs.append(spec)
@@ -159,13 +176,14 @@ def build(inputs: tuple, out: torch.Tensor, launches: list, scratch: list, held:
     device = out.device
     return native_module.build(device.type, -1 if device.index is None else device.index, tuple((tuple(t.shape), t.dtype) for t in inputs),
                                (tuple(out.shape), out.dtype), scratch_bytes, tuple(epochs),
-                               tuple(specs), PLAIN_TYPES)
+                               tuple(specs), PLAIN_TYPES, autocast)
 
 
-def _product_spec(tensors: tuple, input_data: dict, out_extent: tuple, scratch_layout: list):
-    """A noted product as fastcall.cpp takes it: its three tensors' data as slots (each an input, in
-    the output or in a per-call buffer: never a constant), with their sizes and strides; None where
-    one lies elsewhere."""
+def _operation_spec(mode: int, tensors: tuple, input_data: dict, out_extent: tuple, scratch_layout: list):
+    """A noted product or copy as fastcall.cpp takes it: its tensors' data as slots (each an input,
+    in the output or in a per-call buffer: never a constant), with their sizes and strides, then the
+    dtypes (a product's one, its operands' and output's; a copy's source's and destination's); None
+    where one lies elsewhere."""
     slots, geometry = [], []
     for t in tensors:
         slot = classify(t.data_ptr(), input_data, out_extent, scratch_layout, [])
@@ -173,5 +191,6 @@ def _product_spec(tensors: tuple, input_data: dict, out_extent: tuple, scratch_l
             return None
         slots.append(slot)
         geometry += [tuple(t.shape), tuple(t.stride())]
-    return 0, PRODUCT, 0, 0, 0, 0, tuple(slots), (*geometry, tensors[2].dtype)
+    dtypes = (tensors[2].dtype,) if mode == PRODUCT else (tensors[0].dtype, tensors[1].dtype)
+    return 0, mode, 0, 0, 0, 0, tuple(slots), (*geometry, *dtypes)
 

@@ -203,8 +203,9 @@ def build(device: torch.device, inputs: list, trace: Tracing, outputs: list, hel
     if native_module is None:
         raise Refused("the compiled fast path is not built")
     layout = Layout(inputs, trace.born, held)
-    # A runner's noted product (fastcall.note_product) is seen here as the operation it is.
-    entries = [e for e in trace.steps if isinstance(e, Operation) or e[0] is not fastcall.PRODUCT]
+    # A runner's noted product or copy (fastcall.note_product, note_copy) is seen here as the
+    # operation it is.
+    entries = [e for e in trace.steps if isinstance(e, Operation) or e[0] not in fastcall.NOTED_OPERATIONS]
     steps = [_step(entry, n, layout) for n, entry in enumerate(entries)]
     end = len(steps)
     output_specs = [None if t is None else layout.tensor(t, end) for t in outputs]

@@ -249,3 +249,56 @@ def test_note_product_is_collected_only_while_recording():
     with fastcall.recording() as (launches, _):
         fastcall.note_product(a, b, out)
     assert launches == [(fastcall.PRODUCT, (a, b, out))]
+
+
+def test_a_noted_copy_casts_the_new_input_before_the_kernel_that_reads_it():
+    """An fp32 input cast to 16 bits into a per-call buffer (the triangle update under autocast) is
+    cast again by each replay, from the new input, into the replay's own buffer, which the kernel
+    after it is given; a copy into a buffer nobody noted is not recorded."""
+    seen = []
+
+    class Reading(Driver):  # keeps the bytes its kernel's first argument points at, when launched
+        def _plain(self, kernel, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+            code = super()._plain(kernel, gx, gy, gz, bx, by, bz, smem, stream, params, extra)
+            seen.append(ctypes.string_at(self.calls[-1]["args"][0], x.numel() * 2))
+            return code
+
+    driver = Reading(2)
+    x = torch.randn(2, 5, 5, 8)
+    half = torch.empty(x.shape, dtype=torch.bfloat16)
+    out = torch.empty(2, 5, 5, dtype=torch.bfloat16)
+    launches = [(fastcall.COPY, (x, half)), (bound(driver), (half.data_ptr(), out.data_ptr()))]
+    recorded = fastcall.build((x,), out, launches, [half], [], [])
+    assert recorded is not None
+    x2 = torch.randn(2, 5, 5, 8)
+    native.fastcall().call(recorded, 0, x2)
+    (call,) = driver.calls
+    assert call["args"][0] not in (x2.data_ptr(), half.data_ptr())  # the replay's own buffer
+    cast = torch.frombuffer(bytearray(seen[0]), dtype=torch.bfloat16).view(x.shape)
+    assert torch.equal(cast, x2.to(torch.bfloat16))
+    stray = torch.empty(x.shape, dtype=torch.bfloat16)  # made during the call and not noted
+    assert fastcall.build((x,), out, [(fastcall.COPY, (x, stray)), launches[1]], [half], [], []) is None
+
+
+def test_a_call_recorded_under_autocast_replays_under_that_autocast_only():
+    """The autocast a call ran under decides its casts and its kernels' precision: a recording
+    replays under the same CUDA autocast dtype, and a recording made without one never under one."""
+    driver, layer = Driver(7), torch.nn.Linear(3, 2)
+    x, mask = inputs()
+    out, scratch, pack = torch.empty(x.shape[:3]), torch.empty(1000), Packed(layer)
+    args = (x.data_ptr(), mask.data_ptr(), pack._packed.data_ptr(), scratch.data_ptr(), out.data_ptr(), 5, 1)
+    launches = [(bound(driver), args)]
+    under = fastcall.build((x, mask), out, launches, [scratch], [pack._packed], [], torch.bfloat16)
+    plain = fastcall.build((x, mask), out, launches, [scratch], [pack._packed], [])
+    replay = native.fastcall().call
+    assert replay(under, 0, x, mask) is None and replay(plain, 0, x, mask) is not None
+    previous = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    try:
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", torch.bfloat16)
+        assert replay(under, 0, x, mask) is not None and replay(plain, 0, x, mask) is None
+        torch.set_autocast_dtype("cuda", torch.float16)
+        assert replay(under, 0, x, mask) is None
+    finally:
+        torch.set_autocast_enabled("cuda", previous[0])
+        torch.set_autocast_dtype("cuda", previous[1])

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import generator, replay_nan_filled, capture_graph, sampled_plans
+from helpers import generator, replay_nan_filled, capture_graph, sampled_plans, trimul_inputs_with_an_empty_row
 from pairgen import native, runtime
 from pairgen.ops.contact import CONTACT
 from pairgen.ops.readout import READOUT
 from pairgen.ops.trimul import TRIMUL
+from pairgen.spec import AUTOCAST_TOLERANCE
 from pairgen.tuning.check import compare, reference64
 from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
 
@@ -179,3 +180,32 @@ def test_a_replayed_seed_call_allocates_only_its_output(name):
     assert allocated == len(outs), f"{allocated} allocations in {len(outs)} replayed calls"
     ref = reference64(module, inputs)
     assert all(compare(out, ref, spec.tolerance["float32"]).ok for out in outs)
+
+
+@pytest.mark.parametrize("output_dtype", [None, torch.float32])
+def test_autocast_calls_replay_with_their_cast(output_dtype):
+    """An fp32 model under autocast (GPU MODE's contract: fp32 in, bf16 inside): the cast of x to
+    bf16 is replayed with the kernels (fastcall.note_copy). Replays of new values equal the Python
+    path's output bit for bit and meet the autocast standard against float64; outside the autocast
+    the recording does not apply."""
+    widths = {"P": 128, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+    module = TRIMUL.make_module(widths, generator(21)).cuda()
+    module.output_dtype = output_dtype
+    cases = [trimul_inputs_with_an_empty_row(widths, 2, 61, seed=k) for k in range(3)]
+    refs = [reference64(module, inputs) for inputs in cases]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.no_grad():
+            module(*cases[0])
+        assert module._fast_calls, "the autocast call was not recorded"
+        for k in (1, 2):
+            with torch.no_grad():
+                assert replay(module, *cases[k]) is not None, "a matching autocast call was not replayed"
+            replayed = call_on_nan_memory(module, cases[k], cases[k][0].shape)
+            assert replayed.dtype == (output_dtype or torch.bfloat16)
+            result = compare(replayed, refs[k], AUTOCAST_TOLERANCE)
+            assert result.ok, f"replay {k}: {result}"
+            module.forget_fast_calls()
+            python_path = call_on_nan_memory(module, cases[k], cases[k][0].shape)
+            assert torch.equal(replayed, python_path), "the replay differs from the Python path"
+    with torch.no_grad():
+        assert replay(module, *cases[1]) is None, "an autocast recording replayed without autocast"

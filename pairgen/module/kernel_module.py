@@ -132,7 +132,7 @@ class KernelModule:
             return run()
         replayer = native.fastcall()  # the first request starts the compiled module's build
         if (replayer is None or self._reference_only or self.__dict__.get("_state_per_call")
-                or torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing()):
+                or torch.cuda.is_current_stream_capturing()):
             return run()
         counts = self.__dict__.setdefault("_fast_call_counts", [0, 0])  # slow calls, recordings
         counts[0] += 1
@@ -143,7 +143,7 @@ class KernelModule:
             out = run()
         epochs = [(runtime.GENERATION, runtime.GENERATION[0])]
         recorded = fastcall.build((*inputs, *weights.tensors), out, launches, scratch, self._held_for_fast_calls(),
-                                  epochs)
+                                  epochs, current_autocast())
         if recorded is not None:
             entry = (replayer.call, recorded, inputs[0].get_device())
             self.__dict__["_fast_calls"] = (entry,) + self._fast_calls[: self.MAX_FAST_CALLS - 1]

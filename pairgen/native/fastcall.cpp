@@ -5,14 +5,15 @@
 // host. pairgen/fastcall.py records one ordinary call (the kernels it launched, with their
 // arguments mapped to "the i-th input's data" (the weights are inputs too), "the output", "this
 // call's scratch" or a constant held by the module) and hands the recording here; later calls that
-// match it (same shapes, dtypes, device, contiguity; no autograd, no autocast; pairgen's epoch
-// counters unchanged) run it from C++:
+// match it (same shapes, dtypes, device, contiguity; no autograd; the autocast the call ran under;
+// pairgen's epoch counters unchanged) run it from C++:
 // allocate the output (and scratch) through ATen's caching allocator, write the arguments, launch.
 // Anything else returns None and the caller takes the Python path, which records again.
 //
 // A runner may also note a batched product between its kernels (fastcall.note_product: the 16-bit
-// triangle update's cuBLAS bmm); a replay runs it through ATen, in launch order, on views of the
-// same inputs, output and per-call buffers.
+// triangle update's cuBLAS bmm) and a copy (fastcall.note_copy: an fp32 input cast to 16 bits under
+// autocast); a replay runs them through ATen, in launch order, on views of the same inputs, output
+// and per-call buffers.
 //
 // The driver's launch functions arrive as addresses (libcuda's, or a test's stand-ins), so this
 // file needs neither the CUDA headers nor libcuda to build: the CPU-only CI builds and tests it.
@@ -22,6 +23,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/copy.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
@@ -60,7 +62,7 @@ constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROG
 constexpr int kInvalidContext = 201;                 // CUDA_ERROR_INVALID_CONTEXT
 constexpr size_t kMaxArguments = 64, kMaxInputs = 32;  // per kernel, per call (a call's inputs carry its weights)
 
-enum class Mode { plain = 0, cooperative = 1, programmatic = 2, product = 3 };
+enum class Mode { plain = 0, cooperative = 1, programmatic = 2, product = 3, copy = 4 };
 // Where a kernel argument comes from on each call.
 enum class Source { constant = 0, input = 1, output = 2, scratch = 3 };
 
@@ -74,9 +76,9 @@ struct Launch {
   Mode mode;
   void* kernel;  // the CUfunction
   unsigned grid, block, shared_bytes;
-  std::vector<Slot> slots;  // a product's: its left operand, right operand and output
-  std::vector<std::vector<int64_t>> geometry;  // a product's: sizes, strides of each of the three
-  at::ScalarType dtype = at::kFloat;           // a product's element type
+  std::vector<Slot> slots;  // a product's: its left operand, right operand and output; a copy's: source, destination
+  std::vector<std::vector<int64_t>> geometry;  // a product's or copy's: sizes, strides of each tensor
+  std::vector<at::ScalarType> dtypes;          // a product's element type; a copy's source's and destination's
 };
 
 struct InputCheck {
@@ -98,6 +100,7 @@ struct FastCall {
   at::ScalarType out_dtype;
   int64_t scratch_bytes = 0;
   std::vector<Epoch> epochs;
+  int autocast = -1;  // the CUDA autocast dtype it was recorded under; -1: none
   std::vector<Launch> launches;
   std::vector<PyObject*> owned;  // every PyObject above, released with the capsule
 };
@@ -216,17 +219,19 @@ Launch parse_kernel(PyObject* spec) {
   return launch;
 }
 
-// build(device_type, device_index, inputs, out, scratch_bytes, epochs, launches, plain_types) -> capsule
+// build(device_type, device_index, inputs, out, scratch_bytes, epochs, launches, plain_types[, autocast])
+//   -> capsule
 //   inputs: ((sizes, dtype), ...); out: (sizes, dtype);
 //   epochs: ((one-element list, value), ...); launches: ((driver function address, mode, CUfunction,
-//   grid, block, shared bytes, ((source, value), ...)), ...)
+//   grid, block, shared bytes, ((source, value), ...)[, geometry]), ...); autocast: the CUDA
+//   autocast dtype the call ran under, None (the default) for none
 PyObject* build(PyObject*, PyObject* args) {
   const char* device_type;
   int device_index;
-  PyObject *inputs, *out, *epochs, *launches, *plain_types;
+  PyObject *inputs, *out, *epochs, *launches, *plain_types, *autocast = Py_None;
   long long scratch_bytes;
-  if (!PyArg_ParseTuple(args, "siOOLOOO", &device_type, &device_index, &inputs, &out, &scratch_bytes, &epochs,
-                        &launches, &plain_types))
+  if (!PyArg_ParseTuple(args, "siOOLOOO|O", &device_type, &device_index, &inputs, &out, &scratch_bytes, &epochs,
+                        &launches, &plain_types, &autocast))
     return nullptr;
   return build_capsule<FastCall>(kCapsuleName, release<FastCall>, [&](FastCall* call) {
     call->device = parse_device(device_type, device_index);
@@ -236,6 +241,7 @@ PyObject* build(PyObject*, PyObject* args) {
     call->scratch_bytes = scratch_bytes;
     call->plain_types = parse_plain_types(plain_types, call->owned);
     call->epochs = parse_epochs(epochs, call->owned);
+    if (autocast != Py_None) call->autocast = static_cast<int>(scalar_type(autocast));
     for (Py_ssize_t i = 0; i < PySequence_Size(launches); ++i) {
       PyObject* spec = PySequence_GetItem(launches, i);
       Launch launch = parse_kernel(spec);
@@ -246,14 +252,17 @@ PyObject* build(PyObject*, PyObject* args) {
                                 PyLong_AsLongLong(PyTuple_GetItem(slot, 1))});
         Py_DECREF(slot);
       }
-      if (launch.mode == Mode::product) {  // (sizes, strides) x 3, then the dtype
+      if (launch.mode == Mode::product || launch.mode == Mode::copy) {
+        // (sizes, strides) per tensor, then the dtypes: a product's one, a copy's two
+        const size_t tensors = launch.mode == Mode::product ? 3 : 2, dtypes = launch.mode == Mode::product ? 1 : 2;
         PyObject* geometry = PyTuple_GetItem(spec, 7);
-        if (launch.slots.size() != 3 || PySequence_Size(geometry) != 7) {
+        if (launch.slots.size() != tensors ||
+            PySequence_Size(geometry) != static_cast<Py_ssize_t>(2 * tensors + dtypes)) {
           Py_DECREF(spec);
-          throw std::invalid_argument("a product takes three tensors");
+          throw std::invalid_argument("a product takes three tensors and a dtype, a copy two tensors and two dtypes");
         }
-        for (Py_ssize_t k = 0; k < 6; ++k) launch.geometry.push_back(int_list(PyTuple_GetItem(geometry, k)));
-        launch.dtype = scalar_type(PyTuple_GetItem(geometry, 6));
+        for (size_t k = 0; k < 2 * tensors; ++k) launch.geometry.push_back(int_list(PyTuple_GetItem(geometry, k)));
+        for (size_t k = 0; k < dtypes; ++k) launch.dtypes.push_back(scalar_type(PyTuple_GetItem(geometry, 2 * tensors + k)));
       }
       Py_DECREF(spec);
       call->launches.push_back(std::move(launch));
@@ -303,22 +312,26 @@ bool module_unchanged(const std::vector<Epoch>& epochs, int autocast = -1) {
   return true;
 }
 
-// A noted product: out = left @ right on the recorded views, on the current stream of the
-// call's device (the stream the Python path's torch.bmm ran on).
-void run_product(const Launch& launch, const int64_t* values, const at::Device& device) {
-  auto options = at::TensorOptions().dtype(launch.dtype).device(device);
-  auto view = [&](int k) {
+// A noted product (out = left @ right) or copy (destination = source) on the recorded views, on the
+// current stream of the call's device (the stream the Python path's operation ran on).
+void run_noted(const Launch& launch, const int64_t* values, const at::Device& device) {
+  auto view = [&](int k, at::ScalarType dtype) {
     return at::from_blob(reinterpret_cast<void*>(values[k]), launch.geometry[2 * k], launch.geometry[2 * k + 1],
-                         options);
+                         at::TensorOptions().dtype(dtype).device(device));
   };
-  at::Tensor out = view(2);
-  at::bmm_out(out, view(0), view(1));
+  if (launch.mode == Mode::copy) {
+    view(1, launch.dtypes[1]).copy_(view(0, launch.dtypes[0]));
+    return;
+  }
+  at::Tensor out = view(2, launch.dtypes[0]);
+  at::bmm_out(out, view(0, launch.dtypes[0]), view(1, launch.dtypes[0]));
 }
 
 int launch_one(const Launch& launch, void* stream, void** pointers) {
   switch (launch.mode) {
     case Mode::product:
-      return -1;  // run_product's, not a launch
+    case Mode::copy:
+      return -1;  // run_noted's, not a launch
     case Mode::plain:
       return reinterpret_cast<LaunchKernel>(launch.function_address)(
           launch.kernel, launch.grid, 1, 1, launch.block, 1, 1, launch.shared_bytes, stream, pointers, nullptr);
@@ -361,7 +374,9 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* result = nullptr;
   try {
-    if (!module_unchanged(fast->epochs)) Py_RETURN_NONE;
+    if (!module_unchanged(fast->epochs, fast->autocast)) Py_RETURN_NONE;
+    // The noted operations ran in the dtypes they name (the runners cast explicitly).
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     auto options = at::TensorOptions().dtype(fast->out_dtype).device(fast->device);
     at::Tensor out = at::empty(fast->out_sizes, options);
     at::Tensor scratch;
@@ -387,9 +402,9 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         }
         pointers[k] = &values[k];  // the driver reads each parameter's own size from its slot
       }
-      if (launch.mode == Mode::product) {
+      if (launch.mode == Mode::product || launch.mode == Mode::copy) {
         c10::DeviceGuard guard(fast->device);
-        run_product(launch, values, fast->device);
+        run_noted(launch, values, fast->device);
         continue;
       }
       int code = launch_one(launch, stream, pointers);
