@@ -101,7 +101,7 @@ def triangle_multiplicative_update(x: torch.Tensor, direction: str = "outgoing",
 def _replay(x, direction: str, mask, given: tuple, precision: str):
     """A call like a recorded one (the same direction, precision, weights given and, checked by the
     replay itself, the same shapes, dtypes, device and contiguity of x, the mask and every weight,
-    and no autograd or autocast): replayed from compiled code before any Python check, as a
+    the autocast, and no autograd): replayed from compiled code before any Python check, as a
     module's own repeated calls are. None: take the ordinary path."""
     module = _replayers.get(_replayer_key(direction, precision, given))
     if module is None:
