@@ -72,6 +72,16 @@ def note_copy(source: torch.Tensor, out: torch.Tensor) -> None:
     _note(COPY, (source, out))
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype` (a runner's fp32 input cast to its kernels' 16-bit operand type under autocast),
+    in a per-call buffer, both noted: a recorded call's replay casts its new input the same way."""
+    out = torch.empty(t.shape, device=t.device, dtype=dtype)
+    note_scratch(out)
+    out.copy_(t)
+    note_copy(t, out)
+    return out
+
+
 def _note(mode: int, tensors: tuple) -> None:
     """A PyTorch operation of a runner's, in this thread's recording (if any) among its launches."""
     if launch.RECORDING:

@@ -209,3 +209,33 @@ def test_autocast_calls_replay_with_their_cast(output_dtype):
             assert torch.equal(replayed, python_path), "the replay differs from the Python path"
     with torch.no_grad():
         assert replay(module, *cases[1]) is None, "an autocast recording replayed without autocast"
+
+
+#: Each op's 16-bit tensor-core strategies (their runners cast an fp32 input under autocast).
+HALF_RECORDING = [(name, strategy.name) for name, spec in SPECS.items() for strategy in spec.strategies.values()
+                  if "bfloat16" in strategy.records]
+
+
+@pytest.mark.parametrize("name,strategy", HALF_RECORDING)
+def test_every_16_bit_strategy_replays_under_autocast(name, strategy):
+    """An fp32 module under a bf16 autocast on a 16-bit kernel: its runner's casts (and the readout's
+    widening of its 16-bit result into the fp32 output) are noted, so the call is recorded, and a
+    replay of new values equals the Python path's output bit for bit and meets the autocast
+    standard against float64."""
+    shape = {**SEEDS[name], "B": 3, "N": 37}
+    spec, module, gen = case(name, shape, seed=23)
+    plan = sampled_plans(spec.at("bfloat16"), strategy, spec.widths_of(shape), 1, seed=5)[0]
+    module.force_variant(runtime.build_variant(plan))
+    cases = [fresh_inputs(spec, shape, gen, k) for k in range(3)]
+    refs = [reference64(module, inputs) for inputs in cases]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        call_on_nan_memory(module, cases[0], refs[0].shape)
+        assert module._fast_calls, "the autocast call was not recorded"
+        for k in (1, 2):
+            with torch.no_grad():
+                assert replay(module, *cases[k]) is not None, "a matching autocast call was not replayed"
+            replayed = call_on_nan_memory(module, cases[k], refs[k].shape)
+            result = compare(replayed, refs[k], AUTOCAST_TOLERANCE)
+            assert result.ok, f"replay {k}: {result}"
+            module.forget_fast_calls()
+            assert torch.equal(replayed, call_on_nan_memory(module, cases[k], refs[k].shape))

@@ -11,11 +11,12 @@ from ...packing import OPERAND_KINDS, Sources, layout
 
 #: torch and what needs it, bound by _import_torch_half() on the first call a strategy runs, so that
 #: the spec half (space, restrictions, plans) loads without torch and a call pays no import.
-OPERAND_DTYPES = None
+OPERAND_DTYPES = fastcall = None
 
 
 def _import_torch_half() -> None:
-    global OPERAND_DTYPES
+    global OPERAND_DTYPES, fastcall
+    from .... import fastcall
     from ....precision import OPERAND_DTYPES
 
 #: x, packed weights, out, then the batches, the length and the tiles as 64-bit ints (mma, wgmma).
@@ -94,7 +95,7 @@ def run(module, variant, weights, x, out) -> None:
     B, N = x.shape[0], x.shape[1]
     dtype = OPERAND_DTYPES[variant.plan.precision]
     if x.dtype is not dtype:
-        x = x.to(dtype)
+        x = fastcall.cast(x, dtype)
     P, H = module.widths["P"], module.widths["H"]
     packed = module._packed(mma_layout(P, H, variant.plan.precision, weights.sources), weights)
     (main,) = variant.launches(x.get_device(), B, N)

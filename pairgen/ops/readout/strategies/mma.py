@@ -16,12 +16,13 @@ from ..packs import fp32_pieces
 
 #: torch and what needs it, bound by _import_torch_half() on the first call a strategy runs, so that
 #: the spec half (space, restrictions, plans) loads without torch and a call pays no import.
-torch = OPERAND_DTYPES = None
+torch = OPERAND_DTYPES = fastcall = None
 
 
 def _import_torch_half() -> None:
-    global torch, OPERAND_DTYPES
+    global torch, OPERAND_DTYPES, fastcall
     import torch
+    from .... import fastcall
     from ....precision import OPERAND_DTYPES
 
 #: The tensor-core kernels (mma, wgmma): nodes, pair features, mask, weights, uv, out, then B, N,
@@ -129,9 +130,10 @@ def run(module, variant, weights, nodes, pair_feats, edge_mask, out) -> None:
     H = module.widths["H"]
     dtype = OPERAND_DTYPES[variant.plan.precision]
     target = out
-    if nodes.dtype is not dtype:
-        nodes, pair_feats = nodes.to(dtype), pair_feats.to(dtype)
+    if nodes.dtype is not dtype:  # every step noted: a recorded call's replay casts and widens too
+        nodes, pair_feats = fastcall.cast(nodes, dtype), fastcall.cast(pair_feats, dtype)
         out = torch.empty_like(nodes)
+        fastcall.note_scratch(out)
     device = nodes.get_device()
     P = module.widths["P"]
     packed = module._packed(mma_layout(D, P, H, variant.plan.precision, weights.sources), weights)
@@ -148,6 +150,7 @@ def run(module, variant, weights, nodes, pair_feats, edge_mask, out) -> None:
         main.named(**pointers)
     if out is not target:
         target.copy_(out)
+        fastcall.note_copy(out, target)
 
 
 MMA = Strategy(

@@ -173,14 +173,12 @@ def run_projection(variant, x, mask, packed, H: int) -> Projected:
     fastcall.note_scratch(ab)
     rounded = {}
     if x.dtype is not ab.dtype:  # an fp32 input under autocast: the output kernel reads x in the operand type
-        xh = torch.empty(x.shape, device=x.device, dtype=ab.dtype)
-        fastcall.note_scratch(xh)
         if "xh" in project.names:  # which the projection writes as it reads x (wgmma's x_fp32)
+            xh = torch.empty(x.shape, device=x.device, dtype=ab.dtype)
+            fastcall.note_scratch(xh)
             rounded = {"xh": xh.data_ptr()}
-        else:  # cast here, noted: a recorded call's replay casts too
-            xh.copy_(x)
-            fastcall.note_copy(x, xh)
-            x = xh
+        else:
+            x = fastcall.cast(x, ab.dtype)
     held_stats, stats = _row_statistics(statistics, x, x.data_ptr())
     project.named(x=x.data_ptr(), mask=mask.data_ptr(), w=packed.data_ptr(), ar=ab[0].data_ptr(),
                   br=ab[1].data_ptr(), mask_is_float=int(mask.dtype is torch.float32), **rounded,
