@@ -66,9 +66,9 @@ def note_product(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor) -> 
 
 
 def note_copy(source: torch.Tensor, out: torch.Tensor) -> None:
-    """A runner's out.copy_(source) between its kernels (an fp32 input cast to the kernels' 16-bit
-    operand type under autocast): a replay runs it in compiled code, in launch order, on the same
-    views. No-op outside a recording."""
+    """A runner's out.copy_(source) between or after its kernels (under autocast: an fp32 input cast
+    to the kernels' 16-bit operand type, a 16-bit result widened into the fp32 output): a replay
+    runs it in compiled code, in launch order, on the same views. No-op outside a recording."""
     _note(COPY, (source, out))
 
 
