@@ -430,11 +430,14 @@ def main(argv=None) -> int:
     import cuda.core
 
     from pairgen.compiler import nvrtc_version
+    from pairgen.tuning.timing import HOST_CALLS
 
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "nvrtc": nvrtc_version(), "cuda.core": cuda.core.__version__, "python": platform.python_version(),
            "date": time.strftime("%Y-%m-%d"), "tf32": "off",
-           "timing": "median of CUDA-event-timed calls, L2 flushed before each; inference_mode"}
+           "timing": "median of CUDA-event-timed calls, L2 flushed before each; inference_mode; host µs/call: the "
+                     f"time to issue one of {HOST_CALLS} calls made back to back (once the driver's launch queue is full "
+                     "the host waits for the GPU, so for calls of milliseconds it tends to their GPU time)"}
     from pairgen import native
 
     # The compiled fast path is built on first use in the background; the bench measures calls as

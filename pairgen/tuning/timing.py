@@ -103,9 +103,11 @@ def time_graph_replay(fn: Callable[[], object], device: torch.device | None = No
 #: processes, clocks); the median of several runs is what the bench reports, and every run is
 #: kept beside it.
 HOST_RUNS = 5
+#: Back-to-back calls a host-time run issues.
+HOST_CALLS = 200
 
 
-def host_us_runs(fn: Callable[[], object], calls: int = 200, runs: int = HOST_RUNS) -> list[float]:
+def host_us_runs(fn: Callable[[], object], calls: int = HOST_CALLS, runs: int = HOST_RUNS) -> list[float]:
     """CPU time to issue one call (Python and launch overhead), GPU work not awaited: one value per
     run of `calls` back-to-back calls, the GPU drained between runs so no run waits on another's work."""
     values = []
