@@ -249,7 +249,7 @@ def choose(spec: OpSpec, dtype: str, widths: dict, n: int, info: DeviceInfo) -> 
     found = find_entry(spec.name, bucket, info, lambda db: _usable(spec, db, dtype, widths, info.limits))
     if found is not None:
         entry, how, path = found.entry, found.how, str(found.database.path)
-        faster = _faster_without_the_kernel(entry)
+        faster = faster_without_the_kernel(entry)
         if faster is not None:
             return Choice(None, f"{how}: {faster[0]} measured faster when it was tuned "
                                 f"({faster[1]} µs against the best kernel's {entry['us']} µs)",
@@ -262,7 +262,7 @@ def choose(spec: OpSpec, dtype: str, widths: dict, n: int, info: DeviceInfo) -> 
     return _default_choice(spec, plan, dtype, widths, bucket, info)
 
 
-def _faster_without_the_kernel(entry: dict) -> "tuple[str, float] | None":
+def faster_without_the_kernel(entry: dict) -> "tuple[str, float] | None":
     """What a module runs without the entry's kernel, where the tuner timed it faster than the
     entry's best kernel in the same run: (its name, its µs); the module then runs it, never slower
     than it. That is the closed form where the tuner timed one (a 16-bit forward without a kernel

@@ -396,3 +396,24 @@ def test_a_shape_line_names_the_closed_form_where_the_tuner_timed_it():
                         {"eager": 800.0, "closed_form": 250.0}, {"evaluated": 4}, elapsed_s=3.0)
     line = tune_cli.shape_line(1, 1, tune_cli.ShapeDone("bfloat16", result, True), ("eager",), trials=4)
     assert "200.0 µs against eager 800.0 µs (4.0×) against the closed form 250.0 µs (1.2×); 4 trials" in line, line
+
+
+def test_the_report_says_what_a_module_runs_where_the_kernel_lost():
+    """A kernel slower than the closed form (or, without one timed, than eager) is written but not
+    run: the shape's line and the closing table say what a module runs instead, with its time."""
+    from pairgen.tuning.tuner import TuneResult
+
+    def done(baselines):
+        return tune_cli.ShapeDone("bfloat16", TuneResult(
+            "trimul", {"B": 1, "N": 512, "P": 512, "H": 512}, {"label": "wgmma[bfloat16]", "us": 600.0}, baselines,
+            {"evaluated": 4}, elapsed_s=3.0), True)
+
+    lost = done({"eager": 800.0, "closed_form": 250.0})
+    line = tune_cli.shape_line(1, 1, lost, ("eager",), trials=4)
+    assert "(0.4×); a module runs the closed form (250.0 µs); 4 trials" in line, line
+    won = done({"eager": 800.0, "closed_form": 700.0})
+    assert "a module runs" not in tune_cli.shape_line(1, 1, won, ("eager",), trials=4)
+    table = tune_cli.closing_table([lost, won, done({"eager": 500.0})], ("eager",)).splitlines()
+    assert "a module runs" in table[0]
+    assert [row.split(" | ")[7] for row in table[2:]] == [
+        "the closed form (250.0 µs)", "the kernel", "the PyTorch reference (500.0 µs)"]

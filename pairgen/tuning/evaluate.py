@@ -58,7 +58,7 @@ class GpuEvaluator:
 
     def baselines(self) -> dict[str, float]:
         """The peers' times, and the closed form's where a module runs it without a kernel
-        (closed_form: the entry's kernel must beat it, runtime._faster_without_the_kernel)."""
+        (closed_form: the entry's kernel must beat it, runtime.faster_without_the_kernel)."""
         reference = reference_in_precision(self.spec, self.module)
         out = {}
         with torch.inference_mode():

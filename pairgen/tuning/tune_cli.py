@@ -203,6 +203,9 @@ def status(info=None) -> int:
                 elif kind == "ok":
                     seen[where] = root
                 base = e.get("baselines_us", {})
+                runs = "the kernel" if backward_op else what_runs(e.get("us"), base)
+                if runs not in ("the kernel", "–"):  # timed slower than what a module runs without it
+                    cell += f"; a module runs {runs}"
                 ratio = lambda peer: f"{base[peer] / e['us']:.1f}×" if peer in base and e.get("us") else "–"  # noqa: E731
                 print(f"| {db.gpu_slug} | {db.op} | {shape_label(e.get('shape', e['key']))} | {e['key']['dtype']} "
                       f"| {e['strategy']} "
@@ -491,15 +494,30 @@ def shape_line(number: int, total: int, done: ShapeDone, peers, trials: int | No
     against = "".join(f" against {name} {r.baselines[key]:.1f} µs ({r.baselines[key] / us:.1f}×)"
                       for key, name in [(peer, peer) for peer in peers] + [("closed_form", "the closed form")]
                       if key in r.baselines)
+    runs = what_runs(us, r.baselines)
+    instead = "" if runs == "the kernel" else f"; a module runs {runs}"
     written = "" if done.written else "; NOT WRITTEN (see above)"
     evaluated = r.counts.get("evaluated", 0)
     of = f" of {trials}" if trials and evaluated < trials else ""
-    return f"{head} `{r.best['label']}` {us:.1f} µs{against}; {evaluated}{of} trials in {r.elapsed_s:.0f} s{written}"
+    return (f"{head} `{r.best['label']}` {us:.1f} µs{against}{instead}; {evaluated}{of} trials in "
+            f"{r.elapsed_s:.0f} s{written}")
+
+
+def what_runs(us: "float | None", baselines: dict) -> str:
+    """What a module runs at a tuned shape (runtime.faster_without_the_kernel): the best kernel, or
+    what the tuner timed faster than it (the closed form, else the PyTorch reference), with its µs."""
+    from pairgen.runtime import faster_without_the_kernel
+
+    if us is None:
+        return "–"
+    instead = faster_without_the_kernel({"us": us, "baselines_us": baselines})
+    return "the kernel" if instead is None else f"{instead[0]} ({instead[1]:.1f} µs)"
 
 
 def closing_table(done: list[ShapeDone], peers) -> str:
     head = ["op", "shape", "precision", "best variant", "best µs"] + [f"{p} µs" for p in peers]
-    head += [f"× vs {p}" for p in peers] + ["trials (evaluated / failed / pruned)", "compile s / variant", "tune s"]
+    head += [f"× vs {p}" for p in peers] + ["a module runs", "trials (evaluated / failed / pruned)",
+                                            "compile s / variant", "tune s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d in done:
         r, best = d.result, d.result.best
@@ -508,6 +526,7 @@ def closing_table(done: list[ShapeDone], peers) -> str:
                  f"{us:.1f}" if us else "–"]
         cells += [f"{r.baselines[p]:.1f}" if p in r.baselines else "–" for p in peers]
         cells += [f"{r.baselines[p] / us:.1f}×" if us and p in r.baselines else "–" for p in peers]
+        cells.append(what_runs(us, r.baselines))
         c = r.counts
         cells += [f"{c.get('evaluated', 0)} / {c.get('failed', 0)} / {c.get('pruned', 0)}",
                   f"{r.compile_s_mean:.2f}" if r.compile_s_mean else "–", f"{r.elapsed_s:.0f}"]
