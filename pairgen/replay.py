@@ -13,7 +13,8 @@ update) the GPU then waits for the host. So a training call is recorded once, on
     and the kept buffers.
 
 Later calls whose inputs match the recording (shapes, dtypes, device, contiguity, which of them
-want gradients; pairgen's epochs; no autocast) run both from compiled code (ReplayedClosedForm):
+want gradients; pairgen's epochs; the autocast dtype they were recorded under, or none) run both
+from compiled code (ReplayedClosedForm):
 the host then issues the same launches and operations in a fraction of the time.
 
 What cannot be recorded is never replayed: a call whose operations include one outside
