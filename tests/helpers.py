@@ -621,3 +621,17 @@ def assert_the_first_layer_kernel_rounds_once(device: str, dtype, B: int, N: int
     x = pre[ok].double()
     silu = x * torch.sigmoid(x)
     assert ((act[ok].double() - silu).abs() <= step * silu.abs() + 1e-6).all(), "act = silu(pre), rounded"
+
+
+@contextlib.contextmanager
+def cuda_autocast(dtype):
+    """CUDA's autocast state set as torch.autocast("cuda") sets it (the CPU build keeps the flags)."""
+    enabled, before = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", dtype is not None)
+    if dtype is not None:
+        torch.set_autocast_dtype("cuda", dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", before)

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from helpers import CU_LAUNCH_KERNEL
+from helpers import CU_LAUNCH_KERNEL, cuda_autocast
 from pairgen import fastcall, native
 from pairgen.launch import FASTCALL_MODES, _LaunchConfig
 
@@ -292,13 +292,7 @@ def test_a_call_recorded_under_autocast_replays_under_that_autocast_only():
     plain = fastcall.build((x, mask), out, launches, [scratch], [pack._packed], [])
     replay = native.fastcall().call
     assert replay(under, 0, x, mask) is None and replay(plain, 0, x, mask) is not None
-    previous = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-    try:
-        torch.set_autocast_enabled("cuda", True)
-        torch.set_autocast_dtype("cuda", torch.bfloat16)
+    with cuda_autocast(torch.bfloat16):
         assert replay(under, 0, x, mask) is not None and replay(plain, 0, x, mask) is None
-        torch.set_autocast_dtype("cuda", torch.float16)
+    with cuda_autocast(torch.float16):
         assert replay(under, 0, x, mask) is None
-    finally:
-        torch.set_autocast_enabled("cuda", previous[0])
-        torch.set_autocast_dtype("cuda", previous[1])

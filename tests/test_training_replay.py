@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
-from helpers import CU_LAUNCH_KERNEL, generator
+from helpers import CU_LAUNCH_KERNEL, cuda_autocast, generator
 from pairgen import launch, native, replay, runtime
 from pairgen.launch import FASTCALL_MODES
 from pairgen.module import training_replay
@@ -205,20 +205,6 @@ def test_a_backward_whose_epoch_moved_since_its_forward_recomputes_from_the_inpu
     recomputed = [x.grad, *(p.grad for p in module.parameters())]
     for mine, theirs in zip(recomputed, python[1:]):
         assert ((mine.double() - theirs.double()).norm() / theirs.double().norm()).item() <= 1e-2
-
-
-@contextlib.contextmanager
-def cuda_autocast(dtype):
-    """CUDA's autocast state set as torch.autocast("cuda") sets it (the CPU build keeps the flags)."""
-    enabled, before = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
-    torch.set_autocast_enabled("cuda", dtype is not None)
-    if dtype is not None:
-        torch.set_autocast_dtype("cuda", dtype)
-    try:
-        yield
-    finally:
-        torch.set_autocast_enabled("cuda", enabled)
-        torch.set_autocast_dtype("cuda", before)
 
 
 def test_a_trace_runs_under_the_autocast_it_was_recorded_under_only():
