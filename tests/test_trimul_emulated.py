@@ -163,21 +163,27 @@ def test_the_gpu_tests_sliced_and_w_registers_cases_emulated(order):
     assert not failures, "\n".join(failures)
 
 
-#: x_fp32's cases: the tuned entries' point with an fp32 output too (GPU MODE's contract, fp32 in
-#: and out), and a narrow one with three pieces a thread a pass (P = 48, two 64-column passes).
+#: The cases of an fp32 x rounded by a kernel. x_fp32 (the projection): the tuned entries' point
+#: with an fp32 output too (GPU MODE's contract, fp32 in and out), and a narrow one with three
+#: pieces a thread a pass (P = 48, two 64-column passes). stats_cast (a sliced point's statistics
+#: kernel): both kernels sliced, and the output alone sliced with an fp32 output.
 X_FP32_CASES = {
     "first-default-fp32-out-bf16": ("bfloat16", {**MODELS, "out_fp32": 1}, CASES["staged-output-first-default-bf16"][2]),
     "narrow-wide-passes-fp16": ("float16", {**SMALL, "P": 48, "H": 32},
                                   {**PAIRED, "p_wn": 64, "x_registers": True, "p_normalized_x": True}),
+    "statistics-sliced-both-bf16": ("bfloat16", SMALL, CASES["sliced-both-kernels-bf16"][2]),
+    "statistics-sliced-output-fp32-out-fp16": ("float16", {**SMALL, "P": 64, "H": 32, "out_fp32": 1},
+                                               CASES["staged-output-sliced-fp16"][2]),
 }
 
 
 @pytest.mark.parametrize("case", list(X_FP32_CASES))
-def test_an_fp32_x_read_by_the_projection_matches_its_cast_bit_for_bit_emulated(monkeypatch, case):
-    """x_fp32: a call with an fp32 x (under autocast) runs the projection that rounds x itself,
-    and writes the rounded rows the output kernel reads, instead of a cast before the kernels.
-    Its output must equal, bit for bit, the same point's on x cast to the operand type (and so meet
-    the float64 standard as that does), with NaN-prefilled outputs, at whole and odd tiles."""
+def test_an_fp32_x_rounded_by_a_kernel_matches_its_cast_bit_for_bit_emulated(monkeypatch, case):
+    """x_fp32 and stats_cast: a call with an fp32 x (under autocast) runs the kernel that rounds x
+    itself (the projection, or a sliced point's statistics kernel) and writes the rounded rows the
+    other kernels read, instead of a cast before the kernels. Its output must equal, bit for bit,
+    the same point's on x cast to the operand type (and so meet the float64 standard as that does),
+    with NaN-prefilled outputs, at whole and odd tiles."""
     from pairgen.ops.trimul.strategies import wgmma
 
     monkeypatch.setattr(wgmma, "READ_FP32_X", True)  # (off by default)

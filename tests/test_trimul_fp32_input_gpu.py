@@ -1,6 +1,7 @@
 """GPU: an fp32 input under autocast. The wgmma projection with x in registers rounds the fp32 rows
-itself (x_fp32); the closed form's input LayerNorm normalises them as it reads them (no cast of the
-whole input first; more exact than normalising the rounded rows). Both must meet their standards
+itself (x_fp32), and a sliced point's statistics kernel rounds them as it takes their statistics
+(stats_cast); the closed form's input LayerNorm normalises them as it reads them (no cast of the
+whole input first; more exact than normalising the rounded rows). Each must meet its standard
 against float64, at odd N with an empty mask row."""
 from __future__ import annotations
 
@@ -80,3 +81,38 @@ def test_the_projection_reads_an_fp32_x_as_its_cast_bit_for_bit(monkeypatch, pre
     assert out.dtype == torch.float32
     result = compare(out, reference64(fp32, (x, mask)), AUTOCAST_TOLERANCE)
     assert result.ok, result
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+@pytest.mark.parametrize("B, N", [(2, 37), (1, 64)])
+def test_a_sliced_points_statistics_kernel_rounds_an_fp32_x_as_its_cast_bit_for_bit(precision, B, N):
+    """stats_cast (GPU MODE's wide width, P384 H128, whose default point slices both kernels): an fp32
+    x is read and rounded by the rows' statistics kernel, which writes the rounded rows the other
+    two kernels read. With a 16-bit and an fp32 output, the result must equal, bit for bit, the same
+    point's on x cast first, at odd N with an empty mask row, NaN-prefilled, and meet the 16-bit
+    standard against float64 of the rounded x."""
+    from pairgen import runtime
+    from pairgen.ops.trimul.strategies import wgmma
+    from pairgen.tuning.evaluate import module_in_precision
+
+    widths = {"P": 384, "H": 128, **MODELS}
+    plan = TRIMUL.default_plan(widths, DeviceLimits(), precision)
+    assert plan.strategy == "wgmma" and wgmma.has_row_statistics(plan.context["p_slices"], plan.context["o_slices"])
+    variant = runtime.variant_of(plan, 0)
+    module = module_in_precision(TRIMUL, widths, generator(8), precision, "cuda")
+    x, mask = trimul_inputs_with_an_empty_row(widths, B, N, seed=9)
+    cast = x.to(module.out_proj.weight.dtype)
+    for out_dtype in (cast.dtype, torch.float32):
+        rounding = wgmma.variant_for_call(TRIMUL, variant, B, N, out_dtype is torch.float32, 0, True)
+        assert "ptr xh" in rounding.plan.kernels[0].args and rounding.plan.kernels[0].name.endswith("_stats")
+        outs = []
+        with torch.no_grad():
+            for given in (cast, x):
+                out = torch.full(x.shape, float("nan"), device="cuda", dtype=out_dtype)
+                module._launch(given, mask, out=out, variant=variant)
+                outs.append(out)
+        torch.cuda.synchronize()
+        assert not outs[0].isnan().any()
+        assert torch.equal(outs[1], outs[0]), (outs[1].float() - outs[0].float()).abs().max()
+        result = compare(outs[1], reference64(module, (cast, mask)), TRIMUL.tolerance[precision])
+        assert result.ok, result

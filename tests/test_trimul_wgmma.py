@@ -526,8 +526,8 @@ def test_an_fp32_input_is_read_by_the_projections_that_hold_x_in_registers_and_c
     """for_call's fp32-input plan (x_fp32, a call under autocast): the projection with x in
     registers reads x in fp32 and writes the rounded copy (`xh`) the output kernel reads, alone or
     with an fp32 output; its products stay asynchronous, without spills. Other points (x in shared
-    memory, Wp in registers, sliced) leave the cast to the caller, and the output kernel is the
-    tuned plan's."""
+    memory, Wp in registers) leave the cast to the caller (a sliced point's statistics kernel rounds
+    x instead: the test below), and the output kernel is the tuned plan's."""
     from pairgen.ops.trimul.strategies import wgmma
     from pairgen.ops.trimul.strategies.wgmma import for_call
 
@@ -536,8 +536,7 @@ def test_an_fp32_input_is_read_by_the_projections_that_hold_x_in_registers_and_c
     paired, unpaired, hidden = _fp32_output_plans()
     first_default = TRIMUL.default_plan(MODEL, DeviceLimits(), "bfloat16")
     swapped = TRIMUL.plan("wgmma", W_REGISTERS, MODEL, "bfloat16")
-    sliced = TRIMUL.plan("wgmma", SLICED, WIDE, "bfloat16")
-    for plan in (unpaired, hidden, swapped, sliced):
+    for plan in (unpaired, hidden, swapped):
         assert for_call(TRIMUL, plan, 1, 64, fp32_input=True) is None, plan.label
     reading = []
     for plan in (paired, first_default):
@@ -552,6 +551,31 @@ def test_an_fp32_input_is_read_by_the_projections_that_hold_x_in_registers_and_c
     both = for_call(TRIMUL, first_default, 1, 64, fp32_output=True, fp32_input=True)
     assert both.widths == {**first_default.widths, "x_fp32": 1, "out_fp32": 1}
     assert_compiled_without_spills([both], asynchronous=[both])  # (the tuned entries' point, fp32 in and out)
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_a_sliced_points_statistics_kernel_rounds_an_fp32_x_and_compiles(precision):
+    """stats_cast: a sliced point (its rows' statistics kernel first) given an fp32 x (a call under
+    autocast) has that kernel read x in fp32 and write the rounded rows (`xh`) the projection and the
+    output kernel read as their x: no cast before the kernels, whatever READ_FP32_X says (it is the
+    projection's switch). The two other kernels are the tuned plan's, bit for bit in their source;
+    the point without an fp32 x renders no trace of it; both compile without spills."""
+    from pairgen.ops.trimul.strategies.wgmma import for_call
+
+    sliced = TRIMUL.plan("wgmma", SLICED, WIDE, precision)
+    assert sliced.context["p_slices"] > 1 or sliced.context["o_slices"] > 1
+    derived = for_call(TRIMUL, sliced, 1, 64, fp32_input=True)
+    assert derived.widths == {**sliced.widths, "x_fp32": 1} and derived.params == sliced.params
+    statistics, projection, output = derived.kernels
+    assert statistics.args == ("ptr x", "ptr stats", "ptr xh", "i32 B", "i32 N", "i32 num_tiles")
+    assert (projection.args, output.args) == (sliced.kernels[1].args, sliced.kernels[2].args)
+    source, before = codegen.render_plan(derived).source, codegen.render_plan(sliced).source
+    assert "_stats(const float* __restrict__ x, float* __restrict__ stats, elem_t* __restrict__ xh," in source
+    assert "_stats(const elem_t* __restrict__ x, float* __restrict__ stats, int B" in before and "xh" not in before
+    assert "x32_step" not in source  # the projection reads the rounded rows, as without an fp32 x
+    both = for_call(TRIMUL, sliced, 1, 64, fp32_output=True, fp32_input=True)
+    assert both.widths == {**sliced.widths, "x_fp32": 1, "out_fp32": 1}
+    assert_compiled_without_spills([derived, both], asynchronous=[])
 
 
 def test_a_call_derives_its_fp32_output_variant_once(monkeypatch):

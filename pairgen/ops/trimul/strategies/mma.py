@@ -129,10 +129,11 @@ def pack(module, plan, weights):
     return module._packed(mma_layout(P, H, bias, gate_columns(w), plan.precision, weights.sources), weights)
 
 
-def _row_statistics(launches: list, x, x_ptr: int):
+def _row_statistics(launches: list, x, rounded: dict):
     """The rows' LayerNorm statistics of x for kernels that read them rather than take them from
     their tiles (the sliced wgmma kernels): `launches` holds the statistics kernel, or nothing
-    where no kernel of the variant reads them. Returns (the statistics tensor or None, the `stats`
+    where no kernel of the variant reads them; it writes x rounded to the operand type too where it
+    declares `xh` (rounded: that argument). Returns (the statistics tensor or None, the `stats`
     argument to pass or nothing). The caller holds the tensor until every kernel that reads it is
     enqueued: freed earlier, its memory could go to the triangle sums the bmm writes before the
     output kernel reads the statistics."""
@@ -142,7 +143,7 @@ def _row_statistics(launches: list, x, x_ptr: int):
         _import_torch_half()
     stats = torch.empty((2, x.shape[0] * x.shape[1] * x.shape[2]), device=x.device, dtype=torch.float32)
     fastcall.note_scratch(stats)
-    launches[0].named(x=x_ptr, stats=stats.data_ptr())
+    launches[0].named(x=x.data_ptr(), stats=stats.data_ptr(), **_taken(launches[0], rounded))
     return stats, {"stats": stats.data_ptr()}
 
 
@@ -171,17 +172,20 @@ def run_projection(variant, x, mask, packed, H: int) -> Projected:
     copies = 3 if precision == "tf32x3" else 1
     ab = torch.empty((2, B * H, copies * N * N), device=x.device, dtype=OPERAND_DTYPES[precision])
     fastcall.note_scratch(ab)
-    rounded = {}
-    if x.dtype is not ab.dtype:  # an fp32 input under autocast: the output kernel reads x in the operand type
-        if "xh" in project.names:  # which the projection writes as it reads x (wgmma's x_fp32)
+    rounded, read = {}, x
+    if x.dtype is not ab.dtype:  # an fp32 input under autocast: the kernels read x in the operand type,
+        # which the first kernel that declares xh writes as it reads x (wgmma's statistics kernel with
+        # stats_cast, or its projection with x_fp32); else a cast before the kernels
+        if any("xh" in launch.names for launch in (*statistics, project)):
             xh = torch.empty(x.shape, device=x.device, dtype=ab.dtype)
             fastcall.note_scratch(xh)
             rounded = {"xh": xh.data_ptr()}
+            read = xh if statistics and "xh" in statistics[0].names else x
         else:
-            x = fastcall.cast(x, ab.dtype)
-    held_stats, stats = _row_statistics(statistics, x, x.data_ptr())
-    project.named(x=x.data_ptr(), mask=mask.data_ptr(), w=packed.data_ptr(), ar=ab[0].data_ptr(),
-                  br=ab[1].data_ptr(), mask_is_float=int(mask.dtype is torch.float32), **rounded,
+            x = read = fastcall.cast(x, ab.dtype)
+    held_stats, stats = _row_statistics(statistics, x, rounded)
+    project.named(x=read.data_ptr(), mask=mask.data_ptr(), w=packed.data_ptr(), ar=ab[0].data_ptr(),
+                  br=ab[1].data_ptr(), mask_is_float=int(mask.dtype is torch.float32), **_taken(project, rounded),
                   **_taken(project, stats))
     return Projected(ab, xh if rounded else x, (output,), held_stats, stats)
 

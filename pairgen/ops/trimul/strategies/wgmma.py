@@ -96,6 +96,21 @@ def reads_fp32_x(params: dict, p_slices: int) -> bool:
     return bool(params["x_registers"]) and not params["w_registers"] and p_slices <= 1
 
 
+def has_row_statistics(p_slices: int, o_slices: int) -> bool:
+    """Whether a point's kernels (their slices resolved) start with the rows' statistics kernel,
+    which then also rounds an fp32 x (stats_cast): a sliced kernel reads the statistics."""
+    return p_slices > 1 or o_slices > 1
+
+
+def _rounds_fp32_x(plan: Plan) -> bool:
+    """Whether a kernel of `plan` can read an fp32 x and write it rounded (xh) for the others: its
+    statistics kernel always where it has one (one pass instead of a cast and the kernel's own
+    read), its projection where READ_FP32_X allows."""
+    p_slices = plan.context["p_slices"]
+    return (has_row_statistics(p_slices, plan.context["o_slices"])
+            or (READ_FP32_X and reads_fp32_x(plan.params, p_slices)))
+
+
 def _with_pointer(args: tuple, name: str) -> tuple:
     """A kernel's arguments with one more pointer (`ptr name`) after its pointers, before the shape
     tail: the rows' statistics (stats) of a sliced kernel, or x_fp32's rounded x (xh, which the
@@ -179,9 +194,10 @@ def derive(params: dict, w: dict, name: str):
 
     p_slices, o_slices = _slice_counts(params, w, project_smem, output_smem)
     project_smem, output_smem = project_smem(p_slices), output_smem(o_slices)
-    x_fp32 = bool(w["x_fp32"]) and reads_fp32_x(params, p_slices)
+    stats_cast = bool(w["x_fp32"]) and has_row_statistics(p_slices, o_slices)
+    x_fp32 = bool(w["x_fp32"]) and reads_fp32_x(params, p_slices) and not stats_cast
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
-               "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "x_fp32": x_fp32,
+               "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "x_fp32": x_fp32, "stats_cast": stats_cast,
                "off": off, "consts_smem": params["consts_smem"],
                "paired_columns": params["paired_columns"], "early_x_fetch": params["early_x_fetch"],
                "x_registers": params["x_registers"], "z_registers": params["z_registers"],
@@ -202,9 +218,9 @@ def derive(params: dict, w: dict, name: str):
                       _wgmma_grid(1 if params["w_registers"] else params["p_groups"], p_slices)),
                Kernel(f"{name}_output", 128 * params["o_groups"], output_smem,
                       _with_stats(OUTPUT_ARGS) if o_slices > 1 else OUTPUT_ARGS, _wgmma_grid(params["o_groups"], o_slices)))
-    if p_slices > 1 or o_slices > 1:  # the rows' statistics first (run_three_steps)
-        kernels = (Kernel(f"{name}_stats", 32 * STATS_WARPS, 0, ("ptr x", "ptr stats", "i32 B", "i32 N", "i32 num_tiles"),
-                          _stats_grid), *kernels)
+    if has_row_statistics(p_slices, o_slices):  # the rows' statistics first (run_three_steps)
+        stats_args = ("ptr x", "ptr stats", *(("ptr xh",) if stats_cast else ()), "i32 B", "i32 N", "i32 num_tiles")
+        kernels = (Kernel(f"{name}_stats", 32 * STATS_WARPS, 0, stats_args, _stats_grid), *kernels)
     return context, kernels
 
 
@@ -424,9 +440,9 @@ def for_call(spec, plan: Plan, B: int, N: int, fp32_output: bool = False, fp32_i
     `plan` runs it: unpaired past PAIRED_MAX_AB_ELEMENTS (x, the sums and Wp in registers are
     variants of the paired kernels: they go too), with its output kernel writing fp32 where the call
     wants an fp32 output (fp32_output), and with its projection reading an fp32 x where the call
-    gives one (fp32_input) and the projection can (reads_fp32_x; else the caller casts x)."""
+    gives one (fp32_input) and a kernel can round it (_rounds_fp32_x; else the caller casts x)."""
     unpaired = _unpaired(plan, B, N)
-    reads_x = fp32_input and READ_FP32_X and not unpaired and reads_fp32_x(plan.params, plan.context["p_slices"])
+    reads_x = fp32_input and not unpaired and _rounds_fp32_x(plan)
     if not (unpaired or fp32_output or reads_x):
         return None
     params = {**plan.params, "paired_columns": False, "x_registers": False, "z_registers": False, "w_registers": False,
@@ -445,7 +461,7 @@ _instead: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def variant_for_call(spec, variant, B: int, N: int, fp32_output: bool, device_index: int, fp32_input: bool = False):
     """The variant a call of B x N pairs runs: `variant`, or the one for_call plans instead."""
-    key = (_unpaired(variant.plan, B, N), fp32_output, fp32_input and READ_FP32_X)
+    key = (_unpaired(variant.plan, B, N), fp32_output, fp32_input and _rounds_fp32_x(variant.plan))
     if key == (False, False, False):
         return variant
     instead = _instead.setdefault(variant, {})
@@ -673,7 +689,7 @@ def run_projection_backward(module, x, mask, d_a, d_b, precision: str, packed, r
     if statistics and row_statistics is not None:
         held_stats, stats = row_statistics, {"stats": row_statistics.data_ptr()}
     else:
-        held_stats, stats = _row_statistics(statistics, x, x.data_ptr())
+        held_stats, stats = _row_statistics(statistics, x, {})
     d_proj = torch.empty((B, 4, H, N * N), device=x.device, dtype=x.dtype)
     launch.named(x=x.data_ptr(), mask=mask.data_ptr(), w=packed.data_ptr(), d_a=d_a.data_ptr(), d_b=d_b.data_ptr(),
                  d_proj=d_proj.data_ptr(), mask_is_float=int(mask.dtype is torch.float32), **stats)
