@@ -252,7 +252,7 @@ def assert_compiled_without_spills(plans: list, asynchronous: list) -> None:
 WIDE = {"P": 384, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
 SQUARE_256 = {"P": 256, "H": 256, "outgoing": 0, "gate_normalized": 1, "bias": 0}
 #: A point whose blocks fit both widths above with a quarter of each kernel's weight rows (a
-#: default point: the first feasible one at these widths).
+#: default point, after the wide passes' ones).
 SLICED = {"p_groups": 2, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 32, "o_stages": 1, "swizzle": True,
           "consts_smem": True, "paired_columns": True, "z_registers": True}
 
@@ -263,8 +263,10 @@ def test_column_slices_fit_the_wide_widths_and_compile_asynchronous_without_spil
     third kernel for the rows' statistics. They compile without spills and with their products
     asynchronous; counts a point names are whole passes of the paired kernels (not with x in
     registers, nor the gate in hidden width); at P = H = 128 nothing is sliced, and no trace of
-    slices is rendered."""
+    slices is rendered. The default point at these widths is the wide passes' (128 columns a pass
+    in both kernels, one output warpgroup), sliced too: it compiles likewise."""
     limits = DeviceLimits()
+    defaults = []
     for widths in (WIDE, SQUARE_256):
         for precision in ("bfloat16", "float16"):
             first = TRIMUL.plan("wgmma", next(p for s, p in TRIMUL.default_points if s == "wgmma"), widths, precision)
@@ -278,9 +280,14 @@ def test_column_slices_fit_the_wide_widths_and_compile_asynchronous_without_spil
                 ("x", "mask", "w", "ar", "br", "stats", "B", "N", "num_tiles", "mask_is_float"),
                 ("x", "z", "w", "out", "stats", "B", "N", "num_tiles")]
             default = TRIMUL.default_plan(widths, limits, precision)  # the default point for wide widths
-            assert default.strategy == "wgmma" and {k: default.params[k] for k in SLICED} == SLICED
+            wide_passes = {"p_groups": 2, "p_wn": 128, "o_groups": 1, "o_wn": 128, "early_x_fetch": True,
+                           "o_staged_stores": True, "z_registers": True, "paired_columns": True}
+            assert default.strategy == "wgmma" and {k: default.params[k] for k in wide_passes} == wide_passes
+            assert default.context["p_slices"] == 4 and default.context["o_slices"] == widths["P"] // 128
+            assert [k.name for k in default.kernels][0].endswith("_stats")
+            defaults.append(default)
     plans = [TRIMUL.plan("wgmma", SLICED, w, "bfloat16") for w in (WIDE, SQUARE_256)]
-    assert_compiled_without_spills(plans, asynchronous=plans)
+    assert_compiled_without_spills(plans + defaults, asynchronous=plans + defaults[::2])
     reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
     named = {**SLICED, "p_slices": 4, "o_slices": 4}
     assert not reasons(named)

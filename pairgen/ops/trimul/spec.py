@@ -58,7 +58,17 @@ class TrimulSpec(OpSpec):
         ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
                    "consts_smem": True, "paired_columns": True, "x_registers": True}),
         # Wide widths (P or H above 128): each block keeps a slice of the weights' columns resident
-        # (the fewest slices that fit), 2 warpgroups in each kernel, the sums in registers.
+        # (the fewest slices that fit) and the sums go to registers. The first: wide passes (fewer,
+        # larger products a tile), 2 projection warpgroups fetching the next x tile under the last
+        # pass, one output warpgroup staging its 16-bit rows (the fastest measured at the wide
+        # classes it fits); the second the same with 64-column output passes (where 128 do not fit
+        # in shared memory); the third narrower passes on 2 warpgroups in each kernel.
+        ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 128, "o_groups": 1, "o_wn": 128, "o_stages": 1, "swizzle": True,
+                   "consts_smem": True, "paired_columns": True, "z_registers": True, "early_x_fetch": True,
+                   "o_staged_stores": True}),
+        ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 128, "o_groups": 1, "o_wn": 64, "o_stages": 1, "swizzle": True,
+                   "consts_smem": True, "paired_columns": True, "z_registers": True, "early_x_fetch": True,
+                   "o_staged_stores": True}),
         ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 32, "o_stages": 1, "swizzle": True,
                    "consts_smem": True, "paired_columns": True, "z_registers": True}),
         ("wgmma", {"p_groups": 3, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 64, "o_stages": 2, "swizzle": False,
