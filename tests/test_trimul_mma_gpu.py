@@ -168,7 +168,8 @@ def _sliced_cases():
     rows a block at P = 384, H = 128 outgoing and P = H = 256 incoming), and with counts named at
     small widths: every option set, the projection's k padded, slices of one and of several passes,
     the sums in shared memory and in registers, two x stages, the early fetch, one kernel sliced
-    and the other not."""
+    and the other not; and the wide widths' default points (128-column passes, one output
+    warpgroup; 64-column output passes at P = 384, H = 256, incoming)."""
     cases = []
     for precision in ("bfloat16", "float16"):
         view = TRIMUL.at(precision)
@@ -177,6 +178,10 @@ def _sliced_cases():
         small = {**PAIRED, "p_slices": 4, "o_slices": 4}  # P = 64, H = 32: one pass a slice in both kernels
         points = [({"P": 384, "H": 128, **OPTION_SETS[-1]}, wide),
                   ({"P": 256, "H": 256, **OPTION_SETS[-2], "outgoing": 0}, wide)]
+        for widths in ({"P": 384, "H": 128, **OPTION_SETS[-1]}, {"P": 384, "H": 256, **OPTION_SETS[-2], "outgoing": 0}):
+            default = TRIMUL.default_plan(widths, DeviceLimits(), precision)
+            assert default.strategy == "wgmma" and default.params["p_wn"] == 128, default.label
+            points.append((widths, default.params))
         points += [({"P": 64, "H": 32, **options}, small) for options in OPTION_SETS]
         points += [({"P": 48, "H": 32, **OPTION_SETS[5]}, {**PAIRED, "p_slices": 4}),
                    ({"P": 64, "H": 32, **OPTION_SETS[0]}, {**PAIRED, "p_slices": 2, "o_slices": 2, "z_registers": True}),
