@@ -42,6 +42,23 @@ def test_the_closed_form_normalises_fp32_rows_as_it_reads_them(monkeypatch, dtyp
     assert result.ok, result
 
 
+def assert_fp32_x_as_its_cast(module, variant, x, cast, mask, out_dtype, precision: str) -> None:
+    """The variant's call on the fp32 x equals its call on x cast first (`cast`), bit for bit, both
+    NaN-prefilled outputs of out_dtype fully written, and meets the 16-bit standard against
+    float64 of the rounded x."""
+    outs = []
+    with torch.no_grad():
+        for given in (cast, x):
+            out = torch.full(x.shape, float("nan"), device="cuda", dtype=out_dtype)
+            module._launch(given, mask, out=out, variant=variant)
+            outs.append(out)
+    torch.cuda.synchronize()
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[1], outs[0]), (outs[1].float() - outs[0].float()).abs().max()
+    result = compare(outs[1], reference64(module, (cast, mask)), TRIMUL.tolerance[precision])
+    assert result.ok, result
+
+
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 @pytest.mark.parametrize("B, N", [(2, 37), (1, 64)])
 def test_the_projection_reads_an_fp32_x_as_its_cast_bit_for_bit(monkeypatch, precision, B, N):
@@ -62,17 +79,7 @@ def test_the_projection_reads_an_fp32_x_as_its_cast_bit_for_bit(monkeypatch, pre
     module = module_in_precision(TRIMUL, widths, generator(8), precision, "cuda")
     x, mask = trimul_inputs_with_an_empty_row(widths, B, N, seed=9)
     cast = x.to(module.out_proj.weight.dtype)
-    outs = []
-    with torch.no_grad():
-        for given in (cast, x):
-            out = torch.full(x.shape, float("nan"), device="cuda", dtype=cast.dtype)
-            module._launch(given, mask, out=out, variant=variant)
-            outs.append(out)
-    torch.cuda.synchronize()
-    assert not outs[0].isnan().any()
-    assert torch.equal(outs[1], outs[0]), (outs[1].float() - outs[0].float()).abs().max()
-    result = compare(outs[1], reference64(module, (cast, mask)), TRIMUL.tolerance[precision])
-    assert result.ok, result
+    assert_fp32_x_as_its_cast(module, variant, x, cast, mask, cast.dtype, precision)
 
     fp32 = TRIMUL.make_module(widths, generator(8)).cuda()
     fp32.output_dtype = torch.float32
@@ -105,14 +112,4 @@ def test_a_sliced_points_statistics_kernel_rounds_an_fp32_x_as_its_cast_bit_for_
     for out_dtype in (cast.dtype, torch.float32):
         rounding = wgmma.variant_for_call(TRIMUL, variant, B, N, out_dtype is torch.float32, 0, True)
         assert "ptr xh" in rounding.plan.kernels[0].args and rounding.plan.kernels[0].name.endswith("_stats")
-        outs = []
-        with torch.no_grad():
-            for given in (cast, x):
-                out = torch.full(x.shape, float("nan"), device="cuda", dtype=out_dtype)
-                module._launch(given, mask, out=out, variant=variant)
-                outs.append(out)
-        torch.cuda.synchronize()
-        assert not outs[0].isnan().any()
-        assert torch.equal(outs[1], outs[0]), (outs[1].float() - outs[0].float()).abs().max()
-        result = compare(outs[1], reference64(module, (cast, mask)), TRIMUL.tolerance[precision])
-        assert result.ok, result
+        assert_fp32_x_as_its_cast(module, variant, x, cast, mask, out_dtype, precision)
