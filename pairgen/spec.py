@@ -208,6 +208,11 @@ class Strategy:
     #: The 16-bit precisions whose `run` writes an fp32 `out` itself (a call that wants an fp32
     #: output: KernelModule.output_dtype); elsewhere such a call's output is cast.
     fp32_output: tuple[str, ...] = ()
+    #: Groups of parameters that shape one kernel each (its warps, pass widths, stages). Around the
+    #: best point timed so far, the tuner times every feasible change of one group's values
+    #: together (tuner.group_neighbours): a kernel's shape often wins only when several of its
+    #: parameters change at once, a move a sampler seldom proposes.
+    groups: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -440,3 +440,79 @@ def test_default_points_are_queued_whole():
     assert wgmma and all(set(q) == {"strategy", *(f"wgmma.{k}" for k in space)} for q in wgmma)
     first = next(p for s, p in view.default_points if s == "wgmma")
     assert study.user_attrs["first_default"] == _point_key("wgmma", view.complete_point("wgmma", first))
+
+
+WIDE_MODEL = {"P": 384, "H": 128, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+
+
+def test_a_groups_neighbours_change_only_that_groups_values_and_are_feasible():
+    """group_neighbours: around a point, per parameter group of the strategy (one kernel's shape),
+    every feasible combination of that group's values with the rest of the point kept, the point
+    itself left out. Around the wide default of session 44, the narrower tuned point's output
+    shape (2 warpgroups of 32-column passes) is among them; a strategy without groups has none."""
+    from pairgen.ops.trimul import TRIMUL
+    from pairgen.tuning.tuner import group_neighbours
+
+    view, limits = TRIMUL.at("bfloat16"), DeviceLimits()
+    point = view.default_plan(WIDE_MODEL, limits).params
+    groups = view.strategies["wgmma"].groups
+    per_group = group_neighbours(view, WIDE_MODEL, limits, "wgmma", point)
+    assert len(per_group) == len(groups) and all(per_group)
+    keys = set()
+    for group, points in zip(groups, per_group):
+        for neighbour in points:
+            changed = {name for name in point if neighbour[name] != point[name]}
+            assert changed and changed <= set(group), changed
+            assert not view.infeasible(view.plan("wgmma", neighbour, WIDE_MODEL), limits)
+            keys.add(_point_key("wgmma", neighbour))
+    assert len(keys) == sum(map(len, per_group))  # each once
+    narrower = {**point, "o_groups": 2, "o_wn": 32, "o_staged_stores": False}
+    assert _point_key("wgmma", narrower) in keys
+    assert group_neighbours(CONTACT, WIDTHS, limits, "tiled", {}) == []
+
+
+class RewardingEvaluator(CountingEvaluator):
+    """Times the point `winner` 50 µs, every other point 100 µs and more."""
+
+    def __init__(self, winner: str):
+        super().__init__()
+        self.winner = winner
+
+    def evaluate(self, plan):
+        time_us = super().evaluate(plan)
+        return 50.0 if self.evaluated[-1] == self.winner else time_us
+
+
+def test_the_search_times_the_best_points_neighbourhood_after_the_defaults(tmp_path):
+    """After the default points, the search queues the neighbourhood of the best one (every
+    feasible change of one kernel's parameter group), the groups in turn, before the sampler's
+    proposals: a point that needs three of a kernel's parameters changed at once is found within
+    the defaults and that neighbourhood. The expansion is recorded in the study; the sampler asks
+    again after it, and no point is timed twice."""
+    from pairgen.ops.trimul import TRIMUL
+    from pairgen.tuning.tuner import group_neighbours
+
+    view, limits = TRIMUL.at("bfloat16"), DeviceLimits()
+    shape = {"B": 1, "N": 64, **WIDE_MODEL}
+    first = view.default_plan(WIDE_MODEL, limits).params
+    winner = {**first, "o_groups": 2, "o_wn": 32, "o_staged_stores": False}  # (three output parameters)
+    ev = RewardingEvaluator(_point_key("wgmma", winner))
+    neighbourhood = group_neighbours(view, WIDE_MODEL, limits, "wgmma", first)
+    completed = ((s, view.complete_point(s, p) or p) for s, p in view.default_points)
+    defaults = {_point_key(s, p) for s, p in completed if not view.infeasible(view.plan(s, p, WIDE_MODEL), limits)}
+    window = 4  # (_settings' batch: points asked ahead of the timings, the sampler's until the first is timed)
+    trials = len(defaults) + sum(map(len, neighbourhood)) + 2 * window
+    result = tune_shape(view, shape, ev, "fake-gpu", _settings(trials), storage_dir=tmp_path, dtype="bfloat16")
+    assert result.best["params"] == winner and result.best["us"] == 50.0
+    assert len(ev.evaluated) == len(set(ev.evaluated)) == trials
+    assert set(ev.evaluated[:len(defaults)]) == defaults  # (the first of them the best: times grow)
+    # (a default point may be a neighbour too: the second wide one differs in o_wn alone)
+    keys = [{_point_key("wgmma", p) for p in points} - defaults for points in neighbourhood]
+    ahead = ev.evaluated[len(defaults):len(defaults) + sum(map(len, neighbourhood)) + window]
+    assert set().union(*keys) <= set(ahead)  # the whole neighbourhood, next
+    in_order = [point for point in ahead if point in set().union(*keys)]
+    assert in_order[0] in keys[0] and in_order[1] in keys[1]  # the groups in turn
+    assert not set(ev.evaluated[-window:]) & set().union(*keys, defaults)  # then the sampler's proposals
+    study = open_study(study_name("fake-gpu", "trimul", "bfloat16", view.widths_of(shape), 64), 0, tmp_path)
+    expanded = study.user_attrs["expanded"]
+    assert _point_key("wgmma", first) in expanded and _point_key("wgmma", winner) in expanded

@@ -6,6 +6,11 @@ Control flow (tested on the CPU with a fake evaluator): ask for trials; prune po
 restriction before anything is compiled; compile the rest in parallel, in the background; check
 and time each on the GPU as its compile finishes, one at a time; tell; ask for the next. Failures are recorded with their reason and never cached.
 
+What is asked, in order: the default points (and the tuned entry in use); then, whenever nothing
+queued is waiting, the neighbourhood of the best point timed so far (every feasible change of one
+kernel's parameter group, Strategy.groups) once per best point; the sampler's proposals between
+and after (a proposal that breaks a restriction answered with the nearest feasible unseen point).
+
 A failed trial is a verdict on its point (never tried again in this study) unless the failure came
 from the machine rather than the point (a compile over the budget, NVRTC not loadable, a compile
 worker killed, an interrupted batch): those carry the user attr env_failure=True, and a later run
@@ -295,6 +300,27 @@ def nearest_unseen(spec: OpSpec, widths: dict, limits: DeviceLimits, strategy: s
         if keys[row] not in taken:
             return json.loads(keys[row])[1]
     return None
+
+
+def group_neighbours(spec: OpSpec, widths: dict, limits: DeviceLimits, strategy: str,
+                     params: dict) -> list[list[dict]]:
+    """Per parameter group of the strategy (Strategy.groups: one kernel's shape), the feasible
+    points that differ from `params` only in that group's values, every combination of them: the
+    neighbourhood the search times around its best point (_Search._expand_best)."""
+    view = in_one_precision(spec)
+    chosen = view.strategies[strategy]
+    per_group, keys = [], {_point_key(strategy, params)}
+    for group in chosen.groups:
+        names = [name for name in group if name in chosen.space]
+        points = []
+        for values in itertools.product(*(chosen.space[name] for name in names)):
+            point = {**params, **dict(zip(names, values))}
+            key = _point_key(strategy, point)
+            if key not in keys and not view.infeasible(view.plan(strategy, point, widths), limits):
+                keys.add(key)
+                points.append(point)
+        per_group.append(points)
+    return per_group
 
 
 @functools.lru_cache(maxsize=64)
@@ -645,7 +671,8 @@ class _Search:
         self.asks_left = asks_left
         self.running: dict[int, object] = {}  # trial number -> trial asked and not yet told
         self.in_flight: set[str] = set()  # points asked for and compiling or waiting to be timed
-        self.queued: set[str] = set()  # points queued for pruned proposals (_queue_nearest)
+        self.queued: set[str] = set()  # points queued for pruned proposals (_queue_nearest) and neighbourhoods
+        self.expanded: set[str] = set()  # best points whose neighbourhood is queued (_expand_best)
         self.counts = {"pruned": 0, "failed": 0, "env_failed": 0, "repeated": 0, "taken": 0}
         self.compile_times: list[float] = []
         self.failures: list[str] = []
@@ -656,6 +683,7 @@ class _Search:
         restriction are pruned, and repeats answered from memory, without compiling anything."""
         from optuna.trial import TrialState
 
+        self._expand_best()
         batch: list[tuple[object, Plan, str]] = []
         while len(batch) < size and self.asks_left > 0:
             self.asks_left -= 1
@@ -686,6 +714,39 @@ class _Search:
                 self.in_flight.add(point)
                 batch.append((trial, plan, point))
         return batch
+
+    def _expand_best(self) -> None:
+        """Once no queued point is waiting (the default points, repairs, retries go first), queue
+        the unseen points of the best point's neighbourhood (group_neighbours), the groups in turn
+        and each group's points in a random order, once per best point: a local search beside the
+        sampler, whose proposals are asked again once the neighbourhood is. The points expanded are
+        kept in the study (`expanded`), so a resumed run or another worker on a shared study does
+        not queue them again."""
+        from optuna.trial import TrialState
+
+        timed = [(outcome.value, point) for point, outcome in self.seen.items() if outcome.value is not None]
+        if not timed:
+            return
+        best = min(timed)[1]
+        strategy, params = json.loads(best)
+        if best in self.expanded or not self.spec.strategies[strategy].groups:
+            return
+        self.expanded.update(self.study.user_attrs.get("expanded", ()))
+        if best in self.expanded or self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return
+        self.expanded.add(best)
+        self.study.set_user_attr("expanded", sorted(self.expanded))
+        taken = set(self.seen) | self.in_flight | self.queued
+        per_group = []
+        for points in group_neighbours(self.spec, self.widths, self.evaluator.limits, strategy, params):
+            points = [point for point in points if _point_key(strategy, point) not in taken]
+            self.rng.shuffle(points)
+            per_group.append(points)
+        # the groups in turn, so that a search cut short has tried every kernel's shapes alike
+        for point in itertools.chain.from_iterable(itertools.zip_longest(*per_group)):
+            if point is not None:
+                self.queued.add(_point_key(strategy, point))
+                _enqueue(self.study, strategy, point)
 
     def _queue_nearest(self, strategy: str, params: dict) -> None:
         """The nearest feasible point to a pruned proposal (nearest_unseen), queued as the next

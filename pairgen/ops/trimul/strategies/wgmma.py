@@ -778,4 +778,6 @@ WGMMA = Strategy(
     records=HALF_PRECISIONS,
     fp32_output=HALF_PRECISIONS,
     run=run,
+    groups=(("p_groups", "p_wn", "p_stages", "p_slices", "early_x_fetch", "p_mask_early"),
+            ("o_groups", "o_wn", "o_stages", "o_slices", "o_staged_stores")),
 )
