@@ -176,11 +176,12 @@ def run_projection(variant, x, mask, packed, H: int) -> Projected:
     if x.dtype is not ab.dtype:  # an fp32 input under autocast: the kernels read x in the operand type,
         # which the first kernel that declares xh writes as it reads x (wgmma's statistics kernel with
         # stats_cast, or its projection with x_fp32); else a cast before the kernels
-        if any("xh" in launch.names for launch in (*statistics, project)):
+        writer = next((launch for launch in (*statistics, project) if "xh" in launch.names), None)
+        if writer is not None:
             xh = torch.empty(x.shape, device=x.device, dtype=ab.dtype)
             fastcall.note_scratch(xh)
             rounded = {"xh": xh.data_ptr()}
-            read = xh if statistics and "xh" in statistics[0].names else x
+            read = x if writer is project else xh  # the projection reads what the statistics kernel wrote
         else:
             x = read = fastcall.cast(x, ab.dtype)
     held_stats, stats = _row_statistics(statistics, x, rounded)

@@ -439,8 +439,9 @@ def for_call(spec, plan: Plan, B: int, N: int, fp32_output: bool = False, fp32_i
     """The plan (of `spec`, the op's) a call of B x N pairs runs instead of `plan`, or None where
     `plan` runs it: unpaired past PAIRED_MAX_AB_ELEMENTS (x, the sums and Wp in registers are
     variants of the paired kernels: they go too), with its output kernel writing fp32 where the call
-    wants an fp32 output (fp32_output), and with its projection reading an fp32 x where the call
-    gives one (fp32_input) and a kernel can round it (_rounds_fp32_x; else the caller casts x)."""
+    wants an fp32 output (fp32_output), and with a kernel reading and rounding an fp32 x where the
+    call gives one (fp32_input) and one can (_rounds_fp32_x: the statistics kernel, or the
+    projection; else the caller casts x)."""
     unpaired = _unpaired(plan, B, N)
     reads_x = fp32_input and not unpaired and _rounds_fp32_x(plan)
     if not (unpaired or fp32_output or reads_x):
