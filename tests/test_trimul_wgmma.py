@@ -306,7 +306,8 @@ def test_column_slices_fit_the_wide_widths_and_compile_asynchronous_without_spil
 #: The projection with Wp in registers (its products' operands swapped), beside the first
 #: default's output kernel.
 W_REGISTERS = {**next(p for s, p in TRIMUL.default_points if s == "wgmma"), "x_registers": False,
-               "w_registers": True, "p_groups": 2, "p_stages": 2, "p_mask_early": False, **REGISTER_VARIANTS_OFF}
+               "w_registers": True, "p_groups": 2, "p_stages": 2, "p_mask_early": False, "p_unrolled_fetch": False,
+               **REGISTER_VARIANTS_OFF}
 
 
 @pytest.mark.slow  # (about 7 s of NVRTC; no tuned entry runs Wp in registers, its emulated cases stay fast)
@@ -675,3 +676,26 @@ def test_staged_output_stores_compile_without_spills_and_go_with_the_sums_in_reg
     why = "the output's staged stores are a variant of its sums in registers"
     assert why in TRIMUL.infeasible(TRIMUL.plan("wgmma", {**small, "z_registers": False, "o_staged_stores": True}, SEED,
                                                 "bfloat16"), limits)
+
+
+def test_unrolled_copies_render_only_where_on_and_apply_where_the_rows_unroll():
+    """p_unrolled_fetch, o_unrolled_fetch: each kernel's tile copies at constant offsets a thread. A
+    point without them renders no trace of them (its kernels as tuned before); they are refused where
+    they would change nothing: x rows padded or whose 16-byte chunks and 16 do not divide one another
+    (P = 48: 6 chunks), and the projection's with Wp in registers (its copies are its own). The first default
+    point has both (it compiles without spills, asynchronous: test_default_points_keep_...)."""
+    limits = DeviceLimits()
+    first = next(p for s, p in TRIMUL.default_points if s == "wgmma")
+    assert first["p_unrolled_fetch"] and first["o_unrolled_fetch"]
+    off = {**first, "p_unrolled_fetch": False, "o_unrolled_fetch": False}
+    assert "fetch_rows<" not in codegen.render_plan(TRIMUL.plan("wgmma", off, MODEL, "bfloat16")).source
+    source = codegen.render_plan(TRIMUL.plan("wgmma", first, MODEL, "bfloat16")).source
+    assert "fetch_rows<" in source and "X_SWZ, true>" in source
+    only_output = codegen.render_plan(TRIMUL.plan("wgmma", {**first, "p_unrolled_fetch": False}, MODEL, "bfloat16")).source
+    assert "X_SWZ, false>" in only_output and "X_SWZ, true>" in only_output
+    why = ("the unrolled copies are for unpadded x rows of 16-byte chunks that 16 divides or that divide 16, the "
+           "projection's where it fetches x itself (not with Wp in registers)")
+    reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
+    assert why in reasons({**off, "o_unrolled_fetch": True}, ODD)       # P = 48
+    assert why in reasons({**W_REGISTERS, "p_unrolled_fetch": True})
+    assert why not in reasons({**W_REGISTERS, "o_unrolled_fetch": True})
