@@ -683,16 +683,16 @@ def test_unrolled_copies_render_only_where_on_and_apply_where_the_rows_unroll():
     point without them renders no trace of them (its kernels as tuned before); they are refused where
     they would change nothing: x rows padded or whose 16-byte chunks and 16 do not divide one another
     (P = 48: 6 chunks), and the projection's with Wp in registers (its copies are its own). The first default
-    point has both (it compiles without spills, asynchronous: test_default_points_keep_...)."""
+    point has the output kernel's (test_default_points_keep_their_products_asynchronous compiles it)."""
     limits = DeviceLimits()
     first = next(p for s, p in TRIMUL.default_points if s == "wgmma")
-    assert first["p_unrolled_fetch"] and first["o_unrolled_fetch"]
-    off = {**first, "p_unrolled_fetch": False, "o_unrolled_fetch": False}
+    assert first["o_unrolled_fetch"] and not first.get("p_unrolled_fetch")
+    off = {**first, "o_unrolled_fetch": False}
     assert "fetch_rows<" not in codegen.render_plan(TRIMUL.plan("wgmma", off, MODEL, "bfloat16")).source
     source = codegen.render_plan(TRIMUL.plan("wgmma", first, MODEL, "bfloat16")).source
-    assert "fetch_rows<" in source and "X_SWZ, true>" in source
-    only_output = codegen.render_plan(TRIMUL.plan("wgmma", {**first, "p_unrolled_fetch": False}, MODEL, "bfloat16")).source
-    assert "X_SWZ, false>" in only_output and "X_SWZ, true>" in only_output
+    assert "fetch_rows<" in source and "X_SWZ, false>" in source and "X_SWZ, true>" in source
+    both = codegen.render_plan(TRIMUL.plan("wgmma", {**first, "p_unrolled_fetch": True}, MODEL, "bfloat16")).source
+    assert "X_SWZ, false>" not in both
     why = ("the unrolled copies are for unpadded x rows of 16-byte chunks that 16 divides or that divide 16, the "
            "projection's where it fetches x itself (not with Wp in registers)")
     reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)

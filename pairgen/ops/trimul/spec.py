@@ -47,7 +47,7 @@ class TrimulSpec(OpSpec):
         # they are) and normalised there, the output kernel's triangle sums and x likewise, swizzled
         # operands, the epilogues' constants in shared memory and their columns paired, each tile's
         # mask loaded a tile ahead, the output's 16-bit rows written through a per-warp staging in
-        # whole sectors, both kernels' tile copies unrolled (the fastest measured at P = H = 128).
+        # whole sectors, its tile copies unrolled (the fastest measured at P = H = 128).
         # The second is the same with the sums in shared memory (the gate in hidden width rewrites
         # them there). The others are unswizzled, as they must be where neither P nor H is a
         # multiple of 64, and read their constants from global memory (less shared memory); the last
@@ -55,10 +55,9 @@ class TrimulSpec(OpSpec):
         ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
                    "consts_smem": True, "paired_columns": True, "x_registers": True, "z_registers": True,
                    "p_mask_early": True, "o_x_registers": True, "p_normalized_x": True, "o_normalized": True,
-                   "o_staged_stores": True, "p_unrolled_fetch": True, "o_unrolled_fetch": True}),
+                   "o_staged_stores": True, "o_unrolled_fetch": True}),
         ("wgmma", {"p_groups": 4, "p_stages": 1, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
-                   "consts_smem": True, "paired_columns": True, "x_registers": True, "p_unrolled_fetch": True,
-                   "o_unrolled_fetch": True}),
+                   "consts_smem": True, "paired_columns": True, "x_registers": True, "o_unrolled_fetch": True}),
         # Wide widths (P or H above 128): each block keeps a slice of the weights' columns resident
         # (the fewest slices that fit) and the sums go to registers. The first: wide passes (fewer,
         # larger products a tile), 2 projection warpgroups fetching the next x tile under the last
