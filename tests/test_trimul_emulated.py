@@ -67,8 +67,9 @@ CASES = {
     "sliced-both-kernels-bf16": ("bfloat16", SMALL, {**PAIRED, "p_slices": 4, "o_slices": 4}),
     "sliced-two-stages-fp16": ("float16", {**SMALL, "gate_normalized": 1},
                                {**PAIRED, "p_slices": 2, "p_stages": 2, "o_slices": 2, "o_stages": 2}),
-    # The tiles' copies unrolled (the first default has them at P = 128, 16 chunks a row): 8 chunks
-    # (a thread's rows 16 apart) in both kernels sliced, and 4 (32 apart) with the sums in registers.
+    # The tiles' copies unrolled in both kernels (the first default has the output kernel's, at
+    # P = 128: 16 chunks a row): 8 chunks (a thread's rows 16 apart) sliced, and 4 (32 apart) with
+    # the sums in registers.
     "unrolled-fetch-sliced-bf16": ("bfloat16", SMALL, {**PAIRED, "p_slices": 4, "o_slices": 4, **UNROLLED}),
     "unrolled-fetch-four-chunks-fp16": ("float16", {**SMALL, "P": 32, "gate_normalized": 1},
                                         {**PAIRED, "z_registers": True, **UNROLLED}),
