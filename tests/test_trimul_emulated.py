@@ -2,8 +2,8 @@
 reference: the column slices (with the statistics kernel), Wp in registers (w_registers, sliced
 too), the output's x in registers (o_x_registers) and the projection's mask loaded a tile ahead
 (p_mask_early), the operands normalised in registers (p_normalized_x, o_normalized) and the
-output's staged stores (o_staged_stores) and the tiles' copies unrolled (p_unrolled_fetch,
-o_unrolled_fetch), at odd shapes with NaN-prefilled outputs,
+output's staged stores (o_staged_stores) and its tiles' copies unrolled (o_unrolled_fetch), at
+odd shapes with NaN-prefilled outputs,
 under a round-robin and a priority thread order. The GPU tests (test_trimul_mma_gpu.py) hold the
 same kernels over more points; `--slow` runs all of their cases here, in three thread orders."""
 from __future__ import annotations
@@ -31,8 +31,6 @@ PAIRED = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "
           "consts_smem": True, "paired_columns": True}
 W_REGISTERS = {"p_groups": 2, "p_stages": 2, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
                "consts_smem": True, "paired_columns": True, "z_registers": True, "w_registers": True}
-
-UNROLLED = {"p_unrolled_fetch": True, "o_unrolled_fetch": True}
 
 #: The first wgmma default without its normalised operands, the output's x in registers and its staged
 #: stores (their own cases).
@@ -67,12 +65,11 @@ CASES = {
     "sliced-both-kernels-bf16": ("bfloat16", SMALL, {**PAIRED, "p_slices": 4, "o_slices": 4}),
     "sliced-two-stages-fp16": ("float16", {**SMALL, "gate_normalized": 1},
                                {**PAIRED, "p_slices": 2, "p_stages": 2, "o_slices": 2, "o_stages": 2}),
-    # The tiles' copies unrolled in both kernels (the first default has the output kernel's, at
-    # P = 128: 16 chunks a row): 8 chunks (a thread's rows 16 apart) sliced, and 4 (32 apart) with
-    # the sums in registers.
-    "unrolled-fetch-sliced-bf16": ("bfloat16", SMALL, {**PAIRED, "p_slices": 4, "o_slices": 4, **UNROLLED}),
+    # The output kernel's tiles' copies unrolled (the first default has them at P = 128: 16 chunks
+    # a row): 8 chunks (a thread's rows 16 apart) sliced, and 4 (32 apart) with the sums in registers.
+    "unrolled-fetch-sliced-bf16": ("bfloat16", SMALL, {**PAIRED, "o_slices": 4, "o_unrolled_fetch": True}),
     "unrolled-fetch-four-chunks-fp16": ("float16", {**SMALL, "P": 32, "gate_normalized": 1},
-                                        {**PAIRED, "z_registers": True, **UNROLLED}),
+                                        {**PAIRED, "z_registers": True, "o_unrolled_fetch": True}),
 }
 
 

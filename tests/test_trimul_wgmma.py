@@ -306,8 +306,7 @@ def test_column_slices_fit_the_wide_widths_and_compile_asynchronous_without_spil
 #: The projection with Wp in registers (its products' operands swapped), beside the first
 #: default's output kernel.
 W_REGISTERS = {**next(p for s, p in TRIMUL.default_points if s == "wgmma"), "x_registers": False,
-               "w_registers": True, "p_groups": 2, "p_stages": 2, "p_mask_early": False, "p_unrolled_fetch": False,
-               **REGISTER_VARIANTS_OFF}
+               "w_registers": True, "p_groups": 2, "p_stages": 2, "p_mask_early": False, **REGISTER_VARIANTS_OFF}
 
 
 @pytest.mark.slow  # (about 7 s of NVRTC; no tuned entry runs Wp in registers, its emulated cases stay fast)
@@ -679,23 +678,19 @@ def test_staged_output_stores_compile_without_spills_and_go_with_the_sums_in_reg
 
 
 def test_unrolled_copies_render_only_where_on_and_apply_where_the_rows_unroll():
-    """p_unrolled_fetch, o_unrolled_fetch: each kernel's tile copies at constant offsets a thread. A
-    point without them renders no trace of them (its kernels as tuned before); they are refused where
-    they would change nothing: x rows padded or whose 16-byte chunks and 16 do not divide one another
-    (P = 48: 6 chunks), and the projection's with Wp in registers (its copies are its own). The first default
-    point has the output kernel's (test_default_points_keep_their_products_asynchronous compiles it)."""
+    """o_unrolled_fetch: the output kernel's tile copies at constant offsets a thread (the
+    projection's keep their loop). A point without it renders no trace of it (its kernels as tuned
+    before); it is refused where it would change nothing: x rows whose 16-byte chunks and 16 do not
+    divide one another (P = 48: 6 chunks). The first default point has it
+    (test_default_points_keep_their_products_asynchronous compiles it), beside Wp in registers too."""
     limits = DeviceLimits()
     first = next(p for s, p in TRIMUL.default_points if s == "wgmma")
-    assert first["o_unrolled_fetch"] and not first.get("p_unrolled_fetch")
+    assert first["o_unrolled_fetch"]
     off = {**first, "o_unrolled_fetch": False}
     assert "fetch_rows<" not in codegen.render_plan(TRIMUL.plan("wgmma", off, MODEL, "bfloat16")).source
     source = codegen.render_plan(TRIMUL.plan("wgmma", first, MODEL, "bfloat16")).source
     assert "fetch_rows<" in source and "X_SWZ, false>" in source and "X_SWZ, true>" in source
-    both = codegen.render_plan(TRIMUL.plan("wgmma", {**first, "p_unrolled_fetch": True}, MODEL, "bfloat16")).source
-    assert "X_SWZ, false>" not in both
-    why = ("the unrolled copies are for unpadded x rows of 16-byte chunks that 16 divides or that divide 16, the "
-           "projection's where it fetches x itself (not with Wp in registers)")
+    why = "the unrolled copies are for unpadded x rows of 16-byte chunks that 16 divides or that divide 16"
     reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
-    assert why in reasons({**off, "o_unrolled_fetch": True}, ODD)       # P = 48
-    assert why in reasons({**W_REGISTERS, "p_unrolled_fetch": True})
+    assert why in reasons(first, ODD)       # P = 48
     assert why not in reasons({**W_REGISTERS, "o_unrolled_fetch": True})

@@ -205,7 +205,7 @@ def derive(params: dict, w: dict, name: str):
                "p_mask_early": params["p_mask_early"], "p_normalized_x": params["p_normalized_x"],
                "o_normalized": params["o_normalized"],
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
-               "p_unrolled_fetch": params["p_unrolled_fetch"], "o_unrolled_fetch": params["o_unrolled_fetch"],
+               "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
                                                               (params["o_wn"], params["z_registers"])) if rs}),
@@ -361,11 +361,8 @@ def _unrolls(P: int) -> bool:
 
 
 def _unrolled_fetch_applies(plan: Plan, limits: DeviceLimits) -> bool:
-    """The unrolled copies change a kernel only where its x rows' chunks unroll (_unrolls), and the
-    projection's only where it fetches x itself (not with Wp in registers, whose tiles are permuted)."""
-    params, P = plan.params, plan.widths["P"]
-    return ((not params["p_unrolled_fetch"] or (_unrolls(P) and not params["w_registers"]))
-            and (not params["o_unrolled_fetch"] or _unrolls(P)))
+    """The output kernel's unrolled copies change it only where its x rows' chunks unroll (_unrolls)."""
+    return not plan.params["o_unrolled_fetch"] or _unrolls(plan.widths["P"])
 
 
 def _wgmma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
@@ -509,9 +506,9 @@ PROJECT_BACKWARD_ARGS = ("ptr x", "ptr mask", "ptr w", "ptr d_a", "ptr d_b", "pt
 #: those kernels (unpaired, Wp in registers, a backward's projection) leaves them too.
 REGISTER_VARIANTS_OFF = {"o_x_registers": False, "p_normalized_x": False, "o_normalized": False, "o_staged_stores": False}
 
-#: The unrolled tile copies, off: the training path's projection kernels (Wp in registers, the
-#: resident backward) keep the copies they were measured with.
-UNROLLED_FETCH_OFF = {"p_unrolled_fetch": False, "o_unrolled_fetch": False}
+#: The output kernel's unrolled copies, off: the training path's projection kernels (Wp in
+#: registers, the resident backward) render beside the output kernel they were built with.
+UNROLLED_FETCH_OFF = {"o_unrolled_fetch": False}
 
 
 def _first_default_point(spec, precision: str) -> dict:
@@ -753,10 +750,10 @@ WGMMA = Strategy(
     # halved once per block: about half the epilogue's instructions); whether the output kernel
     # with its sums and x in registers normalises both there likewise (o_normalized); whether that
     # paired output kernel writes 16-bit rows through a per-warp staging, 16 bytes a lane, whole
-    # sectors (o_staged_stores), instead of 4 bytes a lane from the accumulators; whether each
-    # kernel copies its tiles (x; x and the triangle sums) unrolled, each thread's pieces at constant
-    # offsets from its first (p_unrolled_fetch, o_unrolled_fetch: a piece costs its copy and an
-    # address, not a division, a swizzle and 64-bit address arithmetic each).
+    # sectors (o_staged_stores), instead of 4 bytes a lane from the accumulators; whether the
+    # output kernel copies its x and triangle-sum tiles unrolled, each thread's pieces at constant
+    # offsets from its first (o_unrolled_fetch: a piece costs its copy and an address, not a
+    # division, a swizzle and 64-bit address arithmetic each).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
            "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
@@ -764,7 +761,7 @@ WGMMA = Strategy(
            "p_slices": (0, 2, 4), "o_slices": (0, 2, 4), "w_registers": (False, True), "o_x_registers": (False, True),
            "p_mask_early": (False, True), "p_normalized_x": (False, True),
            "o_normalized": (False, True), "o_staged_stores": (False, True),
-           "p_unrolled_fetch": (False, True), "o_unrolled_fetch": (False, True)},
+           "o_unrolled_fetch": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -797,7 +794,7 @@ WGMMA = Strategy(
                               "registers a thread, two x stages, not with x in registers", _w_registers_fit,
                               on_point=True),
                   Restriction("the unrolled copies are for unpadded x rows of 16-byte chunks that 16 divides or that "
-                              "divide 16, the projection's where it fetches x itself (not with Wp in registers)",
+                              "divide 16",
                               _unrolled_fetch_applies, on_point=True),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies,
                               on_point=True),
@@ -806,6 +803,6 @@ WGMMA = Strategy(
     records=HALF_PRECISIONS,
     fp32_output=HALF_PRECISIONS,
     run=run,
-    groups=(("p_groups", "p_wn", "p_stages", "p_slices", "early_x_fetch", "p_mask_early", "p_unrolled_fetch"),
+    groups=(("p_groups", "p_wn", "p_stages", "p_slices", "early_x_fetch", "p_mask_early"),
             ("o_groups", "o_wn", "o_stages", "o_slices", "o_staged_stores", "o_unrolled_fetch")),
 )
