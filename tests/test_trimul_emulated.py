@@ -106,9 +106,11 @@ PRIORITY = ("staged-output-first-default-bf16", "sliced-both-kernels-bf16", "w_r
 
 
 #: Cases that run with --slow only: variants of kernels another fast case runs (the other direction,
-#: the other 16-bit type, two x stages), kept out of the README's test command's time.
+#: the other 16-bit type, two x stages, the unrolled copies' branch for 4 chunks as for 8), kept out
+#: of the README's test command's time.
 SLOW_CASES = ("w_registers-models-incoming-fp16", "w_registers-o_x_registers-bf16", "w_registers-small-k-padded-fp16",
-              "mask-early-two-stages-fp16", "normalized-x-incoming-fp16", "sliced-two-stages-fp16")
+              "mask-early-two-stages-fp16", "normalized-x-incoming-fp16", "sliced-two-stages-fp16",
+              "unrolled-fetch-four-chunks-fp16")
 
 
 @pytest.mark.parametrize("case,order", [pytest.param(case, 0, marks=[pytest.mark.slow] if case in SLOW_CASES else [])
