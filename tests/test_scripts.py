@@ -2,6 +2,8 @@
 checkout): --help, dry runs (no GPU needed), --status, --explain, and clear errors without a GPU."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -21,6 +23,31 @@ ROOT = Path(__file__).resolve().parent.parent
 def run(*args, env=None):
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=600)
+
+
+def run_main(command: str, *args, env=None):
+    """scripts/<command>.py's main in this process (what the script calls; test_help and
+    test_the_scripts_are_thin_wrappers_... run the scripts themselves): its exit status and output,
+    with `env` set for the call and pairgen's lookups cleared around it. A process per call took
+    about 2 s of importing torch each."""
+    from pairgen import runtime
+    from pairgen.tuning import bench_cli, tune_cli
+
+    main = {"tune": tune_cli.main, "bench": bench_cli.main}[command]
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        runtime.clear_caches()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = main(list(args))
+                except SystemExit as exit_:  # argparse's errors
+                    code = exit_.code
+        finally:
+            runtime.clear_caches()
+    return subprocess.CompletedProcess([command, *args], code or 0, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("command", [("scripts/tune.py",), ("scripts/bench.py",), ("-m", "pairgen.tuning.tune_cli"),
@@ -46,7 +73,7 @@ def test_the_scripts_are_thin_wrappers_that_run_from_anywhere(tmp_path):
 
 @pytest.mark.slow  # its fast share: test_tune_dry_run_streams_its_rows_and_compiles_each_set_once, and tests/test_compile.py
 def test_tune_dry_run_compiles_every_strategy():
-    result = run("scripts/tune.py", "--dry-run", "--preset", "seed", env={"PAIRGEN_ARCH": "sm_90"})
+    result = run_main("tune", "--dry-run", "--preset", "seed", env={"PAIRGEN_ARCH": "sm_90"})
     assert result.returncode == 0, result.stderr
     for strategy in ("thread_per_pair", "tiled", "symmetric_tiled"):
         assert f"| {strategy}(" in result.stdout
@@ -80,14 +107,14 @@ def test_tune_dry_run_streams_its_rows_and_compiles_each_set_once(tmp_path):
 
 
 def test_bench_dry_run_lists_the_shapes():
-    result = run("scripts/bench.py", "--dry-run", "--op", "contact", "--shape", "B=2,N=37,P=64,H=32")
+    result = run_main("bench", "--dry-run", "--op", "contact", "--shape", "B=2,N=37,P=64,H=32")
     assert result.returncode == 0 and "contact B2 N37 P64 H32" in result.stdout
 
 
 def test_bad_shapes_are_refused():
-    result = run("scripts/tune.py", "--dry-run", "--op", "contact", "--shape", "B=2,N=37")
+    result = run_main("tune", "--dry-run", "--op", "contact", "--shape", "B=2,N=37")
     assert result.returncode == 2 and "needs exactly" in result.stderr
-    result = run("scripts/tune.py", "--dry-run", "--shape", "B=two")
+    result = run_main("tune", "--dry-run", "--shape", "B=two")
     assert result.returncode == 2 and "bad shape" in result.stderr
 
 
@@ -104,7 +131,7 @@ def test_status_lists_stale_entries(tmp_path):
                  source_sha256="0" * 64)
     (folder / "contact.json").write_text(json.dumps({"schema": 1, "op": "contact", "gpu": "some-gpu",
                                                       "entries": [fresh, stale]}))
-    result = run("scripts/tune.py", "--status", env={"PAIRGEN_TUNED_DIR": str(tmp_path)})
+    result = run_main("tune", "--status", env={"PAIRGEN_TUNED_DIR": str(tmp_path)})
     assert result.returncode == 0
     lines = result.stdout.splitlines()
     assert any("B4 N64" in l and "| ok |" in l and "10.0×" in l for l in lines)
@@ -114,12 +141,12 @@ def test_status_lists_stale_entries(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where there is no GPU")
 def test_tuning_without_a_gpu_says_so():
-    result = run("scripts/tune.py", "--preset", "seed", "--trials", "1")
+    result = run_main("tune", "--preset", "seed", "--trials", "1")
     assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr
-    result = run("scripts/tune.py", "--stale")  # was a traceback: Torch not compiled with CUDA enabled
+    result = run_main("tune", "--stale")  # was a traceback: Torch not compiled with CUDA enabled
     assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-    result = run("scripts/bench.py", "--preset", "seed")
+    result = run_main("bench", "--preset", "seed")
     assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr
 
 
@@ -135,7 +162,7 @@ def _entry_on(root: Path, slug: str, widths: dict, bucket: int, **extra) -> None
 
 def test_explain_says_when_the_tuner_timed_the_reference_faster(tmp_path):
     _entry_on(tmp_path, "nvidia-h200", {"P": 64, "H": 32}, 64, baselines_us={"eager": 6.5})
-    result = run("scripts/tune.py", "--explain", "--op", "contact", "--shape", "B=1,N=64,P=64,H=32",
+    result = run_main("tune", "--explain", "--op", "contact", "--shape", "B=1,N=64,P=64,H=32",
                  "--gpu", "nvidia-h200", "--arch", "sm_90", env={"PAIRGEN_TUNED_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     line = result.stdout.splitlines()[1]
@@ -148,9 +175,9 @@ def test_explain_for_a_described_gpu(tmp_path):
     GPU's entry, or the defaults, with the parameters, the time and the file."""
     _entry_on(tmp_path, "nvidia-h200", {"P": 64, "H": 32}, 64)
     env = {"PAIRGEN_TUNED_DIR": str(tmp_path)}
-    explain = ("scripts/tune.py", "--explain", "--op", "contact", "--shape", "B=1,N=64,P=64,H=32",
+    explain = ("--explain", "--op", "contact", "--shape", "B=1,N=64,P=64,H=32",
                "--shape", "B=1,N=300,P=64,H=32", "--shape", "B=1,N=64,P=128,H=64")
-    result = run(*explain, "--gpu", "nvidia-h200", "--arch", "sm_90", env=env)
+    result = run_main("tune", *explain, "--gpu", "nvidia-h200", "--arch", "sm_90", env=env)
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if not line.startswith("  training call's backward")]
     backward = [line for line in result.stdout.splitlines() if line.startswith("  training call's backward")]
@@ -162,32 +189,32 @@ def test_explain_for_a_described_gpu(tmp_path):
     # a training call's backward: its fused kernels, their launch shape and where it came from
     assert len(backward) == 3 and all("pairgen_contact_symmetric_ln_grad" in line for line in backward)
     assert "(row_blocks=4; default)" in backward[0]
-    result = run(*explain, "--gpu", "NVIDIA H100", "--arch", "sm_90", env=env)
+    result = run_main("tune", *explain, "--gpu", "NVIDIA H100", "--arch", "sm_90", env=env)
     assert result.returncode == 0 and "on nvidia-h100: " in result.stdout
     assert "from tuned on nvidia-h200 (same architecture, sm_90), measured 7.5 us" in result.stdout
-    result = run(*explain, "--gpu", "nvidia-a100", "--arch", "sm_80", env=env)
+    result = run_main("tune", *explain, "--gpu", "nvidia-a100", "--arch", "sm_80", env=env)
     assert result.returncode == 0 and result.stdout.count("from default") == 3
 
 
 def test_explain_refuses_half_a_gpu_and_says_what_it_needs(tmp_path):
-    result = run("scripts/tune.py", "--explain", "--op", "contact", "--gpu", "nvidia-h200")
+    result = run_main("tune", "--explain", "--op", "contact", "--gpu", "nvidia-h200")
     assert result.returncode == 2 and "--gpu and --arch go together" in result.stderr
-    result = run("scripts/tune.py", "--explain", "--op", "contact", "--gpu", "nvidia-h200", "--arch", "compute_90")
+    result = run_main("tune", "--explain", "--op", "contact", "--gpu", "nvidia-h200", "--arch", "compute_90")
     assert result.returncode == 2 and "is not a GPU target" in result.stderr
-    result = run("scripts/tune.py", "--dry-run", "--gpu", "nvidia-h200", "--arch", "sm_90")
+    result = run_main("tune", "--dry-run", "--gpu", "nvidia-h200", "--arch", "sm_90")
     assert result.returncode == 2 and "--explain and --status only" in result.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where there is no GPU")
 def test_explain_without_a_gpu_says_so_in_one_line():
-    result = run("scripts/tune.py", "--explain", "--op", "contact", "--shape", "B=1,N=64,P=64,H=32")
+    result = run_main("tune", "--explain", "--op", "contact", "--shape", "B=1,N=64,P=64,H=32")
     assert result.returncode == 2 and "--gpu SLUG --arch sm_XY" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not result.stdout
 
 
 def test_status_says_which_entries_apply_on_a_described_gpu(tmp_path):
     _entry_on(tmp_path, "nvidia-h200", {"P": 64, "H": 32}, 64)
-    result = run("scripts/tune.py", "--status", "--gpu", "nvidia-h100", "--arch", "sm_90",
+    result = run_main("tune", "--status", "--gpu", "nvidia-h100", "--arch", "sm_90",
                  env={"PAIRGEN_TUNED_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert f"## {tmp_path} (PAIRGEN_TUNED_DIR: read and written)" in result.stdout
