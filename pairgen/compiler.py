@@ -18,7 +18,8 @@ from pathlib import Path
 
 from . import config, files
 
-CACHE_FORMAT = "3"  # bumped when the cached metadata changes (2: resources per kernel, 3: cubin size and sha256)
+CACHE_FORMAT = "4"  # bumped when the cached metadata changes (2: resources per kernel, 3: cubin size and sha256,
+                    # 4: wgmma_serialized)
 ELF_MAGIC = b"\x7fELF"  # every cubin is an ELF file
 NVRTC_OPTIONS = ("-std=c++17", "--ptxas-options=-v")  # -v: registers and spills in the log
 #: From NVRTC 12.9 on, a compile may be answered from the driver's compute cache, and then ptxas
@@ -65,6 +66,10 @@ class Compiled:
     stack_bytes: int | None
     #: per __global__ function: {"registers", "spill_bytes", "stack_bytes"}
     kernels: dict = field(default_factory=dict)
+    #: ptxas serialized the source's wgmma products (its C7514 remark: a wait after each product,
+    #: where it could not prove that nothing touches an accumulator while its product runs); kept
+    #: in the cache so that a check of it needs no second compile
+    wgmma_serialized: bool = False
     from_cache: bool = False
 
     def summary(self) -> str:
@@ -110,6 +115,14 @@ def _parse_kernels(log: str) -> dict[str, dict]:
                          "spill_bytes": int(spill.group(1)) if spill else None,
                          "stack_bytes": int(stack.group(1)) if stack else None}
     return kernels
+
+
+def _wgmma_serialized(log: str) -> bool:
+    """Whether ptxas's report says it serialized wgmma products (remark C7514: "... wgmma ...
+    serialized ..." or "... injected ..."; only ptxas's own lines, not the source quoted in
+    NVRTC's warnings)."""
+    return any(line.startswith("ptxas") and ("serialized" in line or "injected" in line)
+               for line in log.splitlines())
 
 
 def _worst(kernels: dict[str, dict], what: str) -> int | None:
@@ -285,7 +298,7 @@ def _compile_uncached(source: str, kernel_name: str, arch: str, key: str, use_ca
     kernels = _parse_kernels(log)
     compiled = Compiled(cubin, kernel_name, arch, nvrtc_version(), time.perf_counter() - start,
                         _worst(kernels, "registers"), _worst(kernels, "spill_bytes"), _worst(kernels, "stack_bytes"),
-                        kernels)
+                        kernels, _wgmma_serialized(log))
     if use_cache:
         _write_cache(key, compiled)
     return compiled

@@ -194,6 +194,33 @@ def test_nvrtc_s_own_cache_is_off_from_the_version_that_has_it(monkeypatch, vers
     assert ("--no-cache" in options) is no_cache
 
 
+def _one_wgmma_kernel(touch_before_wait: bool) -> str:
+    """A kernel issuing one wgmma product; where asked, it adds to an accumulator before waiting
+    for the product, which makes ptxas serialize it (a wait injected before the add)."""
+    regs = ", ".join(f"%{i}" for i in range(16))
+    accumulators = ", ".join(f'"+f"(d[{i}])' for i in range(16))
+    return (f"// {uuid.uuid4()}\n"
+            'extern "C" __global__ void one_product(float* out, unsigned long long da, unsigned long long db) {\n'
+            "  float d[16];\n  for (int i = 0; i < 16; i++) d[i] = out[i];\n"
+            '  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n'
+            f'  asm volatile("{{ wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {{{regs}}}, %16, %17, 1, 1, 1, 0, 0; }}"\n'
+            f'               : {accumulators} : "l"(da), "l"(db));\n'
+            '  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");\n'
+            + ("  d[0] += 1.0f;\n" if touch_before_wait else "")
+            + '  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");\n'
+            "  float s = 0;\n  for (int i = 0; i < 16; i++) s += d[i];\n  out[threadIdx.x] = s;\n}\n")
+
+
+def test_a_compile_says_when_ptxas_serialized_its_wgmma_products():
+    """Compiled.wgmma_serialized: ptxas's remark read from its report, and kept in the cache (the
+    wgmma tests check their kernels' products from the cached compile)."""
+    for touch in (False, True):
+        source = _one_wgmma_kernel(touch)
+        first = compiler.compile_source(source, "one_product", "sm_90a")
+        again = compiler.compile_source(source, "one_product", "sm_90a")
+        assert again.from_cache and first.wgmma_serialized is again.wgmma_serialized is touch
+
+
 def test_resources_are_reported_per_kernel_and_the_worst_overall():
     source = ('extern "C" __global__ void light(float* x) { x[threadIdx.x] += 1.0f; }\n'
               'extern "C" __global__ void heavy(float* x, int n) {\n'
