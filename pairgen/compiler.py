@@ -66,15 +66,17 @@ class Compiled:
     stack_bytes: int | None
     #: per __global__ function: {"registers", "spill_bytes", "stack_bytes"}
     kernels: dict = field(default_factory=dict)
-    #: ptxas serialized the source's wgmma products (its C7514 remark: a wait after each product,
-    #: where it could not prove that nothing touches an accumulator while its product runs); kept
-    #: in the cache so that a check of it needs no second compile
+    #: ptxas serialized the source's wgmma products: a wait after each (remark C7514) or one it
+    #: injected before an accumulator is used (C7517), where it could not prove that nothing touches
+    #: an accumulator while its product runs; kept in the cache so that a check needs no second compile
     wgmma_serialized: bool = False
     from_cache: bool = False
 
     def summary(self) -> str:
         text = (f"{self.registers} regs, {self.spill_bytes} B spilled, {self.stack_bytes} B stack, "
                 f"{self.compile_s:.2f} s compile{' (cached)' if self.from_cache else ''}")
+        if self.wgmma_serialized:
+            text += ", wgmma products serialized by ptxas"
         if len(self.kernels) > 1:
             text += "; " + ", ".join(f"{name}: {k['registers']} regs" for name, k in sorted(self.kernels.items()))
         return text
@@ -118,9 +120,9 @@ def _parse_kernels(log: str) -> dict[str, dict]:
 
 
 def _wgmma_serialized(log: str) -> bool:
-    """Whether ptxas's report says it serialized wgmma products (remark C7514: "... wgmma ...
-    serialized ..." or "... injected ..."; only ptxas's own lines, not the source quoted in
-    NVRTC's warnings)."""
+    """Whether ptxas's report says it serialized wgmma products (remarks C7514, "... serialized ...",
+    and C7517, "wgmma.wait_group is injected ..."; only ptxas's own lines, not the source that
+    NVRTC's warnings quote)."""
     return any(line.startswith("ptxas") and ("serialized" in line or "injected" in line)
                for line in log.splitlines())
 

@@ -219,6 +219,7 @@ def test_a_compile_says_when_ptxas_serialized_its_wgmma_products():
         first = compiler.compile_source(source, "one_product", "sm_90a")
         again = compiler.compile_source(source, "one_product", "sm_90a")
         assert again.from_cache and first.wgmma_serialized is again.wgmma_serialized is touch
+        assert ("serialized" in first.summary()) is touch
 
 
 def test_resources_are_reported_per_kernel_and_the_worst_overall():
