@@ -74,7 +74,7 @@ def _wgmma_grid(groups: int, slices: int = 1):
     return grid
 
 
-#: The row statistics kernel of the sliced wgmma kernels: warps per block (wgmma.cu.j2's
+#: The row statistics kernel of the sliced wgmma kernels: warps per block (_wgmma_stats.cuh.j2's
 #: STATS_WARPS), a pair each, and blocks per SM at most.
 STATS_WARPS, STATS_BLOCKS_PER_SM = 8, 8
 
@@ -438,7 +438,7 @@ def pack(module, plan, weights):
 
 
 #: Paired columns keep a warp's offset into a and b (B*H*N*N elements) in 16-byte units in 32 bits
-#: (wgmma.cu.j2: paired_row_base); from here on a call runs the same point unpaired (and with x
+#: (_wgmma_projection.cuh.j2: paired_row_base); from here on a call runs the same point unpaired (and with x
 #: through shared memory), whose stores index in 64 bits.
 PAIRED_MAX_AB_ELEMENTS = 2**34
 
