@@ -697,7 +697,10 @@ def test_unrolled_copies_render_only_where_on_and_apply_where_the_rows_unroll():
     off = {**first, "o_unrolled_fetch": False}
     assert "fetch_rows<" not in codegen.render_plan(TRIMUL.plan("wgmma", off, MODEL, "bfloat16")).source
     source = codegen.render_plan(TRIMUL.plan("wgmma", first, MODEL, "bfloat16")).source
-    assert "fetch_rows<" in source and "X_SWZ, false>" in source and "X_SWZ, true>" in source
+    # the output kernel's copies ask for the unrolled path; the projection's take the default, the loop
+    assert "fetch_rows<" in source and "bool UNROLLED = false>" in source
+    assert "X_SWZ, true>" in source.split("// ================================== output")[1]
+    assert "fetch_tile<XC, XC_DATA, X_SWZ>(" in source.split("// ================================== output")[0]
     why = "the unrolled copies are for unpadded x rows of 16-byte chunks that 16 divides or that divide 16"
     reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
     assert why in reasons(first, ODD)       # P = 48
