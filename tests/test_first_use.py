@@ -107,7 +107,7 @@ def test_the_verdict_file_is_not_a_tuned_database(folder):
 
 
 def test_status_lists_the_verdicts(folder):
-    from pairgen.tuning.tune_cli import first_use_verdicts
+    from pairgen.tuning.tune_status import first_use_verdicts
 
     assert "no first-use verdicts" in first_use_verdicts()
     first_use.record_verdict("contact", INFO.slug, "float32", WIDTHS, 128, "0" * 64, "x", 50.0, 20.0)
