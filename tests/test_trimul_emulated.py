@@ -70,13 +70,6 @@ CASES = {
     "unrolled-fetch-sliced-bf16": ("bfloat16", SMALL, {**PAIRED, "o_slices": 4, "o_unrolled_fetch": True}),
     "unrolled-fetch-four-chunks-fp16": ("float16", {**SMALL, "P": 32, "gate_normalized": 1},
                                         {**PAIRED, "z_registers": True, "o_unrolled_fetch": True}),
-    # One accumulator set (passes too wide for two): each pass's epilogue in halves, the first
-    # default's normalised projection with 64-column passes (its halves store through the pointer)
-    # and an unpaired one with 128-column passes.
-    "one-set-first-default-bf16": ("bfloat16", MODELS, {**FIRST_DEFAULT, "p_normalized_x": True, "p_wn": 64}),
-    "one-set-unpaired-fp16": ("float16", {**SMALL, "H": 64},
-                              {"p_groups": 3, "p_stages": 1, "p_wn": 128, "o_groups": 2, "o_wn": 16, "o_stages": 1,
-                               "swizzle": False, "consts_smem": False}),
 }
 
 
@@ -117,7 +110,7 @@ PRIORITY = ("staged-output-first-default-bf16", "sliced-both-kernels-bf16", "w_r
 #: of the README's test command's time.
 SLOW_CASES = ("w_registers-models-incoming-fp16", "w_registers-o_x_registers-bf16", "w_registers-small-k-padded-fp16",
               "mask-early-two-stages-fp16", "normalized-x-incoming-fp16", "sliced-two-stages-fp16",
-              "unrolled-fetch-four-chunks-fp16", "one-set-unpaired-fp16")
+              "unrolled-fetch-four-chunks-fp16")
 
 
 @pytest.mark.parametrize("case,order", [pytest.param(case, 0, marks=[pytest.mark.slow] if case in SLOW_CASES else [])

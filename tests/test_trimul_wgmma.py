@@ -705,28 +705,3 @@ def test_unrolled_copies_render_only_where_on_and_apply_where_the_rows_unroll():
     reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
     assert why in reasons(first, ODD)       # P = 48
     assert why not in reasons({**W_REGISTERS, "o_unrolled_fetch": True})
-
-
-def test_passes_too_wide_for_two_accumulator_sets_run_with_one_and_compile_without_spills():
-    """The projection holds two passes' accumulators where they fit a thread's registers (the
-    tensor cores compute the next pass under this one's epilogue), else one: 64-column passes at 4
-    warpgroups with x in registers, 128 at 3. With one set a pass's epilogue runs in halves, so
-    its staging, and the block's shared memory, are those of the half-width pass; the points
-    compile without spills, their products asynchronous, and the two-set points render no trace
-    of it. Past one set's registers a point stays infeasible."""
-    from pairgen.ops.trimul.strategies.wgmma import projection_accumulator_sets
-
-    limits = DeviceLimits()
-    first = next(p for s, p in TRIMUL.default_points if s == "wgmma")
-    plan = lambda **changes: TRIMUL.plan("wgmma", {**first, **changes}, MODEL, "bfloat16")
-    assert [projection_accumulator_sets({**first, **c}) for c in ({}, {"p_wn": 64}, {"p_groups": 3, "p_wn": 64},
-                                                                   {"p_groups": 3, "p_wn": 128})] == [2, 1, 2, 1]
-    one = [plan(p_wn=64), plan(p_groups=3, p_wn=128)]
-    for p in one:
-        assert not TRIMUL.infeasible(p, limits), (p.label, TRIMUL.infeasible(p, limits))
-        assert p.context["p_accumulator_sets"] == 1 and "PJ_EW" in codegen.render_plan(p).source
-    assert one[0].context["p_smem"] == plan().context["p_smem"]
-    assert one[1].context["p_smem"] == plan(p_groups=3, p_wn=64).context["p_smem"]
-    assert "PJ_EW" not in codegen.render_plan(plan()).source
-    assert "at most 128 accumulators per thread" in TRIMUL.infeasible(plan(p_wn=128), limits)
-    assert_compiled_without_spills(one, asynchronous=one)

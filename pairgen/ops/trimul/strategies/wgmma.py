@@ -162,20 +162,17 @@ def derive(params: dict, w: dict, name: str):
     x_tile, z_tile = WGMMA_ROWS * k_padded(P) * eb, WGMMA_ROWS * k_padded(H) * eb
     off = wgmma_weight_offsets(P, H, eb, hidden)
 
-    epilogue_columns = params["p_wn"] if projection_accumulator_sets(params) == 2 else params["p_wn"] // 2
-
     def project_smem(slices: int) -> int:
         # Every region 1024-byte aligned (the 128-byte swizzle's atoms). Resident Wp (its slice of
-        # the 4H columns); per warpgroup p_stages x tiles and, per warp, the staging of an
-        # epilogue's a, b (half its columns in slots of 24 elements: its 16 rows, padded; with one
-        # accumulator set an epilogue is half a pass); the epilogues' constants of the
+        # the 4H columns); per warpgroup p_stages x tiles and, per warp, the staging of a pass's a,
+        # b (p_wn / 2 slots of 24 elements: its 16 rows, padded); the epilogues' constants of the
         # slice, staged once per block; with x normalised in registers, the bias tile of its c2
         # k-step (16 k of the operand type per column). With Wp in registers: the block's p_stages
         # x tiles and their pairs' statistics (three floats a pair).
         if params["w_registers"]:
             return align(params["p_stages"] * x_tile, 1024) + align(3 * WGMMA_ROWS * 4, 1024)
         return (align(4 * H // slices * k_padded(P) * eb, 1024)
-                + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * epilogue_columns // 2 * 24 * eb, 1024)
+                + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb, 1024)
                 + (align((off["c1o"] - off["c1p"]) // slices, 1024) if params["consts_smem"] else 0)
                 + (align(4 * H * 16 * eb, 1024) if params["p_normalized_x"] else 0))
 
@@ -214,7 +211,6 @@ def derive(params: dict, w: dict, name: str):
                                                               (params["o_wn"], params["z_registers"])) if rs}),
                "wgmma_rs_first_widths": [WGMMA_ROWS] if params["w_registers"] else [],
                "p_groups": params["p_groups"], "p_wn": params["p_wn"], "p_slices": p_slices, "o_slices": o_slices,
-               "p_accumulator_sets": projection_accumulator_sets(params),
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
@@ -369,28 +365,17 @@ def _unrolled_fetch_applies(plan: Plan, limits: DeviceLimits) -> bool:
     return not plan.params["o_unrolled_fetch"] or _unrolls(plan.widths["P"])
 
 
-def _projection_accumulator_limit(params: dict) -> int:
-    """The fp32 accumulators a projection thread may hold: 128, 64 where a block has 3 warpgroups
-    (170 registers a thread: 128 left its epilogue too few, it spilled) and at 4 (128 registers a
-    thread), 32 at 4 with x in registers (x's 32 fragment registers beside them: 64 spilled)."""
-    groups = params["p_groups"]
-    return (32 if params.get("x_registers") else 64) if groups == 4 else 64 if groups == 3 else 128
-
-
-def projection_accumulator_sets(params: dict) -> int:
-    """The projection's accumulator sets: two where they fit (the tensor cores compute pass p + 1
-    while the epilogue of pass p runs), else one (passes twice as wide as two sets allow, each
-    waited for; the block's other warpgroups fill the tensor cores meanwhile)."""
-    return 2 if params["p_wn"] <= _projection_accumulator_limit(params) else 1
-
-
 def _wgmma_accumulators_fit(plan: Plan, limits: DeviceLimits) -> bool:
-    """The projection's accumulators within its limit (_projection_accumulator_limit) in one set of
-    a pass's p_wn / 2 at least; the output kernel's two products' at most 128, 64 where a block has
-    4 warpgroups, with paired columns 32 there (at 64 it spilled a register)."""
+    """At most 128 fp32 accumulators per thread (the projection holds two passes', the output kernel
+    two products'), and at most 64 where a block has 4 warpgroups (65536 registers per SM: 128 per
+    thread); the projection's 128 only up to 2 warpgroups (at 3, 170 registers a thread left it
+    too few for its epilogue: it spilled); with paired columns, at most 32 in an output kernel of 4
+    warpgroups (at 64 it spilled a register)."""
     p, o = plan.params["p_wn"], plan.params["o_wn"]
     o_max_at_4 = 32 if plan.params.get("paired_columns") else 64
-    return p // 2 <= _projection_accumulator_limit(plan.params) and o <= (o_max_at_4 if plan.params["o_groups"] == 4 else 128)
+    p_max_at_4 = 32 if plan.params.get("x_registers") else 64  # (x's 32 fragment registers: 64 spilled)
+    return (p <= (p_max_at_4 if plan.params["p_groups"] == 4 else 64 if plan.params["p_groups"] == 3 else 128)
+            and o <= (o_max_at_4 if plan.params["o_groups"] == 4 else 128))
 
 
 #: The weights the fold kernel reads, each a pointer variable of the template.
