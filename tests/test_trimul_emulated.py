@@ -141,6 +141,24 @@ def test_the_projections_store_address_remade_each_pass_matches_float64_emulated
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
+@pytest.mark.parametrize("case", ["staged-output-first-default-bf16", "mask-early-sliced-fp16"])
+def test_the_projections_staging_read_back_by_slot_matches_float64_emulated(monkeypatch, case):
+    """wgmma.PROJECTION_READBACK_BY_SLOT (off until timed): the paired projection reads a pass's
+    staging back with lane l on slot l % 16, half l / 16; through the store pointer (the first
+    default) and through the per-pass address with two rounds of 16 slots (64-column passes) it
+    meets float64, and off it renders the kernels as before."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    precision, widths, params = CASES[case]
+    before = codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    monkeypatch.setattr(wgmma, "PROJECTION_READBACK_BY_SLOT", True)
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    source = codegen.render_plan(plan).source
+    assert "(lane & 15)" in source and "(lane & 15)" not in before
+    failures = emulated_against_float64(plan, SHAPES, 0)
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
 def test_the_mask_loaded_a_tile_ahead_takes_float_masks_emulated():
     """p_mask_early keeps a float mask's bits and a byte mask's value in registers of their own:
     a float mask of values other than 0 and 1 must come out as it went in."""

@@ -156,6 +156,14 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
 PROJECTION_STORE_POINTER = True
 
 
+#: Whether the paired projection reads each pass's staged a, b back with lane l on slot l % 16 (half
+#: l / 16) rather than slot l / 2 (half l % 2), whose 16-byte reads put two slots of a quarter-warp
+#: in the same banks: Nsight Compute found 17 % of the projection's shared-memory wavefronts in
+#: excess (docs/performance.md, session 48). A switch until timed: it changes the tuned kernels'
+#: source, which makes their entries stale.
+PROJECTION_READBACK_BY_SLOT = False
+
+
 def derive(params: dict, w: dict, name: str):
     P, H, precision = w["P"], w["H"], w["precision"]
     eb, hidden = element_bytes(precision), bool(w["gate_hidden"])
@@ -205,6 +213,7 @@ def derive(params: dict, w: dict, name: str):
                "p_mask_early": params["p_mask_early"], "p_normalized_x": params["p_normalized_x"],
                "o_normalized": params["o_normalized"],
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
+               "projection_readback_by_slot": PROJECTION_READBACK_BY_SLOT,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
