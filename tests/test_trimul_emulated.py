@@ -159,6 +159,22 @@ def test_the_projections_staging_read_back_by_slot_matches_float64_emulated(monk
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
+def test_the_projections_packed_gate_meets_the_16_bit_standard_emulated(monkeypatch):
+    """wgmma.PROJECTION_PACKED_GATE (off until timed): the normalised bf16 projection's gated
+    outputs two at a time in bf16x2 meet float64 at odd shapes, under a soft mask too; fp16 and
+    the switch off render the fp32 form."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    precision, widths, params = CASES["staged-output-first-default-bf16"]
+    assert "gated_pair" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    monkeypatch.setattr(wgmma, "PROJECTION_PACKED_GATE", True)
+    assert "gated_pair" not in codegen.render_plan(TRIMUL.at("float16").plan("wgmma", params, widths)).source
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    assert "tanh.approx.bf16x2" in codegen.render_plan(plan).source
+    failures = emulated_against_float64(plan, SHAPES, 0) + emulated_against_float64(plan, SHAPES[1:2], 0, soft_mask=True)
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
 def test_the_mask_loaded_a_tile_ahead_takes_float_masks_emulated():
     """p_mask_early keeps a float mask's bits and a byte mask's value in registers of their own:
     a float mask of values other than 0 and 1 must come out as it went in."""

@@ -163,6 +163,13 @@ PROJECTION_STORE_POINTER = True
 #: source, which makes their entries stale.
 PROJECTION_READBACK_BY_SLOT = False
 
+#: Whether the normalised bf16 projection computes its gated outputs two at a time in bf16x2 (the
+#: tanh of two gates in one MUFU operation, then one packed FMA), where the fp32 form takes two MUFU
+#: operations: the tanh and shared memory are the projection's largest stall (Nsight Compute,
+#: session 48). It rounds p and the tanh to bf16 before the FMA, so a and b carry about two more
+#: bf16 roundings: a switch until timed and checked on the GPU.
+PROJECTION_PACKED_GATE = False
+
 
 def derive(params: dict, w: dict, name: str):
     P, H, precision = w["P"], w["H"], w["precision"]
@@ -214,6 +221,7 @@ def derive(params: dict, w: dict, name: str):
                "o_normalized": params["o_normalized"],
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
                "projection_readback_by_slot": PROJECTION_READBACK_BY_SLOT,
+               "projection_packed_gate": PROJECTION_PACKED_GATE,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
