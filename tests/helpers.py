@@ -6,13 +6,14 @@ import contextlib
 import copy
 import ctypes
 import io
+import os
 import random
 from operator import attrgetter
 
 import pytest
 import torch
 
-from pairgen import codegen, compiler, runtime
+from pairgen import codegen, compiler, config, runtime
 from pairgen.tuning.check import compare, reference64
 from pairgen.tuning.evaluate import inputs_in_precision, module_in_precision
 from pairgen.spec import MMA_KINDS, DeviceLimits
@@ -259,12 +260,24 @@ def assert_tensor_core_defaults_compile(spec, strategy: str, widths_list: list, 
 
 def compile_plans(plans) -> dict:
     """Every plan rendered and compiled in parallel once: {id(plan): Variant, or the exception
-    its compilation raised}."""
+    its compilation raised}. A long list (a GPU file's cases) takes up to half the machine's cores
+    whatever the xdist worker's share: on a cold NVRTC cache that one fixture is otherwise the
+    suite's longest chain, compiling on one process while the other workers sit idle."""
     rendered = [codegen.render_plan(p) for p in plans]
     arch = runtime.default_arch()
-    results = compiler.compile_many([(r.source, r.kernel_name, arch) for r in rendered])
+    jobs = [(r.source, r.kernel_name, arch) for r in rendered]
+    processes = min(len(plans) // CASES_PER_COMPILE_PROCESS, (os.cpu_count() or 1) // 2)
+    if processes > config.compile_workers():
+        with compiler.compile_pool(processes) as pool:
+            results = compiler.compile_many(jobs, pool)
+    else:
+        results = compiler.compile_many(jobs)
     return {id(plan): res if isinstance(res, Exception) else runtime.Variant(plan, rend, res)
             for plan, rend, res in zip(plans, rendered, results)}
+
+
+#: Cases a compile process of compile_plans takes at least (fewer processes than that for a short list).
+CASES_PER_COMPILE_PROCESS = 16
 
 
 def compiled_cases(cases: list):
