@@ -528,8 +528,9 @@ def test_the_projection_backward_kernel_matches_float64_emulated(widths, B, N, d
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
-@pytest.mark.parametrize("widths,B,N,dtype,float_mask", [(MODELS_FORM, 2, 36, torch.bfloat16, False),
-                                                         (PROJECTION_BACKWARD_WIDTHS[1], 2, 8, torch.float16, True)],
+@pytest.mark.parametrize("widths,B,N,dtype,float_mask",  # (the second: the switch's other side only, --slow)
+                         [(MODELS_FORM, 2, 36, torch.bfloat16, False),
+                          pytest.param(PROJECTION_BACKWARD_WIDTHS[1], 2, 8, torch.float16, True, marks=pytest.mark.slow)],
                          ids=["models-whole-rows-B2-N36", "incoming-N8-float-mask"])
 def test_the_resident_backward_with_x_normalised_in_registers_or_not_matches_float64_emulated(widths, B, N, dtype,
                                                                                              float_mask, monkeypatch):

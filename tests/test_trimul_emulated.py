@@ -126,6 +126,12 @@ def test_new_wgmma_kernels_match_float64_emulated(case, order):
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
+#: The other side of a kernel switch (wgmma.PROJECTION_*), a path no shipped kernel renders while the
+#: switch stays as it is: its tests run with --slow, out of the README's test command's time.
+OTHER_SIDE = pytest.mark.slow
+
+
+@OTHER_SIDE
 def test_the_projections_store_address_remade_each_pass_matches_float64_emulated(monkeypatch):
     """wgmma.PROJECTION_STORE_POINTER: on (the default) the normalised projection stores a and b
     through a pointer made once per tile, which the first default's cases above run; off, each pass
@@ -141,6 +147,7 @@ def test_the_projections_store_address_remade_each_pass_matches_float64_emulated
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
+@OTHER_SIDE
 @pytest.mark.parametrize("case", ["staged-output-first-default-bf16", "mask-early-sliced-fp16"])
 def test_the_projections_staging_read_back_by_slot_matches_float64_emulated(monkeypatch, case):
     """wgmma.PROJECTION_READBACK_BY_SLOT (off until timed): the paired projection reads a pass's
@@ -159,6 +166,7 @@ def test_the_projections_staging_read_back_by_slot_matches_float64_emulated(monk
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
+@OTHER_SIDE
 def test_the_projections_packed_gate_meets_the_16_bit_standard_emulated(monkeypatch):
     """wgmma.PROJECTION_PACKED_GATE (off until timed): the normalised bf16 projection's gated
     outputs two at a time in bf16x2 meet float64 at odd shapes, under a soft mask too; fp16 and
