@@ -258,6 +258,10 @@ def assert_tensor_core_defaults_compile(spec, strategy: str, widths_list: list, 
             assert (result.spill_bytes, result.stack_bytes) == (0, 0), f"{plan.label} {plan.widths}: {result.summary()}"
 
 
+#: Cases a compile process of compile_plans takes at least (fewer processes than that for a short list).
+CASES_PER_COMPILE_PROCESS = 16
+
+
 def compile_plans(plans) -> dict:
     """Every plan rendered and compiled in parallel once: {id(plan): Variant, or the exception
     its compilation raised}. A long list (a GPU file's cases) takes up to half the machine's cores
@@ -274,10 +278,6 @@ def compile_plans(plans) -> dict:
         results = compiler.compile_many(jobs)
     return {id(plan): res if isinstance(res, Exception) else runtime.Variant(plan, rend, res)
             for plan, rend, res in zip(plans, rendered, results)}
-
-
-#: Cases a compile process of compile_plans takes at least (fewer processes than that for a short list).
-CASES_PER_COMPILE_PROCESS = 16
 
 
 def compiled_cases(cases: list):
