@@ -183,6 +183,28 @@ def test_the_projections_packed_gate_meets_the_16_bit_standard_emulated(monkeypa
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
+@OTHER_SIDE
+def test_the_outputs_packed_gate_meets_the_16_bit_standard_emulated(monkeypatch):
+    """wgmma.OUTPUT_PACKED_GATE (off until timed): the output kernel's normalised, staged bf16
+    epilogue computes out * sigmoid(gate) two at a time in bf16x2 and meets float64 at odd shapes,
+    with the projection's packed gate on too (their roundings add); fp16, an fp32 output and the
+    switch off render the fp32 form."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    precision, widths, params = CASES["staged-output-first-default-bf16"]
+    assert "gated_pair" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    monkeypatch.setattr(wgmma, "OUTPUT_PACKED_GATE", True)
+    assert "gated_pair" not in codegen.render_plan(TRIMUL.at("float16").plan("wgmma", params, widths)).source
+    assert "gated_pair" not in codegen.render_plan(
+        TRIMUL.at(precision).plan("wgmma", params, {**widths, "out_fp32": 1})).source
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    assert "gated_pair(o0, o1, g0, g1)" in codegen.render_plan(plan).source
+    monkeypatch.setattr(wgmma, "PROJECTION_PACKED_GATE", True)
+    both = TRIMUL.at(precision).plan("wgmma", params, widths)
+    failures = emulated_against_float64(plan, SHAPES, 0) + emulated_against_float64(both, SHAPES, 0)
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
 def test_the_mask_loaded_a_tile_ahead_takes_float_masks_emulated():
     """p_mask_early keeps a float mask's bits and a byte mask's value in registers of their own:
     a float mask of values other than 0 and 1 must come out as it went in."""

@@ -170,6 +170,12 @@ PROJECTION_READBACK_BY_SLOT = False
 #: bf16 roundings: a switch until timed and checked on the GPU.
 PROJECTION_PACKED_GATE = False
 
+#: Whether the output kernel's normalised, staged bf16 epilogue computes out * sigmoid(gate) two
+#: outputs at a time in bf16x2, as PROJECTION_PACKED_GATE does for a and b: its tanh is the output
+#: kernel's MUFU work too. The output's own rounding follows, so it adds about two bf16 roundings to
+#: the result: a switch until timed and checked on the GPU.
+OUTPUT_PACKED_GATE = False
+
 
 def derive(params: dict, w: dict, name: str):
     P, H, precision = w["P"], w["H"], w["precision"]
@@ -221,7 +227,7 @@ def derive(params: dict, w: dict, name: str):
                "o_normalized": params["o_normalized"],
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
                "projection_readback_by_slot": PROJECTION_READBACK_BY_SLOT,
-               "projection_packed_gate": PROJECTION_PACKED_GATE,
+               "projection_packed_gate": PROJECTION_PACKED_GATE, "output_packed_gate": OUTPUT_PACKED_GATE,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
