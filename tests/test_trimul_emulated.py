@@ -147,64 +147,6 @@ def test_the_projections_store_address_remade_each_pass_matches_float64_emulated
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
-@OTHER_SIDE
-@pytest.mark.parametrize("case", ["staged-output-first-default-bf16", "mask-early-sliced-fp16"])
-def test_the_projections_staging_read_back_by_slot_matches_float64_emulated(monkeypatch, case):
-    """wgmma.PROJECTION_READBACK_BY_SLOT (off until timed): the paired projection reads a pass's
-    staging back with lane l on slot l % 16, half l / 16; through the store pointer (the first
-    default) and through the per-pass address with two rounds of 16 slots (64-column passes) it
-    meets float64, and off it renders the kernels as before."""
-    from pairgen.ops.trimul.strategies import wgmma
-
-    precision, widths, params = CASES[case]
-    before = codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
-    monkeypatch.setattr(wgmma, "PROJECTION_READBACK_BY_SLOT", True)
-    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
-    source = codegen.render_plan(plan).source
-    assert "(lane & 15)" in source and "(lane & 15)" not in before
-    failures = emulated_against_float64(plan, SHAPES, 0)
-    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
-
-
-@OTHER_SIDE
-def test_the_projections_packed_gate_meets_the_16_bit_standard_emulated(monkeypatch):
-    """wgmma.PROJECTION_PACKED_GATE (off until timed): the normalised bf16 projection's gated
-    outputs two at a time in bf16x2 meet float64 at odd shapes, under a soft mask too; fp16 and
-    the switch off render the fp32 form."""
-    from pairgen.ops.trimul.strategies import wgmma
-
-    precision, widths, params = CASES["staged-output-first-default-bf16"]
-    assert "gated_pair" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
-    monkeypatch.setattr(wgmma, "PROJECTION_PACKED_GATE", True)
-    assert "gated_pair" not in codegen.render_plan(TRIMUL.at("float16").plan("wgmma", params, widths)).source
-    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
-    assert "tanh.approx.bf16x2" in codegen.render_plan(plan).source
-    failures = emulated_against_float64(plan, SHAPES, 0) + emulated_against_float64(plan, SHAPES[1:2], 0, soft_mask=True)
-    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
-
-
-@OTHER_SIDE
-def test_the_outputs_packed_gate_meets_the_16_bit_standard_emulated(monkeypatch):
-    """wgmma.OUTPUT_PACKED_GATE (off until timed): the output kernel's normalised, staged bf16
-    epilogue computes out * sigmoid(gate) two at a time in bf16x2 and meets float64 at odd shapes,
-    with the projection's packed gate on too (their roundings add); fp16, an fp32 output and the
-    switch off render the fp32 form."""
-    from pairgen.ops.trimul.strategies import wgmma
-
-    precision, widths, params = CASES["staged-output-first-default-bf16"]
-    assert "gated_pair" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
-    monkeypatch.setattr(wgmma, "OUTPUT_PACKED_GATE", True)
-    assert "gated_pair" not in codegen.render_plan(TRIMUL.at("float16").plan("wgmma", params, widths)).source
-    assert "gated_pair" not in codegen.render_plan(
-        TRIMUL.at(precision).plan("wgmma", params, {**widths, "out_fp32": 1})).source
-    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
-    assert "gated_pair(o0, o1, g0, g1)" in codegen.render_plan(plan).source
-    monkeypatch.setattr(wgmma, "PROJECTION_PACKED_GATE", True)
-    both = TRIMUL.at(precision).plan("wgmma", params, widths)
-    failures = emulated_against_float64(plan, SHAPES, 0) + emulated_against_float64(both, SHAPES, 0)
-    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
-
-
 def test_the_mask_loaded_a_tile_ahead_takes_float_masks_emulated():
     """p_mask_early keeps a float mask's bits and a byte mask's value in registers of their own:
     a float mask of values other than 0 and 1 must come out as it went in."""

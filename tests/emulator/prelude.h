@@ -283,20 +283,6 @@ inline unsigned to_tf32_rna(float v) {
     return (u + 0x1000u) & 0xffffe000u;
 }
 inline float relu_keeping_nan(float v) { return std::isnan(v) ? v : std::fmax(v, 0.0f); }
-// tanh.approx.bf16x2: each half's tanh rounded to bf16 (the hardware's approximation adds its own
-// error, which only the GPU tests of the kernels that use it measure).
-inline unsigned tanh_bf16x2(unsigned w) {
-    return ((unsigned)to_bf16(std::tanh(from_bf16((uint16_t)(w >> 16)))) << 16)
-           | to_bf16(std::tanh(from_bf16((uint16_t)(w & 0xffffu))));
-}
-// fma.rn.bf16x2 a * b + c per half, rounded once (the product of two bf16 values is exact in double).
-inline unsigned fma_bf16x2(unsigned a, unsigned b, unsigned c) {
-    const auto one = [](unsigned x, unsigned y, unsigned z) {
-        const double r = (double)from_bf16((uint16_t)x) * from_bf16((uint16_t)y) + from_bf16((uint16_t)z);
-        return (unsigned)to_bf16((float)r);
-    };
-    return (one(a >> 16, b >> 16, c >> 16) << 16) | one(a & 0xffffu, b & 0xffffu, c & 0xffffu);
-}
 // What a tensor core reads of an fp32 operand as TF32: its top 19 bits.
 inline float tf32_operand(unsigned u) { return u2f(u & 0xffffe000u); }
 

@@ -96,8 +96,7 @@ def _normal(ptx: str) -> str:
 _UNARY = {"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }": "pgx::smem_offset",
           "cvt.rn.bf16.f32 %0, %1;": "pgx::to_bf16", "cvt.rn.f16.f32 %0, %1;": "pgx::to_f16",
           "cvt.f32.f16 %0, %1;": "pgx::from_f16", "cvt.rna.tf32.f32 %0, %1;": "pgx::to_tf32_rna",
-          "tanh.approx.f32 %0, %1;": "std::tanh", "max.NaN.f32 %0, %1, 0f00000000;": "pgx::relu_keeping_nan",
-          "tanh.approx.bf16x2 %0, %1;": "pgx::tanh_bf16x2"}
+          "tanh.approx.f32 %0, %1;": "std::tanh", "max.NaN.f32 %0, %1, 0f00000000;": "pgx::relu_keeping_nan"}
 
 
 def _ptx_call(ptx: str, outputs: list, inputs: list) -> str:
@@ -145,8 +144,6 @@ def _ptx_call(ptx: str, outputs: list, inputs: list) -> str:
         return f"pgx::bar_sync((int){barrier}, {m.group(2)})"
     if text in _UNARY:
         return f"{o(0)} = {_UNARY[text]}({o(1)})"
-    if text == "fma.rn.bf16x2 %0, %1, %2, %1;":  # d = a * b + a
-        return f"{o(0)} = pgx::fma_bf16x2({o(1)}, {o(2)}, {o(1)})"
     if m := re.fullmatch(r"cvt\.rn\.(bf16|f16)x2\.f32 %0, %1, %2;", text):
         convert = "pgx::to_bf16" if m.group(1) == "bf16" else "pgx::to_f16"
         return f"{o(0)} = ((unsigned){convert}({o(1)}) << 16) | (unsigned){convert}({o(2)})"

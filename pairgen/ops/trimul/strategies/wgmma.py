@@ -156,27 +156,6 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
 PROJECTION_STORE_POINTER = True
 
 
-#: Whether the paired projection reads each pass's staged a, b back with lane l on slot l % 16 (half
-#: l / 16) rather than slot l / 2 (half l % 2), whose 16-byte reads put two slots of a quarter-warp
-#: in the same banks: Nsight Compute found 17 % of the projection's shared-memory wavefronts in
-#: excess (docs/performance.md, session 48). A switch until timed: it changes the tuned kernels'
-#: source, which makes their entries stale.
-PROJECTION_READBACK_BY_SLOT = False
-
-#: Whether the normalised bf16 projection computes its gated outputs two at a time in bf16x2 (the
-#: tanh of two gates in one MUFU operation, then one packed FMA), where the fp32 form takes two MUFU
-#: operations: the tanh and shared memory are the projection's largest stall (Nsight Compute,
-#: session 48). It rounds p and the tanh to bf16 before the FMA, so a and b carry about two more
-#: bf16 roundings: a switch until timed and checked on the GPU.
-PROJECTION_PACKED_GATE = False
-
-#: Whether the output kernel's normalised, staged bf16 epilogue computes out * sigmoid(gate) two
-#: outputs at a time in bf16x2, as PROJECTION_PACKED_GATE does for a and b: its tanh is the output
-#: kernel's MUFU work too. The output's own rounding follows, so it adds about two bf16 roundings to
-#: the result: a switch until timed and checked on the GPU.
-OUTPUT_PACKED_GATE = False
-
-
 def derive(params: dict, w: dict, name: str):
     P, H, precision = w["P"], w["H"], w["precision"]
     eb, hidden = element_bytes(precision), bool(w["gate_hidden"])
@@ -226,8 +205,6 @@ def derive(params: dict, w: dict, name: str):
                "p_mask_early": params["p_mask_early"], "p_normalized_x": params["p_normalized_x"],
                "o_normalized": params["o_normalized"],
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
-               "projection_readback_by_slot": PROJECTION_READBACK_BY_SLOT,
-               "projection_packed_gate": PROJECTION_PACKED_GATE, "output_packed_gate": OUTPUT_PACKED_GATE,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
