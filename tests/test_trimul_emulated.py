@@ -147,6 +147,22 @@ def test_the_projections_store_address_remade_each_pass_matches_float64_emulated
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
+@OTHER_SIDE
+def test_the_projections_deferred_store_matches_float64_emulated(monkeypatch):
+    """wgmma.PROJECTION_DEFERRED_STORE (off until timed): a pass's staged a, b wait in registers and
+    are stored after the next pass's wait (the last pass's after the loop); at whole tiles and at odd
+    ones (whose rows the epilogue stores itself) it meets float64, and off it renders as before."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    precision, widths, params = CASES["staged-output-first-default-bf16"]
+    assert "store_pending" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    monkeypatch.setattr(wgmma, "PROJECTION_DEFERRED_STORE", True)
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    assert "store_pending(pdst, pending, PJ_PASSES - 1" in codegen.render_plan(plan).source
+    failures = emulated_against_float64(plan, SHAPES, 0) + emulated_against_float64(plan, SHAPES[-1:], 3)
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
 def test_the_mask_loaded_a_tile_ahead_takes_float_masks_emulated():
     """p_mask_early keeps a float mask's bits and a byte mask's value in registers of their own:
     a float mask of values other than 0 and 1 must come out as it went in."""

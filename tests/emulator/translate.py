@@ -142,6 +142,9 @@ def _ptx_call(ptx: str, outputs: list, inputs: list) -> str:
     if m := re.fullmatch(r"bar\.sync (%0|\d+), (\d+);", text):
         barrier = o(0) if m.group(1) == "%0" else m.group(1)
         return f"pgx::bar_sync((int){barrier}, {m.group(2)})"
+    if text == "st.global.v4.b32 [%0], { %1, %2, %3, %4 };":
+        return (f"do {{ unsigned* pgx_p = (unsigned*){o(0)}; pgx_p[0] = {o(1)}; pgx_p[1] = {o(2)}; "
+                f"pgx_p[2] = {o(3)}; pgx_p[3] = {o(4)}; }} while (0)")
     if text in _UNARY:
         return f"{o(0)} = {_UNARY[text]}({o(1)})"
     if m := re.fullmatch(r"cvt\.rn\.(bf16|f16)x2\.f32 %0, %1, %2;", text):

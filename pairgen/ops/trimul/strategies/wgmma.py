@@ -155,6 +155,12 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
 #: which makes its tuned entries stale (its timing: docs/performance.md, sessions 35-36).
 PROJECTION_STORE_POINTER = True
 
+#: Whether, through the store pointer, a pass's read-back of its staged a, b waits in registers and
+#: its global store follows the next pass's wait: Nsight Compute found the projection's stall samples
+#: on these stores and reads (a third of them at N1024, session 49), so the read's latency would be
+#: spent under the products. A switch until timed: it changes the tuned kernels' source.
+PROJECTION_DEFERRED_STORE = False
+
 
 def derive(params: dict, w: dict, name: str):
     P, H, precision = w["P"], w["H"], w["precision"]
@@ -205,6 +211,7 @@ def derive(params: dict, w: dict, name: str):
                "p_mask_early": params["p_mask_early"], "p_normalized_x": params["p_normalized_x"],
                "o_normalized": params["o_normalized"],
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
+               "projection_deferred_store": PROJECTION_DEFERRED_STORE,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
