@@ -1,0 +1,58 @@
+"""scripts/switch_study.py on the CPU: its variants name only real switches, flip them for the plan
+they make and leave the strategy as it was, and its rounds alternate (the timing itself needs a GPU:
+a session's probes, docs/performance.md)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from pairgen import codegen
+from pairgen.ops.trimul import TRIMUL
+from pairgen.ops.trimul.strategies import wgmma
+
+PATH = Path(__file__).resolve().parent.parent / "scripts" / "switch_study.py"
+
+
+@pytest.fixture(scope="module")
+def study():
+    loaded = importlib.util.spec_from_file_location("switch_study", PATH)
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    return module
+
+
+def test_a_variant_names_switches_and_param_overrides(study):
+    assert "PROJECTION_DEFERRED_STORE" in study.switches() and "P" not in study.switches()
+    assert study.parse_variant("none=") == ("none", {}, {})
+    name, flips, params = study.parse_variant("both=PROJECTION_DEFERRED_STORE,PROJECTION_STORE_POINTER:p_groups=3")
+    assert name == "both" and params == {"p_groups": 3}
+    assert flips == {"PROJECTION_DEFERRED_STORE": not wgmma.PROJECTION_DEFERRED_STORE,
+                     "PROJECTION_STORE_POINTER": not wgmma.PROJECTION_STORE_POINTER}
+    for bad in ("nosign", "=X", "a=NO_SUCH_SWITCH", "a=:p_groups=three", "a=:p_groups"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            study.parse_variant(bad)
+
+
+def test_a_variants_plan_renders_its_switch_and_the_strategy_is_left_as_it_was(study):
+    widths = study.MODELS_FORM
+    params = next(p for s, p in TRIMUL.default_points if s == "wgmma")
+    spec = TRIMUL.at("bfloat16")
+    before = wgmma.PROJECTION_DEFERRED_STORE
+    _, flips, _ = study.parse_variant("deferred=PROJECTION_DEFERRED_STORE")
+    flipped = codegen.render_plan(study.plan_for(spec, params, flips, {}, widths)).source
+    plain = codegen.render_plan(study.plan_for(spec, params, {}, {}, widths)).source
+    assert wgmma.PROJECTION_DEFERRED_STORE == before
+    assert ("store_pending(" in flipped) != ("store_pending(" in plain)
+    wider = study.plan_for(spec, params, {}, {"p_groups": 3, "p_wn": 64}, widths)
+    assert wider.params["p_groups"] == 3 and wider.params["p_wn"] == 64
+
+
+def test_rounds_alternate_and_the_summary_compares_with_the_first_variant(study):
+    assert study.alternating_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert study.alternating_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    lines = study.summary({"base": [100.0, 104.0, 90.0], "new": [95.0, 99.0, 97.0]})
+    assert lines[0].startswith("base: median 100.0 us") and "(+0.0 %)" in lines[0]
+    assert lines[1].startswith("new: median 97.0 us") and "(-3.0 %)" in lines[1]
