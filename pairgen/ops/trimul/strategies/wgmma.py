@@ -156,9 +156,9 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
 PROJECTION_STORE_POINTER = True
 
 #: Whether, through the store pointer, a pass's read-back of its staged a, b waits in registers and
-#: its global store follows the next pass's wait: Nsight Compute found the projection's stall samples
-#: on these stores and reads (a third of them at N1024, session 49), so the read's latency would be
-#: spent under the products. A switch until timed: it changes the tuned kernels' source.
+#: its global store follows the next pass's wait, so that the read's latency is spent under the
+#: products: Nsight Compute found the projection's stall samples gathered on these stores and reads
+#: (docs/performance.md). A switch until timed: it changes the tuned kernels' source.
 PROJECTION_DEFERRED_STORE = False
 
 
