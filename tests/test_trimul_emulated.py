@@ -73,9 +73,10 @@ CASES = {
 }
 
 
-def emulated_against_float64(plan, shapes, order: int, soft_mask: bool = False) -> list[str]:
+def emulated_against_float64(plan, shapes, order: int, soft_mask: bool = False, offset: float = 0.0) -> list[str]:
     """The plan's kernels emulated at each (B, N) against the float64 reference: the failures.
-    soft_mask: the mask as floats in [0.5, 1) where kept (its masked rows stay 0)."""
+    soft_mask: the mask as floats in [0.5, 1) where kept (its masked rows stay 0); offset: every
+    third pair's x moved by this many times its spread (a LayerNorm's mean far from zero)."""
     failures = []
     variant = emulated_variant(plan)
     out_dtype = torch.float32 if plan.widths.get("out_fp32") else None
@@ -86,6 +87,10 @@ def emulated_against_float64(plan, shapes, order: int, soft_mask: bool = False) 
         inputs = TRIMUL.make_inputs({"B": batch, "N": n, **plan.widths}, gen, "cauchy" if k % 2 else "normal")
         if soft_mask:
             inputs = (inputs[0], inputs[1].float() * (0.5 + 0.5 * torch.rand(inputs[1].shape, generator=gen)))
+        if offset:
+            x = inputs[0].clone()
+            x.view(-1, x.shape[-1])[::3] += offset * x.std()
+            inputs = (x, *inputs[1:])
         inputs = inputs_in_precision(inputs, plan.precision, "cpu")
         ref = reference64(module, inputs)
         out = torch.full(tuple(ref.shape), float("nan"), dtype=out_dtype or inputs[0].dtype)
@@ -160,6 +165,25 @@ def test_the_projections_deferred_store_matches_float64_emulated(monkeypatch):
     plan = TRIMUL.at(precision).plan("wgmma", params, widths)
     assert "store_pending(pdst, pending, PJ_PASSES - 1" in codegen.render_plan(plan).source
     failures = emulated_against_float64(plan, SHAPES, 0) + emulated_against_float64(plan, SHAPES[-1:], 3)
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
+@OTHER_SIDE
+@pytest.mark.parametrize("case", ["staged-output-first-default-bf16", "normalized-x-incoming-fp16"])
+def test_the_statistics_by_mma_match_float64_emulated(monkeypatch, case):
+    """wgmma.FRAGMENT_STATS_BY_MMA (off until timed): the LayerNorm statistics of the rows held as
+    fragments (the projection's x, the output's sums and x) from mma.sync sums and Gram diagonals
+    meet float64, with rows whose mean is far from zero too (their warps take the two passes); off,
+    the kernels render as before."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    precision, widths, params = CASES[case]
+    assert "fragment_stats_by_mma" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    monkeypatch.setattr(wgmma, "FRAGMENT_STATS_BY_MMA", True)
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    assert "if (fragment_stats_by_mma<K>(xa, mean, rstd)) return;" in codegen.render_plan(plan).source
+    failures = (emulated_against_float64(plan, SHAPES, 0)
+                + emulated_against_float64(plan, SHAPES[2:], 0, offset=1000.0))
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 

@@ -161,6 +161,13 @@ PROJECTION_STORE_POINTER = True
 #: (docs/performance.md). A switch until timed: it changes the tuned kernels' source.
 PROJECTION_DEFERRED_STORE = False
 
+#: Whether the rows' LayerNorm statistics taken from A fragments (the projection's x in registers,
+#: the output kernel's triangle sums and x) come from tensor-core products, sums and the Gram
+#: matrix's diagonal, instead of two passes of unpacks, adds and shuffles: these are the
+#: instructions a tile's first pass waits for. Warps with a row whose mean is large against its
+#: spread take the two passes. A switch until timed: it changes the tuned kernels' source.
+FRAGMENT_STATS_BY_MMA = False
+
 
 def derive(params: dict, w: dict, name: str):
     P, H, precision = w["P"], w["H"], w["precision"]
@@ -211,7 +218,7 @@ def derive(params: dict, w: dict, name: str):
                "p_mask_early": params["p_mask_early"], "p_normalized_x": params["p_normalized_x"],
                "o_normalized": params["o_normalized"],
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
-               "projection_deferred_store": PROJECTION_DEFERRED_STORE,
+               "projection_deferred_store": PROJECTION_DEFERRED_STORE, "fragment_stats_by_mma": FRAGMENT_STATS_BY_MMA,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
