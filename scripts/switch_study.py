@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -80,10 +81,12 @@ def plan_for(spec, params: dict, flips: dict[str, bool], overrides: dict[str, in
 
 
 def tuned_params(n: int, widths: dict) -> dict:
-    """This GPU's tuned wgmma params for the models' form at the N bucket nearest n."""
+    """This GPU's tuned wgmma params for the models' form at n's N bucket, as a module looks them up
+    (else the nearest bucket tuned)."""
     import torch
 
     from pairgen import runtime
+    from pairgen.spec import n_bucket
     from pairgen.tuned import TunedDB, databases_for_arch
 
     info = runtime.device_info(torch.cuda.current_device())
@@ -91,10 +94,10 @@ def tuned_params(n: int, widths: dict) -> dict:
     entries = [entry for db in databases for entry in db.entries()
                if entry["key"]["dtype"] == "bfloat16" and entry["key"]["widths"] == widths
                and entry.get("strategy") == "wgmma"]
-    slug = info.slug
     if not entries:
-        raise SystemExit(f"no tuned wgmma entry for {widths} in bfloat16 on {slug}: tune it first")
-    return min(entries, key=lambda entry: abs(entry["key"]["n_bucket"] - n))["params"]
+        raise SystemExit(f"no tuned wgmma entry for {widths} in bfloat16 on {info.slug}: tune it first")
+    bucket = n_bucket(n)
+    return min(entries, key=lambda entry: abs(math.log2(entry["key"]["n_bucket"] / bucket)))["params"]
 
 
 def main(argv=None) -> int:
