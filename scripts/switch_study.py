@@ -8,7 +8,11 @@ Example (the first variant is the baseline the percentages refer to):
   python scripts/switch_study.py --variant none= --variant deferred=PROJECTION_DEFERRED_STORE \\
       --n 768,1024,2048 --rounds 5 --json study.json
 
-A variant may also change the tuned point's launch shape: `g3w64=:p_groups=3,p_wn=64`.
+A variant may also change the tuned point's launch shape: `g3w64=:p_groups=3,p_wn=64`. With
+--forward-only each variant runs three forward calls at each N instead, untimed, for a profiler:
+
+  ncu -k regex:z_registers1$ -s 1 -c 1 --set full -o deferred \\
+      python scripts/switch_study.py --variant deferred=PROJECTION_DEFERRED_STORE --n 1024 --forward-only
 """
 from __future__ import annotations
 
@@ -109,6 +113,8 @@ def main(argv=None) -> int:
     parser.add_argument("--incoming", action="store_true", help="the incoming direction (default outgoing)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write every run's time here")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="run each variant's forward three times, untimed (for Nsight Compute)")
     args = parser.parse_args(argv)
 
     import torch
@@ -137,6 +143,15 @@ def main(argv=None) -> int:
                 raise SystemExit(f"N{n} {name}: {variant}")
             evaluator.check(variant)  # raises CheckFailed: no timing of a wrong kernel
             variants[name] = variant
+        if args.forward_only:
+            for name, variant in variants.items():
+                evaluator.module.force_variant(variant)
+                with torch.inference_mode():
+                    for _ in range(3):
+                        evaluator.module(*evaluator.inputs)
+            evaluator.module.force_variant(None)
+            torch.cuda.synchronize()
+            continue
         times = {name: [] for name in variants}
         for round_index in range(args.rounds):
             for name in alternating_order(list(variants), round_index):
