@@ -187,6 +187,25 @@ def test_the_statistics_by_mma_match_float64_emulated(monkeypatch, case):
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
+@OTHER_SIDE
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_the_mask_folded_into_the_products_matches_float64_emulated(monkeypatch, precision):
+    """wgmma.PROJECTION_MASK_FOLD (off until timed): where a warp's rows all have a mask of 0 or 1
+    the normalised projection scales them by it before the products and skips the epilogue's
+    multiply; 0/1 masks (with empty rows) and soft ones, whose warps keep the multiply, meet float64;
+    off, the kernels render as before."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    _, widths, params = CASES["staged-output-first-default-bf16"]
+    assert "fold_mask(" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    monkeypatch.setattr(wgmma, "PROJECTION_MASK_FOLD", True)
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    assert "const bool folded = fold_mask(mk, rstd);" in codegen.render_plan(plan).source
+    failures = (emulated_against_float64(plan, SHAPES, 0)
+                + emulated_against_float64(plan, SHAPES[2:], 0, soft_mask=True))
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
 def test_the_mask_loaded_a_tile_ahead_takes_float_masks_emulated():
     """p_mask_early keeps a float mask's bits and a byte mask's value in registers of their own:
     a float mask of values other than 0 and 1 must come out as it went in."""

@@ -168,6 +168,12 @@ PROJECTION_DEFERRED_STORE = False
 #: spread take the two passes. A switch until timed: it changes the tuned kernels' source.
 FRAGMENT_STATS_BY_MMA = False
 
+#: Whether the normalised forward projection puts a 0/1 mask into its products (its rows scaled by
+#: the mask in the normalisation and in c2's k-step, every row of Wp halved) where a warp's rows all
+#: have such a mask, so that its epilogue saves a multiply an output; other masks keep the multiply.
+#: A switch until timed: it changes the tuned kernels' source.
+PROJECTION_MASK_FOLD = False
+
 
 def derive(params: dict, w: dict, name: str):
     P, H, precision = w["P"], w["H"], w["precision"]
@@ -219,6 +225,7 @@ def derive(params: dict, w: dict, name: str):
                "o_normalized": params["o_normalized"],
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
                "projection_deferred_store": PROJECTION_DEFERRED_STORE, "fragment_stats_by_mma": FRAGMENT_STATS_BY_MMA,
+               "projection_mask_fold": PROJECTION_MASK_FOLD,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
