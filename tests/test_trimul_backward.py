@@ -748,6 +748,26 @@ def test_16_bit_gradients_through_the_output_side_kernel_meet_the_standard_emula
     assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, ours)
 
 
+@pytest.mark.slow  # the other side of a kernel switch (off until timed)
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+def test_a_saving_forward_hands_x_statistics_to_its_output_kernel_emulated(monkeypatch):
+    """wgmma.OUTPUT_STATS_FROM_PROJECTION on: a training call's forward on the projection kernels
+    passes the statistics its projection wrote to its output kernel, and the output and every
+    gradient still meet the standard (the test above, models' form, saved), on the first default
+    point (the forward's variant where the module has none of its own)."""
+    from pairgen.module.kernel_module import KernelModule
+    from pairgen.ops.trimul.strategies import wgmma
+
+    monkeypatch.setattr(wgmma, "OUTPUT_STATS_FROM_PROJECTION", True)
+    monkeypatch.setattr(KernelModule, "variant_for", lambda self, *args: None)
+    handed, real = [], wgmma.run_output_forward
+    monkeypatch.setattr(wgmma, "run_output_forward",
+                        lambda projected, *rest: handed.append("stats" in projected.stats) or real(projected, *rest))
+    test_16_bit_gradients_through_the_output_side_kernel_meet_the_standard_emulated(MODELS_FORM, 1, 23, torch.bfloat16,
+                                                                                    "saved", "kernels")
+    assert handed == [True], handed
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 def test_the_projection_backward_reads_the_forward_row_statistics_emulated():
     """With the input LayerNorm's row kernel (the GPU's path), the projection's sliced backward

@@ -206,6 +206,30 @@ def test_the_mask_folded_into_the_products_matches_float64_emulated(monkeypatch,
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
+@OTHER_SIDE
+@pytest.mark.parametrize("case", ["staged-output-first-default-bf16", "normalized-output-staged-fp32-out-fp16",
+                                  "mask-early-models-bf16"])
+def test_the_statistics_handed_to_the_output_kernel_match_float64_emulated(monkeypatch, case):
+    """wgmma.OUTPUT_STATS_FROM_PROJECTION (off until timed): the projection writes x's rows'
+    statistics and the output kernel's gate loads them, a tile ahead into one of two slots, instead
+    of taking them from its fragments: staged and fp32 outputs (the slots after the staging or in
+    its place), normalised operands or folds, at whole and odd tiles; off, the kernels render as
+    before, and a point whose gate is not on the normalised input does not hand them over."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    precision, widths, params = CASES[case]
+    assert "write_row_stats" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    monkeypatch.setattr(wgmma, "OUTPUT_STATS_FROM_PROJECTION", True)
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    assert [kernel.args.count("ptr stats") for kernel in plan.kernels] == [1, 1]
+    assert "fetch_row_stats(xstats_s + ((it + 1) & 1) * 128" in codegen.render_plan(plan).source
+    other = TRIMUL.at("bfloat16").plan("wgmma", CASES["normalized-output-gate-on-input-bf16"][2],
+                                       CASES["normalized-output-gate-on-input-bf16"][1])
+    assert not any("ptr stats" in kernel.args for kernel in other.kernels)
+    failures = emulated_against_float64(plan, SHAPES, 0) + emulated_against_float64(plan, SHAPES[-1:], 3)
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
 def test_the_mask_loaded_a_tile_ahead_takes_float_masks_emulated():
     """p_mask_early keeps a float mask's bits and a byte mask's value in registers of their own:
     a float mask of values other than 0 and 1 must come out as it went in."""

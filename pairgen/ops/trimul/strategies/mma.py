@@ -139,11 +139,18 @@ def _row_statistics(launches: list, x, rounded: dict):
     output kernel reads the statistics."""
     if not launches:
         return None, {}
+    stats, argument = statistics_buffer(x)
+    launches[0].named(x=x.data_ptr(), stats=stats.data_ptr(), **_taken(launches[0], rounded))
+    return stats, argument
+
+
+def statistics_buffer(x):
+    """An empty (2, B*N*N) fp32 tensor for x's rows' statistics (mean, then 1/std) and the `stats`
+    argument that passes it, noted as the call's scratch."""
     if torch is None:
         _import_torch_half()
     stats = torch.empty((2, x.shape[0] * x.shape[1] * x.shape[2]), device=x.device, dtype=torch.float32)
     fastcall.note_scratch(stats)
-    launches[0].named(x=x.data_ptr(), stats=stats.data_ptr(), **_taken(launches[0], rounded))
     return stats, {"stats": stats.data_ptr()}
 
 
@@ -185,6 +192,8 @@ def run_projection(variant, x, mask, packed, H: int) -> Projected:
         else:
             x = read = fastcall.cast(x, ab.dtype)
     held_stats, stats = _row_statistics(statistics, x, rounded)
+    if not statistics and "stats" in project.names:  # the projection writes them for the output kernel
+        held_stats, stats = statistics_buffer(x)
     project.named(x=read.data_ptr(), mask=mask.data_ptr(), w=packed.data_ptr(), ar=ab[0].data_ptr(),
                   br=ab[1].data_ptr(), mask_is_float=int(mask.dtype is torch.float32), **_taken(project, rounded),
                   **_taken(project, stats))

@@ -174,6 +174,29 @@ FRAGMENT_STATS_BY_MMA = False
 #: A switch until timed: it changes the tuned kernels' source.
 PROJECTION_MASK_FOLD = False
 
+#: Whether the projection with x in registers writes each pair's LayerNorm mean and 1/std of x (as
+#: the statistics kernel lays them out) for the output kernel with x in registers, whose gate on
+#: the normalised input then loads them instead of taking them again from its fragments: the same
+#: values (the same function of the same fragments), for 8 bytes a pair against about a third of
+#: the output kernel's instructions before its first products. A switch until timed: it changes the
+#: tuned kernels' source.
+OUTPUT_STATS_FROM_PROJECTION = False
+
+
+def stats_to_output(params: dict, w: dict, o_slices: int) -> bool:
+    """Whether a point's projection hands x's statistics to its output kernel (see
+    OUTPUT_STATS_FROM_PROJECTION): both kernels hold x's rows in registers (the output its sums
+    too), unsliced (a sliced point has its statistics kernel), the gate on the normalised input (the
+    only reader)."""
+    return (OUTPUT_STATS_FROM_PROJECTION and bool(params["x_registers"]) and bool(params["o_x_registers"])
+            and bool(params["z_registers"]) and not params["w_registers"] and params["p_slices"] <= 1
+            and o_slices <= 1 and bool(w["gate_normalized"]) and not w["gate_hidden"])
+
+
+#: A warpgroup's two slots of a tile's x statistics in the output kernel ([mean][64], [1/std][64] fp32
+#: each) where the projection hands them over (stats_to_output).
+OUTPUT_STATS_SLOTS_BYTES = 2 * 2 * WGMMA_ROWS * 4
+
 
 def derive(params: dict, w: dict, name: str):
     P, H, precision = w["P"], w["H"], w["precision"]
@@ -207,7 +230,8 @@ def derive(params: dict, w: dict, name: str):
         columns = P // slices
         return (align(columns * k_padded(H) * eb, 1024) + align((gate_columns(w) if hidden else columns) * k_padded(P) * eb, 1024)
                 + params["o_groups"] * align(params["o_stages"] * x_tile + align(WGMMA_ROWS * H * eb, 1024) + transposed
-                                             + (4 * 16 * 24 * eb if staged_stores else 0), 1024)
+                                             + (4 * 16 * 24 * eb if staged_stores else 0)
+                                             + (OUTPUT_STATS_SLOTS_BYTES if stats_to_output(params, w, slices) else 0), 1024)
                 + (align(columns * 16 if slices > 1 else off["total"] - off["c1o"], 1024) if params["consts_smem"] else 0)
                 + (2 * align(P * 16 * eb, 1024) if params["o_normalized"] else 0))
 
@@ -215,6 +239,7 @@ def derive(params: dict, w: dict, name: str):
     project_smem, output_smem = project_smem(p_slices), output_smem(o_slices)
     stats_cast = bool(w["x_fp32"]) and has_row_statistics(p_slices, o_slices)
     x_fp32 = bool(w["x_fp32"]) and reads_fp32_x(params, p_slices) and not stats_cast
+    handed_stats = stats_to_output(params, w, o_slices)
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
                "gate_hidden": hidden, "out_fp32": bool(w["out_fp32"]), "x_fp32": x_fp32, "stats_cast": stats_cast,
                "off": off, "consts_smem": params["consts_smem"],
@@ -225,7 +250,7 @@ def derive(params: dict, w: dict, name: str):
                "o_normalized": params["o_normalized"],
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
                "projection_deferred_store": PROJECTION_DEFERRED_STORE, "fragment_stats_by_mma": FRAGMENT_STATS_BY_MMA,
-               "projection_mask_fold": PROJECTION_MASK_FOLD,
+               "projection_mask_fold": PROJECTION_MASK_FOLD, "stats_to_output": handed_stats,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
@@ -236,10 +261,13 @@ def derive(params: dict, w: dict, name: str):
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
     project_args = _with_stats(PROJECT_ARGS) if p_slices > 1 else _with_pointer(PROJECT_ARGS, "xh") if x_fp32 else PROJECT_ARGS
+    if handed_stats:  # written by the projection, read by the output kernel
+        project_args = _with_stats(project_args)
     kernels = (Kernel(name, 128 * params["p_groups"], project_smem, project_args,
                       _wgmma_grid(1 if params["w_registers"] else params["p_groups"], p_slices)),
                Kernel(f"{name}_output", 128 * params["o_groups"], output_smem,
-                      _with_stats(OUTPUT_ARGS) if o_slices > 1 else OUTPUT_ARGS, _wgmma_grid(params["o_groups"], o_slices)))
+                      _with_stats(OUTPUT_ARGS) if o_slices > 1 or handed_stats else OUTPUT_ARGS,
+                      _wgmma_grid(params["o_groups"], o_slices)))
     if has_row_statistics(p_slices, o_slices):  # the rows' statistics first (run_three_steps)
         stats_args = ("ptr x", "ptr stats", *(("ptr xh",) if stats_cast else ()), "i32 B", "i32 N", "i32 num_tiles")
         kernels = (Kernel(f"{name}_stats", 32 * STATS_WARPS, 0, stats_args, _stats_grid), *kernels)
