@@ -230,6 +230,25 @@ def test_the_statistics_handed_to_the_output_kernel_match_float64_emulated(monke
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
+@OTHER_SIDE
+@pytest.mark.parametrize("case", ["staged-output-first-default-bf16", "mask-early-models-bf16",
+                                  "sliced-both-kernels-bf16", "staged-output-sliced-fp16"])
+def test_the_output_descriptors_made_once_match_float64_emulated(monkeypatch, case):
+    """wgmma.OUTPUT_DESCRIPTORS_ONCE (off until timed): the paired output kernel's weight and bias
+    descriptors made once, a pass adding its columns' offset: with the sums and x in registers or in
+    shared memory, normalised or folded, whole or sliced columns, at whole and odd tiles; off, the
+    kernels render as before."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    precision, widths, params = CASES[case]
+    assert "wo_n" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    monkeypatch.setattr(wgmma, "OUTPUT_DESCRIPTORS_ONCE", True)
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    assert "wo_n + (operand_step<ZC" in codegen.render_plan(plan).source
+    failures = emulated_against_float64(plan, SHAPES, 0)
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
 def test_the_mask_loaded_a_tile_ahead_takes_float_masks_emulated():
     """p_mask_early keeps a float mask's bits and a byte mask's value in registers of their own:
     a float mask of values other than 0 and 1 must come out as it went in."""

@@ -183,6 +183,13 @@ PROJECTION_MASK_FOLD = False
 OUTPUT_STATS_FROM_PROJECTION = False
 
 
+#: Whether the paired output kernel makes its resident weights' and bias tiles' descriptors once per
+#: kernel (a pass adding its columns' offset, a k-step a constant), as the projection does: its SASS
+#: remade each product's descriptor from the address, about five uniform instructions a product,
+#: some 180 a tile a warp. A switch until timed: it changes the tuned kernels' source.
+OUTPUT_DESCRIPTORS_ONCE = False
+
+
 def stats_to_output(params: dict, w: dict, o_slices: int) -> bool:
     """Whether a point's projection hands x's statistics to its output kernel (see
     OUTPUT_STATS_FROM_PROJECTION): both kernels hold x's rows in registers (the output its sums
@@ -251,6 +258,7 @@ def derive(params: dict, w: dict, name: str):
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
                "projection_deferred_store": PROJECTION_DEFERRED_STORE, "fragment_stats_by_mma": FRAGMENT_STATS_BY_MMA,
                "projection_mask_fold": PROJECTION_MASK_FOLD, "stats_to_output": handed_stats,
+               "output_descriptors_once": OUTPUT_DESCRIPTORS_ONCE,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
