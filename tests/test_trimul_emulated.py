@@ -208,13 +208,14 @@ def test_the_mask_folded_into_the_products_matches_float64_emulated(monkeypatch,
 
 @OTHER_SIDE
 @pytest.mark.parametrize("case", ["staged-output-first-default-bf16", "normalized-output-staged-fp32-out-fp16",
-                                  "mask-early-models-bf16"])
+                                  "mask-early-models-bf16", "normalized-x-incoming-fp16"])
 def test_the_statistics_handed_to_the_output_kernel_match_float64_emulated(monkeypatch, case):
     """wgmma.OUTPUT_STATS_FROM_PROJECTION (off until timed): the projection writes x's rows'
     statistics and the output kernel's gate loads them, a tile ahead into one of two slots, instead
-    of taking them from its fragments: staged and fp32 outputs (the slots after the staging or in
-    its place), normalised operands or folds, at whole and odd tiles; off, the kernels render as
-    before, and a point whose gate is not on the normalised input does not hand them over."""
+    of taking them from its x: staged and fp32 outputs (the slots after the staging or in its
+    place), normalised operands or folds, x in registers or in shared memory, at whole and odd
+    tiles; off, the kernels render as before, and a point whose gate is not on the normalised input
+    does not hand them over."""
     from pairgen.ops.trimul.strategies import wgmma
 
     precision, widths, params = CASES[case]

@@ -175,11 +175,11 @@ FRAGMENT_STATS_BY_MMA = False
 PROJECTION_MASK_FOLD = False
 
 #: Whether the projection with x in registers writes each pair's LayerNorm mean and 1/std of x (as
-#: the statistics kernel lays them out) for the output kernel with x in registers, whose gate on
-#: the normalised input then loads them instead of taking them again from its fragments: the same
-#: values (the same function of the same fragments), for 8 bytes a pair against about a third of
-#: the output kernel's instructions before its first products. A switch until timed: it changes the
-#: tuned kernels' source.
+#: the statistics kernel lays them out) for the output kernel, whose gate on the normalised input
+#: then loads them instead of taking them again from its x (fragments or tile): the same values
+#: where it holds x in registers (the same function of the same fragments), for 8 bytes a pair
+#: against about a tenth of the output kernel's instructions a tile. A switch until timed: it
+#: changes the tuned kernels' source.
 OUTPUT_STATS_FROM_PROJECTION = False
 
 
@@ -192,10 +192,11 @@ OUTPUT_DESCRIPTORS_ONCE = False
 
 def stats_to_output(params: dict, w: dict, o_slices: int) -> bool:
     """Whether a point's projection hands x's statistics to its output kernel (see
-    OUTPUT_STATS_FROM_PROJECTION): both kernels hold x's rows in registers (the output its sums
-    too), unsliced (a sliced point has its statistics kernel), the gate on the normalised input (the
-    only reader)."""
-    return (OUTPUT_STATS_FROM_PROJECTION and bool(params["x_registers"]) and bool(params["o_x_registers"])
+    OUTPUT_STATS_FROM_PROJECTION): the projection holds x's rows in registers (where it takes them),
+    the output kernel its sums (its slots then sit where their transposed tile would), both
+    unsliced (a sliced point has its statistics kernel), the gate on the normalised input (the only
+    reader)."""
+    return (OUTPUT_STATS_FROM_PROJECTION and bool(params["x_registers"])
             and bool(params["z_registers"]) and not params["w_registers"] and params["p_slices"] <= 1
             and o_slices <= 1 and bool(w["gate_normalized"]) and not w["gate_hidden"])
 
