@@ -750,6 +750,34 @@ def test_16_bit_gradients_through_the_output_side_kernel_meet_the_standard_emula
 
 @pytest.mark.slow  # the other side of a kernel switch (off until timed)
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("widths,B,N,dtype,float_mask", [(MODELS_FORM, 1, 37, torch.bfloat16, False),
+                                                         (MODELS_FORM, 2, 36, torch.bfloat16, False),
+                                                         (PROJECTION_BACKWARD_WIDTHS[1], 2, 8, torch.float16, True)],
+                         ids=["models-N37", "models-whole-rows-B2-N36", "incoming-N8-float-mask"])
+def test_the_resident_backward_through_addresses_made_once_a_tile_matches_float64_emulated(widths, B, N, dtype,
+                                                                                         float_mask, monkeypatch):
+    """wgmma.BACKWARD_POINTERS (off until timed): the resident backward's gradient loads and d_proj
+    stores through the lane's addresses made once a tile (the next tile's for the passes loaded
+    across the boundary) meet float64 as the test above does, with odd rows (one element at a
+    time), several tiles a warpgroup and a float mask; it compiles without spills or a stack frame
+    (its ring of loads stays in registers); off, the kernel has no trace of it."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    assert "BackwardPointers" not in codegen.render_plan(wgmma.backward_plan(TRIMUL, "bfloat16", widths)).source
+    monkeypatch.setattr(wgmma, "BACKWARD_POINTERS", True)
+    plan = wgmma.backward_plan(TRIMUL, "bfloat16", widths)
+    rendered = codegen.render_plan(plan)
+    assert "ptrs.load = ptrs.load_next;" in rendered.source
+    if widths is MODELS_FORM and N == 37:
+        compiled = compiler.compile_source(rendered.source, plan.main.name, "sm_90")
+        kernel = compiled.kernels[plan.main.name]
+        assert kernel["spill_bytes"] == 0 and kernel["stack_bytes"] == 0, compiled.summary()
+    test_the_projection_backward_kernel_matches_float64_emulated(widths, B, N, dtype, float_mask, "resident",
+                                                                 monkeypatch)
+
+
+@pytest.mark.slow  # the other side of a kernel switch (off until timed)
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 def test_a_saving_forward_hands_x_statistics_to_its_output_kernel_emulated(monkeypatch):
     """wgmma.OUTPUT_STATS_FROM_PROJECTION on: a training call's forward on the projection kernels
     passes the statistics its projection wrote to its output kernel, and the output and every

@@ -190,6 +190,13 @@ OUTPUT_STATS_FROM_PROJECTION = False
 OUTPUT_DESCRIPTORS_ONCE = False
 
 
+#: Whether the resident projection backward makes its lane's addresses of d(loss)/d(a or b) and of
+#: d_proj once per tile, a pass adding its channels' offset, instead of remaking each from the rows'
+#: batch and offset every pass (some 30 of a pass's 200 instructions in its SASS), as the forward's
+#: store pointer does. A switch until timed.
+BACKWARD_POINTERS = False
+
+
 def stats_to_output(params: dict, w: dict, o_slices: int) -> bool:
     """Whether a point's projection hands x's statistics to its output kernel (see
     OUTPUT_STATS_FROM_PROJECTION): the projection holds x's rows in registers (where it takes them),
@@ -617,7 +624,7 @@ def _resident_backward_plan(spec, precision: str, widths: dict, normalized_x: bo
 
 @functools.lru_cache(maxsize=64)
 def _backward_plan(spec, precision: str, width_items: tuple, layout: str, passes_ahead: int,
-                   normalized_x: bool = False) -> Plan | None:
+                   normalized_x: bool = False, pointers: bool = False) -> Plan | None:
     # The swizzle where P allows it. The w_registers backward takes two slices of Wp's row blocks a
     # block where they divide: its chain rule holds d(loss)/d(a) beside both accumulator sets, which
     # with the forward's share of Wp spills (at P = H = 128). The output kernel's parameters are the
@@ -637,7 +644,8 @@ def _backward_plan(spec, precision: str, width_items: tuple, layout: str, passes
                       _with_stats(PROJECT_BACKWARD_ARGS) if stats else PROJECT_BACKWARD_ARGS, project.grid),)
     if stats:
         kernels = (dataclasses.replace(stats[0], name=f"{name}_stats"), *kernels)
-    context = {**plan.context, "projection_backward": True, "gradient_passes_ahead": passes_ahead}
+    context = {**plan.context, "projection_backward": True, "gradient_passes_ahead": passes_ahead,
+               "backward_pointers": pointers}
     return dataclasses.replace(plan, context=context, kernels=kernels, kernel_name=name)
 
 
@@ -646,7 +654,7 @@ def backward_plan(spec, precision: str, widths: dict) -> Plan | None:
     runs at a module's widths (on the kernel BACKWARD_PROJECTION names), declared with the
     backward's arguments and named apart; None where no such point is feasible."""
     return _backward_plan(spec, precision, tuple(sorted({**widths, "out_fp32": 0}.items())), BACKWARD_PROJECTION,
-                          GRADIENT_PASSES_AHEAD, BACKWARD_NORMALIZED_X)
+                          GRADIENT_PASSES_AHEAD, BACKWARD_NORMALIZED_X, BACKWARD_POINTERS)
 
 
 #: (op, precision, the module's widths in its order, arch, the switches backward_plan reads) -> the
@@ -659,7 +667,7 @@ _backward_variants: dict = {}
 def _backward_variant(module, x, precision: str):
     arch = runtime.device_info(x.get_device()).arch
     key = (module.op, precision, tuple(module.widths.items()), arch, BACKWARD_PROJECTION, GRADIENT_PASSES_AHEAD,
-           BACKWARD_NORMALIZED_X)
+           BACKWARD_NORMALIZED_X, BACKWARD_POINTERS)
     variant = _backward_variants.get(key)
     if variant is None:
         variant = _backward_variants[key] = runtime.build_variant(backward_plan(module.op, precision, module.widths), arch)
