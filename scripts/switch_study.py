@@ -14,10 +14,19 @@ a profiler (here the second call's projection):
 
   ncu -k regex:z_registers1$ -s 1 -c 1 --set full -o deferred \\
       python scripts/switch_study.py --variant deferred=PROJECTION_DEFERRED_STORE --n 1024 --forward-only
+
+With --training the variants are a bf16 module's training steps (forward and backward, the input
+and every parameter wanting a gradient), for the switches a training call reads when it first runs
+(the backward's, e.g. BACKWARD_POINTERS): each variant gets its own copy of one module, whose first
+call, made with the variant's switches set, is recorded and then replayed as a model's steps are.
+Each variant's gradients are compared with the first variant's first (relative L2 at most 1e-2,
+the 16-bit standard's scale), then the steps are timed in alternating rounds.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 import math
 import statistics
@@ -85,6 +94,78 @@ def plan_for(spec, params: dict, flips: dict[str, bool], overrides: dict[str, in
             setattr(wgmma, name, value)
 
 
+@contextlib.contextmanager
+def switched(flips: dict[str, bool]):
+    """The wgmma switches set as `flips` asks while open (a training call reads the backward's when
+    it first runs), restored after."""
+    saved = {name: getattr(wgmma, name) for name in flips}
+    try:
+        for name, value in flips.items():
+            setattr(wgmma, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(wgmma, name, value)
+
+
+def relative_error(mine, theirs) -> float:
+    return ((mine.double() - theirs.double()).norm() / theirs.double().norm()).item()
+
+
+def training_study(variants: list, ns: list[int], widths: dict, rounds: int, steps: int = 5) -> dict:
+    """{N: {variant: [µs a step, one per round]}}: each variant's own copy of one bf16 module,
+    recorded under its switches, its gradients checked against the first variant's."""
+    import torch
+
+    from pairgen.ops.trimul import TRIMUL
+
+    gen = torch.Generator().manual_seed(0)
+    base = TRIMUL.make_module(widths, gen).cuda().to(torch.bfloat16)
+    report = {}
+    for n in ns:
+        x, mask = TRIMUL.make_inputs({"B": 1, "N": n, **widths}, gen, "normal")
+        x, mask = x.cuda().to(torch.bfloat16), mask.cuda()
+        g = torch.randn(x.shape, generator=gen).cuda().to(torch.bfloat16)
+        modules = {name: copy.deepcopy(base) for name, _, _ in variants}
+        flips_of = {name: flips for name, flips, _ in variants}
+
+        def step(name):
+            module = modules[name]
+            module.zero_grad(set_to_none=True)
+            leaf = x.detach().requires_grad_()
+            module(leaf, mask).backward(g)
+            return [leaf.grad, *(p.grad for p in module.parameters())]
+
+        first = None
+        for name in modules:
+            with switched(flips_of[name]):
+                grads = step(name)  # recorded under the variant's switches
+                grads = step(name)  # and replayed
+            torch.cuda.synchronize()
+            if first is None:
+                first = [t.clone() for t in grads]
+                continue
+            worst = max(relative_error(mine, theirs) for mine, theirs in zip(grads, first))
+            if not worst <= 1e-2:
+                raise SystemExit(f"N{n} {name}: a gradient differs from {variants[0][0]}'s by {worst:.2e} (relative L2)")
+        times = {name: [] for name in modules}
+        for round_index in range(rounds):
+            for name in alternating_order(list(modules), round_index):
+                with switched(flips_of[name]):
+                    step(name)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(steps):
+                        step(name)
+                    end.record()
+                    end.synchronize()
+                times[name].append(1e3 * start.elapsed_time(end) / steps)
+        report[n] = times
+        for line in summary(times):
+            print(f"N{n} training step {line}", flush=True)
+    return report
+
+
 def tuned_params(n: int, widths: dict) -> dict:
     """This GPU's tuned wgmma params for the models' form at n's N bucket, as a module looks them up
     (else the nearest bucket tuned)."""
@@ -114,6 +195,8 @@ def main(argv=None) -> int:
     parser.add_argument("--incoming", action="store_true", help="the incoming direction (default outgoing)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write every run's time here")
+    parser.add_argument("--training", action="store_true",
+                        help="time training steps (forward + backward) for the switches a training call reads")
     parser.add_argument("--forward-only", action="store_true",
                         help="run each variant's forward three times, unchecked and untimed (for Nsight Compute)")
     args = parser.parse_args(argv)
@@ -128,6 +211,12 @@ def main(argv=None) -> int:
         raise SystemExit("switch_study times kernels: it needs a CUDA GPU")
     widths = {**MODELS_FORM, "outgoing": 0 if args.incoming else 1}
     spec, ns = TRIMUL.at("bfloat16"), [int(n) for n in args.n.split(",")]
+    if args.training:
+        report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "widths": widths,
+                  "training": training_study(args.variant, ns, widths, args.rounds)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return 0
     plans = {(n, name): plan_for(spec, tuned_params(n, widths), flips, overrides, widths)
              for n in ns for name, flips, overrides in args.variant}
     start, arch = time.perf_counter(), runtime.device_info(torch.cuda.current_device()).arch

@@ -56,3 +56,16 @@ def test_rounds_alternate_and_the_summary_compares_with_the_first_variant(study)
     lines = study.summary({"base": [100.0, 104.0, 90.0], "new": [95.0, 99.0, 97.0]})
     assert lines[0].startswith("base: median 100.0 us") and "(+0.0 %)" in lines[0]
     assert lines[1].startswith("new: median 97.0 us") and "(-3.0 %)" in lines[1]
+
+
+def test_a_training_variants_switches_hold_while_it_runs_and_are_restored(study):
+    """--training sets a variant's switches for its calls (a training call reads the backward's when
+    it first runs) and restores them after, an exception too."""
+    before = wgmma.BACKWARD_POINTERS
+    _, flips, _ = study.parse_variant("pointers=BACKWARD_POINTERS")
+    with study.switched(flips):
+        assert wgmma.BACKWARD_POINTERS is (not before)
+    assert wgmma.BACKWARD_POINTERS is before
+    with pytest.raises(RuntimeError), study.switched(flips):
+        raise RuntimeError
+    assert wgmma.BACKWARD_POINTERS is before
