@@ -694,6 +694,28 @@ def test_the_output_side_backward_kernel_matches_float64_emulated(dtype, P, H, B
         assert error <= 1e-2, f"{name}: {error}"
 
 
+@pytest.mark.slow  # the other side of a kernel switch (off until timed)
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
+@pytest.mark.parametrize("dtype,P,H,B,L,bias", [(torch.bfloat16, 128, 128, 1, 37 * 37, False),
+                                                (torch.float16, 48, 32, 2, 75, True)],
+                         ids=["models", "bias-fp16-two-batches"])
+def test_the_output_side_backward_with_descriptors_made_once_matches_float64_emulated(dtype, P, H, B, L, bias,
+                                                                                     monkeypatch):
+    """output_backward.DESCRIPTORS_ONCE (off until timed): the kernel's weights' and tiles'
+    descriptors made once, each product adding its offset, meet float64 as the test above does and
+    compile without spills at P = H = 128; off, the source has no trace of them."""
+    from pairgen.ops.trimul import output_backward
+
+    assert "desc_wo" not in output_backward.render("bfloat16", 128, 128).source
+    monkeypatch.setattr(output_backward, "DESCRIPTORS_ONCE", True)
+    rendered = output_backward.render("bfloat16", 128, 128)
+    assert "desc_wo + (interleaved_step<ZC>(c0, ks) >> 4)" in rendered.source
+    if P == 128:
+        compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
+        assert compiled.spill_bytes == 0 and compiled.stack_bytes == 0, compiled.summary()
+    test_the_output_side_backward_kernel_matches_float64_emulated(dtype, P, H, B, L, bias)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 @pytest.mark.parametrize("widths,B,N,dtype", [(MODELS_FORM, 1, 23, torch.bfloat16), (OUTPUT_BACKWARD_WIDTHS[1], 2, 9, torch.float16)],
                          ids=["models-N23", "bias-gate-on-x-fp16"])

@@ -41,6 +41,10 @@ GROUPS = 2
 #: warpgroups' 255 registers a thread, a quarter comes closer to three warpgroups' 168.
 MAX_PASS_COLUMNS = 64
 _TILE_ROWS = 64
+#: Whether the kernel makes its weights' and tiles' shared-memory descriptors once, each product
+#: adding its rows' and k-step's offset, instead of remaking each from the address (about five
+#: instructions a product, 48 products a tile, in its SASS). A switch until timed.
+DESCRIPTORS_ONCE = False
 
 
 def pass_columns(P: int, max_columns: int = MAX_PASS_COLUMNS) -> int:
@@ -62,19 +66,19 @@ def smem_bytes(P: int, H: int, groups: int = GROUPS) -> int:
 
 @functools.lru_cache(maxsize=64)
 def context(kind: str, P: int, H: int, bias: bool, eps: float, groups: int = GROUPS,
-            max_pass_columns: int = MAX_PASS_COLUMNS) -> dict:
+            max_pass_columns: int = MAX_PASS_COLUMNS, descriptors_once: bool = False) -> dict:
     """The template's context (hashable: launches are bound per context; cached, since every
     training step launches the kernel: not to be changed)."""
     pass_cols = pass_columns(P, max_pass_columns)
     return {"cols": P, "hidden": H, "bias": bias, "eps": repr(float(eps)), "threads": 128 * groups,
             "smem_bytes": smem_bytes(P, H, groups), "pass_cols": pass_cols, "mma_kind": MMA_KINDS[kind],
             "wgmma_widths": (pass_cols,), "wgmma_rs_widths": (pass_cols,), "wgmma_rs_tb_widths": (H,),
-            "wgmma_tb_widths": (P,)}
+            "wgmma_tb_widths": (P,), "descriptors_once": descriptors_once}
 
 
 def render(kind: str, P: int, H: int, bias: bool = False, eps: float = 1e-5, **shape):
     """The source at these widths; shape: context's groups and max_pass_columns."""
-    return TEMPLATE.render(kind, **context(kind, P, H, bias, eps, **shape))
+    return TEMPLATE.render(kind, **context(kind, P, H, bias, eps, **{"descriptors_once": DESCRIPTORS_ONCE, **shape}))
 
 
 def applies(dtype, P: int, H: int, tensors: list) -> bool:
@@ -122,6 +126,6 @@ def output_side_backward(z: torch.Tensor, gate_in: torch.Tensor, g: torch.Tensor
                     wo.data_ptr(), wg.data_ptr(), bo.data_ptr() if bias else 0, bg.data_ptr() if bias else 0,
                     out["zn"].data_ptr(), out["d_o"].data_ptr(), out["d_u"].data_ptr(), out["d_gate_in"].data_ptr(),
                     out["d_z"].data_ptr(), parts.data_ptr(), M, L, int(chunks), smem=smem_bytes(P, H, GROUPS),
-                    **context(storage_kind(z.dtype), P, H, bias, eps, GROUPS, MAX_PASS_COLUMNS))
+                    **context(storage_kind(z.dtype), P, H, bias, eps, GROUPS, MAX_PASS_COLUMNS, DESCRIPTORS_ONCE))
     out["d_gamma"], out["d_beta"] = parts.sum(0)  # views of one reduction
     return out
