@@ -36,14 +36,36 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pairgen.ops.trimul import output_backward  # noqa: E402
 from pairgen.ops.trimul.strategies import wgmma  # noqa: E402
+
+#: Where switches live: the wgmma strategy's by their names, the others' as module.NAME.
+SWITCH_MODULES = {"": wgmma, "output_backward.": output_backward}
 
 MODELS_FORM = {"P": 128, "H": 128, "bias": 0, "gate_normalized": 1, "outgoing": 1}
 
 
 def switches() -> list[str]:
-    """The wgmma strategy's kernel switches: its module-level booleans named in capitals."""
-    return sorted(name for name, value in vars(wgmma).items() if name.isupper() and isinstance(value, bool))
+    """The kernel switches: the wgmma strategy's module-level booleans named in capitals, and the
+    output side's backward's as output_backward.NAME."""
+    return sorted(prefix + name for prefix, module in SWITCH_MODULES.items()
+                  for name, value in vars(module).items() if name.isupper() and isinstance(value, bool))
+
+
+def switch_owner(switch: str) -> tuple:
+    """(the module a switch lives in, its name there)."""
+    prefix, _, name = switch.rpartition(".")
+    return SWITCH_MODULES[prefix + "." if prefix else ""], name
+
+
+def switch_value(switch: str) -> bool:
+    module, name = switch_owner(switch)
+    return getattr(module, name)
+
+
+def set_switch(switch: str, value: bool) -> None:
+    module, name = switch_owner(switch)
+    setattr(module, name, value)
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, bool], dict[str, int]]:
@@ -57,8 +79,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, bool], dict[str, int]]:
     flips = {}
     for switch in filter(None, flipped.split(",")):
         if switch not in known:
-            raise argparse.ArgumentTypeError(f"no switch {switch!r}; the wgmma switches: {', '.join(known)}")
-        flips[switch] = not getattr(wgmma, switch)
+            raise argparse.ArgumentTypeError(f"no switch {switch!r}; the switches: {', '.join(known)}")
+        flips[switch] = not switch_value(switch)
     params = {}
     for item in filter(None, overrides.split(",")):
         key, eq, value = item.partition("=")
@@ -84,28 +106,22 @@ def summary(times: dict[str, list[float]]) -> list[str]:
 def plan_for(spec, params: dict, flips: dict[str, bool], overrides: dict[str, int], widths: dict):
     """The plan with the variant's switches set while it is made (a plan keeps the render context
     it was made with) and restored after."""
-    saved = {name: getattr(wgmma, name) for name in flips}
-    try:
-        for name, value in flips.items():
-            setattr(wgmma, name, value)
+    with switched(flips):
         return spec.plan("wgmma", {**params, **overrides}, widths)
-    finally:
-        for name, value in saved.items():
-            setattr(wgmma, name, value)
 
 
 @contextlib.contextmanager
 def switched(flips: dict[str, bool]):
-    """The wgmma switches set as `flips` asks while open (a training call reads the backward's when
-    it first runs), restored after."""
-    saved = {name: getattr(wgmma, name) for name in flips}
+    """The switches set as `flips` asks while open (a training call reads the backward's when it
+    first runs), restored after."""
+    saved = {name: switch_value(name) for name in flips}
     try:
         for name, value in flips.items():
-            setattr(wgmma, name, value)
+            set_switch(name, value)
         yield
     finally:
         for name, value in saved.items():
-            setattr(wgmma, name, value)
+            set_switch(name, value)
 
 
 def relative_error(mine, theirs) -> float:

@@ -69,3 +69,15 @@ def test_a_training_variants_switches_hold_while_it_runs_and_are_restored(study)
     with pytest.raises(RuntimeError), study.switched(flips):
         raise RuntimeError
     assert wgmma.BACKWARD_POINTERS is before
+
+
+def test_the_output_side_backwards_switch_is_named_by_its_module(study):
+    from pairgen.ops.trimul import output_backward
+
+    assert "output_backward.DESCRIPTORS_ONCE" in study.switches() and "DESCRIPTORS_ONCE" not in study.switches()
+    before = output_backward.DESCRIPTORS_ONCE
+    _, flips, _ = study.parse_variant("described=output_backward.DESCRIPTORS_ONCE,BACKWARD_POINTERS")
+    assert flips == {"output_backward.DESCRIPTORS_ONCE": not before, "BACKWARD_POINTERS": not wgmma.BACKWARD_POINTERS}
+    with study.switched(flips):
+        assert output_backward.DESCRIPTORS_ONCE is (not before)
+    assert output_backward.DESCRIPTORS_ONCE is before
