@@ -694,18 +694,19 @@ def test_the_output_side_backward_kernel_matches_float64_emulated(dtype, P, H, B
         assert error <= 1e-2, f"{name}: {error}"
 
 
-@pytest.mark.slow  # the other side of a kernel switch (off until timed)
+@pytest.mark.slow  # a kernel switch's own cases, both sides (its default runs in the fast tests above)
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 @pytest.mark.parametrize("dtype,P,H,B,L,bias", [(torch.bfloat16, 128, 128, 1, 37 * 37, False),
                                                 (torch.float16, 48, 32, 2, 75, True)],
                          ids=["models", "bias-fp16-two-batches"])
 def test_the_output_side_backward_with_descriptors_made_once_matches_float64_emulated(dtype, P, H, B, L, bias,
                                                                                      monkeypatch):
-    """output_backward.DESCRIPTORS_ONCE (off until timed): the kernel's weights' and tiles'
+    """output_backward.DESCRIPTORS_ONCE (on since session 50): the kernel's weights' and tiles'
     descriptors made once, each product adding its offset, meet float64 as the test above does and
-    compile without spills at P = H = 128; off, the source has no trace of them."""
+    compile without spills at P = H = 128; off (the earlier kernel), the source has no trace of them."""
     from pairgen.ops.trimul import output_backward
 
+    monkeypatch.setattr(output_backward, "DESCRIPTORS_ONCE", False)
     assert "desc_wo" not in output_backward.render("bfloat16", 128, 128).source
     monkeypatch.setattr(output_backward, "DESCRIPTORS_ONCE", True)
     rendered = output_backward.render("bfloat16", 128, 128)
@@ -770,7 +771,7 @@ def test_16_bit_gradients_through_the_output_side_kernel_meet_the_standard_emula
     assert_16_bit_gradients_meet_the_standard(module, (x, mask), g, ours)
 
 
-@pytest.mark.slow  # the other side of a kernel switch (off until timed)
+@pytest.mark.slow  # a kernel switch's own cases, both sides (its default runs in the fast tests above)
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 @pytest.mark.parametrize("widths,B,N,dtype,float_mask", [(MODELS_FORM, 1, 37, torch.bfloat16, False),
                                                          (MODELS_FORM, 2, 36, torch.bfloat16, False),
@@ -778,13 +779,14 @@ def test_16_bit_gradients_through_the_output_side_kernel_meet_the_standard_emula
                          ids=["models-N37", "models-whole-rows-B2-N36", "incoming-N8-float-mask"])
 def test_the_resident_backward_through_addresses_made_once_a_tile_matches_float64_emulated(widths, B, N, dtype,
                                                                                          float_mask, monkeypatch):
-    """wgmma.BACKWARD_POINTERS (off until timed): the resident backward's gradient loads and d_proj
+    """wgmma.BACKWARD_POINTERS (on since session 50): the resident backward's gradient loads and d_proj
     stores through the lane's addresses made once a tile (the next tile's for the passes loaded
     across the boundary) meet float64 as the test above does, with odd rows (one element at a
     time), several tiles a warpgroup and a float mask; it compiles without spills or a stack frame
-    (its ring of loads stays in registers); off, the kernel has no trace of it."""
+    (its ring of loads stays in registers); off (the earlier kernel), it has no trace of it."""
     from pairgen.ops.trimul.strategies import wgmma
 
+    monkeypatch.setattr(wgmma, "BACKWARD_POINTERS", False)
     assert "BackwardPointers" not in codegen.render_plan(wgmma.backward_plan(TRIMUL, "bfloat16", widths)).source
     monkeypatch.setattr(wgmma, "BACKWARD_POINTERS", True)
     plan = wgmma.backward_plan(TRIMUL, "bfloat16", widths)
@@ -798,10 +800,10 @@ def test_the_resident_backward_through_addresses_made_once_a_tile_matches_float6
                                                                  monkeypatch)
 
 
-@pytest.mark.slow  # the other side of a kernel switch (off until timed)
+@pytest.mark.slow  # a kernel switch's own cases, both sides (its default runs in the fast tests above)
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
 def test_a_saving_forward_hands_x_statistics_to_its_output_kernel_emulated(monkeypatch):
-    """wgmma.OUTPUT_STATS_FROM_PROJECTION on: a training call's forward on the projection kernels
+    """wgmma.OUTPUT_STATS_FROM_PROJECTION (on since session 50): a training call's forward on the projection kernels
     passes the statistics its projection wrote to its output kernel, and the output and every
     gradient still meet the standard (the test above, models' form, saved), on the first default
     point (the forward's variant where the module has none of its own)."""

@@ -131,8 +131,9 @@ def test_new_wgmma_kernels_match_float64_emulated(case, order):
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
-#: The other side of a kernel switch (wgmma.PROJECTION_*), a path no shipped kernel renders while the
-#: switch stays as it is: its tests run with --slow, out of the README's test command's time.
+#: A kernel switch's own cases (wgmma's module-level booleans): the side no shipped kernel renders, and
+#: for a switch that is on, its path at more shapes than the cases above run it at (the first default
+#: renders every switch that is on): with --slow, out of the README's test command's time.
 OTHER_SIDE = pytest.mark.slow
 
 
@@ -171,13 +172,14 @@ def test_the_projections_deferred_store_matches_float64_emulated(monkeypatch):
 @OTHER_SIDE
 @pytest.mark.parametrize("case", ["staged-output-first-default-bf16", "normalized-x-incoming-fp16"])
 def test_the_statistics_by_mma_match_float64_emulated(monkeypatch, case):
-    """wgmma.FRAGMENT_STATS_BY_MMA (off until timed): the LayerNorm statistics of the rows held as
+    """wgmma.FRAGMENT_STATS_BY_MMA (on since session 50): the LayerNorm statistics of the rows held as
     fragments (the projection's x, the output's sums and x) from mma.sync sums and Gram diagonals
     meet float64, with rows whose mean is far from zero too (their warps take the two passes); off,
     the kernels render as before."""
     from pairgen.ops.trimul.strategies import wgmma
 
     precision, widths, params = CASES[case]
+    monkeypatch.setattr(wgmma, "FRAGMENT_STATS_BY_MMA", False)
     assert "fragment_stats_by_mma" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
     monkeypatch.setattr(wgmma, "FRAGMENT_STATS_BY_MMA", True)
     plan = TRIMUL.at(precision).plan("wgmma", params, widths)
@@ -190,13 +192,14 @@ def test_the_statistics_by_mma_match_float64_emulated(monkeypatch, case):
 @OTHER_SIDE
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 def test_the_mask_folded_into_the_products_matches_float64_emulated(monkeypatch, precision):
-    """wgmma.PROJECTION_MASK_FOLD (off until timed): where a warp's rows all have a mask of 0 or 1
+    """wgmma.PROJECTION_MASK_FOLD (on since session 50): where a warp's rows all have a mask of 0 or 1
     the normalised projection scales them by it before the products and skips the epilogue's
     multiply; 0/1 masks (with empty rows) and soft ones, whose warps keep the multiply, meet float64;
-    off, the kernels render as before."""
+    off (the earlier kernels), the source has no trace of it."""
     from pairgen.ops.trimul.strategies import wgmma
 
     _, widths, params = CASES["staged-output-first-default-bf16"]
+    monkeypatch.setattr(wgmma, "PROJECTION_MASK_FOLD", False)
     assert "fold_mask(" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
     monkeypatch.setattr(wgmma, "PROJECTION_MASK_FOLD", True)
     plan = TRIMUL.at(precision).plan("wgmma", params, widths)
@@ -210,15 +213,16 @@ def test_the_mask_folded_into_the_products_matches_float64_emulated(monkeypatch,
 @pytest.mark.parametrize("case", ["staged-output-first-default-bf16", "normalized-output-staged-fp32-out-fp16",
                                   "mask-early-models-bf16", "normalized-x-incoming-fp16"])
 def test_the_statistics_handed_to_the_output_kernel_match_float64_emulated(monkeypatch, case):
-    """wgmma.OUTPUT_STATS_FROM_PROJECTION (off until timed): the projection writes x's rows'
+    """wgmma.OUTPUT_STATS_FROM_PROJECTION (on since session 50): the projection writes x's rows'
     statistics and the output kernel's gate loads them, a tile ahead into one of two slots, instead
     of taking them from its x: staged and fp32 outputs (the slots after the staging or in its
     place), normalised operands or folds, x in registers or in shared memory, at whole and odd
-    tiles; off, the kernels render as before, and a point whose gate is not on the normalised input
+    tiles; off (the earlier kernels), the source has no trace of it, and a point whose gate is not on the normalised input
     does not hand them over."""
     from pairgen.ops.trimul.strategies import wgmma
 
     precision, widths, params = CASES[case]
+    monkeypatch.setattr(wgmma, "OUTPUT_STATS_FROM_PROJECTION", False)
     assert "write_row_stats" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
     monkeypatch.setattr(wgmma, "OUTPUT_STATS_FROM_PROJECTION", True)
     plan = TRIMUL.at(precision).plan("wgmma", params, widths)
@@ -235,13 +239,14 @@ def test_the_statistics_handed_to_the_output_kernel_match_float64_emulated(monke
 @pytest.mark.parametrize("case", ["staged-output-first-default-bf16", "mask-early-models-bf16",
                                   "sliced-both-kernels-bf16", "staged-output-sliced-fp16"])
 def test_the_output_descriptors_made_once_match_float64_emulated(monkeypatch, case):
-    """wgmma.OUTPUT_DESCRIPTORS_ONCE (off until timed): the paired output kernel's weight and bias
+    """wgmma.OUTPUT_DESCRIPTORS_ONCE (on since session 50): the paired output kernel's weight and bias
     descriptors made once, a pass adding its columns' offset: with the sums and x in registers or in
     shared memory, normalised or folded, whole or sliced columns, at whole and odd tiles; off, the
     kernels render as before."""
     from pairgen.ops.trimul.strategies import wgmma
 
     precision, widths, params = CASES[case]
+    monkeypatch.setattr(wgmma, "OUTPUT_DESCRIPTORS_ONCE", False)
     assert "wo_n" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
     monkeypatch.setattr(wgmma, "OUTPUT_DESCRIPTORS_ONCE", True)
     plan = TRIMUL.at(precision).plan("wgmma", params, widths)

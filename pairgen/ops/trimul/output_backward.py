@@ -44,7 +44,7 @@ _TILE_ROWS = 64
 #: Whether the kernel makes its weights' and tiles' shared-memory descriptors once, each product
 #: adding its rows' and k-step's offset, instead of remaking each from the address (about five
 #: instructions a product, 48 products a tile, in its SASS). A switch until timed.
-DESCRIPTORS_ONCE = False
+DESCRIPTORS_ONCE = True
 
 
 def pass_columns(P: int, max_columns: int = MAX_PASS_COLUMNS) -> int:
