@@ -1,19 +1,19 @@
 """Whether a kernel switch pays: time the triangle update's module call with the wgmma strategy's
-switches (its module-level booleans, e.g. PROJECTION_DEFERRED_STORE) set as each variant asks, on
+switches (its module-level booleans, e.g. PROJECTION_MASK_FOLD) set as each variant asks, on
 this GPU's tuned bf16 params for the models' form, at several N. Every variant is checked against
 the float64 reference on the GPU first, then the variants are timed in alternating rounds (a
 round's order reversed every other round), so that a slow spell of the card falls on all of them.
 Example (the first variant is the baseline the percentages refer to):
 
-  python scripts/switch_study.py --variant none= --variant deferred=PROJECTION_DEFERRED_STORE \\
+  python scripts/switch_study.py --variant none= --variant unfolded=PROJECTION_MASK_FOLD \\
       --n 768,1024,2048 --rounds 5 --json study.json
 
 A variant may also change the tuned point's launch shape: `g3w64=:p_groups=3,p_wn=64`. With
 --forward-only each variant runs three forward calls at each N instead, unchecked and untimed, for
 a profiler (here the second call's projection):
 
-  ncu -k regex:z_registers1$ -s 1 -c 1 --set full -o deferred \\
-      python scripts/switch_study.py --variant deferred=PROJECTION_DEFERRED_STORE --n 1024 --forward-only
+  ncu -k regex:z_registers1$ -s 1 -c 1 --set full -o unfolded \\
+      python scripts/switch_study.py --variant unfolded=PROJECTION_MASK_FOLD --n 1024 --forward-only
 
 With --training the variants are a bf16 module's training steps (forward and backward, the input
 and every parameter wanting a gradient), for the switches a training call reads when it first runs

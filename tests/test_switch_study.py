@@ -25,11 +25,11 @@ def study():
 
 
 def test_a_variant_names_switches_and_param_overrides(study):
-    assert "PROJECTION_DEFERRED_STORE" in study.switches() and "P" not in study.switches()
+    assert "PROJECTION_MASK_FOLD" in study.switches() and "P" not in study.switches()
     assert study.parse_variant("none=") == ("none", {}, {})
-    name, flips, params = study.parse_variant("both=PROJECTION_DEFERRED_STORE,PROJECTION_STORE_POINTER:p_groups=3")
+    name, flips, params = study.parse_variant("both=PROJECTION_MASK_FOLD,PROJECTION_STORE_POINTER:p_groups=3")
     assert name == "both" and params == {"p_groups": 3}
-    assert flips == {"PROJECTION_DEFERRED_STORE": not wgmma.PROJECTION_DEFERRED_STORE,
+    assert flips == {"PROJECTION_MASK_FOLD": not wgmma.PROJECTION_MASK_FOLD,
                      "PROJECTION_STORE_POINTER": not wgmma.PROJECTION_STORE_POINTER}
     for bad in ("nosign", "=X", "a=NO_SUCH_SWITCH", "a=:p_groups=three", "a=:p_groups"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -40,12 +40,12 @@ def test_a_variants_plan_renders_its_switch_and_the_strategy_is_left_as_it_was(s
     widths = study.MODELS_FORM
     params = next(p for s, p in TRIMUL.default_points if s == "wgmma")
     spec = TRIMUL.at("bfloat16")
-    before = wgmma.PROJECTION_DEFERRED_STORE
-    _, flips, _ = study.parse_variant("deferred=PROJECTION_DEFERRED_STORE")
+    before = wgmma.PROJECTION_MASK_FOLD
+    _, flips, _ = study.parse_variant("fold=PROJECTION_MASK_FOLD")
     flipped = codegen.render_plan(study.plan_for(spec, params, flips, {}, widths)).source
     plain = codegen.render_plan(study.plan_for(spec, params, {}, {}, widths)).source
-    assert wgmma.PROJECTION_DEFERRED_STORE == before
-    assert ("store_pending(" in flipped) != ("store_pending(" in plain)
+    assert wgmma.PROJECTION_MASK_FOLD == before
+    assert ("fold_mask(" in flipped) != ("fold_mask(" in plain)
     wider = study.plan_for(spec, params, {}, {"p_groups": 3, "p_wn": 64}, widths)
     assert wider.params["p_groups"] == 3 and wider.params["p_wn"] == 64
 

@@ -154,22 +154,6 @@ def test_the_projections_store_address_remade_each_pass_matches_float64_emulated
 
 
 @OTHER_SIDE
-def test_the_projections_deferred_store_matches_float64_emulated(monkeypatch):
-    """wgmma.PROJECTION_DEFERRED_STORE (off until timed): a pass's staged a, b wait in registers and
-    are stored after the next pass's wait (the last pass's after the loop); at whole tiles and at odd
-    ones (whose rows the epilogue stores itself) it meets float64, and off it renders as before."""
-    from pairgen.ops.trimul.strategies import wgmma
-
-    precision, widths, params = CASES["staged-output-first-default-bf16"]
-    assert "store_pending" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
-    monkeypatch.setattr(wgmma, "PROJECTION_DEFERRED_STORE", True)
-    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
-    assert "store_pending(pdst, pending, PJ_PASSES - 1" in codegen.render_plan(plan).source
-    failures = emulated_against_float64(plan, SHAPES, 0) + emulated_against_float64(plan, SHAPES[-1:], 3)
-    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
-
-
-@OTHER_SIDE
 @pytest.mark.parametrize("case", ["staged-output-first-default-bf16", "normalized-x-incoming-fp16"])
 def test_the_statistics_by_mma_match_float64_emulated(monkeypatch, case):
     """wgmma.FRAGMENT_STATS_BY_MMA (on since session 50): the LayerNorm statistics of the rows held as

@@ -155,12 +155,6 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
 #: which makes its tuned entries stale (its timing: docs/performance.md, sessions 35-36).
 PROJECTION_STORE_POINTER = True
 
-#: Whether, through the store pointer, a pass's read-back of its staged a, b waits in registers and
-#: its global store follows the next pass's wait, so that the read's latency is spent under the
-#: products: Nsight Compute found the projection's stall samples gathered on these stores and reads
-#: (docs/performance.md). A switch until timed: it changes the tuned kernels' source.
-PROJECTION_DEFERRED_STORE = False
-
 #: Whether the rows' LayerNorm statistics taken from A fragments (the projection's x in registers,
 #: the output kernel's triangle sums and x) come from tensor-core products, sums and the Gram
 #: matrix's diagonal, instead of two passes of unpacks, adds and shuffles: these are the
@@ -264,7 +258,7 @@ def derive(params: dict, w: dict, name: str):
                "p_mask_early": params["p_mask_early"], "p_normalized_x": params["p_normalized_x"],
                "o_normalized": params["o_normalized"],
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
-               "projection_deferred_store": PROJECTION_DEFERRED_STORE, "fragment_stats_by_mma": FRAGMENT_STATS_BY_MMA,
+               "fragment_stats_by_mma": FRAGMENT_STATS_BY_MMA,
                "projection_mask_fold": PROJECTION_MASK_FOLD, "stats_to_output": handed_stats,
                "output_descriptors_once": OUTPUT_DESCRIPTORS_ONCE,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
