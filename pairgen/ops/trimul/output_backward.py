@@ -43,7 +43,8 @@ MAX_PASS_COLUMNS = 64
 _TILE_ROWS = 64
 #: Whether the kernel makes its weights' and tiles' shared-memory descriptors once, each product
 #: adding its rows' and k-step's offset, instead of remaking each from the address (about five
-#: instructions a product, 48 products a tile, in its SASS). A switch until timed.
+#: instructions a product, 48 products a tile, in its SASS). A switch so that a study can time both
+#: sides (scripts/switch_study.py --training).
 DESCRIPTORS_ONCE = True
 
 

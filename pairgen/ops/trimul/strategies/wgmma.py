@@ -159,35 +159,34 @@ PROJECTION_STORE_POINTER = True
 #: the output kernel's triangle sums and x) come from tensor-core products, sums and the Gram
 #: matrix's diagonal, instead of two passes of unpacks, adds and shuffles: these are the
 #: instructions a tile's first pass waits for. Warps with a row whose mean is large against its
-#: spread take the two passes. A switch until timed: it changes the tuned kernels' source.
+#: spread take the two passes. A switch (its off side is the earlier kernels) because turning it
+#: changes the tuned kernels' source: their entries go stale (timed: docs/performance.md, session 50).
 FRAGMENT_STATS_BY_MMA = True
 
 #: Whether the normalised forward projection puts a 0/1 mask into its products (its rows scaled by
 #: the mask in the normalisation and in c2's k-step, every row of Wp halved) where a warp's rows all
 #: have such a mask, so that its epilogue saves a multiply an output; other masks keep the multiply.
-#: A switch until timed: it changes the tuned kernels' source.
+#: A switch for the same reason as the one above.
 PROJECTION_MASK_FOLD = True
 
 #: Whether the projection with x in registers writes each pair's LayerNorm mean and 1/std of x (as
 #: the statistics kernel lays them out) for the output kernel, whose gate on the normalised input
 #: then loads them instead of taking them again from its x (fragments or tile): the same values
 #: where it holds x in registers (the same function of the same fragments), for 8 bytes a pair
-#: against about a tenth of the output kernel's instructions a tile. A switch until timed: it
-#: changes the tuned kernels' source.
+#: against about a tenth of the output kernel's instructions a tile. A switch for the same reason.
 OUTPUT_STATS_FROM_PROJECTION = True
-
 
 #: Whether the paired output kernel makes its resident weights' and bias tiles' descriptors once per
 #: kernel (a pass adding its columns' offset, a k-step a constant), as the projection does: its SASS
 #: remade each product's descriptor from the address, about five uniform instructions a product,
-#: some 180 a tile a warp. A switch until timed: it changes the tuned kernels' source.
+#: some 180 a tile a warp. A switch for the same reason.
 OUTPUT_DESCRIPTORS_ONCE = True
-
 
 #: Whether the resident projection backward makes its lane's addresses of d(loss)/d(a or b) and of
 #: d_proj once per tile, a pass adding its channels' offset, instead of remaking each from the rows'
 #: batch and offset every pass (some 30 of a pass's 200 instructions in its SASS), as the forward's
-#: store pointer does. A switch until timed.
+#: store pointer does. A switch so that a study can time both sides (scripts/switch_study.py
+#: --training).
 BACKWARD_POINTERS = True
 
 
