@@ -131,6 +131,20 @@ def test_new_wgmma_kernels_match_float64_emulated(case, order):
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
+def plan_with_switch_on(monkeypatch, switch: str, precision: str, widths: dict, params: dict, off_marker: str,
+                        on_marker: str):
+    """The point's plan with wgmma's `switch` on, once its source is seen without `off_marker` with
+    the switch off (the earlier kernels) and with `on_marker` with it on."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    monkeypatch.setattr(wgmma, switch, False)
+    assert off_marker not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    monkeypatch.setattr(wgmma, switch, True)
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    assert on_marker in codegen.render_plan(plan).source
+    return plan
+
+
 #: A kernel switch's own cases (wgmma's module-level booleans): the side no shipped kernel renders, and
 #: for a switch that is on, its path at more shapes than the cases above run it at (the first default
 #: renders every switch that is on): with --slow, out of the README's test command's time.
@@ -158,16 +172,11 @@ def test_the_projections_store_address_remade_each_pass_matches_float64_emulated
 def test_the_statistics_by_mma_match_float64_emulated(monkeypatch, case):
     """wgmma.FRAGMENT_STATS_BY_MMA (on since session 50): the LayerNorm statistics of the rows held as
     fragments (the projection's x, the output's sums and x) from mma.sync sums and Gram diagonals
-    meet float64, with rows whose mean is far from zero too (their warps take the two passes); off,
-    the kernels render as before."""
-    from pairgen.ops.trimul.strategies import wgmma
-
+    meet float64, with rows whose mean is far from zero too (their warps take the two passes); off
+    (the earlier kernels), the source has no trace of it."""
     precision, widths, params = CASES[case]
-    monkeypatch.setattr(wgmma, "FRAGMENT_STATS_BY_MMA", False)
-    assert "fragment_stats_by_mma" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
-    monkeypatch.setattr(wgmma, "FRAGMENT_STATS_BY_MMA", True)
-    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
-    assert "if (fragment_stats_by_mma<K>(xa, mean, rstd)) return;" in codegen.render_plan(plan).source
+    plan = plan_with_switch_on(monkeypatch, "FRAGMENT_STATS_BY_MMA", precision, widths, params, "fragment_stats_by_mma",
+                               "if (fragment_stats_by_mma<K>(xa, mean, rstd)) return;")
     failures = (emulated_against_float64(plan, SHAPES, 0)
                 + emulated_against_float64(plan, SHAPES[2:], 0, offset=1000.0))
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
@@ -180,14 +189,9 @@ def test_the_mask_folded_into_the_products_matches_float64_emulated(monkeypatch,
     the normalised projection scales them by it before the products and skips the epilogue's
     multiply; 0/1 masks (with empty rows) and soft ones, whose warps keep the multiply, meet float64;
     off (the earlier kernels), the source has no trace of it."""
-    from pairgen.ops.trimul.strategies import wgmma
-
     _, widths, params = CASES["staged-output-first-default-bf16"]
-    monkeypatch.setattr(wgmma, "PROJECTION_MASK_FOLD", False)
-    assert "fold_mask(" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
-    monkeypatch.setattr(wgmma, "PROJECTION_MASK_FOLD", True)
-    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
-    assert "const bool folded = fold_mask(mk, rstd);" in codegen.render_plan(plan).source
+    plan = plan_with_switch_on(monkeypatch, "PROJECTION_MASK_FOLD", precision, widths, params, "fold_mask(",
+                               "const bool folded = fold_mask(mk, rstd);")
     failures = (emulated_against_float64(plan, SHAPES, 0)
                 + emulated_against_float64(plan, SHAPES[2:], 0, soft_mask=True))
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
@@ -201,17 +205,12 @@ def test_the_statistics_handed_to_the_output_kernel_match_float64_emulated(monke
     statistics and the output kernel's gate loads them, a tile ahead into one of two slots, instead
     of taking them from its x: staged and fp32 outputs (the slots after the staging or in its
     place), normalised operands or folds, x in registers or in shared memory, at whole and odd
-    tiles; off (the earlier kernels), the source has no trace of it, and a point whose gate is not on the normalised input
-    does not hand them over."""
-    from pairgen.ops.trimul.strategies import wgmma
-
+    tiles; off (the earlier kernels), the source has no trace of it, and a point whose gate is not
+    on the normalised input does not hand them over."""
     precision, widths, params = CASES[case]
-    monkeypatch.setattr(wgmma, "OUTPUT_STATS_FROM_PROJECTION", False)
-    assert "write_row_stats" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
-    monkeypatch.setattr(wgmma, "OUTPUT_STATS_FROM_PROJECTION", True)
-    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    plan = plan_with_switch_on(monkeypatch, "OUTPUT_STATS_FROM_PROJECTION", precision, widths, params,
+                               "write_row_stats", "fetch_row_stats(xstats_s + ((it + 1) & 1) * 128")
     assert [kernel.args.count("ptr stats") for kernel in plan.kernels] == [1, 1]
-    assert "fetch_row_stats(xstats_s + ((it + 1) & 1) * 128" in codegen.render_plan(plan).source
     other = TRIMUL.at("bfloat16").plan("wgmma", CASES["normalized-output-gate-on-input-bf16"][2],
                                        CASES["normalized-output-gate-on-input-bf16"][1])
     assert not any("ptr stats" in kernel.args for kernel in other.kernels)
@@ -225,16 +224,11 @@ def test_the_statistics_handed_to_the_output_kernel_match_float64_emulated(monke
 def test_the_output_descriptors_made_once_match_float64_emulated(monkeypatch, case):
     """wgmma.OUTPUT_DESCRIPTORS_ONCE (on since session 50): the paired output kernel's weight and bias
     descriptors made once, a pass adding its columns' offset: with the sums and x in registers or in
-    shared memory, normalised or folded, whole or sliced columns, at whole and odd tiles; off, the
-    kernels render as before."""
-    from pairgen.ops.trimul.strategies import wgmma
-
+    shared memory, normalised or folded, whole or sliced columns, at whole and odd tiles; off (the
+    earlier kernels), the source has no trace of it."""
     precision, widths, params = CASES[case]
-    monkeypatch.setattr(wgmma, "OUTPUT_DESCRIPTORS_ONCE", False)
-    assert "wo_n" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
-    monkeypatch.setattr(wgmma, "OUTPUT_DESCRIPTORS_ONCE", True)
-    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
-    assert "wo_n + (operand_step<ZC" in codegen.render_plan(plan).source
+    plan = plan_with_switch_on(monkeypatch, "OUTPUT_DESCRIPTORS_ONCE", precision, widths, params, "wo_n",
+                               "wo_n + (operand_step<ZC")
     failures = emulated_against_float64(plan, SHAPES, 0)
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
