@@ -18,7 +18,9 @@ def test_the_gpu_time_of_one_call_is_its_kernels_time():
     sleep on the host between two small launches is not counted."""
     device = torch.device("cuda")
     a = torch.randn(4096, 4096, device=device)
-    events = time_cuda(lambda: a @ a, device, reps=20).median_us
+    # The events' lower fifth: other processes sharing the GPU (the suite runs in parallel) only
+    # lengthen a call's events, by the time their kernels hold the GPU, never its own kernel.
+    events = time_cuda(lambda: a @ a, device, reps=20).p20_us
     gpu = gpu_us_of_one_call(lambda: a @ a, device)
     assert 0.7 * events < gpu < 1.3 * events, (gpu, events)
 
