@@ -710,7 +710,7 @@ def test_the_output_side_backward_with_descriptors_made_once_matches_float64_emu
     assert "desc_wo" not in output_backward.render("bfloat16", 128, 128).source
     monkeypatch.setattr(output_backward, "DESCRIPTORS_ONCE", True)
     rendered = output_backward.render("bfloat16", 128, 128)
-    assert "desc_wo + (interleaved_step<ZC>(c0, ks) >> 4)" in rendered.source
+    assert "desc_wo + (core_offset(c0, 2 * ks, ZC) >> 4)" in rendered.source
     if P == 128:
         compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
         assert compiled.spill_bytes == 0 and compiled.stack_bytes == 0, compiled.summary()
