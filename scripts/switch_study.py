@@ -90,6 +90,17 @@ def parse_variant(text: str) -> tuple[str, dict[str, bool], dict[str, int]]:
     return name, flips, params
 
 
+def parse_widths(text: str) -> dict[str, int]:
+    """P=..,H=.. (either or both) as {"P": .., "H": ..}."""
+    widths = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in ("P", "H") or not value.isdigit() or int(value) % 16:
+            raise argparse.ArgumentTypeError(f"{item!r}: the widths are P=<multiple of 16> and H=<multiple of 16>")
+        widths[name] = int(value)
+    return widths
+
+
 def alternating_order(names: list[str], round_index: int) -> list[str]:
     """The variants' order in a round: as given in even rounds, reversed in odd ones."""
     return list(names) if round_index % 2 == 0 else list(reversed(names))
@@ -209,6 +220,8 @@ def main(argv=None) -> int:
                         help="name=SWITCH,...[:param=value,...] (repeatable; the first is the baseline)")
     parser.add_argument("--n", default="512,1024", help="comma-separated N (B = 1)")
     parser.add_argument("--incoming", action="store_true", help="the incoming direction (default outgoing)")
+    parser.add_argument("--widths", type=parse_widths, default={},
+                        help="the pair and hidden widths, e.g. P=256,H=256 (default 128 each: the models' form)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write every run's time here")
     parser.add_argument("--training", action="store_true",
@@ -225,7 +238,7 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("switch_study times kernels: it needs a CUDA GPU")
-    widths = {**MODELS_FORM, "outgoing": 0 if args.incoming else 1}
+    widths = {**MODELS_FORM, **args.widths, "outgoing": 0 if args.incoming else 1}
     spec, ns = TRIMUL.at("bfloat16"), [int(n) for n in args.n.split(",")]
     if args.training:
         report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "widths": widths,

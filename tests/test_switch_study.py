@@ -50,6 +50,14 @@ def test_a_variants_plan_renders_its_switch_and_the_strategy_is_left_as_it_was(s
     assert wider.params["p_groups"] == 3 and wider.params["p_wn"] == 64
 
 
+def test_widths_parse_to_the_pair_and_hidden_widths(study):
+    assert study.parse_widths("P=256,H=256") == {"P": 256, "H": 256}
+    assert study.parse_widths("P=384") == {"P": 384}
+    for bad in ("Q=256", "P=250", "P=", "P=2x6"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            study.parse_widths(bad)
+
+
 def test_rounds_alternate_and_the_summary_compares_with_the_first_variant(study):
     assert study.alternating_order(["a", "b", "c"], 0) == ["a", "b", "c"]
     assert study.alternating_order(["a", "b", "c"], 1) == ["c", "b", "a"]
