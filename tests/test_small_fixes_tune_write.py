@@ -84,3 +84,23 @@ def test_an_unwritable_tuned_folder_is_one_line_per_shape_and_a_nonzero_exit(tmp
     assert len(TunedDB("contact", "fake-gpu", fixed).entries()) == len(SHAPES)
     settings = TuneSettings()
     assert StandInEvaluator.timed == len(SHAPES) * min(TRIALS, settings.finalists) * settings.retime_rounds
+
+
+def test_a_retune_keeps_an_entry_recorded_far_faster_than_its_best(tmp_path, monkeypatch, capsys, fake_gpu):
+    """A re-tune whose best is over KEEP_RECORDED_BELOW times the current entry's recorded time keeps
+    that entry and says so (its timings were off); within that margin it replaces it."""
+    folder = tmp_path / "tuned"
+    monkeypatch.setenv("PAIRGEN_TUNED_DIR", str(folder))
+    assert _tune(capsys)[0] == 0
+    db = TunedDB("contact", "fake-gpu", folder)
+    data = json.loads(db.path.read_text())
+    first, second = data["entries"]
+    fast, near = round(first["us"] / (2 * tune_cli.KEEP_RECORDED_BELOW), 2), round(second["us"] * 0.9, 2)
+    first["us"], second["us"] = fast, near
+    db.path.write_text(json.dumps(data))
+    code, out, err = _tune(capsys)
+    assert code == 0, err
+    entries = {entry["shape"]["N"]: entry for entry in TunedDB("contact", "fake-gpu", folder).entries()}
+    assert entries[first["shape"]["N"]]["us"] == fast
+    assert f"contact B1 N{first['shape']['N']} " in out and f"kept the entry in use ({fast:.1f} µs" in out
+    assert entries[second["shape"]["N"]]["us"] != near and out.count("kept the entry in use") == 1

@@ -233,27 +233,6 @@ def test_the_output_descriptors_made_once_match_float64_emulated(monkeypatch, ca
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
-@OTHER_SIDE
-@pytest.mark.parametrize("case", ["sliced-both-kernels-bf16", "mask-early-sliced-fp16", "sliced-two-stages-fp16"])
-def test_the_sliced_projections_own_statistics_match_float64_emulated(monkeypatch, case):
-    """wgmma.SLICED_OWN_STATISTICS: a sliced projection takes its rows' statistics from its tile
-    (rows far from zero mean too: their warps take the two passes), no statistics kernel runs, and
-    its first slice writes them where a sliced output kernel reads them; one or two x stages, the
-    mask loaded ahead, at whole and odd tiles. An fp32 x keeps the statistics kernel (it rounds x);
-    off (the earlier kernels), the source has no trace of it."""
-    precision, widths, params = CASES[case]
-    plan = plan_with_switch_on(monkeypatch, "SLICED_OWN_STATISTICS", precision, widths, params, "load_x_fragments(xr",
-                               "fragment_row_stats<P>(xr, mean, rstd);")
-    project, output = plan.kernels
-    assert plan.context["p_slices"] > 1
-    assert ("ptr stats" in project.args) == (plan.context["o_slices"] > 1) == ("ptr stats" in output.args)
-    fp32_x = TRIMUL.at(precision).plan("wgmma", params, {**widths, "x_fp32": 1})
-    assert [kernel.name.endswith("_stats") for kernel in fp32_x.kernels] == [True, False, False]
-    failures = (emulated_against_float64(plan, SHAPES, 0) + emulated_against_float64(plan, SHAPES[-1:], 3)
-                + emulated_against_float64(plan, SHAPES[1:], 0, offset=1000.0))
-    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
-
-
 def test_the_mask_loaded_a_tile_ahead_takes_float_masks_emulated():
     """p_mask_early keeps a float mask's bits and a byte mask's value in registers of their own:
     a float mask of values other than 0 and 1 must come out as it went in."""

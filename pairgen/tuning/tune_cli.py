@@ -558,6 +558,25 @@ def storage_problem(url: str) -> str | None:
     return None
 
 
+#: A re-tune keeps the entry it would replace (same GPU, still current) where its best time is more
+#: than this many times the time recorded for that entry: the incumbent, timed again in the run, lost
+#: by so much only when the run's timings were off (once: a re-tune's first two shapes on a freshly
+#: started machine recorded 133.7 µs against the entry's 79.9, and re-run at once, 80.0).
+KEEP_RECORDED_BELOW = 1.25
+
+
+def _kept_instead(spec, db, entry: dict) -> dict | None:
+    """The entry recorded for `entry`'s key that a re-tune keeps instead of it (KEEP_RECORDED_BELOW),
+    else None."""
+    from pairgen import runtime
+
+    key = entry["key"]
+    old = db.previous(key["dtype"], key["widths"], key["n_bucket"])
+    if old is None or not old.get("us") or entry["us"] <= KEEP_RECORDED_BELOW * old["us"]:
+        return None
+    return old if runtime.entry_state(spec, old) == "ok" else None
+
+
 def _record(spec, result, info) -> bool:
     """Write a shape's winner to the tuned database (or say why there is none). False when the
     winner could not be written: said in one line, and the run goes on with the other shapes."""
@@ -567,8 +586,15 @@ def _record(spec, result, info) -> bool:
     written = True
     if result.best:
         db = TunedDB(spec.name, info.slug)
+        entry = tuned_entry(result, spec)
+        if (kept := _kept_instead(spec, db, entry)) is not None:
+            print(f"{spec.name} {shape_label(result.shape)}: kept the entry in use ({kept['us']:.1f} µs, recorded "
+                  f"{kept.get('date', 'earlier')}): this run's best, {entry['us']:.1f} µs, is over "
+                  f"{KEEP_RECORDED_BELOW:g}x that, so this run's timings are taken to be off (the GPU or the host "
+                  "busy, or not yet warm); run the shape again to time it anew", flush=True)
+            return True
         try:
-            db.upsert(tuned_entry(result, spec), arch=info.arch)
+            db.upsert(entry, arch=info.arch)
         except (OSError, TunedDBError) as exc:  # a read-only folder, a full disk, a file a person must fix
             written = False
             print(f"{spec.name} {shape_label(result.shape)}: cannot write the tuned entry to {db.path} ({exc}). "

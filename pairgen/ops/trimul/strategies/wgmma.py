@@ -96,31 +96,10 @@ def reads_fp32_x(params: dict, p_slices: int) -> bool:
     return bool(params["x_registers"]) and not params["w_registers"] and p_slices <= 1
 
 
-#: Whether a sliced projection (x in shared memory, a 16-bit x) takes its rows' statistics from its
-#: own tile (ldmatrix fragments, then as the unsliced kernels take them from theirs) while its first
-#: pass's products run, instead of reading what a statistics kernel wrote in a pass over x before
-#: it; its first slice then writes them for a sliced output kernel. The statistics kernel was 7-10 %
-#: of the wide classes' calls. A switch because turning it on changes the tuned kernels' source.
-SLICED_OWN_STATISTICS = False
-
-#: The widest x a sliced projection takes its own statistics of: its tuned points at P = 512 and 768
-#: spill with a row's fragments held (NVRTC, sm_90), those at 256 and 384 do not.
-OWN_STATISTICS_MAX_P = 384
-
-
 def has_row_statistics(p_slices: int, o_slices: int) -> bool:
     """Whether a point's kernels (their slices resolved) start with the rows' statistics kernel,
     which then also rounds an fp32 x (stats_cast): a sliced kernel reads the statistics."""
     return p_slices > 1 or o_slices > 1
-
-
-def own_row_statistics(params: dict, w: dict, p_slices: int) -> bool:
-    """Whether a point's sliced projection takes its rows' statistics from its tiles
-    (SLICED_OWN_STATISTICS), so that no statistics kernel runs: where a row's fragments (P / 4
-    registers a thread) fit beside a pass's accumulators without spilling (P <= 384); an fp32 x
-    keeps that kernel, which rounds it for the others as it takes them (stats_cast)."""
-    return (SLICED_OWN_STATISTICS and p_slices > 1 and not params["w_registers"] and not w["x_fp32"]
-            and w["P"] <= OWN_STATISTICS_MAX_P)
 
 
 def _rounds_fp32_x(plan: Plan) -> bool:
@@ -266,9 +245,7 @@ def derive(params: dict, w: dict, name: str):
 
     p_slices, o_slices = _slice_counts(params, w, project_smem, output_smem)
     project_smem, output_smem = project_smem(p_slices), output_smem(o_slices)
-    own_stats = own_row_statistics(params, w, p_slices)
-    stats_kernel = has_row_statistics(p_slices, o_slices) and not own_stats
-    stats_cast = bool(w["x_fp32"]) and stats_kernel
+    stats_cast = bool(w["x_fp32"]) and has_row_statistics(p_slices, o_slices)
     x_fp32 = bool(w["x_fp32"]) and reads_fp32_x(params, p_slices) and not stats_cast
     handed_stats = stats_to_output(params, w, o_slices)
     context = {"P": P, "H": H, "gate_normalized": cuda_bool(w["gate_normalized"]), "mma_kind": MMA_KINDS[precision],
@@ -282,7 +259,6 @@ def derive(params: dict, w: dict, name: str):
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
                "fragment_stats_by_mma": FRAGMENT_STATS_BY_MMA,
                "projection_mask_fold": PROJECTION_MASK_FOLD, "stats_to_output": handed_stats,
-               "sliced_own_statistics": own_stats,
                "output_descriptors_once": OUTPUT_DESCRIPTORS_ONCE,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
@@ -293,16 +269,15 @@ def derive(params: dict, w: dict, name: str):
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
-    project_args = (_with_stats(PROJECT_ARGS) if p_slices > 1 and not own_stats
-                    else _with_pointer(PROJECT_ARGS, "xh") if x_fp32 else PROJECT_ARGS)
-    if handed_stats or (own_stats and o_slices > 1):  # written by the projection, read by the output kernel
+    project_args = _with_stats(PROJECT_ARGS) if p_slices > 1 else _with_pointer(PROJECT_ARGS, "xh") if x_fp32 else PROJECT_ARGS
+    if handed_stats:  # written by the projection, read by the output kernel
         project_args = _with_stats(project_args)
     kernels = (Kernel(name, 128 * params["p_groups"], project_smem, project_args,
                       _wgmma_grid(1 if params["w_registers"] else params["p_groups"], p_slices)),
                Kernel(f"{name}_output", 128 * params["o_groups"], output_smem,
                       _with_stats(OUTPUT_ARGS) if o_slices > 1 or handed_stats else OUTPUT_ARGS,
                       _wgmma_grid(params["o_groups"], o_slices)))
-    if stats_kernel:  # the rows' statistics first (run_three_steps)
+    if has_row_statistics(p_slices, o_slices):  # the rows' statistics first (run_three_steps)
         stats_args = ("ptr x", "ptr stats", *(("ptr xh",) if stats_cast else ()), "i32 B", "i32 N", "i32 num_tiles")
         kernels = (Kernel(f"{name}_stats", 32 * STATS_WARPS, 0, stats_args, _stats_grid), *kernels)
     return context, kernels
