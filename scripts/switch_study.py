@@ -1,8 +1,9 @@
 """Whether a kernel switch pays: time the triangle update's module call with the wgmma strategy's
 switches (its module-level booleans, e.g. PROJECTION_MASK_FOLD) set as each variant asks, on
-this GPU's tuned bf16 params for the models' form, at several N. Every variant is checked against
-the float64 reference on the GPU first, then the variants are timed in alternating rounds (a
-round's order reversed every other round), so that a slow spell of the card falls on all of them.
+this GPU's tuned bf16 params for the models' form (at P = H = 128, or the widths --widths
+names), at several N. Every variant is checked against the float64 reference on the GPU first,
+then the variants are timed in alternating rounds (a round's order reversed every other round),
+so that a slow spell of the card falls on all of them.
 Example (the first variant is the baseline the percentages refer to):
 
   python scripts/switch_study.py --variant none= --variant unfolded=PROJECTION_MASK_FOLD \\
@@ -194,8 +195,9 @@ def training_study(variants: list, ns: list[int], widths: dict, rounds: int, ste
 
 
 def tuned_params(n: int, widths: dict) -> dict:
-    """This GPU's tuned wgmma params for the models' form at n's N bucket, as a module looks them up
-    (else the nearest bucket tuned)."""
+    """This GPU's tuned wgmma params for `widths` at n's N bucket, as a module looks them up (else
+    the nearest bucket tuned; an entry of another GPU of the same architecture where this one has
+    none)."""
     import torch
 
     from pairgen import runtime

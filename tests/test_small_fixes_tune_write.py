@@ -103,4 +103,6 @@ def test_a_retune_keeps_an_entry_recorded_far_faster_than_its_best(tmp_path, mon
     entries = {entry["shape"]["N"]: entry for entry in TunedDB("contact", "fake-gpu", folder).entries()}
     assert entries[first["shape"]["N"]]["us"] == fast
     assert f"contact B1 N{first['shape']['N']} " in out and f"kept the entry in use ({fast:.1f} µs" in out
+    assert f"the entry in use kept ({fast:.1f} µs recorded" in out  # its shape line
+    assert f"the entry in use, kept ({fast:.1f} µs recorded)" in out  # and its row of the closing table
     assert entries[second["shape"]["N"]]["us"] != near and out.count("kept the entry in use") == 1

@@ -321,12 +321,14 @@ def _tuned_here(spec, key: dict, info) -> bool:
 
 @dataclasses.dataclass
 class ShapeDone:
-    """A tuned shape, as the report shows it: its precision, the search's result, and whether its
-    entry was written to the tuned database."""
+    """A tuned shape, as the report shows it: its precision, the search's result, whether its
+    entry was written to the tuned database, and the recorded µs of the entry kept instead
+    (KEEP_RECORDED_BELOW), if one was."""
 
     precision: str
     result: object  # tuner.TuneResult
     written: bool
+    kept_us: float | None = None
 
 
 def shape_line(number: int, total: int, done: ShapeDone, peers, trials: int | None = None) -> str:
@@ -345,6 +347,8 @@ def shape_line(number: int, total: int, done: ShapeDone, peers, trials: int | No
     runs = what_runs(us, r.baselines)
     instead = "" if runs == "the kernel" else f"; a module runs {runs}"
     written = "" if done.written else "; NOT WRITTEN (see above)"
+    if done.kept_us is not None:
+        written = f"; the entry in use kept ({done.kept_us:.1f} µs recorded; see above)"
     evaluated = r.counts.get("evaluated", 0)
     of = f" of {trials}" if trials and evaluated < trials else ""
     return (f"{head} `{r.best['label']}` {us:.1f} µs{against}{instead}; {evaluated}{of} trials in "
@@ -363,7 +367,7 @@ def closing_table(done: list[ShapeDone], peers) -> str:
                  f"{us:.1f}" if us else "–"]
         cells += [f"{r.baselines[p]:.1f}" if p in r.baselines else "–" for p in peers]
         cells += [f"{r.baselines[p] / us:.1f}×" if us and p in r.baselines else "–" for p in peers]
-        cells.append(what_runs(us, r.baselines))
+        cells.append(what_runs(us, r.baselines) if d.kept_us is None else f"the entry in use, kept ({d.kept_us:.1f} µs recorded)")
         c = r.counts
         cells += [f"{c.get('evaluated', 0)} / {c.get('failed', 0)} / {c.get('pruned', 0)}",
                   f"{r.compile_s_mean:.2f}" if r.compile_s_mean else "–", f"{r.elapsed_s:.0f}"]
@@ -482,7 +486,7 @@ def _tune_here(jobs, settings, args, info, third_party) -> tuple[list[ShapeDone]
                 # With --storage, other hosts may work on the same studies: claim points first.
                 result = tune_shape(spec, shape, evaluator, info.slug, settings, extra, dtype=precision_of(spec),
                                     shared=args.storage is not None, storage_url=args.storage)
-                done.append(ShapeDone(precision_of(spec), result, _record(spec, result, info)))
+                done.append(ShapeDone(precision_of(spec), result, *_record(spec, result, info)))
                 say(shape_line(len(done), len(jobs), done[-1], peers, settings.trials))
     except KeyboardInterrupt:
         return done, True
@@ -499,7 +503,7 @@ def _tune_on_devices_and_record(jobs, devices, settings, args, info, log_path) -
         return [], True
     done = []
     for (spec, _, _), result in zip(jobs, results):
-        done.append(ShapeDone(precision_of(spec), result, _record(spec, result, info)))  # once per shape, here alone
+        done.append(ShapeDone(precision_of(spec), result, *_record(spec, result, info)))  # once per shape, here alone
         say(shape_line(len(done), len(jobs), done[-1], peers, settings.trials))
     return done, False
 
@@ -559,9 +563,8 @@ def storage_problem(url: str) -> str | None:
 
 
 #: A re-tune keeps the entry it would replace (same GPU, still current) where its best time is more
-#: than this many times the time recorded for that entry: the incumbent, timed again in the run, lost
-#: by so much only when the run's timings were off (once: a re-tune's first two shapes on a freshly
-#: started machine recorded 133.7 µs against the entry's 79.9, and re-run at once, 80.0).
+#: than this many times the time recorded for that entry: the incumbent is timed again beside the new
+#: best, and it loses by that much only when the run's timings are off (docs/performance.md, session 51).
 KEEP_RECORDED_BELOW = 1.25
 
 
@@ -577,9 +580,11 @@ def _kept_instead(spec, db, entry: dict) -> dict | None:
     return old if runtime.entry_state(spec, old) == "ok" else None
 
 
-def _record(spec, result, info) -> bool:
-    """Write a shape's winner to the tuned database (or say why there is none). False when the
-    winner could not be written: said in one line, and the run goes on with the other shapes."""
+def _record(spec, result, info) -> tuple[bool, float | None]:
+    """Write a shape's winner to the tuned database (or say why there is none, or keep the entry in
+    use: KEEP_RECORDED_BELOW). Returns (written, the kept entry's recorded µs or None); written is
+    False when the winner could not be written: said in one line, and the run goes on with the
+    other shapes."""
     from pairgen.tuned import TunedDB, TunedDBError
     from pairgen.tuning.evaluate import tuned_entry
 
@@ -592,7 +597,7 @@ def _record(spec, result, info) -> bool:
                   f"{kept.get('date', 'earlier')}): this run's best, {entry['us']:.1f} µs, is over "
                   f"{KEEP_RECORDED_BELOW:g}x that, so this run's timings are taken to be off (the GPU or the host "
                   "busy, or not yet warm); run the shape again to time it anew", flush=True)
-            return True
+            return True, kept["us"]
         try:
             db.upsert(entry, arch=info.arch)
         except (OSError, TunedDBError) as exc:  # a read-only folder, a full disk, a file a person must fix
@@ -606,7 +611,7 @@ def _record(spec, result, info) -> bool:
         print(f"{spec.name} {shape_label(result.shape)}: no variant passed; nothing written", file=sys.stderr)
     for line in result.failures[:5]:
         print(f"  failed: {line}", file=sys.stderr)
-    return written
+    return written, None
 
 
 def main(argv=None) -> int:
