@@ -233,6 +233,23 @@ def test_the_output_descriptors_made_once_match_float64_emulated(monkeypatch, ca
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 
+@OTHER_SIDE
+@pytest.mark.parametrize("case", ["sliced-two-stages-fp16", "mask-early-sliced-fp16", "staged-output-sliced-fp16"])
+def test_the_sliced_kernels_statistics_loaded_a_tile_ahead_match_float64_emulated(monkeypatch, case):
+    """wgmma.SLICED_STATS_AHEAD: the sliced projection and output kernels take a tile's rows'
+    statistics from registers loaded a tile earlier: both kernels sliced with the gate on the
+    normalised input (one and two x stages), the projection alone sliced (mask ahead), the output
+    alone sliced, at whole and odd tiles, several tiles a warpgroup; off (the earlier kernels), the
+    source has no trace of it."""
+    precision, widths, params = CASES[case]
+    widths = {**widths, "gate_normalized": 1}  # (the output kernel reads x's statistics for that gate)
+    plan = plan_with_switch_on(monkeypatch, "SLICED_STATS_AHEAD", precision, widths, params, "load_row_stats",
+                               "load_row_stats(")
+    failures = (emulated_against_float64(plan, SHAPES, 0) + emulated_against_float64(plan, SHAPES[-1:], 3)
+                + emulated_against_float64(plan, [(2, 37)], 0))
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
 def test_the_mask_loaded_a_tile_ahead_takes_float_masks_emulated():
     """p_mask_early keeps a float mask's bits and a byte mask's value in registers of their own:
     a float mask of values other than 0 and 1 must come out as it went in."""

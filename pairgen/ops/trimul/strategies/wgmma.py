@@ -190,6 +190,13 @@ OUTPUT_DESCRIPTORS_ONCE = True
 BACKWARD_POINTERS = True
 
 
+#: Whether the sliced kernels load a tile's rows' statistics (what the statistics kernel wrote) a
+#: tile ahead into registers, instead of where the tile's epilogue needs them: with one or two
+#: warps a scheduler (the wide classes' points) nothing else hides that load's latency. A switch
+#: for the same reason as the ones above.
+SLICED_STATS_AHEAD = False
+
+
 def stats_to_output(params: dict, w: dict, o_slices: int) -> bool:
     """Whether a point's projection hands x's statistics to its output kernel (see
     OUTPUT_STATS_FROM_PROJECTION): the projection holds x's rows in registers (where it takes them),
@@ -259,7 +266,7 @@ def derive(params: dict, w: dict, name: str):
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
                "fragment_stats_by_mma": FRAGMENT_STATS_BY_MMA,
                "projection_mask_fold": PROJECTION_MASK_FOLD, "stats_to_output": handed_stats,
-               "output_descriptors_once": OUTPUT_DESCRIPTORS_ONCE,
+               "output_descriptors_once": OUTPUT_DESCRIPTORS_ONCE, "sliced_stats_ahead": SLICED_STATS_AHEAD,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
