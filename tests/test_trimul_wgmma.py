@@ -705,3 +705,27 @@ def test_unrolled_copies_render_only_where_on_and_apply_where_the_rows_unroll():
     reasons = lambda params, widths=MODEL: TRIMUL.infeasible(TRIMUL.plan("wgmma", params, widths, "bfloat16"), limits)
     assert why in reasons(first, ODD)       # P = 48
     assert why not in reasons({**W_REGISTERS, "o_unrolled_fetch": True})
+
+
+def test_a_shared_output_tile_renders_only_where_on_and_splits_whole_passes():
+    """o_share 2: two output warpgroups on each tile, each half of its columns' passes. A point
+    without it renders no trace of it (its kernels as tuned before); it is the paired output
+    kernel's with its sums in registers and x in shared memory, one tile a block, and each
+    warpgroup's half whole passes, so that a wide class's slices are counted for halves (P384 H256
+    with 32-column passes: 6 slices of 64 columns, not 4 of 96)."""
+    limits = DeviceLimits()
+    wide = next(p for s, p in TRIMUL.default_points if s == "wgmma" and p["o_groups"] == 1 and p["o_wn"] == 64)
+    widths = {"P": 384, "H": 256, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+    plain = codegen.render_plan(TRIMUL.plan("wgmma", wide, widths, "bfloat16")).source
+    assert "team_barrier" not in plain and "OT_PART" not in plain
+    shared = TRIMUL.plan("wgmma", {**wide, "o_share": 2, "o_wn": 32}, widths, "bfloat16")
+    assert not TRIMUL.infeasible(shared, limits)
+    assert shared.context["o_slices"] == 6 and shared.kernels[-1].threads == 256
+    assert "team_barrier(1 + team)" in codegen.render_plan(shared).source
+    why = ("two warpgroups share an output tile (o_share) in the paired output kernel with its sums in registers and x "
+           "in shared memory, one tile a block, its passes split evenly")
+    reasons = lambda params: TRIMUL.infeasible(TRIMUL.plan("wgmma", {**wide, "o_share": 2, **params}, widths,
+                                                           "bfloat16"), limits)
+    assert why in reasons({"o_slices": 2})           # 192-column slices of 64-column passes: no whole halves
+    assert why in reasons({"o_wn": 32, "o_groups": 2})
+    assert why in reasons({"o_wn": 32, "z_registers": False, "o_staged_stores": False})
