@@ -722,10 +722,11 @@ def test_a_shared_output_tile_renders_only_where_on_and_splits_whole_passes():
     assert not TRIMUL.infeasible(shared, limits)
     assert shared.context["o_slices"] == 6 and shared.kernels[-1].threads == 256
     assert "team_barrier(1 + team)" in codegen.render_plan(shared).source
-    why = ("two warpgroups share an output tile (o_share) in the paired output kernel with its sums in registers and x "
-           "in shared memory, one tile a block, its passes split evenly")
+    mode = ("two warpgroups share an output tile (o_share) in the paired output kernel with its sums in registers and "
+            "x in shared memory, one tile a block")
+    halves = "a shared output tile's columns split into whole passes for each warpgroup"
     reasons = lambda params: TRIMUL.infeasible(TRIMUL.plan("wgmma", {**wide, "o_share": 2, **params}, widths,
                                                            "bfloat16"), limits)
-    assert why in reasons({"o_slices": 2})           # 192-column slices of 64-column passes: no whole halves
-    assert why in reasons({"o_wn": 32, "o_groups": 2})
-    assert why in reasons({"o_wn": 32, "z_registers": False, "o_staged_stores": False})
+    assert halves in reasons({"o_slices": 2})        # 192-column slices of 64-column passes: no whole halves
+    assert mode in reasons({"o_wn": 32, "o_groups": 2})
+    assert mode in reasons({"o_wn": 32, "z_registers": False, "o_staged_stores": False})

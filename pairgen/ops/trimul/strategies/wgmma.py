@@ -393,14 +393,17 @@ def _output_x_registers_with_z(plan: Plan, limits: DeviceLimits) -> bool:
 
 def _output_tile_shared(plan: Plan, limits: DeviceLimits) -> bool:
     """Two warpgroups sharing an output tile (o_share 2) is a mode of the paired output kernel with
-    its sums in registers and x in shared memory (the gate on P): one tile a block, its columns'
-    passes (the slice's, where sliced) split evenly between them."""
+    its sums in registers and x in shared memory (the gate on P), one tile a block."""
     params = plan.params
-    if params["o_share"] == 1:
-        return True
-    columns = plan.widths["P"] // max(1, plan.context["o_slices"])
-    return (params["z_registers"] and not params["o_x_registers"] and params["o_groups"] == 1
-            and columns % (2 * params["o_wn"]) == 0)
+    return params["o_share"] == 1 or (params["z_registers"] and not params["o_x_registers"]
+                                      and params["o_groups"] == 1)
+
+
+def _output_halves_whole(plan: Plan, limits: DeviceLimits) -> bool:
+    """A shared output tile's columns (its slice's, where sliced) split into whole passes for each
+    of its two warpgroups."""
+    o_share = plan.params["o_share"]
+    return o_share == 1 or (plan.widths["P"] // max(1, plan.context["o_slices"])) % (o_share * plan.params["o_wn"]) == 0
 
 
 def _mask_early_resident(plan: Plan, limits: DeviceLimits) -> bool:
@@ -879,8 +882,9 @@ WGMMA = Strategy(
                               "divide 16",
                               _unrolled_fetch_applies, on_point=True),
                   Restriction("two warpgroups share an output tile (o_share) in the paired output kernel with its sums "
-                              "in registers and x in shared memory, one tile a block, its passes split evenly",
-                              _output_tile_shared, on_point=True),
+                              "in registers and x in shared memory, one tile a block", _output_tile_shared, on_point=True),
+                  Restriction("a shared output tile's columns split into whole passes for each warpgroup",
+                              _output_halves_whole),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies,
                               on_point=True),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
