@@ -730,3 +730,27 @@ def test_a_shared_output_tile_renders_only_where_on_and_splits_whole_passes():
     assert halves in reasons({"o_slices": 2})        # 192-column slices of 64-column passes: no whole halves
     assert mode in reasons({"o_wn": 32, "o_groups": 2})
     assert mode in reasons({"o_wn": 32, "z_registers": False, "o_staged_stores": False})
+
+
+def test_a_shared_projection_tile_renders_only_where_on_and_is_a_sliced_points():
+    """p_share 2: two projection warpgroups on each tile, each half of its slice's passes. A point
+    without it renders no trace of it; it is the sliced paired projection's with x in shared memory,
+    one tile a block (with two, 512 threads, the wide points spill), each half whole passes (P384
+    H256 with 64-column passes: 8 slices of 128 columns)."""
+    limits = DeviceLimits()
+    wide = next(p for s, p in TRIMUL.default_points if s == "wgmma" and p["o_groups"] == 1 and p["o_wn"] == 64)
+    widths = {"P": 384, "H": 256, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+    plain = codegen.render_plan(TRIMUL.plan("wgmma", wide, widths, "bfloat16")).source
+    assert "PJ_PART" not in plain and "team_barrier" not in plain
+    shared = TRIMUL.plan("wgmma", {**wide, "p_share": 2, "p_wn": 64, "p_groups": 1}, widths, "bfloat16")
+    assert not TRIMUL.infeasible(shared, limits)
+    assert shared.context["p_slices"] == 8 and shared.kernels[-2].threads == 256
+    source = codegen.render_plan(shared).source
+    assert "PJ_PART" in source and "fetch_next_x(xbuf, x, next, num_tiles, total, tid, team, part);" in source
+    mode = ("two warpgroups share a projection tile (p_share) in the paired projection with x in shared memory, one "
+            "tile a block")
+    halves = "a shared projection tile is a sliced point's, its slice split into whole passes for each warpgroup"
+    reasons = lambda params, w=widths: TRIMUL.infeasible(TRIMUL.plan("wgmma", {**wide, "p_share": 2, **params}, w,
+                                                                     "bfloat16"), limits)
+    assert mode in reasons({"p_wn": 64, "p_groups": 2})
+    assert halves in reasons({"p_wn": 64, "p_groups": 1, "p_slices": 0}, {**widths, "P": 128, "H": 128})  # unsliced

@@ -23,7 +23,8 @@ class TrimulSpec(OpSpec):
                               "p_slices": 0, "o_slices": 0, "w_registers": False,
                               "o_x_registers": False, "p_mask_early": False,
                               "p_normalized_x": False, "o_normalized": False,
-                              "o_staged_stores": False, "o_unrolled_fetch": False, "o_share": 1}}
+                              "o_staged_stores": False, "o_unrolled_fetch": False, "o_share": 1,
+                              "p_share": 1}}
     name = "trimul"
     # The options are compile-time and part of the tuned key, as 0/1 next to the widths.
     width_names = ("P", "H", "outgoing", "gate_normalized", "bias")

@@ -143,7 +143,8 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
     if params["w_registers"]:  # slices of Wp's 64-row blocks, the fewest whose fragments fit in registers
         fewest_p = _fewest_w_register_slices(w["P"], w["H"], params["p_groups"])
     else:
-        fewest_p = _fewest_slices(p_passes, in_smem(project_smem)) if paired and not params["x_registers"] else 1
+        fewest_p = (_fewest_slices(max(1, p_passes // params["p_share"]), in_smem(project_smem))
+                    if paired and not params["x_registers"] else 1)
     # (o_share: whole passes for each of a tile's two warpgroups, so the slices divide half of them)
     fewest_o = (_fewest_slices(max(1, o_passes // params["o_share"]), in_smem(output_smem))
                 if paired and not w["gate_hidden"] else 1)
@@ -231,7 +232,7 @@ def derive(params: dict, w: dict, name: str):
         if params["w_registers"]:
             return align(params["p_stages"] * x_tile, 1024) + align(3 * WGMMA_ROWS * 4, 1024)
         return (align(4 * H // slices * k_padded(P) * eb, 1024)
-                + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb, 1024)
+                + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_share"] * params["p_wn"] // 2 * 24 * eb, 1024)
                 + (align((off["c1o"] - off["c1p"]) // slices, 1024) if params["consts_smem"] else 0)
                 + (align(4 * H * 16 * eb, 1024) if params["p_normalized_x"] else 0))
 
@@ -277,11 +278,12 @@ def derive(params: dict, w: dict, name: str):
                "p_groups": params["p_groups"], "p_wn": params["p_wn"], "p_slices": p_slices, "o_slices": o_slices,
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"], "o_share": params["o_share"],
+               "p_share": params["p_share"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
     project_args = _with_stats(PROJECT_ARGS) if p_slices > 1 else _with_pointer(PROJECT_ARGS, "xh") if x_fp32 else PROJECT_ARGS
     if handed_stats:  # written by the projection, read by the output kernel
         project_args = _with_stats(project_args)
-    kernels = (Kernel(name, 128 * params["p_groups"], project_smem, project_args,
+    kernels = (Kernel(name, 128 * params["p_groups"] * params["p_share"], project_smem, project_args,
                       _wgmma_grid(1 if params["w_registers"] else params["p_groups"], p_slices)),
                Kernel(f"{name}_output", 128 * params["o_groups"] * params["o_share"], output_smem,
                       _with_stats(OUTPUT_ARGS) if o_slices > 1 or handed_stats else OUTPUT_ARGS,
@@ -397,6 +399,22 @@ def _output_tile_shared(plan: Plan, limits: DeviceLimits) -> bool:
     params = plan.params
     return params["o_share"] == 1 or (params["z_registers"] and not params["o_x_registers"]
                                       and params["o_groups"] == 1)
+
+
+def _projection_tile_shared(plan: Plan, limits: DeviceLimits) -> bool:
+    """Two warpgroups sharing a projection tile (p_share 2) is a mode of the paired projection with
+    x in shared memory (not in registers, Wp resident), one tile a block: with two (512 threads,
+    128 registers a thread) the wide classes' points spill."""
+    params = plan.params
+    return params["p_share"] == 1 or (params["paired_columns"] and not params["x_registers"]
+                                      and not params["w_registers"] and params["p_groups"] == 1)
+
+
+def _projection_halves_whole(plan: Plan, limits: DeviceLimits) -> bool:
+    """A shared projection tile is a sliced point's (its slice's columns split into whole passes for
+    each of its two warpgroups)."""
+    p_share, slices = plan.params["p_share"], plan.context["p_slices"]
+    return p_share == 1 or (slices > 1 and (4 * plan.widths["H"] // slices) % (p_share * plan.params["p_wn"]) == 0)
 
 
 def _output_halves_whole(plan: Plan, limits: DeviceLimits) -> bool:
@@ -838,7 +856,8 @@ WGMMA = Strategy(
     # offsets from its first (o_unrolled_fetch: a piece costs its copy and an address, not a
     # division, a swizzle and 64-bit address arithmetic each); how many warpgroups of the output
     # kernel share each tile (o_share 2: each half of its columns' passes on the same x and sums,
-    # so that one's products run under the other's epilogue where a block holds one tile).
+    # so that one's products run under the other's epilogue where a block holds one tile); the same
+    # for a sliced projection's tiles (p_share).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
            "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
@@ -846,7 +865,7 @@ WGMMA = Strategy(
            "p_slices": (0, 2, 4), "o_slices": (0, 2, 4), "w_registers": (False, True), "o_x_registers": (False, True),
            "p_mask_early": (False, True), "p_normalized_x": (False, True),
            "o_normalized": (False, True), "o_staged_stores": (False, True),
-           "o_unrolled_fetch": (False, True), "o_share": (1, 2)},
+           "o_unrolled_fetch": (False, True), "o_share": (1, 2), "p_share": (1, 2)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -885,6 +904,10 @@ WGMMA = Strategy(
                               "in registers and x in shared memory, one tile a block", _output_tile_shared, on_point=True),
                   Restriction("a shared output tile's columns split into whole passes for each warpgroup",
                               _output_halves_whole),
+                  Restriction("two warpgroups share a projection tile (p_share) in the paired projection with x in "
+                              "shared memory, one tile a block", _projection_tile_shared, on_point=True),
+                  Restriction("a shared projection tile is a sliced point's, its slice split into whole passes for "
+                              "each warpgroup", _projection_halves_whole),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies,
                               on_point=True),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
@@ -892,6 +915,6 @@ WGMMA = Strategy(
     records=HALF_PRECISIONS,
     fp32_output=HALF_PRECISIONS,
     run=run,
-    groups=(("p_groups", "p_wn", "p_stages", "p_slices", "early_x_fetch", "p_mask_early"),
+    groups=(("p_groups", "p_wn", "p_stages", "p_slices", "early_x_fetch", "p_mask_early", "p_share"),
             ("o_groups", "o_wn", "o_stages", "o_slices", "o_staged_stores", "o_unrolled_fetch", "o_share")),
 )
