@@ -721,7 +721,7 @@ def test_a_shared_output_tile_renders_only_where_on_and_splits_whole_passes():
     shared = TRIMUL.plan("wgmma", {**wide, "o_share": 2, "o_wn": 32}, widths, "bfloat16")
     assert not TRIMUL.infeasible(shared, limits)
     assert shared.context["o_slices"] == 6 and shared.kernels[-1].threads == 256
-    assert "team_barrier(1 + team)" in codegen.render_plan(shared).source
+    assert "team_barrier<OT_SHARE>(1 + team)" in codegen.render_plan(shared).source
     mode = ("two warpgroups share an output tile (o_share) in the paired output kernel with its sums in registers and "
             "x in shared memory, one tile a block")
     halves = "a shared output tile's columns split into whole passes for each warpgroup"

@@ -410,18 +410,23 @@ def _projection_tile_shared(plan: Plan, limits: DeviceLimits) -> bool:
                                       and not params["w_registers"] and params["p_groups"] == 1)
 
 
+def _whole_passes_each(columns: int, share: int, wn: int) -> bool:
+    """Whether `columns` split into whole passes of `wn` for each of a tile's `share` warpgroups."""
+    return columns % (share * wn) == 0
+
+
 def _projection_halves_whole(plan: Plan, limits: DeviceLimits) -> bool:
-    """A shared projection tile is a sliced point's (its slice's columns split into whole passes for
-    each of its two warpgroups)."""
+    """A shared projection tile is a sliced point's, its slice's columns whole passes for each
+    warpgroup."""
     p_share, slices = plan.params["p_share"], plan.context["p_slices"]
-    return p_share == 1 or (slices > 1 and (4 * plan.widths["H"] // slices) % (p_share * plan.params["p_wn"]) == 0)
+    return p_share == 1 or (slices > 1 and _whole_passes_each(4 * plan.widths["H"] // slices, p_share, plan.params["p_wn"]))
 
 
 def _output_halves_whole(plan: Plan, limits: DeviceLimits) -> bool:
-    """A shared output tile's columns (its slice's, where sliced) split into whole passes for each
-    of its two warpgroups."""
+    """A shared output tile's columns (its slice's, where sliced) are whole passes for each warpgroup."""
     o_share = plan.params["o_share"]
-    return o_share == 1 or (plan.widths["P"] // max(1, plan.context["o_slices"])) % (o_share * plan.params["o_wn"]) == 0
+    return o_share == 1 or _whole_passes_each(plan.widths["P"] // max(1, plan.context["o_slices"]), o_share,
+                                              plan.params["o_wn"])
 
 
 def _mask_early_resident(plan: Plan, limits: DeviceLimits) -> bool:
