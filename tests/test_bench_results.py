@@ -102,3 +102,22 @@ def test_autocast_is_for_16_bit_forwards_and_gpumode_lists_the_seven_shapes():
                                                                                  "bfloat16", "--backward")):
         result = bench(*refused)
         assert result.returncode == 2 and "--autocast times forwards" in result.stderr
+
+
+def test_the_l2_flush_made_first_under_inference_mode_still_runs_outside_it():
+    # The forward bench times under inference_mode, a training row after it in the same process
+    # does not: the flush buffer the first made must be one the second can zero.
+    import torch
+
+    from pairgen.tuning import timing
+
+    device = torch.device("cpu", 0)  # (the buffers' key: a device with its index)
+    timing._flush_buffers.pop(device, None)
+    try:
+        with torch.inference_mode():
+            timing._flush_l2(device)
+        timing._flush_l2(device)
+        assert not timing._flush_buffers[device].is_inference()
+        assert int(timing._flush_buffers[device][-1]) == 0
+    finally:
+        timing._flush_buffers.pop(device, None)

@@ -18,14 +18,17 @@ _PRECISION_RATES = {"float32": ("fp32_flops_per_s", 1, 1.0), "tf32": ("tf32_flop
                     "tf32x3": ("tf32_flops_per_s", 3, 1.0), "bfloat16": ("bf16_flops_per_s", 1, 0.5),
                     "float16": ("bf16_flops_per_s", 1, 0.5)}
 
-_flush_buffers: dict[int, torch.Tensor] = {}
+_flush_buffers: dict[torch.device, torch.Tensor] = {}
 
 
 def _flush_l2(device: torch.device) -> None:
-    index = device.index or 0
-    if index not in _flush_buffers:  # 256 MB: several times any L2 of today (H200: 60 MB)
-        _flush_buffers[index] = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device=device)
-    _flush_buffers[index].zero_()
+    device = torch.device(device.type, device.index or 0)
+    if device not in _flush_buffers:  # 256 MB: several times any L2 of today (H200: 60 MB)
+        # A normal tensor even when the first timing runs under inference_mode (the forward bench):
+        # an inference tensor could not be zeroed by a later timing outside it (a training step's).
+        with torch.inference_mode(False):
+            _flush_buffers[device] = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device=device)
+    _flush_buffers[device].zero_()
 
 
 @dataclass
