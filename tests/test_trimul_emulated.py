@@ -2,8 +2,7 @@
 reference: the column slices (with the statistics kernel), Wp in registers (w_registers, sliced
 too), the output's x in registers (o_x_registers) and the projection's mask loaded a tile ahead
 (p_mask_early), the operands normalised in registers (p_normalized_x, o_normalized) and the
-output's staged stores (o_staged_stores), its tiles' copies unrolled (o_unrolled_fetch) and its
-tiles shared by two warpgroups (o_share, and the sliced projection's: p_share), at
+output's staged stores (o_staged_stores) and its tiles' copies unrolled (o_unrolled_fetch), at
 odd shapes with NaN-prefilled outputs,
 under a round-robin and a priority thread order. The GPU tests (test_trimul_mma_gpu.py) hold the
 same kernels over more points; `--slow` runs all of their cases here, in three thread orders."""
@@ -71,23 +70,6 @@ CASES = {
     "unrolled-fetch-sliced-bf16": ("bfloat16", SMALL, {**PAIRED, "o_slices": 4, "o_unrolled_fetch": True}),
     "unrolled-fetch-four-chunks-fp16": ("float16", {**SMALL, "P": 32, "gate_normalized": 1},
                                         {**PAIRED, "z_registers": True, "o_unrolled_fetch": True}),
-    # Two output warpgroups on one tile, each half of its columns' passes (o_share): sliced with the
-    # statistics kernel's x statistics and staged stores; unsliced with two x stages.
-    "shared-tile-sliced-bf16": ("bfloat16", {**SMALL, "gate_normalized": 1},
-                                {**PAIRED, "p_slices": 2, "z_registers": True, "o_groups": 1, "o_share": 2, "o_slices": 2,
-                                 "o_staged_stores": True}),
-    "shared-tile-two-stages-fp16": ("float16", SMALL, {**PAIRED, "z_registers": True, "o_groups": 1, "o_share": 2,
-                                                       "o_stages": 2, "o_wn": 16}),
-    # The same in the sliced projection (p_share): both kernels shared; two x stages; the early
-    # fetch with the mask ahead and two passes a warpgroup.
-    "shared-projection-tile-bf16": ("bfloat16", {**SMALL, "gate_normalized": 1},
-                                    {**PAIRED, "p_groups": 1, "p_share": 2, "p_slices": 2, "z_registers": True,
-                                     "o_groups": 1, "o_share": 2, "o_slices": 2}),
-    "shared-projection-two-stages-fp16": ("float16", SMALL, {**PAIRED, "p_groups": 1, "p_share": 2, "p_slices": 2,
-                                                             "p_stages": 2}),
-    "shared-projection-early-fetch-bf16": ("bfloat16", {**SMALL, "H": 64},
-                                           {**PAIRED, "p_groups": 1, "p_share": 2, "p_slices": 2, "early_x_fetch": True,
-                                            "p_mask_early": True}),
 }
 
 
@@ -125,8 +107,7 @@ def emulated_against_float64(plan, shapes, order: int, soft_mask: bool = False, 
 #: Those past the first two run with --slow (the broad sweep): the first default and the sliced
 #: kernels, whose warpgroups share the most, keep the order in the fast run.
 PRIORITY = ("staged-output-first-default-bf16", "sliced-both-kernels-bf16", "w_registers-models-bf16",
-            "w_registers-o_x_registers-bf16", "mask-early-models-bf16", "shared-tile-sliced-bf16",
-            "shared-projection-tile-bf16", "shared-projection-early-fetch-bf16")
+            "w_registers-o_x_registers-bf16", "mask-early-models-bf16")
 
 
 #: Cases that run with --slow only: variants of kernels another fast case runs (the other direction,
@@ -134,7 +115,7 @@ PRIORITY = ("staged-output-first-default-bf16", "sliced-both-kernels-bf16", "w_r
 #: of the README's test command's time.
 SLOW_CASES = ("w_registers-models-incoming-fp16", "w_registers-o_x_registers-bf16", "w_registers-small-k-padded-fp16",
               "mask-early-two-stages-fp16", "normalized-x-incoming-fp16", "sliced-two-stages-fp16",
-              "unrolled-fetch-four-chunks-fp16", "shared-tile-two-stages-fp16", "shared-projection-two-stages-fp16")
+              "unrolled-fetch-four-chunks-fp16")
 
 
 @pytest.mark.parametrize("case,order", [pytest.param(case, 0, marks=[pytest.mark.slow] if case in SLOW_CASES else [])
@@ -249,23 +230,6 @@ def test_the_output_descriptors_made_once_match_float64_emulated(monkeypatch, ca
     plan = plan_with_switch_on(monkeypatch, "OUTPUT_DESCRIPTORS_ONCE", precision, widths, params, "wo_n",
                                "wo_n + (operand_step<ZC")
     failures = emulated_against_float64(plan, SHAPES, 0)
-    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
-
-
-@OTHER_SIDE
-@pytest.mark.parametrize("case", ["sliced-two-stages-fp16", "mask-early-sliced-fp16", "staged-output-sliced-fp16"])
-def test_the_sliced_kernels_statistics_loaded_a_tile_ahead_match_float64_emulated(monkeypatch, case):
-    """wgmma.SLICED_STATS_AHEAD: the sliced projection and output kernels take a tile's rows'
-    statistics from registers loaded a tile earlier: both kernels sliced with the gate on the
-    normalised input (one and two x stages), the projection alone sliced (mask ahead), the output
-    alone sliced, at whole and odd tiles, several tiles a warpgroup; off (the earlier kernels), the
-    source has no trace of it."""
-    precision, widths, params = CASES[case]
-    widths = {**widths, "gate_normalized": 1}  # (the output kernel reads x's statistics for that gate)
-    plan = plan_with_switch_on(monkeypatch, "SLICED_STATS_AHEAD", precision, widths, params, "load_row_stats",
-                               "load_row_stats(")
-    failures = (emulated_against_float64(plan, SHAPES, 0) + emulated_against_float64(plan, SHAPES[-1:], 3)
-                + emulated_against_float64(plan, [(2, 37)], 0))
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)
 
 

@@ -168,9 +168,8 @@ def _sliced_cases():
     rows a block at P = 384, H = 128 outgoing and P = H = 256 incoming), and with counts named at
     small widths: every option set, the projection's k padded, slices of one and of several passes,
     the sums in shared memory and in registers, two x stages, the early fetch, one kernel sliced
-    and the other not; the wide widths' default points (128-column passes, one output
-    warpgroup; 64-column output passes at P = 384, H = 256, incoming); two output warpgroups on
-    each tile (o_share)."""
+    and the other not; and the wide widths' default points (128-column passes, one output
+    warpgroup; 64-column output passes at P = 384, H = 256, incoming)."""
     cases = []
     for precision in ("bfloat16", "float16"):
         view = TRIMUL.at(precision)
@@ -190,12 +189,6 @@ def _sliced_cases():
                                                            "o_stages": 2}),
                    ({"P": 64, "H": 32, **OPTION_SETS[6]}, {**PAIRED, "p_slices": 4, "early_x_fetch": True}),
                    ({"P": 64, "H": 32, **OPTION_SETS[7]}, {**PAIRED, "o_slices": 2, "x_registers": True})]
-        # Two output warpgroups on each tile (o_share): the wide default point that has it, and a
-        # small sliced one with 16-column passes.
-        shared = next(params for strategy, params in TRIMUL.default_points if params.get("o_share") == 2)
-        points += [({"P": 384, "H": 256, **OPTION_SETS[-1]}, shared), ({"P": 256, "H": 256, **OPTION_SETS[3]}, shared),
-                   ({"P": 64, "H": 32, **OPTION_SETS[2]}, {**PAIRED, "p_slices": 2, "o_slices": 2, "z_registers": True,
-                                                           "o_groups": 1, "o_share": 2})]
         for k, (widths, params) in enumerate(points):
             plan = view.plan("wgmma", params, widths)
             assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, params, TRIMUL.infeasible(plan, DeviceLimits()))

@@ -139,10 +139,9 @@ def _ptx_call(ptx: str, outputs: list, inputs: list) -> str:
         return f"pgx::cp_async_bulk_wait({o(0)})"
     if text == "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];":
         return f"pgx::cp_async_mbarrier_arrive_noinc((unsigned){o(0)})"
-    if m := re.fullmatch(r"bar\.sync (%0|\d+), (%1|\d+);", text):
+    if m := re.fullmatch(r"bar\.sync (%0|\d+), (\d+);", text):
         barrier = o(0) if m.group(1) == "%0" else m.group(1)
-        count = o(1) if m.group(2) == "%1" else m.group(2)
-        return f"pgx::bar_sync((int){barrier}, (int){count})"
+        return f"pgx::bar_sync((int){barrier}, {m.group(2)})"
     if text == "st.global.v4.b32 [%0], { %1, %2, %3, %4 };":
         return (f"do {{ unsigned* pgx_p = (unsigned*){o(0)}; pgx_p[0] = {o(1)}; pgx_p[1] = {o(2)}; "
                 f"pgx_p[2] = {o(3)}; pgx_p[3] = {o(4)}; }} while (0)")

@@ -23,8 +23,7 @@ class TrimulSpec(OpSpec):
                               "p_slices": 0, "o_slices": 0, "w_registers": False,
                               "o_x_registers": False, "p_mask_early": False,
                               "p_normalized_x": False, "o_normalized": False,
-                              "o_staged_stores": False, "o_unrolled_fetch": False, "o_share": 1,
-                              "p_share": 1}}
+                              "o_staged_stores": False, "o_unrolled_fetch": False}}
     name = "trimul"
     # The options are compile-time and part of the tuned key, as 0/1 next to the widths.
     width_names = ("P", "H", "outgoing", "gate_normalized", "bias")
@@ -63,19 +62,14 @@ class TrimulSpec(OpSpec):
         # larger products a tile), 2 projection warpgroups fetching the next x tile under the last
         # pass, one output warpgroup staging its 16-bit rows and copying its tiles unrolled (the
         # fastest measured at the wide classes it fits); the second the same with 64-column output
-        # passes (where 128 do not fit in shared memory); the third two output warpgroups sharing each
-        # tile, 32-column passes each (o_share: one's products under the other's epilogue, where one
-        # warpgroup a block left the schedulers idle; not yet timed, so after the two timed ones); the
-        # fourth narrower passes on 2 warpgroups in each kernel.
+        # passes (where 128 do not fit in shared memory); the third narrower passes on 2 warpgroups
+        # in each kernel.
         ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 128, "o_groups": 1, "o_wn": 128, "o_stages": 1, "swizzle": True,
                    "consts_smem": True, "paired_columns": True, "z_registers": True, "early_x_fetch": True,
                    "o_staged_stores": True, "o_unrolled_fetch": True}),
         ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 128, "o_groups": 1, "o_wn": 64, "o_stages": 1, "swizzle": True,
                    "consts_smem": True, "paired_columns": True, "z_registers": True, "early_x_fetch": True,
                    "o_staged_stores": True, "o_unrolled_fetch": True}),
-        ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 128, "o_groups": 1, "o_wn": 32, "o_share": 2, "o_stages": 1,
-                   "swizzle": True, "consts_smem": True, "paired_columns": True, "z_registers": True,
-                   "early_x_fetch": True, "o_staged_stores": True, "o_unrolled_fetch": True}),
         ("wgmma", {"p_groups": 2, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 32, "o_stages": 1, "swizzle": True,
                    "consts_smem": True, "paired_columns": True, "z_registers": True}),
         ("wgmma", {"p_groups": 3, "p_stages": 1, "p_wn": 64, "o_groups": 2, "o_wn": 64, "o_stages": 2, "swizzle": False,

@@ -143,11 +143,8 @@ def _slice_counts(params: dict, w: dict, project_smem, output_smem) -> tuple[int
     if params["w_registers"]:  # slices of Wp's 64-row blocks, the fewest whose fragments fit in registers
         fewest_p = _fewest_w_register_slices(w["P"], w["H"], params["p_groups"])
     else:
-        fewest_p = (_fewest_slices(max(1, p_passes // params["p_share"]), in_smem(project_smem))
-                    if paired and not params["x_registers"] else 1)
-    # (o_share: whole passes for each of a tile's two warpgroups, so the slices divide half of them)
-    fewest_o = (_fewest_slices(max(1, o_passes // params["o_share"]), in_smem(output_smem))
-                if paired and not w["gate_hidden"] else 1)
+        fewest_p = _fewest_slices(p_passes, in_smem(project_smem)) if paired and not params["x_registers"] else 1
+    fewest_o = _fewest_slices(o_passes, in_smem(output_smem)) if paired and not w["gate_hidden"] else 1
     return params["p_slices"] or fewest_p, params["o_slices"] or fewest_o
 
 
@@ -193,22 +190,15 @@ OUTPUT_DESCRIPTORS_ONCE = True
 BACKWARD_POINTERS = True
 
 
-#: Whether the sliced kernels load a tile's rows' statistics (what the statistics kernel wrote) a
-#: tile ahead into registers, instead of where the tile's epilogue needs them: with one or two
-#: warps a scheduler (the wide classes' points) nothing else hides that load's latency. A switch
-#: for the same reason as the ones above.
-SLICED_STATS_AHEAD = False
-
-
 def stats_to_output(params: dict, w: dict, o_slices: int) -> bool:
     """Whether a point's projection hands x's statistics to its output kernel (see
     OUTPUT_STATS_FROM_PROJECTION): the projection holds x's rows in registers (where it takes them),
     the output kernel its sums (its slots then sit where their transposed tile would), both
     unsliced (a sliced point has its statistics kernel), the gate on the normalised input (the only
-    reader), one warpgroup a tile (o_share 1: its slots sit after one warpgroup's staging)."""
+    reader)."""
     return (OUTPUT_STATS_FROM_PROJECTION and bool(params["x_registers"])
             and bool(params["z_registers"]) and not params["w_registers"] and params["p_slices"] <= 1
-            and o_slices <= 1 and bool(w["gate_normalized"]) and not w["gate_hidden"] and params["o_share"] == 1)
+            and o_slices <= 1 and bool(w["gate_normalized"]) and not w["gate_hidden"])
 
 
 #: A warpgroup's two slots of a tile's x statistics in the output kernel ([mean][64], [1/std][64] fp32
@@ -232,7 +222,7 @@ def derive(params: dict, w: dict, name: str):
         if params["w_registers"]:
             return align(params["p_stages"] * x_tile, 1024) + align(3 * WGMMA_ROWS * 4, 1024)
         return (align(4 * H // slices * k_padded(P) * eb, 1024)
-                + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_share"] * params["p_wn"] // 2 * 24 * eb, 1024)
+                + params["p_groups"] * align(params["p_stages"] * x_tile + 4 * params["p_wn"] // 2 * 24 * eb, 1024)
                 + (align((off["c1o"] - off["c1p"]) // slices, 1024) if params["consts_smem"] else 0)
                 + (align(4 * H * 16 * eb, 1024) if params["p_normalized_x"] else 0))
 
@@ -248,7 +238,7 @@ def derive(params: dict, w: dict, name: str):
         columns = P // slices
         return (align(columns * k_padded(H) * eb, 1024) + align((gate_columns(w) if hidden else columns) * k_padded(P) * eb, 1024)
                 + params["o_groups"] * align(params["o_stages"] * x_tile + align(WGMMA_ROWS * H * eb, 1024) + transposed
-                                             + (4 * params["o_share"] * 16 * 24 * eb if staged_stores else 0)
+                                             + (4 * 16 * 24 * eb if staged_stores else 0)
                                              + (OUTPUT_STATS_SLOTS_BYTES if stats_to_output(params, w, slices) else 0), 1024)
                 + (align(columns * 16 if slices > 1 else off["total"] - off["c1o"], 1024) if params["consts_smem"] else 0)
                 + (2 * align(P * 16 * eb, 1024) if params["o_normalized"] else 0))
@@ -269,7 +259,7 @@ def derive(params: dict, w: dict, name: str):
                "o_staged_stores": params["o_staged_stores"], "projection_store_pointer": PROJECTION_STORE_POINTER,
                "fragment_stats_by_mma": FRAGMENT_STATS_BY_MMA,
                "projection_mask_fold": PROJECTION_MASK_FOLD, "stats_to_output": handed_stats,
-               "output_descriptors_once": OUTPUT_DESCRIPTORS_ONCE, "sliced_stats_ahead": SLICED_STATS_AHEAD,
+               "output_descriptors_once": OUTPUT_DESCRIPTORS_ONCE,
                "o_unrolled_fetch": params["o_unrolled_fetch"],
                "wgmma_rs_widths": sorted({wn for wn, rs in ((params["p_wn"], params["x_registers"]),
                                                               (WGMMA_ROWS, params["w_registers"]),
@@ -277,15 +267,14 @@ def derive(params: dict, w: dict, name: str):
                "wgmma_rs_first_widths": [WGMMA_ROWS] if params["w_registers"] else [],
                "p_groups": params["p_groups"], "p_wn": params["p_wn"], "p_slices": p_slices, "o_slices": o_slices,
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
-               "o_groups": params["o_groups"], "o_wn": params["o_wn"], "o_share": params["o_share"],
-               "p_share": params["p_share"],
+               "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
     project_args = _with_stats(PROJECT_ARGS) if p_slices > 1 else _with_pointer(PROJECT_ARGS, "xh") if x_fp32 else PROJECT_ARGS
     if handed_stats:  # written by the projection, read by the output kernel
         project_args = _with_stats(project_args)
-    kernels = (Kernel(name, 128 * params["p_groups"] * params["p_share"], project_smem, project_args,
+    kernels = (Kernel(name, 128 * params["p_groups"], project_smem, project_args,
                       _wgmma_grid(1 if params["w_registers"] else params["p_groups"], p_slices)),
-               Kernel(f"{name}_output", 128 * params["o_groups"] * params["o_share"], output_smem,
+               Kernel(f"{name}_output", 128 * params["o_groups"], output_smem,
                       _with_stats(OUTPUT_ARGS) if o_slices > 1 or handed_stats else OUTPUT_ARGS,
                       _wgmma_grid(params["o_groups"], o_slices)))
     if has_row_statistics(p_slices, o_slices):  # the rows' statistics first (run_three_steps)
@@ -391,42 +380,6 @@ def _output_x_registers_with_z(plan: Plan, limits: DeviceLimits) -> bool:
     fits = params["o_groups"] <= 2 or (params["o_groups"] == 3 and params["o_wn"] <= 64)
     return not params["o_x_registers"] or (params["z_registers"] and params["o_stages"] == 1 and fits
                                            and k_padded(plan.widths["P"]) <= 128)
-
-
-def _output_tile_shared(plan: Plan, limits: DeviceLimits) -> bool:
-    """Two warpgroups sharing an output tile (o_share 2) is a mode of the paired output kernel with
-    its sums in registers and x in shared memory (the gate on P), one tile a block."""
-    params = plan.params
-    return params["o_share"] == 1 or (params["z_registers"] and not params["o_x_registers"]
-                                      and params["o_groups"] == 1)
-
-
-def _projection_tile_shared(plan: Plan, limits: DeviceLimits) -> bool:
-    """Two warpgroups sharing a projection tile (p_share 2) is a mode of the paired projection with
-    x in shared memory (not in registers, Wp resident), one tile a block: with two (512 threads,
-    128 registers a thread) the wide classes' points spill."""
-    params = plan.params
-    return params["p_share"] == 1 or (params["paired_columns"] and not params["x_registers"]
-                                      and not params["w_registers"] and params["p_groups"] == 1)
-
-
-def _whole_passes_each(columns: int, share: int, wn: int) -> bool:
-    """Whether `columns` split into whole passes of `wn` for each of a tile's `share` warpgroups."""
-    return columns % (share * wn) == 0
-
-
-def _projection_halves_whole(plan: Plan, limits: DeviceLimits) -> bool:
-    """A shared projection tile is a sliced point's, its slice's columns whole passes for each
-    warpgroup."""
-    p_share, slices = plan.params["p_share"], plan.context["p_slices"]
-    return p_share == 1 or (slices > 1 and _whole_passes_each(4 * plan.widths["H"] // slices, p_share, plan.params["p_wn"]))
-
-
-def _output_halves_whole(plan: Plan, limits: DeviceLimits) -> bool:
-    """A shared output tile's columns (its slice's, where sliced) are whole passes for each warpgroup."""
-    o_share = plan.params["o_share"]
-    return o_share == 1 or _whole_passes_each(plan.widths["P"] // max(1, plan.context["o_slices"]), o_share,
-                                              plan.params["o_wn"])
 
 
 def _mask_early_resident(plan: Plan, limits: DeviceLimits) -> bool:
@@ -859,10 +812,7 @@ WGMMA = Strategy(
     # sectors (o_staged_stores), instead of 4 bytes a lane from the accumulators; whether the
     # output kernel copies its x and triangle-sum tiles unrolled, each thread's pieces at constant
     # offsets from its first (o_unrolled_fetch: a piece costs its copy and an address, not a
-    # division, a swizzle and 64-bit address arithmetic each); how many warpgroups of the output
-    # kernel share each tile (o_share 2: each half of its columns' passes on the same x and sums,
-    # so that one's products run under the other's epilogue where a block holds one tile); the same
-    # for a sliced projection's tiles (p_share).
+    # division, a swizzle and 64-bit address arithmetic each).
     space={"p_groups": (1, 2, 3, 4), "p_wn": (32, 64, 128), "p_stages": (1, 2),
            "o_groups": (1, 2, 3, 4), "o_wn": (16, 32, 64, 128), "o_stages": (1, 2), "swizzle": (False, True),
            "consts_smem": (False, True), "paired_columns": (False, True), "early_x_fetch": (False, True),
@@ -870,7 +820,7 @@ WGMMA = Strategy(
            "p_slices": (0, 2, 4), "o_slices": (0, 2, 4), "w_registers": (False, True), "o_x_registers": (False, True),
            "p_mask_early": (False, True), "p_normalized_x": (False, True),
            "o_normalized": (False, True), "o_staged_stores": (False, True),
-           "o_unrolled_fetch": (False, True), "o_share": (1, 2), "p_share": (1, 2)},
+           "o_unrolled_fetch": (False, True)},
     derive=derive,
     restrictions=(WGMMA_ON_SM90,
                   Restriction("rows must be whole 16-byte chunks and passes must tile the columns",
@@ -905,14 +855,6 @@ WGMMA = Strategy(
                   Restriction("the unrolled copies are for unpadded x rows of 16-byte chunks that 16 divides or that "
                               "divide 16",
                               _unrolled_fetch_applies, on_point=True),
-                  Restriction("two warpgroups share an output tile (o_share) in the paired output kernel with its sums "
-                              "in registers and x in shared memory, one tile a block", _output_tile_shared, on_point=True),
-                  Restriction("a shared output tile's columns split into whole passes for each warpgroup",
-                              _output_halves_whole),
-                  Restriction("two warpgroups share a projection tile (p_share) in the paired projection with x in "
-                              "shared memory, one tile a block", _projection_tile_shared, on_point=True),
-                  Restriction("a shared projection tile is a sliced point's, its slice split into whole passes for "
-                              "each warpgroup", _projection_halves_whole),
                   Restriction("the swizzle applies to no operand (neither P nor H a multiple of 64)", _swizzle_applies,
                               on_point=True),
                   Restriction("shared memory exceeds the per-block limit", smem_fits)),
@@ -920,6 +862,6 @@ WGMMA = Strategy(
     records=HALF_PRECISIONS,
     fp32_output=HALF_PRECISIONS,
     run=run,
-    groups=(("p_groups", "p_wn", "p_stages", "p_slices", "early_x_fetch", "p_mask_early", "p_share"),
-            ("o_groups", "o_wn", "o_stages", "o_slices", "o_staged_stores", "o_unrolled_fetch", "o_share")),
+    groups=(("p_groups", "p_wn", "p_stages", "p_slices", "early_x_fetch", "p_mask_early"),
+            ("o_groups", "o_wn", "o_stages", "o_slices", "o_staged_stores", "o_unrolled_fetch")),
 )
