@@ -277,7 +277,13 @@ X_FP32_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(X_FP32_CASES))
+#: The projection's own rounding (READ_FP32_X) is off: its cases run with --slow; the statistics
+#: kernel's (stats_cast), which sliced points run under autocast, always.
+X_FP32_OFF_SWITCH = ("first-default-fp32-out-bf16", "narrow-wide-passes-fp16")
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=[pytest.mark.slow] if case in X_FP32_OFF_SWITCH else [])
+                                  for case in X_FP32_CASES])
 def test_an_fp32_x_rounded_by_a_kernel_matches_its_cast_bit_for_bit_emulated(monkeypatch, case):
     """x_fp32 and stats_cast: a call with an fp32 x (under autocast) runs the kernel that rounds x
     itself (the projection, or a sliced point's statistics kernel) and writes the rounded rows the
