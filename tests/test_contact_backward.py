@@ -136,8 +136,10 @@ def test_16_bit_forwards_and_training_take_the_closed_form_from_the_measured_siz
 
 
 # fp16 with --slow: the same template on the other 16-bit type
+# (MLP_KERNEL is off: without --slow one width compiles, and one case below is emulated)
 @pytest.mark.parametrize("kind", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("P,H", [(16, 16), (48, 32), (64, 32), (128, 64), (128, 128)])
+@pytest.mark.parametrize("P,H", [pytest.param(16, 16, marks=pytest.mark.slow), pytest.param(48, 32, marks=pytest.mark.slow),
+                                 pytest.param(64, 32, marks=pytest.mark.slow), (128, 64), pytest.param(128, 128, marks=pytest.mark.slow)])
 def test_the_mlp_kernel_renders_and_compiles_without_spills(kind, P, H):
     rendered = fused_backward.render_mlp(kind, P, H)
     compiled = compiler.compile_source(rendered.source, rendered.kernel_name, "sm_90")
@@ -162,9 +164,9 @@ def _gradients_through_the_mlp_kernel(module, x, g) -> list:
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles kernels with g++")
-@pytest.mark.parametrize("dtype,widths,B,N", [(torch.bfloat16, {"P": 128, "H": 128}, 1, 37),
+@pytest.mark.parametrize("dtype,widths,B,N", [pytest.param(torch.bfloat16, {"P": 128, "H": 128}, 1, 37, marks=pytest.mark.slow),
                                               (torch.float16, {"P": 48, "H": 32}, 2, 13),
-                                              (torch.bfloat16, {"P": 64, "H": 16}, 3, 1)])
+                                              pytest.param(torch.bfloat16, {"P": 64, "H": 16}, 3, 1, marks=pytest.mark.slow)])
 def test_the_mlp_kernel_gradients_meet_the_16_bit_standard_emulated(dtype, widths, B, N):
     """The 16-bit closed form with the MLP's forward and backward in one wgmma kernel
     (templates/contact/mlp_backward.cu.j2), run on the CPU emulator, heavy-tailed inputs: every
