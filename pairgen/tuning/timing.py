@@ -22,7 +22,8 @@ _flush_buffers: dict[torch.device, torch.Tensor] = {}
 
 
 def _flush_l2(device: torch.device) -> None:
-    device = torch.device(device.type, device.index or 0)
+    if device.index is None:  # the key and the allocation name the device a bare "cuda" means now
+        device = torch.device(device.type, torch.cuda.current_device() if device.type == "cuda" else 0)
     if device not in _flush_buffers:  # 256 MB: several times any L2 of today (H200: 60 MB)
         # A normal tensor even when the first timing runs under inference_mode (the forward bench):
         # an inference tensor could not be zeroed by a later timing outside it (a training step's).
