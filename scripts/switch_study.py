@@ -96,8 +96,9 @@ def parse_widths(text: str) -> dict[str, int]:
     widths = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
-        if name not in ("P", "H") or not value.isdigit() or int(value) % 16:
-            raise argparse.ArgumentTypeError(f"{item!r}: the widths are P=<multiple of 16> and H=<multiple of 16>")
+        if name not in ("P", "H") or not value.isdigit() or int(value) % 16 or not int(value):
+            raise argparse.ArgumentTypeError(f"{item!r}: the widths are P=<positive multiple of 16> and "
+                                             "H=<positive multiple of 16>")
         widths[name] = int(value)
     return widths
 

@@ -53,7 +53,7 @@ def test_a_variants_plan_renders_its_switch_and_the_strategy_is_left_as_it_was(s
 def test_widths_parse_to_the_pair_and_hidden_widths(study):
     assert study.parse_widths("P=256,H=256") == {"P": 256, "H": 256}
     assert study.parse_widths("P=384") == {"P": 384}
-    for bad in ("Q=256", "P=250", "P=", "P=2x6"):
+    for bad in ("Q=256", "P=250", "P=", "P=2x6", "P=0"):
         with pytest.raises(argparse.ArgumentTypeError):
             study.parse_widths(bad)
 
