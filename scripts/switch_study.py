@@ -16,6 +16,14 @@ a profiler (here the second call's projection):
   ncu -k regex:z_registers1$ -s 1 -c 1 --set full -o unfolded \\
       python scripts/switch_study.py --variant unfolded=PROJECTION_MASK_FOLD --n 1024 --forward-only
 
+With --resources no GPU is needed: each variant's plan on the tuned point of this architecture
+(PAIRGEN_ARCH, else sm_90) is checked for what it needs (shared memory, slices) and compiled, and
+its kernels' registers and spills printed, so that a variant which cannot run or spills is found
+before device time is spent on it (a switch-like param takes 0/1):
+
+  PAIRGEN_ARCH=sm_90 python scripts/switch_study.py --resources --widths P=256,H=256 --n 512 \
+      --variant before= --variant og3w32=:o_groups=3,o_wn=32,o_staged_stores=0
+
 With --training the variants are a bf16 module's training steps (forward and backward, the input
 and every parameter wanting a gradient), for the switches a training call reads when it first runs
 (the backward's, e.g. BACKWARD_POINTERS): each variant gets its own copy of one module, whose first
@@ -82,13 +90,26 @@ def parse_variant(text: str) -> tuple[str, dict[str, bool], dict[str, int]]:
         if switch not in known:
             raise argparse.ArgumentTypeError(f"no switch {switch!r}; the switches: {', '.join(known)}")
         flips[switch] = not switch_value(switch)
-    params = {}
-    for item in filter(None, overrides.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not value.lstrip("-").isdigit():
-            raise argparse.ArgumentTypeError(f"a param override is name=integer, not {item!r}")
-        params[key] = int(value)
+    params = dict(parse_override(item) for item in filter(None, overrides.split(",")))
     return name, flips, params
+
+
+def parse_override(item: str) -> tuple[str, int | bool]:
+    """"param=value" of the wgmma strategy's space, as the space's type (a switch-like param takes
+    0/1 or false/true): a name or value the space lacks fails here, before any compile or GPU time."""
+    space = wgmma.WGMMA.space
+    key, eq, value = item.partition("=")
+    if not eq or key not in space:
+        raise argparse.ArgumentTypeError(f"a param override is name=value with a name of the wgmma space "
+                                         f"({', '.join(sorted(space))}), not {item!r}")
+    if all(isinstance(choice, bool) for choice in space[key]):
+        words = {"0": False, "false": False, "1": True, "true": True}
+        if value.lower() not in words:
+            raise argparse.ArgumentTypeError(f"{key} is 0/1 (or false/true), not {value!r}")
+        return key, words[value.lower()]
+    if not value.lstrip("-").isdigit() or int(value) not in space[key]:
+        raise argparse.ArgumentTypeError(f"{key} is one of {space[key]}, not {value!r}")
+    return key, int(value)
 
 
 def parse_widths(text: str) -> dict[str, int]:
@@ -195,25 +216,66 @@ def training_study(variants: list, ns: list[int], widths: dict, rounds: int, ste
     return report
 
 
-def tuned_params(n: int, widths: dict) -> dict:
-    """This GPU's tuned wgmma params for `widths` at n's N bucket, as a module looks them up (else
-    the nearest bucket tuned; an entry of another GPU of the same architecture where this one has
-    none)."""
-    import torch
-
-    from pairgen import runtime
+def tuned_params(n: int, widths: dict, slug: str | None = None, arch: str | None = None) -> dict:
+    """The tuned wgmma params for `widths` at n's N bucket, as a module looks them up (else the
+    nearest bucket tuned; an entry of another GPU of the same architecture where this one has none).
+    By default this GPU's; with `arch` (and no GPU: slug None) any GPU's of that architecture."""
     from pairgen.spec import n_bucket
     from pairgen.tuned import TunedDB, databases_for_arch
 
-    info = runtime.device_info(torch.cuda.current_device())
-    databases = [TunedDB("trimul", info.slug), *databases_for_arch("trimul", info.arch, info.slug)]
+    if arch is None:
+        import torch
+
+        from pairgen import runtime
+
+        info = runtime.device_info(torch.cuda.current_device())
+        slug, arch = info.slug, info.arch
+    databases = ([TunedDB("trimul", slug)] if slug else []) + databases_for_arch("trimul", arch, slug)
     entries = [entry for db in databases for entry in db.entries()
                if entry["key"]["dtype"] == "bfloat16" and entry["key"]["widths"] == widths
                and entry.get("strategy") == "wgmma"]
     if not entries:
-        raise SystemExit(f"no tuned wgmma entry for {widths} in bfloat16 on {info.slug}: tune it first")
+        raise SystemExit(f"no tuned wgmma entry for {widths} in bfloat16 for {slug or arch}: tune it first")
     bucket = n_bucket(n)
     return min(entries, key=lambda entry: abs(math.log2(entry["key"]["n_bucket"] / bucket)))["params"]
+
+
+def kernel_role(name: str) -> str:
+    """A rendered kernel's role from its name: the main kernel is the projection, the others end in
+    their role (_output, _stats)."""
+    role = name.rsplit("_", 1)[-1]
+    return role if role in ("output", "stats") else "projection"
+
+
+def resources_report(variants: list, ns: list[int], widths: dict) -> list[str]:
+    """Without a GPU: each variant's plan on the tuned point of this architecture (PAIRGEN_ARCH, else
+    sm_90), whether it can run, its kernels' shared memory and slices, and what NVRTC says of them
+    (registers, spills, wgmma products serialized), so that a variant which cannot run or spills is
+    found before any device time is spent on it."""
+    from pairgen import codegen, compiler, runtime
+    from pairgen.ops.trimul import TRIMUL
+    from pairgen.spec import DeviceLimits
+
+    spec, arch, lines = TRIMUL.at("bfloat16"), runtime.default_arch(), []
+    for n in ns:
+        params = tuned_params(n, widths, slug=None, arch=arch)
+        for name, flips, overrides in variants:
+            plan = plan_for(spec, params, flips, overrides, widths)
+            head = f"N{n} {name}:"
+            reasons = spec.infeasible(plan, DeviceLimits())
+            if reasons:
+                lines.append(f"{head} cannot run ({'; '.join(reasons)})")
+                continue
+            rendered = codegen.render_plan(plan)
+            compiled = compiler.compile_source(rendered.source, rendered.kernel_name, arch)
+            context = plan.context
+            kernels = ", ".join(f"{kernel_role(kernel)} {k['registers']} regs"
+                                + (f" ({k['spill_bytes']} B spilled)" if k["spill_bytes"] else "")
+                                for kernel, k in sorted(compiled.kernels.items(), key=lambda item: kernel_role(item[0])))
+            lines.append(f"{head} projection {context['p_smem']} B shared in {context['p_slices'] or 1} slice(s), "
+                         f"output {context['o_smem']} B in {context['o_slices'] or 1}; {kernels}"
+                         + ("; wgmma products serialized by ptxas" if compiled.wgmma_serialized else ""))
+    return lines
 
 
 def main(argv=None) -> int:
@@ -231,7 +293,15 @@ def main(argv=None) -> int:
                         help="time training steps (forward + backward) for the switches a training call reads")
     parser.add_argument("--forward-only", action="store_true",
                         help="run each variant's forward three times, unchecked and untimed (for Nsight Compute)")
+    parser.add_argument("--resources", action="store_true",
+                        help="no GPU: each variant's shared memory, slices, registers and spills (NVRTC)")
     args = parser.parse_args(argv)
+    ns = [int(n) for n in args.n.split(",")]
+    if args.resources:
+        widths = {**MODELS_FORM, **args.widths, "outgoing": 0 if args.incoming else 1}
+        for line in resources_report(args.variant, ns, widths):
+            print(line, flush=True)
+        return 0
 
     import torch
 
@@ -242,7 +312,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("switch_study times kernels: it needs a CUDA GPU")
     widths = {**MODELS_FORM, **args.widths, "outgoing": 0 if args.incoming else 1}
-    spec, ns = TRIMUL.at("bfloat16"), [int(n) for n in args.n.split(",")]
+    spec = TRIMUL.at("bfloat16")
     if args.training:
         report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "widths": widths,
                   "training": training_study(args.variant, ns, widths, args.rounds)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,32 @@ def test_a_variant_names_switches_and_param_overrides(study):
     for bad in ("nosign", "=X", "a=NO_SUCH_SWITCH", "a=:p_groups=three", "a=:p_groups"):
         with pytest.raises(argparse.ArgumentTypeError):
             study.parse_variant(bad)
+
+
+def test_a_param_override_takes_the_spaces_type_and_values(study):
+    """A switch-like param's 0/1 becomes the bool the space holds (a plain 0 would fail the plan's
+    point check on the GPU); a name or value the space lacks fails at parsing."""
+    _, _, params = study.parse_variant("og3=:o_groups=3,o_staged_stores=0,swizzle=true")
+    assert params == {"o_groups": 3, "o_staged_stores": False, "swizzle": True}
+    assert type(params["o_staged_stores"]) is bool and type(params["o_groups"]) is int
+    spec = TRIMUL.at("bfloat16")
+    point = next(p for s, p in TRIMUL.default_points if s == "wgmma")
+    study.plan_for(spec, point, {}, params, study.MODELS_FORM)  # the point check passes
+    for bad in ("a=:o_groups=9", "a=:no_such_param=1", "a=:o_staged_stores=2", "a=:swizzle=yes"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            study.parse_variant(bad)
+
+
+def test_resources_need_no_gpu_and_say_what_cannot_run(study, monkeypatch):
+    """--resources compiles a variant's kernels with NVRTC and prints their registers and shared
+    memory; a variant that does not fit says why instead of compiling."""
+    monkeypatch.setenv("PAIRGEN_ARCH", "sm_90")
+    variants = [study.parse_variant("before="), study.parse_variant("four=:o_groups=4")]
+    lines = study.resources_report(variants, [512], study.MODELS_FORM)
+    assert len(lines) == 2
+    assert lines[0].startswith("N512 before: projection ") and " B shared in " in lines[0]
+    assert re.search(r"output \d+ regs", lines[0]) and re.search(r"projection \d+ regs", lines[0])
+    assert lines[1].startswith("N512 four: cannot run (") and "warpgroups" in lines[1]
 
 
 def test_a_variants_plan_renders_its_switch_and_the_strategy_is_left_as_it_was(study):
