@@ -336,11 +336,16 @@ class Explanation:
     #: (label, route) of stand-in calls: what a module's calls of this length run and why
     #: (pairgen/module/dispatch.py; a module's explain() fills them in)
     routes: tuple = ()
+    #: the other points its tune timed, fastest first (the entry's "timed"), where it kept them
+    timed: tuple = ()
 
     def __str__(self) -> str:
         what = f"{self.strategy}({', '.join(f'{k}={v}' for k, v in sorted(self.params.items()))})" \
             if self.strategy else "the PyTorch reference"
         timing = f", measured {self.measured_us} us when tuned" if self.measured_us is not None else ""
+        if timing and self.timed:
+            timing += (f" (the fastest of {len(self.timed) + 1} points kept from its tune; the next "
+                       f"{100 * (self.timed[0]['us'] / self.measured_us - 1):+.1f} %)")
         origin = f" [{self.database}]" if self.database else ""
         routes = "".join(f"\n  {label}: {route}" for label, route in self.routes)
         return (f"{self.op} N={self.n} (bucket {self.n_bucket}) on {self.gpu}: {what} from {self.source}{timing}{origin}"
@@ -362,7 +367,7 @@ def explain(spec: OpSpec, dtype: str, widths: dict, n: int, device_index: int = 
     plan = choice.plan
     return Explanation(spec.name, info.slug, n, n_bucket(n), choice.source, plan.strategy if plan else None,
                        plan.params if plan else None, choice.entry.get("us") if choice.entry else None,
-                       choice.database)
+                       choice.database, timed=tuple(choice.entry.get("timed", ())) if choice.entry else ())
 
 
 def explain_on_cpu(spec: OpSpec, n: int, why: str) -> Explanation:

@@ -6,7 +6,8 @@ Schema (version 1):
   folder of its own can use another folder's entries of the same arch (databases_for_arch).
   entry = {"key": {"dtype", "widths", "n_bucket"}, "shape", "strategy", "params", "template_sha256",
            "source_sha256" (optional), "precision" (optional), "us", "baselines_us", "trials", "date",
-           "versions", ...}
+           "versions", "timed" (optional: the other points the tune timed, fastest first, each as
+           {"us", "changes": the params that differ from the entry's, "strategy" where it differs}), ...}
 This module stores and validates entries; which entry a call runs (the lookup chain, and whether an
 entry is stale or invalid against today's code) is runtime's: runtime.choose and runtime.entry_state.
 
@@ -119,6 +120,23 @@ _check_numbers = _mapping_check("a finite number", lambda v: _check_number(v) is
 _check_params = _mapping_check("an int, bool or str", lambda v: isinstance(v, (int, str)))  # bool is an int
 _check_versions = _mapping_check("a str or null", lambda v: v is None or isinstance(v, str))
 
+
+
+def _check_timed(value) -> str | None:
+    """The other points a tune timed (tuner.timed_points): a list of {"us", "changes", "strategy"
+    (optional)}."""
+    if not isinstance(value, list):
+        return f"{_show(value)} is not a list"
+    for index, record in enumerate(value):
+        if not isinstance(record, dict) or set(record) - {"us", "changes", "strategy"} or "us" not in record:
+            return f"[{index}] is {_show(record)}, not an object of us, changes and (optionally) strategy"
+        why = _check_number(record["us"]) or _check_params(record.get("changes", {})) or (
+            _check_str(record["strategy"]) if "strategy" in record else None)
+        if why is not None:
+            return f"[{index}]: {why}"
+    return None
+
+
 _KEY_CHECKS = {"dtype": _check_str, "widths": _check_ints, "n_bucket": _check_n_bucket}
 _REQUIRED_CHECKS = {"strategy": _check_str, "params": _check_params, "template_sha256": _check_sha256}
 _OPTIONAL_CHECKS = {
@@ -132,6 +150,7 @@ _OPTIONAL_CHECKS = {
     "tune_seconds": _check_number,
     "date": _check_str,
     "versions": _check_versions,
+    "timed": _check_timed,
 }
 
 

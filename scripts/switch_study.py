@@ -216,8 +216,13 @@ def training_study(variants: list, ns: list[int], widths: dict, rounds: int, ste
     return report
 
 
-def tuned_params(n: int, widths: dict, slug: str | None = None, arch: str | None = None) -> dict:
-    """The tuned wgmma params for `widths` at n's N bucket, as a module looks them up (else the
+def tuned_params(n: int, widths: dict) -> dict:
+    """This GPU's tuned wgmma params for `widths` at n's N bucket (tuned_entry)."""
+    return tuned_entry(n, widths)["params"]
+
+
+def tuned_entry(n: int, widths: dict, slug: str | None = None, arch: str | None = None) -> dict:
+    """The tuned bf16 wgmma entry for `widths` at n's N bucket, as a module looks it up (else the
     nearest bucket tuned; an entry of another GPU of the same architecture where this one has none).
     By default this GPU's; with `arch` (and no GPU: slug None) any GPU's of that architecture."""
     from pairgen.spec import n_bucket
@@ -237,7 +242,7 @@ def tuned_params(n: int, widths: dict, slug: str | None = None, arch: str | None
     if not entries:
         raise SystemExit(f"no tuned wgmma entry for {widths} in bfloat16 for {slug or arch}: tune it first")
     bucket = n_bucket(n)
-    return min(entries, key=lambda entry: abs(math.log2(entry["key"]["n_bucket"] / bucket)))["params"]
+    return min(entries, key=lambda entry: abs(math.log2(entry["key"]["n_bucket"] / bucket)))
 
 
 def kernel_role(name: str) -> str:
@@ -245,6 +250,22 @@ def kernel_role(name: str) -> str:
     their role (_output, _stats)."""
     role = name.rsplit("_", 1)[-1]
     return role if role in ("output", "stats") else "projection"
+
+
+def record_of(entry: dict, flips: dict, overrides: dict) -> str:
+    """What the tuned entry's tune measured of a variant: the entry's own time, a point it timed
+    (the entry's "timed"), or that it kept none such (a switch changes the source: never in it)."""
+    changes = {k: v for k, v in overrides.items() if entry["params"].get(k) != v}
+    if flips:
+        return "a switch: not in the tune's records"
+    if not changes:
+        return f"the tuned point, {entry['us']:.1f} us"
+    for record in entry.get("timed", ()):
+        if "strategy" not in record and record["changes"] == changes:
+            return f"timed by its tune: {record['us']:.1f} us, {100 * (record['us'] / entry['us'] - 1):+.1f} %"
+    if "timed" not in entry:
+        return "its tune kept no record of other points"
+    return f"not among the {len(entry['timed'])} other points its tune kept"
 
 
 def resources_report(variants: list, ns: list[int], widths: dict) -> list[str]:
@@ -258,10 +279,10 @@ def resources_report(variants: list, ns: list[int], widths: dict) -> list[str]:
 
     spec, arch, lines = TRIMUL.at("bfloat16"), runtime.default_arch(), []
     for n in ns:
-        params = tuned_params(n, widths, slug=None, arch=arch)
+        entry = tuned_entry(n, widths, slug=None, arch=arch)
         for name, flips, overrides in variants:
-            plan = plan_for(spec, params, flips, overrides, widths)
-            head = f"N{n} {name}:"
+            plan = plan_for(spec, entry["params"], flips, overrides, widths)
+            head = f"N{n} {name} ({record_of(entry, flips, overrides)}):"
             reasons = spec.infeasible(plan, DeviceLimits())
             if reasons:
                 lines.append(f"{head} cannot run ({'; '.join(reasons)})")

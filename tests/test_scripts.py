@@ -170,6 +170,16 @@ def test_explain_says_when_the_tuner_timed_the_reference_faster(tmp_path):
     assert "the PyTorch reference measured faster when it was tuned (6.5 µs against the best kernel's 7.5 µs)" in line
 
 
+def test_explain_says_how_far_behind_the_next_point_its_tune_timed_came(tmp_path):
+    timed = [{"us": 8.0, "changes": {"threads": 256}}, {"us": 9.0, "strategy": "tiled", "changes": {}}]
+    _entry_on(tmp_path, "nvidia-h200", {"P": 64, "H": 32}, 64, timed=timed)
+    result = run_main("tune", "--explain", "--op", "contact", "--shape", "B=1,N=64,P=64,H=32",
+                      "--gpu", "nvidia-h200", "--arch", "sm_90", env={"PAIRGEN_TUNED_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert ("measured 7.5 us when tuned (the fastest of 3 points kept from its tune; the next +6.7 %)"
+            in result.stdout.splitlines()[1])
+
+
 def test_explain_for_a_described_gpu(tmp_path):
     """--explain --gpu/--arch needs no GPU: this GPU's entry, its nearest bucket, a same-architecture
     GPU's entry, or the defaults, with the parameters, the time and the file."""

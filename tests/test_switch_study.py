@@ -58,9 +58,10 @@ def test_resources_need_no_gpu_and_say_what_cannot_run(study, monkeypatch):
     variants = [study.parse_variant("before="), study.parse_variant("four=:o_groups=4")]
     lines = study.resources_report(variants, [512], study.MODELS_FORM)
     assert len(lines) == 2
-    assert lines[0].startswith("N512 before: projection ") and " B shared in " in lines[0]
+    assert lines[0].startswith("N512 before (the tuned point, ") and ": projection " in lines[0]
+    assert " B shared in " in lines[0]
     assert re.search(r"output \d+ regs", lines[0]) and re.search(r"projection \d+ regs", lines[0])
-    assert lines[1].startswith("N512 four: cannot run (") and "warpgroups" in lines[1]
+    assert lines[1].startswith("N512 four (") and ": cannot run (" in lines[1] and "warpgroups" in lines[1]
 
 
 def test_a_variants_plan_renders_its_switch_and_the_strategy_is_left_as_it_was(study):
@@ -116,3 +117,17 @@ def test_the_output_side_backwards_switch_is_named_by_its_module(study):
     with study.switched(flips):
         assert output_backward.DESCRIPTORS_ONCE is (not before)
     assert output_backward.DESCRIPTORS_ONCE is before
+
+
+def test_a_variant_is_looked_up_in_what_the_tuned_entrys_tune_timed(study):
+    """--resources says what the tune measured of each variant: the tuned point's time, a point it
+    timed (the entry's "timed", as changes from the entry's params), or that it kept none such."""
+    entry = {"params": {"o_groups": 1, "o_stages": 1, "o_wn": 64}, "us": 1300.0,
+             "timed": [{"us": 1313.0, "changes": {"o_stages": 2}}, {"us": 1400.0, "strategy": "bmm", "changes": {}}]}
+    assert study.record_of(entry, {}, {}) == "the tuned point, 1300.0 us"
+    assert study.record_of(entry, {}, {"o_stages": 1}) == "the tuned point, 1300.0 us"
+    assert study.record_of(entry, {}, {"o_stages": 2}) == "timed by its tune: 1313.0 us, +1.0 %"
+    assert study.record_of(entry, {}, {"o_groups": 2}) == "not among the 2 other points its tune kept"
+    assert study.record_of(entry, {"PROJECTION_MASK_FOLD": False}, {}) == "a switch: not in the tune's records"
+    del entry["timed"]
+    assert study.record_of(entry, {}, {"o_groups": 2}) == "its tune kept no record of other points"

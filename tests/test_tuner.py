@@ -317,6 +317,36 @@ def test_the_finalists_are_timed_again_and_a_lucky_timing_does_not_win(tmp_path)
     assert ev.evaluated.count(lucky) == 1 + 5, "timed once by the search, five times as a finalist"
 
 
+def test_the_result_keeps_the_other_points_timed_fastest_first_as_changes_from_the_winner(tmp_path):
+    """timed_points: every timed point but the winner and the failed ones, fastest first, each as
+    the params that differ from the winner's (all of them, with its strategy, where that differs),
+    a finalist at its re-timed median; the entry check accepts the record and refuses a broken one."""
+    from pairgen.tuned import entry_problem
+    from pairgen.tuning.tuner import TIMED_KEPT
+
+    ev = LuckyFirstEvaluator()
+    result = tune_shape(CONTACT, SHAPE, ev, "fake-gpu", _settings(12, finalists=3), storage_dir=tmp_path)
+    best, timed = result.best, result.timed
+    failed = {p for p in set(ev.evaluated)
+              if json.loads(p)[0] == "thread_per_pair" and json.loads(p)[1]["threads"] == 256}
+    assert len(timed) == min(TIMED_KEPT, len(set(ev.evaluated)) - 1 - len(failed))
+    assert [r["us"] for r in timed] == sorted(r["us"] for r in timed) and timed[0]["us"] >= best["us"]
+    for record in timed:
+        if "strategy" in record:
+            assert record["strategy"] != best["strategy"]
+            params, strategy = record["changes"], record["strategy"]
+        else:
+            assert record["changes"], "the winner itself is not among the others"
+            params, strategy = {**best["params"], **record["changes"]}, best["strategy"]
+        # the lucky first timing was outvoted where it became a finalist: each record is the true cost
+        assert record["us"] == pytest.approx(FakeEvaluator.cost(CONTACT.plan(strategy, params, WIDTHS)), abs=0.01)
+    entry = {"key": {"dtype": "float32", "widths": WIDTHS, "n_bucket": 64}, "strategy": best["strategy"],
+             "params": best["params"], "template_sha256": "0" * 64, "timed": timed}
+    assert entry_problem(entry) is None
+    assert "timed" in entry_problem({**entry, "timed": [{"us": "fast", "changes": {}}]})
+    assert "timed" in entry_problem({**entry, "timed": [{"us": 1.0, "changes": {}, "extra": 1}]})
+
+
 class UnluckyFirstEvaluator(FakeEvaluator):
     """`best` (a point) is the fastest of the space by 0.5 µs, and the first point timed is measured
     100 µs slower than it is, once (timed while every core compiled the next points)."""

@@ -141,6 +141,7 @@ def tuned_entry(result, spec: OpSpec, dtype: str | None = None) -> dict:
         "trials": result.counts,
         "compile_s_mean": round(result.compile_s_mean, 2) if result.compile_s_mean else None,
         "tune_seconds": round(result.elapsed_s, 1),
+        **({"timed": result.timed} if result.timed else {}),
         "date": time.strftime("%Y-%m-%d"),
         "versions": {"pairgen": __version__, "torch": torch.__version__, "cuda": torch.version.cuda,
                      "nvrtc": nvrtc_version(), "cuda.core": cuda.core.__version__},

@@ -65,6 +65,8 @@ class TuneResult:
     compile_s_mean: float | None = None
     elapsed_s: float = 0.0
     failures: list[str] = field(default_factory=list)
+    #: the other points timed, fastest first, as the entry keeps them (timed_points)
+    timed: list[dict] = field(default_factory=list)
 
 
 def templates_digest(op: str) -> str:
@@ -443,8 +445,9 @@ def tune_shape(spec: OpSpec, shape: dict, evaluator: Evaluator, gpu_slug: str, s
     retime_finalists(study, spec, widths, evaluator, settings)
     counts = {"evaluated": len(seen), **search.counts}
     compile_s_mean = sum(search.compile_times) / len(search.compile_times) if search.compile_times else None
-    return TuneResult(spec.name, dict(shape), _best(study, spec, widths), baselines, counts, compile_s_mean,
-                      time.perf_counter() - start, search.failures)
+    best = _best(study, spec, widths)
+    return TuneResult(spec.name, dict(shape), best, baselines, counts, compile_s_mean,
+                      time.perf_counter() - start, search.failures, timed_points(study, best))
 
 
 def result_from_study(spec: OpSpec, shape: dict, gpu_slug: str, dtype: str, seed: int,
@@ -459,8 +462,9 @@ def result_from_study(spec: OpSpec, shape: dict, gpu_slug: str, dtype: str, seed
     starts = [t.datetime_start for t in study.get_trials(deepcopy=False) if t.datetime_start]
     ends = [t.datetime_complete for t in study.get_trials(deepcopy=False) if t.datetime_complete]
     elapsed_s = (max(ends) - min(starts)).total_seconds() if starts and ends else 0.0
-    return TuneResult(spec.name, dict(shape), _best(study, spec, widths), study.user_attrs.get("baselines", {}),
-                      {"evaluated": len(verdicts), "failed": failed}, None, elapsed_s)
+    best = _best(study, spec, widths)
+    return TuneResult(spec.name, dict(shape), best, study.user_attrs.get("baselines", {}),
+                      {"evaluated": len(verdicts), "failed": failed}, None, elapsed_s, timed=timed_points(study, best))
 
 
 def retime_points(evaluator: Evaluator, spec: OpSpec, widths: dict, points: list[str], rounds: int) -> dict[str, float]:
@@ -525,6 +529,35 @@ def _best(study, spec: OpSpec, widths: dict) -> dict | None:
     strategy, params = json.loads(trial.user_attrs["point"])
     return {"strategy": strategy, "params": params, "us": trial.value,
             "label": spec.plan(strategy, params, widths).label}
+
+
+#: How many of the points a tune timed besides its winner the tuned entry keeps (the fastest): what
+#: the search covered around the winner, so that a point can be looked up before a GPU times it
+#: again (scripts/switch_study.py --resources), at a few kilobytes an entry.
+TIMED_KEPT = 48
+
+
+def timed_points(study, best: dict | None) -> list[dict]:
+    """The points the study timed besides the winner, fastest first (at most TIMED_KEPT): each one's
+    µs (a finalist's re-timed median, as the winner's, else its single timing) and how it differs
+    from the winner: "changes", the params whose values differ (all of them where "strategy", its
+    strategy, is not the winner's). Failed points are left out."""
+    if best is None:
+        return []
+    verdicts, _ = past_outcomes(study)
+    times = {point: outcome.value for point, outcome in verdicts.items() if outcome.value is not None}
+    times.update(study.user_attrs.get("retimed") or {})
+    winner = _point_key(best["strategy"], best["params"])
+    kept = []
+    for point in sorted((p for p in times if p != winner), key=times.get)[:TIMED_KEPT]:
+        strategy, params = json.loads(point)
+        record = {"us": round(times[point], 2)}
+        if strategy != best["strategy"]:
+            record.update(strategy=strategy, changes=params)
+        else:
+            record["changes"] = {k: v for k, v in params.items() if best["params"].get(k) != v}
+        kept.append(record)
+    return kept
 
 
 # ---- outcomes: verdicts on points, and failures of the machine --------------------------------------
