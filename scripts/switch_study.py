@@ -9,7 +9,8 @@ Example (the first variant is the baseline the percentages refer to):
   python scripts/switch_study.py --variant none= --variant unfolded=PROJECTION_MASK_FOLD \\
       --n 768,1024,2048 --rounds 5 --json study.json
 
-A variant may also change the tuned point's launch shape: `g3w64=:p_groups=3,p_wn=64`. With
+A variant may also change the tuned point's launch shape: `g3w64=:p_groups=3,p_wn=64`, or give a
+module-level integer setting a value: `g3=output_backward.GROUPS=3` (with --training). With
 --forward-only each variant runs three forward calls at each N instead, unchecked and untimed, for
 a profiler (here the second call's projection):
 
@@ -54,6 +55,11 @@ SWITCH_MODULES = {"": wgmma, "output_backward.": output_backward}
 MODELS_FORM = {"P": 128, "H": 128, "bias": 0, "gate_normalized": 1, "outgoing": 1}
 
 
+#: The integer settings a variant may give a value (NAME=value): those a call reads where it builds
+#: or looks up its kernel, so that a variant's own module copy takes them.
+SETTINGS = ("GRADIENT_PASSES_AHEAD", "output_backward.GROUPS", "output_backward.MAX_PASS_COLUMNS")
+
+
 def switches() -> list[str]:
     """The kernel switches: the wgmma strategy's module-level booleans named in capitals, and the
     output side's backward's as output_backward.NAME."""
@@ -67,29 +73,36 @@ def switch_owner(switch: str) -> tuple:
     return SWITCH_MODULES[prefix + "." if prefix else ""], name
 
 
-def switch_value(switch: str) -> bool:
+def switch_value(switch: str) -> bool | int:
     module, name = switch_owner(switch)
     return getattr(module, name)
 
 
-def set_switch(switch: str, value: bool) -> None:
+def set_switch(switch: str, value: bool | int) -> None:
     module, name = switch_owner(switch)
     setattr(module, name, value)
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, bool], dict[str, int]]:
-    """"name=SWITCH,SWITCH:param=value,..." -> (name, the switches it turns to the other side, the
-    params it overrides)."""
+def parse_variant(text: str) -> tuple[str, dict[str, bool | int], dict[str, int]]:
+    """"name=SWITCH,SETTING=value,...:param=value,..." -> (name, the switches it turns to the other
+    side and the integer settings it gives a value, the params it overrides)."""
     name, sep, rest = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"a variant is name=SWITCH,...[:param=value,...], not {text!r}")
     flipped, _, overrides = rest.partition(":")
-    known = switches()
+    known, settings = switches(), SETTINGS
     flips = {}
     for switch in filter(None, flipped.split(",")):
-        if switch not in known:
+        setting, eq, value = switch.partition("=")
+        if eq:
+            if setting not in settings or not value.isdigit():
+                raise argparse.ArgumentTypeError(f"{switch!r}: a setting is NAME=<integer>, the settings: "
+                                                 f"{', '.join(settings)}")
+            flips[setting] = int(value)
+        elif switch not in known:
             raise argparse.ArgumentTypeError(f"no switch {switch!r}; the switches: {', '.join(known)}")
-        flips[switch] = not switch_value(switch)
+        else:
+            flips[switch] = not switch_value(switch)
     params = dict(parse_override(item) for item in filter(None, overrides.split(",")))
     return name, flips, params
 

@@ -131,3 +131,20 @@ def test_a_variant_is_looked_up_in_what_the_tuned_entrys_tune_timed(study):
     assert study.record_of(entry, {"PROJECTION_MASK_FOLD": False}, {}) == "a switch: not in the tune's records"
     del entry["timed"]
     assert study.record_of(entry, {}, {"o_groups": 2}) == "its tune kept no record of other points"
+
+
+def test_a_variant_gives_an_integer_setting_a_value_and_it_is_restored(study):
+    """output_backward.GROUPS=3 (the output side's backward's warpgroups) holds while the variant
+    runs; a setting outside SETTINGS, or a value that is not an integer, fails at parsing."""
+    from pairgen.ops.trimul import output_backward
+
+    before = output_backward.GROUPS
+    name, flips, params = study.parse_variant("g3=output_backward.GROUPS=3,BACKWARD_POINTERS")
+    assert name == "g3" and params == {}
+    assert flips == {"output_backward.GROUPS": 3, "BACKWARD_POINTERS": not wgmma.BACKWARD_POINTERS}
+    with study.switched(flips):
+        assert output_backward.GROUPS == 3
+    assert output_backward.GROUPS == before
+    for bad in ("a=output_backward.GROUPS=three", "a=WGMMA_ROWS=32", "a=output_backward.GROUPS="):
+        with pytest.raises(argparse.ArgumentTypeError):
+            study.parse_variant(bad)
