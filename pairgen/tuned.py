@@ -121,7 +121,6 @@ _check_params = _mapping_check("an int, bool or str", lambda v: isinstance(v, (i
 _check_versions = _mapping_check("a str or null", lambda v: v is None or isinstance(v, str))
 
 
-
 def _check_timed(value) -> str | None:
     """The other points a tune timed (tuner.timed_points): a list of {"us", "changes", "strategy"
     (optional)}."""

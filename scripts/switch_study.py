@@ -22,7 +22,7 @@ With --resources no GPU is needed: each variant's plan on the tuned point of thi
 its kernels' registers and spills printed, so that a variant which cannot run or spills is found
 before device time is spent on it (a switch-like param takes 0/1):
 
-  PAIRGEN_ARCH=sm_90 python scripts/switch_study.py --resources --widths P=256,H=256 --n 512 \
+  PAIRGEN_ARCH=sm_90 python scripts/switch_study.py --resources --widths P=256,H=256 --n 512 \\
       --variant before= --variant og3w32=:o_groups=3,o_wn=32,o_staged_stores=0
 
 With --training the variants are a bf16 module's training steps (forward and backward, the input
@@ -331,8 +331,8 @@ def main(argv=None) -> int:
                         help="no GPU: each variant's shared memory, slices, registers and spills (NVRTC)")
     args = parser.parse_args(argv)
     ns = [int(n) for n in args.n.split(",")]
+    widths = {**MODELS_FORM, **args.widths, "outgoing": 0 if args.incoming else 1}
     if args.resources:
-        widths = {**MODELS_FORM, **args.widths, "outgoing": 0 if args.incoming else 1}
         for line in resources_report(args.variant, ns, widths):
             print(line, flush=True)
         return 0
@@ -345,7 +345,6 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("switch_study times kernels: it needs a CUDA GPU")
-    widths = {**MODELS_FORM, **args.widths, "outgoing": 0 if args.incoming else 1}
     spec = TRIMUL.at("bfloat16")
     if args.training:
         report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "widths": widths,
