@@ -314,3 +314,36 @@ def test_an_fp32_x_rounded_by_a_kernel_matches_its_cast_bit_for_bit_emulated(mon
         assert torch.equal(got, expected), f"B={batch} N={n}: {(got - expected).abs().max()}"
 
 
+
+
+#: The streamed output kernel's cases: P = 192 (three 64-k chunks of x, more than the ring's two
+#: ahead), H = 64; 32-column passes, so a slice holds three passes' accumulators (two slices of 96
+#: columns) and, with two warpgroups, a block's two take turns on tiles; staged 16-bit rows and an
+#: fp32 output.
+STREAMED = {**PAIRED, "swizzle": True, "z_registers": True, "o_wn": 32, "o_slices": 2, "o_staged_stores": True}
+STREAMED_CASES = {
+    "streamed-staged-bf16": ("bfloat16", {**SMALL, "P": 192, "H": 64, "gate_normalized": 1}, STREAMED),
+    "streamed-one-group-fp32-out-fp16": ("float16", {**SMALL, "P": 192, "H": 64, "out_fp32": 1},
+                                         {**STREAMED, "o_groups": 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(STREAMED_CASES))
+def test_the_streamed_output_kernel_matches_float64_emulated(monkeypatch, case):
+    """wgmma.OUTPUT_STREAMED (off: written without a GPU, not yet timed): the sliced output kernel
+    streams x through a ring of 64-k chunks, AHEAD chunks ahead across a warpgroup's tiles, and holds
+    its slice's accumulators for a whole tile. Against float64 at odd and whole tiles, several tiles a
+    warpgroup, in two thread orders; off, the source has no trace of it, and the other kernels'
+    sources are as before (only the output kernel changes)."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    precision, widths, params = STREAMED_CASES[case]
+    before = codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    assert "fetch_x_chunk" not in before
+    monkeypatch.setattr(wgmma, "OUTPUT_STREAMED", True)
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    source = codegen.render_plan(plan).source
+    assert plan.context["o_streamed"] and plan.context["o_slices"] == 2 and "fetch_x_chunk" in source
+    assert source.split("// ================================== output")[0] == before.split("// ================================== output")[0]
+    failures = emulated_against_float64(plan, SHAPES + [(1, 40)], 0) + emulated_against_float64(plan, SHAPES[2:], 3)
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)

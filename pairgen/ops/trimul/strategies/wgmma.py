@@ -190,6 +190,33 @@ OUTPUT_DESCRIPTORS_ONCE = True
 BACKWARD_POINTERS = True
 
 
+#: Whether a wide point's sliced output kernel streams its x tiles through a ring of 64-k chunks
+#: (templates/trimul/_wgmma_output_streamed.cuh.j2) instead of holding a whole tile: with P = 384 a
+#: tile of x is 48 KB a warpgroup, which beside a slice of Wout and Wgate left room for one
+#: warpgroup, one 64-column slice and no x in flight while it computes. Streamed, each warpgroup
+#: holds its slice's accumulators for the tile (up to 128 columns), its x chunks land AHEAD steps
+#: ahead across its tiles, and the freed shared memory takes wider slices (fewer re-reads of each
+#: tile) or more warpgroups. Written without a GPU (emulated against float64); off until timed
+#: (docs/performance.md, session 53), so that no tuned entry's source changes.
+OUTPUT_STREAMED = False
+#: The streamed kernel's ring of x chunks a warpgroup (AHEAD = RING - 1 in flight).
+STREAM_RING = 3
+#: The most output columns a streamed slice holds (both products' accumulators: one register each).
+STREAMED_MAX_COLUMNS = 128
+_STREAM_K = 64
+
+
+def output_streams(params: dict, w: dict) -> bool:
+    """Whether a point's output kernel is the streamed one (OUTPUT_STREAMED): the paired kernel with
+    its sums in registers, staged constants, swizzled operands, one x stage, x and its weights not
+    normalised in registers, the gate on the pair width, P and H whole 64-k chunks, and P wider than
+    one slice holds (so it is sliced, with the statistics kernel's x statistics)."""
+    return (OUTPUT_STREAMED and bool(params["paired_columns"]) and bool(params["consts_smem"])
+            and bool(params["z_registers"]) and bool(params["swizzle"]) and params["o_stages"] == 1
+            and not params["o_x_registers"] and not params["o_normalized"] and not w["gate_hidden"]
+            and w["P"] % _STREAM_K == 0 and w["H"] % _STREAM_K == 0 and w["P"] > STREAMED_MAX_COLUMNS)
+
+
 def stats_to_output(params: dict, w: dict, o_slices: int) -> bool:
     """Whether a point's projection hands x's statistics to its output kernel (see
     OUTPUT_STATS_FROM_PROJECTION): the projection holds x's rows in registers (where it takes them),
@@ -211,6 +238,7 @@ def derive(params: dict, w: dict, name: str):
     eb, hidden = element_bytes(precision), bool(w["gate_hidden"])
     x_tile, z_tile = WGMMA_ROWS * k_padded(P) * eb, WGMMA_ROWS * k_padded(H) * eb
     off = wgmma_weight_offsets(P, H, eb, hidden)
+    streamed = output_streams(params, w)
 
     def project_smem(slices: int) -> int:
         # Every region 1024-byte aligned (the 128-byte swizzle's atoms). Resident Wp (its slice of
@@ -226,7 +254,22 @@ def derive(params: dict, w: dict, name: str):
                 + (align((off["c1o"] - off["c1p"]) // slices, 1024) if params["consts_smem"] else 0)
                 + (align(4 * H * 16 * eb, 1024) if params["p_normalized_x"] else 0))
 
+    def streamed_output_smem(slices: int) -> int:
+        # The streamed kernel (output_streams): its slice of Wout and Wgate; per warpgroup its ring
+        # of x chunks, the sums' staging and (16-bit output) each warp's staged rows; the slice's
+        # constants. A slice past STREAMED_MAX_COLUMNS does not fit (its accumulators).
+        columns = P // slices
+        if columns > STREAMED_MAX_COLUMNS:
+            return SMEM_LIMIT + 1
+        staged_stores = params["o_staged_stores"] and not w["out_fp32"]
+        return (align(columns * k_padded(H) * eb, 1024) + align(columns * k_padded(P) * eb, 1024)
+                + params["o_groups"] * align(STREAM_RING * WGMMA_ROWS * _STREAM_K * eb + align(WGMMA_ROWS * H * eb, 1024)
+                                             + (4 * 16 * 24 * eb if staged_stores else 0), 1024)
+                + align(columns * 16, 1024))
+
     def output_smem(slices: int) -> int:
+        if streamed:
+            return streamed_output_smem(slices)
         # Resident Wout and Wgate (their slice of the P output columns; the gate in hidden width is
         # never sliced); per warpgroup o_stages x tiles, the triangle sums as they lie in memory
         # ([H][64]) and (unless they go to registers) in the operand layout with the rows' partial
@@ -268,6 +311,7 @@ def derive(params: dict, w: dict, name: str):
                "p_groups": params["p_groups"], "p_wn": params["p_wn"], "p_slices": p_slices, "o_slices": o_slices,
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
+               "o_streamed": streamed, "o_stream_stages": STREAM_RING,
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
     project_args = _with_stats(PROJECT_ARGS) if p_slices > 1 else _with_pointer(PROJECT_ARGS, "xh") if x_fp32 else PROJECT_ARGS
     if handed_stats:  # written by the projection, read by the output kernel
