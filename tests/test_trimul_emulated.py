@@ -316,13 +316,13 @@ def test_an_fp32_x_rounded_by_a_kernel_matches_its_cast_bit_for_bit_emulated(mon
 
 
 
-#: The streamed output kernel's cases: P = 192 (three 64-k chunks of x, more than the ring's two
-#: ahead), H = 64; 32-column passes, so a slice holds three passes' accumulators (two slices of 96
-#: columns) and, with two warpgroups, a block's two take turns on tiles; staged 16-bit rows and an
-#: fp32 output.
+#: The streamed output kernel's cases: P = 192 (three 64-k chunks of x) and H = 128 (two of the
+#: sums, their statistics gathered across both), more chunks a tile than the ring's two ahead, and
+#: H = 64; 32-column passes, so a slice holds three passes' accumulators (two slices of 96 columns)
+#: and, with two warpgroups, a block's two take turns on tiles; staged 16-bit rows and an fp32 output.
 STREAMED = {**PAIRED, "swizzle": True, "z_registers": True, "o_wn": 32, "o_slices": 2, "o_staged_stores": True}
 STREAMED_CASES = {
-    "streamed-staged-bf16": ("bfloat16", {**SMALL, "P": 192, "H": 64, "gate_normalized": 1}, STREAMED),
+    "streamed-staged-bf16": ("bfloat16", {**SMALL, "P": 192, "H": 128, "gate_normalized": 1}, STREAMED),
     "streamed-one-group-fp32-out-fp16": ("float16", {**SMALL, "P": 192, "H": 64, "out_fp32": 1},
                                          {**STREAMED, "o_groups": 1}),
 }
@@ -331,8 +331,8 @@ STREAMED_CASES = {
 @pytest.mark.parametrize("case", list(STREAMED_CASES))
 def test_the_streamed_output_kernel_matches_float64_emulated(monkeypatch, case):
     """wgmma.OUTPUT_STREAMED (off: written without a GPU, not yet timed): the sliced output kernel
-    streams x through a ring of 64-k chunks, AHEAD chunks ahead across a warpgroup's tiles, and holds
-    its slice's accumulators for a whole tile. Against float64 at odd and whole tiles, several tiles a
+    streams the triangle sums and x through a ring of 64-k chunks, AHEAD chunks ahead across a
+    warpgroup's tiles, and holds its slice's accumulators for a whole tile. Against float64 at odd and whole tiles, several tiles a
     warpgroup, in two thread orders; off, the source has no trace of it, and the other kernels'
     sources are as before (only the output kernel changes)."""
     from pairgen.ops.trimul.strategies import wgmma

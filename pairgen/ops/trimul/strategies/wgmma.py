@@ -190,13 +190,13 @@ OUTPUT_DESCRIPTORS_ONCE = True
 BACKWARD_POINTERS = True
 
 
-#: Whether a wide point's sliced output kernel streams its x tiles through a ring of 64-k chunks
-#: (templates/trimul/_wgmma_output_streamed.cuh.j2) instead of holding a whole tile: with P = 384 a
-#: tile of x is 48 KB a warpgroup, which beside a slice of Wout and Wgate left room for one
-#: warpgroup, one 64-column slice and no x in flight while it computes. Streamed, each warpgroup
-#: holds its slice's accumulators for the tile (up to 128 columns), its x chunks land AHEAD steps
-#: ahead across its tiles, and the freed shared memory takes wider slices (fewer re-reads of each
-#: tile) or more warpgroups. Written without a GPU (emulated against float64); off until timed
+#: Whether a wide point's sliced output kernel streams its tiles' triangle sums and x through a ring
+#: of 64-k chunks (templates/trimul/_wgmma_output_streamed.cuh.j2) instead of holding whole tiles:
+#: at P384 H256 a tile of both is 80 KB a warpgroup, which beside a slice of Wout and Wgate left
+#: room for one warpgroup, one 64-column slice and no x in flight while it computes. Streamed, each
+#: warpgroup holds its slice's accumulators for the tile (up to 128 columns), its chunks land AHEAD
+#: steps ahead across its tiles, and the freed shared memory takes wider slices (fewer re-reads of
+#: each tile) or more warpgroups. Written without a GPU (emulated against float64); off until timed
 #: (docs/performance.md, session 53), so that no tuned entry's source changes.
 OUTPUT_STREAMED = False
 #: The streamed kernel's ring of x chunks a warpgroup (AHEAD = RING - 1 in flight).
@@ -256,14 +256,14 @@ def derive(params: dict, w: dict, name: str):
 
     def streamed_output_smem(slices: int) -> int:
         # The streamed kernel (output_streams): its slice of Wout and Wgate; per warpgroup its ring
-        # of x chunks, the sums' staging and (16-bit output) each warp's staged rows; the slice's
+        # of the sums' and x's chunks and (16-bit output) each warp's staged rows; the slice's
         # constants. A slice past STREAMED_MAX_COLUMNS does not fit (its accumulators).
         columns = P // slices
         if columns > STREAMED_MAX_COLUMNS:
             return SMEM_LIMIT + 1
         staged_stores = params["o_staged_stores"] and not w["out_fp32"]
         return (align(columns * k_padded(H) * eb, 1024) + align(columns * k_padded(P) * eb, 1024)
-                + params["o_groups"] * align(STREAM_RING * WGMMA_ROWS * _STREAM_K * eb + align(WGMMA_ROWS * H * eb, 1024)
+                + params["o_groups"] * align(STREAM_RING * WGMMA_ROWS * _STREAM_K * eb
                                              + (4 * 16 * 24 * eb if staged_stores else 0), 1024)
                 + align(columns * 16, 1024))
 
