@@ -3,6 +3,7 @@ rendered signatures, and caches that stay bounded over many lengths."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,3 +112,22 @@ def test_caches_stay_bounded_over_a_thousand_lengths(monkeypatch):
     assert len(variant._bound) <= runtime.Variant.MAX_BOUND_SHAPES
     assert module.variant_for(1000, device) is variant and variant.launches(0, 1, 1000)  # still served
     runtime.clear_caches()
+
+
+def test_a_switch_that_changes_a_plans_kernels_gets_its_own_build(monkeypatch):
+    """_by_plan keys a build by the plan's context too: the same point and widths derived with a
+    strategy's switch flipped (here the streamed output kernel) is another kernel, never served the
+    build of the first."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    monkeypatch.setattr(runtime, "_variants", {})
+    monkeypatch.setattr(runtime, "build_variant", lambda plan, arch: SimpleNamespace(plan=plan))
+    widths = {"P": 384, "H": 256, "outgoing": 1, "gate_normalized": 1, "bias": 0}
+    params = TRIMUL.default_plan(widths, DeviceLimits(), "bfloat16").params
+    whole = TRIMUL.at("bfloat16").plan("wgmma", params, widths)
+    monkeypatch.setattr(wgmma, "OUTPUT_STREAMED", True)
+    streamed = TRIMUL.at("bfloat16").plan("wgmma", params, widths)
+    assert streamed.context["o_streamed"] and not whole.context["o_streamed"]
+    assert runtime._by_plan(whole, "sm_90").plan is whole
+    assert runtime._by_plan(streamed, "sm_90").plan is streamed
+    assert runtime._by_plan(whole, "sm_90").plan is whole  # (each from its own entry)

@@ -242,14 +242,48 @@ def _w_registers_cases():
     return cases
 
 
+def _streamed_cases():
+    """The streamed output kernel (wgmma.OUTPUT_STREAMED, off until timed: these plans are made with
+    it on, and their test runs with it on), in both 16-bit types: the wide classes' default points with one, two and
+    three output warpgroups (3, 3 and 2 slices), both directions, the gate on the raw input, biases
+    and an fp32 output."""
+    cases, saved = [], wgmma.OUTPUT_STREAMED
+    wgmma.OUTPUT_STREAMED = True
+    try:
+        for precision in ("bfloat16", "float16"):
+            view = TRIMUL.at(precision)
+            points = [({"P": 384, "H": 256, **OPTION_SETS[-1]}, {}),
+                      ({"P": 384, "H": 256, **OPTION_SETS[-2], "outgoing": 0}, {"o_groups": 2}),
+                      ({"P": 256, "H": 256, **OPTION_SETS[-1]}, {"o_groups": 3, "o_wn": 32}),
+                      ({"P": 384, "H": 128, **OPTION_SETS[5], "out_fp32": 1}, {"o_groups": 2})]
+            for k, (widths, override) in enumerate(points):
+                default = TRIMUL.default_plan(widths, DeviceLimits(), precision)
+                plan = view.plan("wgmma", {**default.params, **override}, widths)
+                assert plan.context["o_streamed"] and not TRIMUL.infeasible(plan, DeviceLimits()), (widths, override)
+                cases.append(pytest.param(plan, id=f"streamed-{precision}-{k}-P{widths['P']}H{widths['H']}"))
+    finally:
+        wgmma.OUTPUT_STREAMED = saved
+    return cases
+
+
 CASES = gpu_params(lambda: _cases() + _wgmma_cases() + _hidden_gate_cases() + _paired_cases() + _sliced_cases()
                    + _w_registers_cases())
 variants = compiled_cases(CASES)
+STREAMED_CASES = gpu_params(_streamed_cases)
+streamed_variants = compiled_cases(STREAMED_CASES)
 
 
 @pytest.mark.parametrize("plan", CASES)
 def test_mma_variant_matches_float64_reference(plan, variants):
     assert_variant_matches_float64(TRIMUL, plan, compiled_variant(variants, plan), SHAPES)
+
+
+@pytest.mark.parametrize("plan", STREAMED_CASES)
+def test_the_streamed_output_kernel_matches_float64_reference(plan, streamed_variants, monkeypatch):
+    """The streamed output kernel's cases, run with its switch on as made (a call that wants an fp32
+    output plans its kernels again, and must plan the streamed one)."""
+    monkeypatch.setattr(wgmma, "OUTPUT_STREAMED", True)
+    assert_variant_matches_float64(TRIMUL, plan, compiled_variant(streamed_variants, plan), SHAPES)
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
