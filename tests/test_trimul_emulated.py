@@ -331,6 +331,11 @@ STREAMED_CASES = {
 }
 
 
+def projection_section(source: str) -> str:
+    """A rendered wgmma source's projection kernel, from its banner to the output kernel's."""
+    return source.split("// ================================ projection")[1].split("// ================================== output")[0]
+
+
 @pytest.mark.parametrize("case", list(STREAMED_CASES))
 def test_the_streamed_output_kernel_matches_float64_emulated(monkeypatch, case):
     """wgmma.OUTPUT_STREAMED (off: written without a GPU, not yet timed): the sliced output kernel
@@ -348,8 +353,44 @@ def test_the_streamed_output_kernel_matches_float64_emulated(monkeypatch, case):
     plan = TRIMUL.at(precision).plan("wgmma", params, widths)
     source = codegen.render_plan(plan).source
     assert plan.context["o_streamed"] and plan.context["o_slices"] == 2 + (widths["P"] == 384) and "fetch_x_chunk" in source
-    if plan.context["o_slices"] == before_plan.context["o_slices"]:  # (the same slices: the same other kernels)
-        assert source.split("// ================================== output")[0] == before.split("// ================================== output")[0]
+    if plan.context["o_slices"] == before_plan.context["o_slices"]:  # (the same slices: the same projection)
+        assert projection_section(source) == projection_section(before)
     shapes = SHAPES + [(1, 40)] if widths["P"] < 384 else [(1, 9), (2, 7)]
     failures = emulated_against_float64(plan, shapes, 0) + emulated_against_float64(plan, shapes[-2:], 3)
+    assert not failures, f"{plan.label}:\n" + "\n".join(failures)
+
+
+#: The streamed projection's cases: P = 192 (three 64-k chunks of x) and 4H = 256 in two slices of
+#: 128 columns (four 32-column passes a slice, their accumulators held to the tile's end), with the
+#: mask as floats and bytes; with the output kernel streamed too; and a wide class's default point
+#: (P384 H256) with four projection warpgroups.
+PROJECTION_STREAMED_CASES = {
+    "streamed-projection-bf16": ("bfloat16", {**SMALL, "P": 192, "H": 64, "outgoing": 1}, {**STREAMED, "p_slices": 2},
+                                 ()),
+    "streamed-both-soft-mask-fp16": ("float16", {**SMALL, "P": 192, "H": 64, "gate_normalized": 1},
+                                     {**STREAMED, "p_slices": 2, "p_groups": 1}, ("OUTPUT_STREAMED",)),
+    "streamed-projection-wide-four-groups-bf16": ("bfloat16", {**MODELS, "P": 384, "H": 256},
+                                                  {**WIDE_DEFAULT, "p_groups": 4, "p_wn": 64}, ("OUTPUT_STREAMED",)),
+}
+
+
+@pytest.mark.parametrize("case", list(PROJECTION_STREAMED_CASES))
+def test_the_streamed_projection_matches_float64_emulated(monkeypatch, case):
+    """wgmma.PROJECTION_STREAMED (off: written without a GPU, not yet timed): the sliced projection
+    streams x through a ring of 64-k chunks and holds its slice's passes' accumulators for a whole
+    tile, then runs the resident kernel's epilogues. Against float64 at odd and whole tiles, several
+    tiles a warpgroup, in two thread orders, with a soft mask too; off, the source has no trace of it."""
+    from pairgen.ops.trimul.strategies import wgmma
+
+    precision, widths, params, also = PROJECTION_STREAMED_CASES[case]
+    assert "fetch_projection_step" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    for switch in ("PROJECTION_STREAMED", *also):
+        monkeypatch.setattr(wgmma, switch, True)
+    plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    assert plan.context["p_streamed"] and plan.context["p_slices"] > 1
+    assert "fetch_projection_step" in codegen.render_plan(plan).source
+    assert plan.context["o_streamed"] == bool(also)
+    shapes = SHAPES + [(1, 40)] if widths["P"] < 384 else [(1, 9), (2, 7)]
+    failures = (emulated_against_float64(plan, shapes, 0) + emulated_against_float64(plan, shapes[-2:], 3)
+                + emulated_against_float64(plan, shapes[-2:], 0, soft_mask=True))
     assert not failures, f"{plan.label}:\n" + "\n".join(failures)

@@ -242,27 +242,34 @@ def _w_registers_cases():
     return cases
 
 
+#: The streamed kernels' switches (off until timed): their cases are planned and run with both on.
+STREAMED_SWITCHES = ("OUTPUT_STREAMED", "PROJECTION_STREAMED")
+
+
 def _streamed_cases():
-    """The streamed output kernel (wgmma.OUTPUT_STREAMED, off until timed: these plans are made with
-    it on, and their test runs with it on), in both 16-bit types: the wide classes' default points with one, two and
-    three output warpgroups (3, 3 and 2 slices), both directions, the gate on the raw input, biases
-    and an fp32 output."""
-    cases, saved = [], wgmma.OUTPUT_STREAMED
-    wgmma.OUTPUT_STREAMED = True
+    """The streamed kernels (wgmma.OUTPUT_STREAMED, wgmma.PROJECTION_STREAMED), in both 16-bit types:
+    the wide classes' default points with one, two and three output warpgroups (3, 3 and 2 slices)
+    and two to four projection warpgroups, both directions, the gate on the raw input, biases and an
+    fp32 output."""
+    cases, saved = [], {name: getattr(wgmma, name) for name in STREAMED_SWITCHES}
+    for name in STREAMED_SWITCHES:
+        setattr(wgmma, name, True)
     try:
         for precision in ("bfloat16", "float16"):
             view = TRIMUL.at(precision)
             points = [({"P": 384, "H": 256, **OPTION_SETS[-1]}, {}),
-                      ({"P": 384, "H": 256, **OPTION_SETS[-2], "outgoing": 0}, {"o_groups": 2}),
-                      ({"P": 256, "H": 256, **OPTION_SETS[-1]}, {"o_groups": 3, "o_wn": 32}),
+                      ({"P": 384, "H": 256, **OPTION_SETS[-2], "outgoing": 0}, {"o_groups": 2, "p_groups": 4, "p_wn": 64}),
+                      ({"P": 256, "H": 256, **OPTION_SETS[-1]}, {"o_groups": 3, "o_wn": 32, "p_groups": 3, "p_wn": 64}),
                       ({"P": 384, "H": 128, **OPTION_SETS[5], "out_fp32": 1}, {"o_groups": 2})]
             for k, (widths, override) in enumerate(points):
                 default = TRIMUL.default_plan(widths, DeviceLimits(), precision)
                 plan = view.plan("wgmma", {**default.params, **override}, widths)
-                assert plan.context["o_streamed"] and not TRIMUL.infeasible(plan, DeviceLimits()), (widths, override)
+                assert plan.context["o_streamed"] and plan.context["p_streamed"], (widths, override)
+                assert not TRIMUL.infeasible(plan, DeviceLimits()), (widths, override)
                 cases.append(pytest.param(plan, id=f"streamed-{precision}-{k}-P{widths['P']}H{widths['H']}"))
     finally:
-        wgmma.OUTPUT_STREAMED = saved
+        for name, value in saved.items():
+            setattr(wgmma, name, value)
     return cases
 
 
@@ -279,10 +286,11 @@ def test_mma_variant_matches_float64_reference(plan, variants):
 
 
 @pytest.mark.parametrize("plan", STREAMED_CASES)
-def test_the_streamed_output_kernel_matches_float64_reference(plan, streamed_variants, monkeypatch):
-    """The streamed output kernel's cases, run with its switch on as made (a call that wants an fp32
-    output plans its kernels again, and must plan the streamed one)."""
-    monkeypatch.setattr(wgmma, "OUTPUT_STREAMED", True)
+def test_the_streamed_kernels_match_float64_reference(plan, streamed_variants, monkeypatch):
+    """The streamed kernels' cases, run with their switches on as made (a call that wants an fp32
+    output plans its kernels again, and must plan the streamed ones)."""
+    for name in STREAMED_SWITCHES:
+        monkeypatch.setattr(wgmma, name, True)
     assert_variant_matches_float64(TRIMUL, plan, compiled_variant(streamed_variants, plan), SHAPES)
 
 

@@ -199,11 +199,27 @@ BACKWARD_POINTERS = True
 #: each tile) or more warpgroups. Written without a GPU (emulated against float64); off until timed
 #: (docs/performance.md, session 53), so that no tuned entry's source changes.
 OUTPUT_STREAMED = False
-#: The streamed kernel's ring of x chunks a warpgroup (AHEAD = RING - 1 in flight).
+#: The same for the sliced projection (templates/trimul/_wgmma_projection_streamed.cuh.j2): at P384
+#: H256 a whole x tile a warpgroup left room for two beside the slice of Wp; streamed, three fit at
+#: the same slices. Off until timed, like OUTPUT_STREAMED.
+PROJECTION_STREAMED = False
+#: The streamed kernels' ring of chunks a warpgroup (RING - 1 in flight ahead).
 STREAM_RING = 3
-#: The most output columns a streamed slice holds (both products' accumulators: one register each).
+#: The most columns a streamed slice holds (the output kernel: both products' accumulators, one
+#: register each; the projection: its passes').
 STREAMED_MAX_COLUMNS = 128
 _STREAM_K = 64
+_STREAM_CHUNK_BYTES = WGMMA_ROWS * _STREAM_K * 2
+
+
+def projection_streams(params: dict, w: dict) -> bool:
+    """Whether a point's projection is the streamed one (PROJECTION_STREAMED): the paired kernel with
+    x in shared memory (sliced: the statistics kernel's x statistics), its constants staged, swizzled
+    operands, one x stage, Wp not in registers, P whole 64-k chunks and wider than 128."""
+    return (PROJECTION_STREAMED and bool(params["paired_columns"]) and bool(params["consts_smem"])
+            and bool(params["swizzle"]) and params["p_stages"] == 1 and not params["x_registers"]
+            and not params["w_registers"] and not params["p_normalized_x"]
+            and w["P"] % _STREAM_K == 0 and w["P"] > STREAMED_MAX_COLUMNS)
 
 
 def output_streams(params: dict, w: dict) -> bool:
@@ -238,9 +254,21 @@ def derive(params: dict, w: dict, name: str):
     eb, hidden = element_bytes(precision), bool(w["gate_hidden"])
     x_tile, z_tile = WGMMA_ROWS * k_padded(P) * eb, WGMMA_ROWS * k_padded(H) * eb
     off = wgmma_weight_offsets(P, H, eb, hidden)
-    streamed = output_streams(params, w)
+    streamed, p_streamed = output_streams(params, w), projection_streams(params, w)
+
+    def streamed_project_smem(slices: int) -> int:
+        # The streamed projection (projection_streams): as the resident one's, its x tiles replaced
+        # by a ring of chunks; a slice past STREAMED_MAX_COLUMNS does not fit (its accumulators).
+        columns = 4 * H // slices
+        if columns > STREAMED_MAX_COLUMNS:
+            return SMEM_LIMIT + 1
+        return (align(columns * k_padded(P) * eb, 1024)
+                + params["p_groups"] * align(STREAM_RING * _STREAM_CHUNK_BYTES + 4 * params["p_wn"] // 2 * 24 * eb, 1024)
+                + align((off["c1o"] - off["c1p"]) // slices, 1024))
 
     def project_smem(slices: int) -> int:
+        if p_streamed:
+            return streamed_project_smem(slices)
         # Every region 1024-byte aligned (the 128-byte swizzle's atoms). Resident Wp (its slice of
         # the 4H columns); per warpgroup p_stages x tiles and, per warp, the staging of a pass's a,
         # b (p_wn / 2 slots of 24 elements: its 16 rows, padded); the epilogues' constants of the
@@ -312,6 +340,7 @@ def derive(params: dict, w: dict, name: str):
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
                "o_streamed": streamed, "o_stream_stages": STREAM_RING,
+               "p_streamed": p_streamed, "p_stream_stages": STREAM_RING,
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
     project_args = _with_stats(PROJECT_ARGS) if p_slices > 1 else _with_pointer(PROJECT_ARGS, "xh") if x_fp32 else PROJECT_ARGS
     if handed_stats:  # written by the projection, read by the output kernel
