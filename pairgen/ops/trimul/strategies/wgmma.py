@@ -203,8 +203,10 @@ OUTPUT_STREAMED = False
 #: H256 a whole x tile a warpgroup left room for two beside the slice of Wp; streamed, three fit at
 #: the same slices. Off until timed, like OUTPUT_STREAMED.
 PROJECTION_STREAMED = False
-#: The streamed kernels' ring of chunks a warpgroup (RING - 1 in flight ahead).
-STREAM_RING = 3
+#: The streamed kernels' ring of chunks a warpgroup (RING - 1 in flight ahead): slices are chosen
+#: with the shallowest, then the ring deepens as far as the shared memory left allows (one block an
+#: SM either way), to keep more of a warpgroup's next chunks in flight.
+STREAM_RING, STREAM_RING_MAX = 3, 6
 #: The most columns a streamed slice holds (the output kernel: both products' accumulators, one
 #: register each; the projection: its passes').
 STREAMED_MAX_COLUMNS = 128
@@ -233,6 +235,13 @@ def output_streams(params: dict, w: dict) -> bool:
             and w["P"] % _STREAM_K == 0 and w["H"] % _STREAM_K == 0 and w["P"] > STREAMED_MAX_COLUMNS)
 
 
+def _deepest_ring(smem_of) -> int:
+    """The deepest ring from STREAM_RING to STREAM_RING_MAX whose kernel fits shared memory
+    (smem_of(ring) its bytes); STREAM_RING where none does (the plan is then infeasible)."""
+    return max((ring for ring in range(STREAM_RING, STREAM_RING_MAX + 1) if smem_of(ring) <= SMEM_LIMIT),
+               default=STREAM_RING)
+
+
 def stats_to_output(params: dict, w: dict, o_slices: int) -> bool:
     """Whether a point's projection hands x's statistics to its output kernel (see
     OUTPUT_STATS_FROM_PROJECTION): the projection holds x's rows in registers (where it takes them),
@@ -256,14 +265,14 @@ def derive(params: dict, w: dict, name: str):
     off = wgmma_weight_offsets(P, H, eb, hidden)
     streamed, p_streamed = output_streams(params, w), projection_streams(params, w)
 
-    def streamed_project_smem(slices: int) -> int:
+    def streamed_project_smem(slices: int, ring: int = STREAM_RING) -> int:
         # The streamed projection (projection_streams): as the resident one's, its x tiles replaced
         # by a ring of chunks; a slice past STREAMED_MAX_COLUMNS does not fit (its accumulators).
         columns = 4 * H // slices
         if columns > STREAMED_MAX_COLUMNS:
             return SMEM_LIMIT + 1
         return (align(columns * k_padded(P) * eb, 1024)
-                + params["p_groups"] * align(STREAM_RING * _STREAM_CHUNK_BYTES + 4 * params["p_wn"] // 2 * 24 * eb, 1024)
+                + params["p_groups"] * align(ring * _STREAM_CHUNK_BYTES + 4 * params["p_wn"] // 2 * 24 * eb, 1024)
                 + align((off["c1o"] - off["c1p"]) // slices, 1024))
 
     def project_smem(slices: int) -> int:
@@ -282,7 +291,7 @@ def derive(params: dict, w: dict, name: str):
                 + (align((off["c1o"] - off["c1p"]) // slices, 1024) if params["consts_smem"] else 0)
                 + (align(4 * H * 16 * eb, 1024) if params["p_normalized_x"] else 0))
 
-    def streamed_output_smem(slices: int) -> int:
+    def streamed_output_smem(slices: int, ring: int = STREAM_RING) -> int:
         # The streamed kernel (output_streams): its slice of Wout and Wgate; per warpgroup its ring
         # of the sums' and x's chunks and (16-bit output) each warp's staged rows; the slice's
         # constants. A slice past STREAMED_MAX_COLUMNS does not fit (its accumulators).
@@ -291,7 +300,7 @@ def derive(params: dict, w: dict, name: str):
             return SMEM_LIMIT + 1
         staged_stores = params["o_staged_stores"] and not w["out_fp32"]
         return (align(columns * k_padded(H) * eb, 1024) + align(columns * k_padded(P) * eb, 1024)
-                + params["o_groups"] * align(STREAM_RING * WGMMA_ROWS * _STREAM_K * eb
+                + params["o_groups"] * align(ring * _STREAM_CHUNK_BYTES
                                              + (4 * 16 * 24 * eb if staged_stores else 0), 1024)
                 + align(columns * 16, 1024))
 
@@ -315,7 +324,10 @@ def derive(params: dict, w: dict, name: str):
                 + (2 * align(P * 16 * eb, 1024) if params["o_normalized"] else 0))
 
     p_slices, o_slices = _slice_counts(params, w, project_smem, output_smem)
-    project_smem, output_smem = project_smem(p_slices), output_smem(o_slices)
+    p_ring = _deepest_ring(lambda ring: streamed_project_smem(p_slices, ring)) if p_streamed else STREAM_RING
+    o_ring = _deepest_ring(lambda ring: streamed_output_smem(o_slices, ring)) if streamed else STREAM_RING
+    project_smem = streamed_project_smem(p_slices, p_ring) if p_streamed else project_smem(p_slices)
+    output_smem = streamed_output_smem(o_slices, o_ring) if streamed else output_smem(o_slices)
     stats_cast = bool(w["x_fp32"]) and has_row_statistics(p_slices, o_slices)
     x_fp32 = bool(w["x_fp32"]) and reads_fp32_x(params, p_slices) and not stats_cast
     handed_stats = stats_to_output(params, w, o_slices)
@@ -339,8 +351,8 @@ def derive(params: dict, w: dict, name: str):
                "p_groups": params["p_groups"], "p_wn": params["p_wn"], "p_slices": p_slices, "o_slices": o_slices,
                "p_stages": params["p_stages"], "o_stages": params["o_stages"], "swizzle": cuda_bool(params["swizzle"]),
                "o_groups": params["o_groups"], "o_wn": params["o_wn"],
-               "o_streamed": streamed, "o_stream_stages": STREAM_RING,
-               "p_streamed": p_streamed, "p_stream_stages": STREAM_RING,
+               "o_streamed": streamed, "o_stream_stages": o_ring,
+               "p_streamed": p_streamed, "p_stream_stages": p_ring,
                "wgmma_widths": sorted({params["p_wn"], params["o_wn"]}), "p_smem": project_smem, "o_smem": output_smem}
     project_args = _with_stats(PROJECT_ARGS) if p_slices > 1 else _with_pointer(PROJECT_ARGS, "xh") if x_fp32 else PROJECT_ARGS
     if handed_stats:  # written by the projection, read by the output kernel
