@@ -383,12 +383,12 @@ def test_the_streamed_projection_matches_float64_emulated(monkeypatch, case):
     from pairgen.ops.trimul.strategies import wgmma
 
     precision, widths, params, also = PROJECTION_STREAMED_CASES[case]
-    assert "fetch_projection_step" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
+    assert "fetch_stream_step<0, PJ_RING>" not in codegen.render_plan(TRIMUL.at(precision).plan("wgmma", params, widths)).source
     for switch in ("PROJECTION_STREAMED", *also):
         monkeypatch.setattr(wgmma, switch, True)
     plan = TRIMUL.at(precision).plan("wgmma", params, widths)
     assert plan.context["p_streamed"] and plan.context["p_slices"] > 1
-    assert "fetch_projection_step" in codegen.render_plan(plan).source
+    assert "fetch_stream_step<0, PJ_RING>" in codegen.render_plan(plan).source
     assert plan.context["o_streamed"] == bool(also)
     shapes = SHAPES + [(1, 40)] if widths["P"] < 384 else [(1, 9), (2, 7)]
     failures = (emulated_against_float64(plan, shapes, 0) + emulated_against_float64(plan, shapes[-2:], 3)
