@@ -57,7 +57,8 @@ MODELS_FORM = {"P": 128, "H": 128, "bias": 0, "gate_normalized": 1, "outgoing": 
 
 #: The integer settings a variant may give a value (NAME=value): those a call reads where it builds
 #: or looks up its kernel, so that a variant's own module copy takes them.
-SETTINGS = ("GRADIENT_PASSES_AHEAD", "output_backward.GROUPS", "output_backward.MAX_PASS_COLUMNS")
+SETTINGS = ("GRADIENT_PASSES_AHEAD", "RESIDENT_BACKWARD_GROUPS", "output_backward.GROUPS",
+            "output_backward.MAX_PASS_COLUMNS")
 
 
 def switches() -> list[str]:

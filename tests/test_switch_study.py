@@ -148,3 +148,20 @@ def test_a_variant_gives_an_integer_setting_a_value_and_it_is_restored(study):
     for bad in ("a=output_backward.GROUPS=three", "a=WGMMA_ROWS=32", "a=output_backward.GROUPS="):
         with pytest.raises(argparse.ArgumentTypeError):
             study.parse_variant(bad)
+
+
+def test_the_resident_backwards_warpgroups_are_a_setting_its_plan_follows(study):
+    """RESIDENT_BACKWARD_GROUPS=4 with the gradients two passes ahead: the backward plan a training
+    call looks up follows the setting (its caches key it), and that kernel compiles without a spill
+    (four passes ahead it spills)."""
+    from pairgen import compiler
+
+    _, flips, _ = study.parse_variant("g4=RESIDENT_BACKWARD_GROUPS=4,GRADIENT_PASSES_AHEAD=2")
+    assert wgmma.backward_plan(TRIMUL, "bfloat16", study.MODELS_FORM).params["p_groups"] == wgmma.RESIDENT_BACKWARD_GROUPS
+    with study.switched(flips):
+        plan = wgmma.backward_plan(TRIMUL, "bfloat16", study.MODELS_FORM)
+        assert plan.params["p_groups"] == 4 and plan.context["gradient_passes_ahead"] == 2
+        rendered = codegen.render_plan(plan)
+        compiled = compiler.compile_source(rendered.source, plan.main.name, "sm_90")
+        assert compiled.kernels[plan.main.name]["spill_bytes"] == 0, compiled.summary()
+    assert wgmma.backward_plan(TRIMUL, "bfloat16", study.MODELS_FORM).params["p_groups"] == 3

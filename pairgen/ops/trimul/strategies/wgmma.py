@@ -674,7 +674,8 @@ def w_registers_point(spec, precision: str) -> dict:
 #: The tests run both.
 BACKWARD_PROJECTION = "resident"
 #: The resident backward's warpgroups a block: its chain rule's registers beside x's fragments
-#: take more than the 128 a thread that four warpgroups leave.
+#: take more than the 128 a thread that four warpgroups leave with the gradients four passes ahead
+#: (64 bytes spilled); two passes ahead, four fit without a spill (untimed: session 53's study line).
 RESIDENT_BACKWARD_GROUPS = 3
 #: Passes ahead that the resident backward loads d(loss)/d(a) and d(loss)/d(b) (the largest divisor
 #: of its passes a tile up to this; a tile's last passes load the next tile's first). The measured
@@ -688,11 +689,11 @@ GRADIENT_PASSES_AHEAD = 4
 BACKWARD_NORMALIZED_X = True
 
 
-def _resident_backward_plan(spec, precision: str, widths: dict, normalized_x: bool = False) -> Plan | None:
-    """The first default point (x in registers, paired columns) with RESIDENT_BACKWARD_GROUPS
-    warpgroups, where it is feasible at these widths and keeps all of Wp in one block (x
+def _resident_backward_plan(spec, precision: str, widths: dict, normalized_x: bool = False,
+                            groups: int = RESIDENT_BACKWARD_GROUPS) -> Plan | None:
+    """The first default point (x in registers, paired columns) with `groups` warpgroups, where it is feasible at these widths and keeps all of Wp in one block (x
     normalised in registers where `normalized_x`)."""
-    point = {**_first_default_point(spec, precision), "p_groups": RESIDENT_BACKWARD_GROUPS, "o_groups": 1, "o_wn": 16, "o_stages": 1,
+    point = {**_first_default_point(spec, precision), "p_groups": groups, "o_groups": 1, "o_wn": 16, "o_stages": 1,
              "z_registers": False, **REGISTER_VARIANTS_OFF, **UNROLLED_FETCH_OFF, "p_normalized_x": normalized_x}
     plan = spec.at(precision).plan("wgmma", point, widths)
     if spec.infeasible(plan, DeviceLimits()) or not plan.params["paired_columns"] or plan.context["p_slices"] > 1:
@@ -702,13 +703,14 @@ def _resident_backward_plan(spec, precision: str, widths: dict, normalized_x: bo
 
 @functools.lru_cache(maxsize=64)
 def _backward_plan(spec, precision: str, width_items: tuple, layout: str, passes_ahead: int,
-                   normalized_x: bool = False, pointers: bool = False) -> Plan | None:
+                   normalized_x: bool = False, pointers: bool = False,
+                   groups: int = RESIDENT_BACKWARD_GROUPS) -> Plan | None:
     # The swizzle where P allows it. The w_registers backward takes two slices of Wp's row blocks a
     # block where they divide: its chain rule holds d(loss)/d(a) beside both accumulator sets, which
     # with the forward's share of Wp spills (at P = H = 128). The output kernel's parameters are the
     # smallest that fit any P: it is rendered beside the projection but not launched.
     view = spec.at(precision)
-    plan = _resident_backward_plan(spec, precision, dict(width_items), normalized_x) if layout == "resident" else None
+    plan = _resident_backward_plan(spec, precision, dict(width_items), normalized_x, groups) if layout == "resident" else None
     if plan is None:
         base = {**w_registers_point(spec, precision), "o_groups": 1, "o_wn": 16, "o_stages": 1, "z_registers": False}
         plans = [view.plan("wgmma", {**base, "swizzle": swizzle, "p_slices": slices}, dict(width_items))
@@ -732,7 +734,7 @@ def backward_plan(spec, precision: str, widths: dict) -> Plan | None:
     runs at a module's widths (on the kernel BACKWARD_PROJECTION names), declared with the
     backward's arguments and named apart; None where no such point is feasible."""
     return _backward_plan(spec, precision, tuple(sorted({**widths, "out_fp32": 0}.items())), BACKWARD_PROJECTION,
-                          GRADIENT_PASSES_AHEAD, BACKWARD_NORMALIZED_X, BACKWARD_POINTERS)
+                          GRADIENT_PASSES_AHEAD, BACKWARD_NORMALIZED_X, BACKWARD_POINTERS, RESIDENT_BACKWARD_GROUPS)
 
 
 #: (op, precision, the module's widths in its order, arch, the switches backward_plan reads) -> the
@@ -745,7 +747,7 @@ _backward_variants: dict = {}
 def _backward_variant(module, x, precision: str):
     arch = runtime.device_info(x.get_device()).arch
     key = (module.op, precision, tuple(module.widths.items()), arch, BACKWARD_PROJECTION, GRADIENT_PASSES_AHEAD,
-           BACKWARD_NORMALIZED_X, BACKWARD_POINTERS)
+           BACKWARD_NORMALIZED_X, BACKWARD_POINTERS, RESIDENT_BACKWARD_GROUPS)
     variant = _backward_variants.get(key)
     if variant is None:
         variant = _backward_variants[key] = runtime.build_variant(backward_plan(module.op, precision, module.widths), arch)
