@@ -200,7 +200,7 @@ BACKWARD_POINTERS = True
 #: (docs/performance.md, session 53), so that no tuned entry's source changes.
 OUTPUT_STREAMED = False
 #: The same for the sliced projection (templates/trimul/_wgmma_projection_streamed.cuh.j2): at P384
-#: H256 a whole x tile a warpgroup left room for two beside the slice of Wp; streamed, three fit at
+#: H256 a whole x tile a warpgroup left room for two beside the slice of Wp; streamed, four fit at
 #: the same slices. Off until timed, like OUTPUT_STREAMED.
 PROJECTION_STREAMED = False
 #: The streamed kernels' ring of chunks a warpgroup (RING - 1 in flight ahead): slices are chosen
@@ -691,8 +691,9 @@ BACKWARD_NORMALIZED_X = True
 
 def _resident_backward_plan(spec, precision: str, widths: dict, normalized_x: bool = False,
                             groups: int = RESIDENT_BACKWARD_GROUPS) -> Plan | None:
-    """The first default point (x in registers, paired columns) with `groups` warpgroups, where it is feasible at these widths and keeps all of Wp in one block (x
-    normalised in registers where `normalized_x`)."""
+    """The first default point (x in registers, paired columns) with `groups` warpgroups, where it is
+    feasible at these widths and keeps all of Wp in one block (x normalised in registers where
+    `normalized_x`)."""
     point = {**_first_default_point(spec, precision), "p_groups": groups, "o_groups": 1, "o_wn": 16, "o_stages": 1,
              "z_registers": False, **REGISTER_VARIANTS_OFF, **UNROLLED_FETCH_OFF, "p_normalized_x": normalized_x}
     plan = spec.at(precision).plan("wgmma", point, widths)
