@@ -32,6 +32,11 @@ PAIRED = {"p_groups": 2, "p_stages": 1, "p_wn": 32, "o_groups": 2, "o_wn": 16, "
 W_REGISTERS = {"p_groups": 2, "p_stages": 2, "p_wn": 32, "o_groups": 3, "o_wn": 64, "o_stages": 1, "swizzle": True,
                "consts_smem": True, "paired_columns": True, "z_registers": True, "w_registers": True}
 
+#: The streamed kernels' small point (32-column passes, sums in registers, staged stores, two
+#: output slices) and the wide classes' first default point.
+STREAMED = {**PAIRED, "swizzle": True, "z_registers": True, "o_wn": 32, "o_slices": 2, "o_staged_stores": True}
+WIDE_DEFAULT = [params for strategy, params in TRIMUL.default_points if strategy == "wgmma"][2]
+
 #: The first wgmma default without its normalised operands, the output's x in registers and its staged
 #: stores (their own cases).
 FIRST_DEFAULT = {**next(params for strategy, params in TRIMUL.default_points if strategy == "wgmma"),
@@ -266,7 +271,8 @@ def test_the_gpu_tests_sliced_and_w_registers_cases_emulated(order):
 #: The cases of an fp32 x rounded by a kernel. x_fp32 (the projection): the tuned entries' point
 #: with an fp32 output too (GPU MODE's contract, fp32 in and out), and a narrow one with three
 #: pieces a thread a pass (P = 48, two 64-column passes). stats_cast (a sliced point's statistics
-#: kernel): both kernels sliced, and the output alone sliced with an fp32 output.
+#: kernel): both kernels sliced, the output alone sliced with an fp32 output, and both kernels
+#: streamed (GPU MODE's contract on the streamed kernels).
 X_FP32_CASES = {
     "first-default-fp32-out-bf16": ("bfloat16", {**MODELS, "out_fp32": 1}, CASES["staged-output-first-default-bf16"][2]),
     "narrow-wide-passes-fp16": ("float16", {**SMALL, "P": 48, "H": 32},
@@ -274,7 +280,11 @@ X_FP32_CASES = {
     "statistics-sliced-both-bf16": ("bfloat16", SMALL, CASES["sliced-both-kernels-bf16"][2]),
     "statistics-sliced-output-fp32-out-fp16": ("float16", {**SMALL, "P": 64, "H": 32, "out_fp32": 1},
                                                CASES["staged-output-sliced-fp16"][2]),
+    "statistics-streamed-both-fp32-out-bf16": ("bfloat16", {**SMALL, "P": 192, "H": 64, "gate_normalized": 1,
+                                                            "out_fp32": 1}, {**STREAMED, "p_slices": 2}),
 }
+#: Switches a case turns on (the streamed kernels: off until timed).
+X_FP32_SWITCHES = {"statistics-streamed-both-fp32-out-bf16": ("OUTPUT_STREAMED", "PROJECTION_STREAMED")}
 
 
 #: The projection's own rounding (READ_FP32_X) is off: its cases run with --slow; the statistics
@@ -293,8 +303,11 @@ def test_an_fp32_x_rounded_by_a_kernel_matches_its_cast_bit_for_bit_emulated(mon
     from pairgen.ops.trimul.strategies import wgmma
 
     monkeypatch.setattr(wgmma, "READ_FP32_X", True)  # (off by default)
+    for switch in X_FP32_SWITCHES.get(case, ()):
+        monkeypatch.setattr(wgmma, switch, True)
     precision, widths, params = X_FP32_CASES[case]
     plan = TRIMUL.at(precision).plan("wgmma", params, widths)
+    assert all(plan.context[k] for k in ("o_streamed", "p_streamed")) == (case in X_FP32_SWITCHES)
     dtype = torch.float32 if widths.get("out_fp32") else getattr(torch, precision)
     for k, (batch, n) in enumerate(SHAPES):
         gen = generator(100 + k)
@@ -321,8 +334,6 @@ def test_an_fp32_x_rounded_by_a_kernel_matches_its_cast_bit_for_bit_emulated(mon
 #: H = 64; 32-column passes, so a slice holds three passes' accumulators (two slices of 96 columns)
 #: and, with two warpgroups, a block's two take turns on tiles; staged 16-bit rows and an fp32 output.
 #: And a wide class's default point (P384 H256) with two output warpgroups: 3 slices of 128 columns.
-STREAMED = {**PAIRED, "swizzle": True, "z_registers": True, "o_wn": 32, "o_slices": 2, "o_staged_stores": True}
-WIDE_DEFAULT = [params for strategy, params in TRIMUL.default_points if strategy == "wgmma"][2]
 STREAMED_CASES = {
     "streamed-staged-bf16": ("bfloat16", {**SMALL, "P": 192, "H": 128, "gate_normalized": 1}, STREAMED),
     "streamed-one-group-fp32-out-fp16": ("float16", {**SMALL, "P": 192, "H": 64, "out_fp32": 1},
