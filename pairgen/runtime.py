@@ -385,10 +385,7 @@ def variant_of(plan: Plan, device_index: int) -> Variant:
 
 
 def _by_plan(plan: Plan, arch: str) -> Variant:
-    # The context too: a strategy's switch (a module-level constant its derive reads) makes another
-    # kernel of the same point and widths, which must not be served the other's build.
-    key = (plan.op, plan.strategy, plan.precision, tuple(sorted(plan.params.items())),
-           tuple(sorted(plan.widths.items())), repr(sorted(plan.context.items())), arch)
+    key = (plan.build_key, arch)
     if key not in _variants:
         _variants[key] = build_variant(plan, arch)
     return _variants[key]

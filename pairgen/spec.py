@@ -9,6 +9,7 @@ before anything is compiled.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -163,6 +164,14 @@ class Plan:
     @property
     def main(self) -> Kernel:
         return self.kernels[0]
+
+    @functools.cached_property
+    def build_key(self) -> tuple:
+        """What makes two plans one build (runtime's cache of variants): the point and widths, and the
+        context too, since a strategy's switch (a module-level constant its derive reads) makes
+        another kernel of the same point. Made once a plan: a training step's lookup repeats it."""
+        return (self.op, self.strategy, self.precision, tuple(sorted(self.params.items())),
+                tuple(sorted(self.widths.items())), repr(sorted(self.context.items())))
 
     @property
     def threads(self) -> int:

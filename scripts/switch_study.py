@@ -91,14 +91,14 @@ def parse_variant(text: str) -> tuple[str, dict[str, bool | int], dict[str, int]
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"a variant is name=SWITCH,...[:param=value,...], not {text!r}")
     flipped, _, overrides = rest.partition(":")
-    known, settings = switches(), SETTINGS
+    known = switches()
     flips = {}
     for switch in filter(None, flipped.split(",")):
         setting, eq, value = switch.partition("=")
         if eq:
-            if setting not in settings or not value.isdigit():
+            if setting not in SETTINGS or not value.isdigit():
                 raise argparse.ArgumentTypeError(f"{switch!r}: a setting is NAME=<integer>, the settings: "
-                                                 f"{', '.join(settings)}")
+                                                 f"{', '.join(SETTINGS)}")
             flips[setting] = int(value)
         elif switch not in known:
             raise argparse.ArgumentTypeError(f"no switch {switch!r}; the switches: {', '.join(known)}")

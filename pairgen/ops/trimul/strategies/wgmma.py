@@ -275,9 +275,9 @@ def derive(params: dict, w: dict, name: str):
                 + params["p_groups"] * align(ring * _STREAM_CHUNK_BYTES + 4 * params["p_wn"] // 2 * 24 * eb, 1024)
                 + align((off["c1o"] - off["c1p"]) // slices, 1024))
 
-    def project_smem(slices: int) -> int:
+    def project_smem(slices: int, ring: int = STREAM_RING) -> int:
         if p_streamed:
-            return streamed_project_smem(slices)
+            return streamed_project_smem(slices, ring)
         # Every region 1024-byte aligned (the 128-byte swizzle's atoms). Resident Wp (its slice of
         # the 4H columns); per warpgroup p_stages x tiles and, per warp, the staging of a pass's a,
         # b (p_wn / 2 slots of 24 elements: its 16 rows, padded); the epilogues' constants of the
@@ -304,9 +304,9 @@ def derive(params: dict, w: dict, name: str):
                                              + (4 * 16 * 24 * eb if staged_stores else 0), 1024)
                 + align(columns * 16, 1024))
 
-    def output_smem(slices: int) -> int:
+    def output_smem(slices: int, ring: int = STREAM_RING) -> int:
         if streamed:
-            return streamed_output_smem(slices)
+            return streamed_output_smem(slices, ring)
         # Resident Wout and Wgate (their slice of the P output columns; the gate in hidden width is
         # never sliced); per warpgroup o_stages x tiles, the triangle sums as they lie in memory
         # ([H][64]) and (unless they go to registers) in the operand layout with the rows' partial
@@ -324,10 +324,9 @@ def derive(params: dict, w: dict, name: str):
                 + (2 * align(P * 16 * eb, 1024) if params["o_normalized"] else 0))
 
     p_slices, o_slices = _slice_counts(params, w, project_smem, output_smem)
-    p_ring = _deepest_ring(lambda ring: streamed_project_smem(p_slices, ring)) if p_streamed else STREAM_RING
-    o_ring = _deepest_ring(lambda ring: streamed_output_smem(o_slices, ring)) if streamed else STREAM_RING
-    project_smem = streamed_project_smem(p_slices, p_ring) if p_streamed else project_smem(p_slices)
-    output_smem = streamed_output_smem(o_slices, o_ring) if streamed else output_smem(o_slices)
+    p_ring = _deepest_ring(lambda ring: project_smem(p_slices, ring)) if p_streamed else STREAM_RING
+    o_ring = _deepest_ring(lambda ring: output_smem(o_slices, ring)) if streamed else STREAM_RING
+    project_smem, output_smem = project_smem(p_slices, p_ring), output_smem(o_slices, o_ring)
     stats_cast = bool(w["x_fp32"]) and has_row_statistics(p_slices, o_slices)
     x_fp32 = bool(w["x_fp32"]) and reads_fp32_x(params, p_slices) and not stats_cast
     handed_stats = stats_to_output(params, w, o_slices)
